@@ -1,0 +1,135 @@
+"""The ``freshrec`` command: every service and tool behind one entry point.
+
+Options fall back to environment variables, and ``--help`` names them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+from freshrec.settings import SettingsError
+
+Command = Callable[[argparse.Namespace], int]
+
+
+class EnvDefault(argparse.Action):
+    """An option whose default comes from an environment variable, named in ``--help``."""
+
+    def __init__(self, envvar: str, default=None, required=False, help=None, **kwargs):
+        value = os.environ.get(envvar)
+        if value is not None and kwargs.get("type"):
+            value = kwargs["type"](value)
+        default = value if value is not None else default
+        help = f"{help or ''} [env {envvar}; default {default}]".strip()
+        super().__init__(
+            default=default, required=required and default is None, help=help, **kwargs
+        )
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+def _sigterm_as_interrupt() -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def add_world_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--users", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_USERS",
+                   default=1_000_000, help="users in the synthetic world")  # fmt: skip
+    p.add_argument("--items", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_ITEMS",
+                   default=100_000, help="items in the synthetic world")  # fmt: skip
+    p.add_argument("--seed", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_SEED",
+                   default=7, help="seed of the synthetic world")  # fmt: skip
+
+
+def world_from_args(args: argparse.Namespace):
+    from tools.world import World, WorldConfig
+
+    return World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from freshrec import commands
+
+    parser = argparse.ArgumentParser(
+        prog="freshrec",
+        description="FreshRec: recommendations over Kafka from embeddings that learn online.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="the whole pipeline on the embedded stack, with traffic")
+    run.add_argument("--duration", type=float, default=None,
+                     help="seconds to run (default: until Ctrl-C)")  # fmt: skip
+    run.add_argument("--rate", type=float, action=EnvDefault, envvar="FRESHREC_EVENT_RATE",
+                     default=2000.0, help="synthetic events per second")  # fmt: skip
+    add_world_options(run)
+    run.set_defaults(func=commands.cmd_run)
+
+    stack = sub.add_parser("stack", help="the embedded Kafka broker and Redis server")
+    stack_sub = stack.add_subparsers(dest="action", required=True, metavar="ACTION")
+    up = stack_sub.add_parser("up", help="start both on free loopback ports")
+    up.add_argument("--kafka-port", type=int, default=None)
+    up.add_argument("--redis-port", type=int, default=None)
+    up.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for readiness")
+    up.set_defaults(func=commands.cmd_stack_up)
+    stack_sub.add_parser("down", help="stop what `up` started").set_defaults(
+        func=commands.cmd_stack_down
+    )
+    stack_sub.add_parser("status", help="what runs where").set_defaults(
+        func=commands.cmd_stack_status
+    )
+
+    topics = sub.add_parser("topics", help="the topic catalogue")
+    topics_sub = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
+    topics_sub.add_parser("create", help="create missing topics (idempotent)").set_defaults(
+        func=commands.cmd_topics_create
+    )
+    topics_sub.add_parser("list", help="print the catalogue").set_defaults(
+        func=commands.cmd_topics_list
+    )
+
+    produce = sub.add_parser("produce", help="produce the synthetic world")
+    produce_sub = produce.add_subparsers(dest="what", required=True, metavar="WHAT")
+    p_items = produce_sub.add_parser("items", help="load the item catalogue")
+    add_world_options(p_items)
+    p_items.set_defaults(func=commands.cmd_produce_items)
+    p_events = produce_sub.add_parser("events", help="produce events at a steady rate")
+    p_events.add_argument("--rate", type=float, default=1000.0, help="events per second")
+    p_events.add_argument("--duration", type=float, default=None, help="seconds (default: forever)")
+    add_world_options(p_events)
+    p_events.set_defaults(func=commands.cmd_produce_events)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    _sigterm_as_interrupt()
+    from freshrec.stack import StackError
+    from freshrec.topics import TopicMismatchError
+
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (StackError, TopicMismatchError, SettingsError) as exc:
+        print(f"freshrec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

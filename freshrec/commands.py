@@ -1,0 +1,186 @@
+"""What each ``freshrec`` subcommand does; argument parsing lives in ``cli.py``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from freshrec.progress import ProgressLine
+from freshrec.settings import ConnectionSettings, load_environment, state_dir
+from freshrec.stack import EmbeddedStack, StackError, external_services
+
+log = logging.getLogger("freshrec")
+
+
+def connection() -> ConnectionSettings:
+    """Connection settings for commands that need a running stack."""
+    env = load_environment()
+    if not external_services() and "KAFKA_BOOTSTRAP_SERVERS" not in env:
+        raise StackError(
+            "no stack is running: start one with `freshrec stack up`, or set "
+            "KAFKA_BOOTSTRAP_SERVERS and REDIS_URL"
+        )
+    return ConnectionSettings.from_env(env)
+
+
+def provision_topics(conn: ConnectionSettings) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    from freshrec.kafka import admin_config
+    from freshrec.topics import catalogue_with, ensure_topics, partitions_from_env
+
+    specs = catalogue_with(partitions_from_env(os.environ))
+    report = ensure_topics(AdminClient(admin_config(conn)), conn.topic_prefix, specs)
+    if report.created:
+        log.info("topics created: %s", ", ".join(report.created))
+    if report.existing:
+        log.info("topics already present: %d", len(report.existing))
+
+
+# --------------------------------------------------------------------------------- stack
+
+
+def cmd_stack_up(args: argparse.Namespace) -> int:
+    if external_services():
+        print("KAFKA_BOOTSTRAP_SERVERS and REDIS_URL are set: using them, starting nothing")
+        return 0
+    stack = EmbeddedStack(state_dir())
+    state = stack.up(kafka_port=args.kafka_port, redis_port=args.redis_port, timeout_s=args.timeout)
+    print(stack.status())
+    print(f"settings written to {stack.env_path}")
+    del state
+    return 0
+
+
+def cmd_stack_down(args: argparse.Namespace) -> int:
+    stopped = EmbeddedStack(state_dir()).down()
+    print("stopped: " + ", ".join(stopped) if stopped else "nothing was running")
+    return 0
+
+
+def cmd_stack_status(args: argparse.Namespace) -> int:
+    if external_services():
+        conn = ConnectionSettings.from_env(os.environ)
+        print(f"external: KAFKA_BOOTSTRAP_SERVERS={conn.kafka_bootstrap_servers}")
+        print(f"external: REDIS_URL={conn.redis_url}")
+        return 0
+    print(EmbeddedStack(state_dir()).status())
+    return 0
+
+
+# -------------------------------------------------------------------------------- topics
+
+
+def cmd_topics_create(args: argparse.Namespace) -> int:
+    provision_topics(connection())
+    return 0
+
+
+def cmd_topics_list(args: argparse.Namespace) -> int:
+    from freshrec.topics import CATALOGUE, partitions_from_env
+
+    prefix = load_environment().get("FRESHREC_TOPIC_PREFIX", "")
+    overrides = partitions_from_env(os.environ)
+    for spec in CATALOGUE:
+        n = overrides.get(spec.name, spec.partitions)
+        print(f"{prefix + spec.name:28} partitions={n:<3} key={spec.key}")
+    return 0
+
+
+# ------------------------------------------------------------------------------- produce
+
+
+def cmd_produce_items(args: argparse.Namespace) -> int:
+    from freshrec.cli import world_from_args
+    from tools.produce import produce_items
+
+    produce_items(connection(), world_from_args(args), ProgressLine())
+    return 0
+
+
+def cmd_produce_events(args: argparse.Namespace) -> int:
+    from freshrec.cli import world_from_args
+    from tools.produce import produce_events
+
+    stats = produce_events(
+        connection(),
+        world_from_args(args),
+        rate_per_s=args.rate,
+        duration_s=args.duration,
+        progress=ProgressLine(),
+    )
+    return 0 if stats.failed == 0 else 1
+
+
+# ----------------------------------------------------------------------------------- run
+
+
+@dataclass
+class RunContext:
+    conn: ConnectionSettings
+    owned_stack: EmbeddedStack | None
+
+
+@contextlib.contextmanager
+def running_stack() -> Iterator[RunContext]:
+    """Use external services if set, else start an embedded stack owned by this run."""
+    if external_services():
+        yield RunContext(ConnectionSettings.from_env(load_environment()), None)
+        return
+    stack = EmbeddedStack(state_dir() / "run")
+    if stack.running():
+        raise StackError(
+            f"another `freshrec run` owns {stack.state_dir}; stop it first "
+            f"(or `FRESHREC_HOME={stack.state_dir} freshrec stack down`)"
+        )
+    started = time.monotonic()
+    state = stack.up(detach=False)
+    log.info(
+        "embedded stack up in %.1fs: Kafka %s, Redis %s",
+        time.monotonic() - started,
+        state.env["KAFKA_BOOTSTRAP_SERVERS"],
+        state.env["REDIS_URL"],
+    )
+    try:
+        env = dict(os.environ)
+        env.update(state.env)
+        yield RunContext(ConnectionSettings.from_env(env), stack)
+    finally:
+        stopped = stack.down()
+        log.info("embedded stack stopped (%s)", ", ".join(stopped) or "already gone")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from freshrec.cli import world_from_args
+    from tools.produce import produce_events, produce_items
+
+    world = world_from_args(args)
+    progress = ProgressLine()
+    with running_stack() as ctx:
+        provision_topics(ctx.conn)
+        produce_items(ctx.conn, world, progress)
+        stop = threading.Event()
+        try:
+            stats = produce_events(
+                ctx.conn,
+                world,
+                rate_per_s=args.rate,
+                duration_s=args.duration,
+                stop=stop,
+                progress=progress,
+                seed=args.seed,
+            )
+        except KeyboardInterrupt:
+            stop.set()
+            raise
+    print(
+        f"run finished: {stats.delivered:,} events delivered in {stats.elapsed_s:.1f}s "
+        f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed"
+    )
+    return 0 if stats.failed == 0 else 1

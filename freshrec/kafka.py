@@ -1,0 +1,131 @@
+"""Every Kafka client setting FreshRec uses, in one place.
+
+Two profiles:
+
+- ``local`` (default): tuned for the embedded Tansu broker and a laptop. A group join takes
+  about half of ``session.timeout.ms`` on Tansu, and a waiting fetch is only answered when
+  ``fetch.wait.max.ms`` runs out, so both are short (see ``shared/BROKER.md`` facts copied
+  into ``docs/operations.md``).
+- ``production``: Apache Kafka defaults that are sane for a cluster: longer sessions (fewer
+  spurious rebalances), fetches that return as soon as data arrives anyway.
+
+Keyed producers always use ``murmur2_random`` so a key lands on the partition the Java client
+and kafkajs would choose: ``events`` and ``recommend.requests`` must agree on a user's partition.
+
+>>> cfg = consumer_config(ConnectionSettings("k:9092", "redis://r"), "g1")
+>>> cfg["session.timeout.ms"], cfg["partition.assignment.strategy"]
+(6000, 'range')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from freshrec.settings import ConnectionSettings, SettingsError
+
+
+@dataclass(frozen=True)
+class ClientProfile:
+    """The timing knobs that differ between the embedded broker and a real cluster."""
+
+    session_timeout_ms: int
+    heartbeat_interval_ms: int
+    fetch_wait_max_ms: int
+    """How long a fetch waits for data; on Tansu also the floor of every round trip."""
+    producer_linger_ms: int
+    metadata_max_age_ms: int
+    topic_metadata_refresh_ms: int
+
+
+PROFILES: dict[str, ClientProfile] = {
+    "local": ClientProfile(
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=500,
+        fetch_wait_max_ms=5,
+        producer_linger_ms=2,
+        metadata_max_age_ms=30_000,
+        topic_metadata_refresh_ms=5_000,
+    ),
+    "production": ClientProfile(
+        session_timeout_ms=45_000,
+        heartbeat_interval_ms=3_000,
+        fetch_wait_max_ms=100,
+        producer_linger_ms=5,
+        metadata_max_age_ms=300_000,
+        topic_metadata_refresh_ms=300_000,
+    ),
+}
+
+
+def profile(conn: ConnectionSettings) -> ClientProfile:
+    try:
+        return PROFILES[conn.kafka_profile]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise SettingsError(
+            f"FRESHREC_KAFKA_PROFILE={conn.kafka_profile!r} is unknown (known: {known})"
+        ) from None
+
+
+def admin_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"bootstrap.servers": conn.kafka_bootstrap_servers}
+    cfg.update(overrides)
+    return cfg
+
+
+def producer_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any]:
+    """An idempotent producer partitioning keys like the Java client (murmur2)."""
+    p = profile(conn)
+    cfg: dict[str, Any] = {
+        "bootstrap.servers": conn.kafka_bootstrap_servers,
+        "partitioner": "murmur2_random",
+        "enable.idempotence": True,
+        "linger.ms": p.producer_linger_ms,
+        "compression.type": "none",
+        "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,
+        "metadata.max.age.ms": p.metadata_max_age_ms,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def consumer_config(
+    conn: ConnectionSettings, group_id: str | None, **overrides: Any
+) -> dict[str, Any]:
+    """A consumer; ``group_id=None`` makes a group-less one for ``assign()`` (broadcast reads)."""
+    p = profile(conn)
+    cfg: dict[str, Any] = {
+        "bootstrap.servers": conn.kafka_bootstrap_servers,
+        "fetch.wait.max.ms": p.fetch_wait_max_ms,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,
+        "metadata.max.age.ms": p.metadata_max_age_ms,
+    }
+    if group_id is not None:
+        cfg.update(
+            {
+                "group.id": group_id,
+                "session.timeout.ms": p.session_timeout_ms,
+                "heartbeat.interval.ms": p.heartbeat_interval_ms,
+                # Range gives a worker the same partition numbers of every co-partitioned
+                # topic it subscribes to: a user's clicks and requests meet in one process.
+                "partition.assignment.strategy": "range",
+            }
+        )
+    else:
+        # librdkafka wants a group.id even for assign()-only consumers; it never joins it.
+        cfg["group.id"] = "freshrec-unjoined"
+    cfg.update(overrides)
+    return cfg
+
+
+def aiokafka_consumer_kwargs(conn: ConnectionSettings) -> dict[str, Any]:
+    """The same timings for aiokafka-based clients (faust)."""
+    p = profile(conn)
+    return {
+        "session_timeout_ms": p.session_timeout_ms,
+        "heartbeat_interval_ms": p.heartbeat_interval_ms,
+        "fetch_max_wait_ms": p.fetch_wait_max_ms,
+    }

@@ -1,0 +1,109 @@
+"""Settings read from the environment at the edge, never deeper.
+
+Every command builds its frozen settings object once, from ``load_environment()``: the process
+environment layered over ``.freshrec/stack.env`` (written by ``freshrec stack up``). An
+explicitly set variable always wins over the stack file, so ``KAFKA_BOOTSTRAP_SERVERS`` /
+``REDIS_URL`` point everything at existing services.
+
+>>> env = {"FRESHREC_TOPIC_PREFIX": "dev.", "KAFKA_BOOTSTRAP_SERVERS": "k:9092"}
+>>> ConnectionSettings.from_env(env).topic_prefix
+'dev.'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+STACK_ENV_FILE = "stack.env"
+
+
+class SettingsError(ValueError):
+    """A setting is missing or malformed; the message names the variable."""
+
+
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where the embedded stack keeps its state (``$FRESHREC_HOME`` or ``./.freshrec``)."""
+    env = os.environ if env is None else env
+    return Path(env.get("FRESHREC_HOME") or Path.cwd() / ".freshrec")
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """Parse a ``KEY=value`` file; blank lines and ``#`` comments are ignored."""
+    values: dict[str, str] = {}
+    if not path.exists():
+        return values
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise SettingsError(f"{path}:{lineno}: expected KEY=value, got {raw!r}")
+        values[key.strip()] = value.strip()
+    return values
+
+
+def load_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The process environment layered over ``.freshrec/stack.env`` (environment wins)."""
+    base = dict(os.environ if base is None else base)
+    merged = read_env_file(state_dir(base) / STACK_ENV_FILE)
+    merged.update(base)
+    return merged
+
+
+def env_str(env: Mapping[str, str], name: str, default: str) -> str:
+    return env.get(name, default) or default
+
+
+def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise SettingsError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """Where Kafka and Redis are, and how this deployment names its topics."""
+
+    kafka_bootstrap_servers: str
+    """Comma-separated host:port list (``KAFKA_BOOTSTRAP_SERVERS``)."""
+    redis_url: str
+    """``redis://[:password@]host:port/db`` (``REDIS_URL``)."""
+    topic_prefix: str = ""
+    """Prepended to every topic name, so several deployments or test runs share one broker."""
+    kafka_profile: str = "local"
+    """Client tuning: ``local`` suits the embedded broker, ``production`` Apache Kafka."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ConnectionSettings:
+        return cls(
+            kafka_bootstrap_servers=env_str(env, "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
+            redis_url=env_str(env, "REDIS_URL", "redis://127.0.0.1:6379/0"),
+            topic_prefix=env.get("FRESHREC_TOPIC_PREFIX", ""),
+            kafka_profile=env_str(env, "FRESHREC_KAFKA_PROFILE", "local"),
+        )
+
+    def with_prefix(self, prefix: str) -> ConnectionSettings:
+        return ConnectionSettings(
+            self.kafka_bootstrap_servers, self.redis_url, prefix, self.kafka_profile
+        )

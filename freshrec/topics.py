@@ -1,0 +1,192 @@
+"""The topic catalogue (DESIGN §2) and idempotent provisioning.
+
+>>> names = TopicNames("t1.")
+>>> names.events, names.recommend_requests
+('t1.events', 't1.recommend.requests')
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from confluent_kafka.admin import AdminClient, NewTopic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic of the catalogue."""
+
+    name: str
+    """Logical name; the deployed name is ``prefix + name``."""
+    key: str
+    """What the record key is; keyed topics use murmur2 partitioning."""
+    partitions: int
+    writers: str
+    readers: str
+    configs: Mapping[str, str] = field(default_factory=dict)
+    """Configs a real Kafka honours; the embedded broker accepts and ignores them."""
+
+
+# events and recommend.requests MUST have the same partition count: the range assignor then
+# gives each worker the same partition numbers of both, so a user's click and the user's next
+# request are handled by the same process.
+CO_PARTITIONED = ("events", "recommend.requests")
+
+CATALOGUE: tuple[TopicSpec, ...] = (
+    TopicSpec("events", "user_id", 8, "any producer", "streams app, workers"),
+    TopicSpec("events.dlq", "none", 1, "streams app", "operators"),
+    TopicSpec(
+        "items",
+        "item_id",
+        4,
+        "catalogue producer",
+        "streams app, workers",
+        {"cleanup.policy": "compact"},
+    ),
+    TopicSpec("recommend.requests", "user_id", 8, "clients", "workers"),
+    TopicSpec("recommend.replies", "correlation id", 8, "workers", "clients"),
+    TopicSpec("gradients", "row id", 8, "workers", "parameter servers"),
+    TopicSpec("embeddings.updates", "row shard", 4, "parameter servers", "every worker"),
+    TopicSpec("hot.items", "scope (global / region)", 1, "streams app", "workers"),
+)
+
+BY_NAME: dict[str, TopicSpec] = {spec.name: spec for spec in CATALOGUE}
+
+
+class TopicNames:
+    """Deployed topic names for one prefix; attribute names use underscores for dots."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix
+        for spec in CATALOGUE:
+            setattr(self, spec.name.replace(".", "_"), prefix + spec.name)
+
+    events: str
+    events_dlq: str
+    items: str
+    recommend_requests: str
+    recommend_replies: str
+    gradients: str
+    embeddings_updates: str
+    hot_items: str
+
+    def full(self, logical: str) -> str:
+        return self.prefix + BY_NAME[logical].name
+
+
+class TopicMismatchError(RuntimeError):
+    """An existing topic's partition count differs from the catalogue."""
+
+
+@dataclass(frozen=True)
+class ProvisionReport:
+    created: tuple[str, ...]
+    existing: tuple[str, ...]
+
+
+def catalogue_with(partitions: Mapping[str, int] | None = None) -> tuple[TopicSpec, ...]:
+    """The catalogue with some partition counts overridden (tests use fewer partitions)."""
+    if not partitions:
+        return CATALOGUE
+    unknown = set(partitions) - set(BY_NAME)
+    if unknown:
+        raise ValueError(f"unknown topics: {sorted(unknown)}")
+    specs = tuple(
+        TopicSpec(
+            s.name, s.key, partitions.get(s.name, s.partitions), s.writers, s.readers, s.configs
+        )
+        for s in CATALOGUE
+    )
+    counts = {s.name: s.partitions for s in specs}
+    if len({counts[n] for n in CO_PARTITIONED}) != 1:
+        raise ValueError(f"{' and '.join(CO_PARTITIONED)} must have the same partition count")
+    return specs
+
+
+def ensure_topics(
+    admin: AdminClient,
+    prefix: str = "",
+    specs: Iterable[TopicSpec] = CATALOGUE,
+    timeout_s: float = 15.0,
+) -> ProvisionReport:
+    """Create missing topics; refuse when an existing one has another partition count.
+
+    Idempotent: a second call creates nothing. Checks every existing topic before creating
+    any, so a mismatch leaves the broker as it was.
+    """
+    specs = tuple(specs)
+    metadata = admin.list_topics(timeout=timeout_s)
+    existing: list[str] = []
+    missing: list[TopicSpec] = []
+    problems: list[str] = []
+    for spec in specs:
+        name = prefix + spec.name
+        topic = metadata.topics.get(name)
+        if topic is None or topic.error is not None:
+            missing.append(spec)
+            continue
+        existing.append(name)
+        have = len(topic.partitions)
+        if have != spec.partitions:
+            problems.append(f"{name} has {have} partitions, the catalogue says {spec.partitions}")
+    if problems:
+        raise TopicMismatchError(
+            "; ".join(problems)
+            + ". events and recommend.requests must stay co-partitioned: recreate the topic"
+            " or set FRESHREC_PARTITIONS to match."
+        )
+    created: list[str] = []
+    if missing:
+        futures = admin.create_topics(
+            [
+                NewTopic(prefix + s.name, num_partitions=s.partitions, config=dict(s.configs))
+                for s in missing
+            ],
+            operation_timeout=timeout_s,
+            request_timeout=timeout_s,
+        )
+        for name, future in futures.items():
+            try:
+                future.result()
+                created.append(name)
+            except Exception as exc:  # raced with another creator: fine if it now matches
+                if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                    raise
+                existing.append(name)
+        _wait_until_visible(admin, [prefix + s.name for s in missing], timeout_s)
+    if created:
+        log.info("created topics: %s", ", ".join(created))
+    return ProvisionReport(tuple(created), tuple(existing))
+
+
+def _wait_until_visible(admin: AdminClient, names: list[str], timeout_s: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        topics = admin.list_topics(timeout=timeout_s).topics
+        if all(n in topics and topics[n].error is None for n in names):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"topics not visible after {timeout_s}s: {names}")
+
+
+SCALED_TOPICS = ("events", "recommend.requests", "recommend.replies", "gradients")
+
+
+def partitions_from_env(env: Mapping[str, str]) -> dict[str, int]:
+    """``FRESHREC_PARTITIONS=N`` sets the partition count of the keyed, scaled topics."""
+    raw = env.get("FRESHREC_PARTITIONS")
+    if not raw:
+        return {}
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"FRESHREC_PARTITIONS={raw!r} is not an integer") from None
+    if n < 1:
+        raise ValueError(f"FRESHREC_PARTITIONS={n} must be >= 1")
+    return dict.fromkeys(SCALED_TOPICS, n)

@@ -1,0 +1,1 @@
+"""The inference worker: embedding cache, local fine-tuning and serving over Kafka."""

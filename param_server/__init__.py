@@ -1,0 +1,1 @@
+"""The asynchronous parameter server: aggregate gradients, sparse Adagrad, versioned broadcast."""

@@ -1,0 +1,199 @@
+"""JSON codecs for the public topics: validate at the edge, then trust the types.
+
+``decode_*`` take the raw bytes of a Kafka value and return a frozen record, or raise
+``Rejected`` with a machine-readable reason. The checks come from the schema files
+(``contract.py``) plus what a schema cannot say: payload size, non-finite numbers (Python's
+``json`` accepts ``NaN``/``Infinity`` and turns ``1e400`` into ``inf``) and timestamps in
+the future.
+
+>>> e = decode_event(b'{"schema_version":1,"event_id":"e1","event_type":"click",'
+...                  b'"user_id":"u1","item_id":"i1","ts_ms":1700000000000}', now_ms=1700000000000)
+>>> e.event_type, e.user_id
+('click', 'u1')
+>>> decode_event(encode_event(e), now_ms=1700000000000) == e
+True
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from schemas.contract import Checker, Reason, Rejected, compile_schema, load_schema
+from schemas.records import (
+    DeadLetter,
+    Event,
+    Item,
+    RecommendReply,
+    RecommendRequest,
+    ReplyItem,
+    RequestContext,
+)
+
+
+@dataclass(frozen=True)
+class CodecLimits:
+    """Bounds that are settings rather than contract."""
+
+    max_payload_bytes: int = 16_384
+    max_clock_skew_ms: int = 10 * 60 * 1000
+    """How far in the future an event time may lie (producer clocks drift)."""
+
+
+DEFAULT_LIMITS = CodecLimits()
+_CHECKERS: dict[str, Checker] = {}
+
+
+def _checker(name: str) -> Checker:
+    check = _CHECKERS.get(name)
+    if check is None:
+        check = _CHECKERS[name] = compile_schema(load_schema(name))
+    return check
+
+
+def _reject_constant(token: str) -> Any:
+    raise Rejected(Reason.NON_FINITE_NUMBER, f"{token} is not a finite number")
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        raise Rejected(Reason.NON_FINITE_NUMBER, f"{token} overflows a float")
+    return value
+
+
+def parse_json(data: bytes | str, limits: CodecLimits = DEFAULT_LIMITS) -> Any:
+    """Strict JSON: size-bounded, UTF-8, finite numbers only."""
+    if data is None:
+        raise Rejected(Reason.MALFORMED_JSON, "empty value (tombstone)")
+    if len(data) > limits.max_payload_bytes:
+        raise Rejected(
+            Reason.OVERSIZE_PAYLOAD, f"{len(data)} bytes, at most {limits.max_payload_bytes}"
+        )
+    try:
+        return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+    except Rejected:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise Rejected(Reason.MALFORMED_JSON, str(exc)[:200]) from None
+
+
+def _validated(name: str, data: bytes | str, now_ms: int, limits: CodecLimits) -> dict[str, Any]:
+    obj = parse_json(data, limits)
+    if not isinstance(obj, dict):
+        raise Rejected(Reason.WRONG_TYPE, f"$ must be object, got {type(obj).__name__}")
+    _checker(name)(obj, now_ms + limits.max_clock_skew_ms)
+    return obj
+
+
+def _dumps(obj: dict[str, Any]) -> bytes:
+    clean = {k: v for k, v in obj.items() if v is not None}
+    return json.dumps(clean, separators=(",", ":"), allow_nan=False).encode()
+
+
+# ------------------------------------------------------------------------------------ events
+
+
+def decode_event(data: bytes | str, now_ms: int, limits: CodecLimits = DEFAULT_LIMITS) -> Event:
+    return Event(**_validated("event", data, now_ms, limits))
+
+
+def encode_event(event: Event) -> bytes:
+    return _dumps(asdict(event))
+
+
+# ------------------------------------------------------------------------------------- items
+
+
+def decode_item(data: bytes | str, now_ms: int, limits: CodecLimits = DEFAULT_LIMITS) -> Item:
+    return Item(**_validated("item", data, now_ms, limits))
+
+
+def encode_item(item: Item) -> bytes:
+    return _dumps(asdict(item))
+
+
+# ---------------------------------------------------------------------------------- requests
+
+REQUEST_LIMITS = CodecLimits(max_payload_bytes=131_072)
+
+
+def decode_request(
+    data: bytes | str, now_ms: int, limits: CodecLimits = REQUEST_LIMITS
+) -> RecommendRequest:
+    obj = _validated("request", data, now_ms, limits)
+    ctx = obj.pop("context", None)
+    exclude = tuple(obj.pop("exclude", ()))
+    return RecommendRequest(
+        **obj, context=RequestContext(**ctx) if ctx is not None else None, exclude=exclude
+    )
+
+
+def encode_request(request: RecommendRequest) -> bytes:
+    obj = asdict(request)
+    obj["exclude"] = list(request.exclude) or None
+    if request.context is not None:
+        obj["context"] = {k: v for k, v in asdict(request.context).items() if v is not None}
+    return _dumps(obj)
+
+
+# ----------------------------------------------------------------------------------- replies
+
+
+def decode_reply(
+    data: bytes | str, now_ms: int, limits: CodecLimits = REQUEST_LIMITS
+) -> RecommendReply:
+    obj = _validated("reply", data, now_ms, limits)
+    items = tuple(
+        ReplyItem(i["item_id"], float(i["score"]), tuple(i["channels"])) for i in obj.pop("items")
+    )
+    return RecommendReply(**obj, items=items)
+
+
+def encode_reply(reply: RecommendReply) -> bytes:
+    obj = asdict(reply)
+    obj["items"] = [
+        {"item_id": i.item_id, "score": i.score, "channels": list(i.channels)} for i in reply.items
+    ]
+    if not reply.timings_ms:
+        obj["timings_ms"] = None
+    return _dumps(obj)
+
+
+# ------------------------------------------------------------------------------ dead letters
+
+
+def dead_letter(
+    rejected: Rejected,
+    *,
+    topic: str,
+    partition: int,
+    offset: int,
+    key: bytes | None,
+    value: bytes | None,
+    now_ms: int,
+    service: str,
+) -> DeadLetter:
+    """The envelope for a rejected record: reason, origin and the original bytes."""
+    return DeadLetter(
+        reason=str(rejected.reason),
+        detail=rejected.detail[:1024],
+        source_topic=topic,
+        source_partition=partition,
+        source_offset=offset,
+        value_b64=base64.b64encode(value or b"").decode(),
+        key_b64=base64.b64encode(key).decode() if key is not None else None,
+        failed_at_ms=now_ms,
+        service=service,
+    )
+
+
+def encode_dead_letter(letter: DeadLetter) -> bytes:
+    return _dumps(asdict(letter))
+
+
+def decode_dead_letter(data: bytes | str, now_ms: int) -> DeadLetter:
+    return DeadLetter(**_validated("deadletter", data, now_ms, CodecLimits(1 << 22)))

@@ -1,0 +1,194 @@
+"""A validator for the subset of JSON Schema that FreshRec's schema files use.
+
+The schema files in this folder are the contract; this module compiles each into a checker, so
+the codec cannot drift from the files. Each failure carries a machine-readable reason (the
+``Reason`` values) that the dead-letter envelope reports. Supported keywords: ``type``
+(object, array, string, integer, number, boolean), ``enum``, ``const``, ``required``,
+``properties``, ``additionalProperties`` (false or a schema), ``items``, ``maxItems``,
+``minLength``, ``maxLength``, ``minimum``, ``maximum``; plus FreshRec's annotations
+``x-freshrec-id`` (empty/over-long ids get their own reasons), ``x-freshrec-timestamp``
+(epoch-ms bounds) and ``x-freshrec-reason`` (the reason an ``enum`` miss reports).
+
+>>> check = compile_schema({"type": "object", "required": ["a"],
+...                         "properties": {"a": {"type": "integer"}}})
+>>> check({"a": 1}, 0)
+>>> try:
+...     check({}, 0)
+... except Rejected as r:
+...     print(r.reason)
+missing_field
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from enum import StrEnum
+from functools import cache
+from importlib import resources
+from typing import Any
+
+MIN_TIMESTAMP_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
+
+
+class Reason(StrEnum):
+    """Why a record was rejected; stable strings, used in dead letters and metrics labels."""
+
+    OVERSIZE_PAYLOAD = "oversize_payload"
+    MALFORMED_JSON = "malformed_json"
+    NON_FINITE_NUMBER = "non_finite_number"
+    WRONG_TYPE = "wrong_type"
+    MISSING_FIELD = "missing_field"
+    UNKNOWN_FIELD = "unknown_field"
+    UNKNOWN_EVENT_TYPE = "unknown_event_type"
+    UNSUPPORTED_SCHEMA_VERSION = "unsupported_schema_version"
+    EMPTY_ID = "empty_id"
+    ID_TOO_LONG = "id_too_long"
+    TIMESTAMP_TOO_OLD = "timestamp_too_old"
+    TIMESTAMP_IN_FUTURE = "timestamp_in_future"
+    INVALID_VALUE = "invalid_value"
+
+
+class Rejected(ValueError):
+    """A record that does not meet its contract."""
+
+    def __init__(self, reason: Reason, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+Checker = Callable[[Any, int], None]
+"""``check(value, max_ts_ms)``: raises ``Rejected``; ``max_ts_ms`` bounds timestamps."""
+
+
+def _type_ok(kind: str, value: Any) -> bool:
+    if kind == "object":
+        return isinstance(value, dict)
+    if kind == "array":
+        return isinstance(value, list)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    raise ValueError(f"unsupported type {kind!r}")
+
+
+def compile_schema(schema: dict[str, Any], path: str = "$") -> Checker:
+    """Compile ``schema`` into a checker; ``path`` names the location in messages."""
+    checks: list[Checker] = []
+    kind = schema.get("type")
+    is_id = schema.get("x-freshrec-id", False)
+    is_ts = schema.get("x-freshrec-timestamp", False)
+
+    if "const" in schema:
+        const = schema["const"]
+        reason = (
+            Reason.UNSUPPORTED_SCHEMA_VERSION
+            if path.endswith(".schema_version")
+            else Reason.INVALID_VALUE
+        )
+
+        def check_const(v: Any, _: int) -> None:
+            if v != const or isinstance(v, bool) != isinstance(const, bool):
+                raise Rejected(reason, f"{path} must be {const!r}, got {v!r}")
+
+        checks.append(check_const)
+    if "enum" in schema:
+        allowed = frozenset(schema["enum"])
+        enum_reason = Reason(schema.get("x-freshrec-reason", Reason.INVALID_VALUE))
+
+        def check_enum(v: Any, _: int) -> None:
+            if not isinstance(v, str | int) or isinstance(v, bool) or v not in allowed:
+                raise Rejected(enum_reason, f"{path} must be one of {sorted(allowed)}, got {v!r}")
+
+        checks.append(check_enum)
+    if kind is not None:
+
+        def check_type(v: Any, _: int) -> None:
+            if not _type_ok(kind, v):
+                raise Rejected(Reason.WRONG_TYPE, f"{path} must be {kind}, got {type(v).__name__}")
+
+        checks.append(check_type)
+    if kind == "string":
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+
+        def check_len(v: str, _: int) -> None:
+            if len(v) < lo:
+                r = Reason.EMPTY_ID if is_id else Reason.INVALID_VALUE
+                raise Rejected(r, f"{path} must have at least {lo} characters")
+            if hi is not None and len(v) > hi:
+                r = Reason.ID_TOO_LONG if is_id else Reason.INVALID_VALUE
+                raise Rejected(r, f"{path} has {len(v)} characters, at most {hi} allowed")
+
+        checks.append(check_len)
+    if kind in ("integer", "number"):
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+
+        def check_range(v: float, max_ts_ms: int) -> None:
+            if lo is not None and v < lo:
+                r = Reason.TIMESTAMP_TOO_OLD if is_ts else Reason.INVALID_VALUE
+                raise Rejected(r, f"{path}={v} is below {lo}")
+            if hi is not None and v > hi:
+                raise Rejected(Reason.INVALID_VALUE, f"{path}={v} is above {hi}")
+            if is_ts and v > max_ts_ms:
+                raise Rejected(
+                    Reason.TIMESTAMP_IN_FUTURE, f"{path}={v} is after the allowed {max_ts_ms}"
+                )
+
+        checks.append(check_range)
+    if kind == "array":
+        max_items = schema.get("maxItems")
+        item_check = compile_schema(schema["items"], path + "[]") if "items" in schema else None
+
+        def check_items(v: list, max_ts_ms: int) -> None:
+            if max_items is not None and len(v) > max_items:
+                raise Rejected(Reason.INVALID_VALUE, f"{path} has {len(v)} items, max {max_items}")
+            if item_check is not None:
+                for element in v:
+                    item_check(element, max_ts_ms)
+
+        checks.append(check_items)
+    if kind == "object":
+        props = {
+            name: compile_schema(sub, f"{path}.{name}")
+            for name, sub in schema.get("properties", {}).items()
+        }
+        required = tuple(schema.get("required", ()))
+        extra = schema.get("additionalProperties", True)
+        extra_check = compile_schema(extra, path + ".*") if isinstance(extra, dict) else None
+
+        def check_object(v: dict, max_ts_ms: int) -> None:
+            for name in required:
+                if name not in v:
+                    raise Rejected(Reason.MISSING_FIELD, f"{path}.{name} is required")
+            for name, value in v.items():
+                sub = props.get(name)
+                if sub is not None:
+                    sub(value, max_ts_ms)
+                elif extra_check is not None:
+                    extra_check(value, max_ts_ms)
+                elif extra is False:
+                    raise Rejected(Reason.UNKNOWN_FIELD, f"{path}.{name} is not in the schema")
+
+        checks.append(check_object)
+
+    def check(v: Any, max_ts_ms: int) -> None:
+        for c in checks:
+            c(v, max_ts_ms)
+
+    return check
+
+
+@cache
+def load_schema(name: str) -> dict[str, Any]:
+    """A schema file of this package by name, e.g. ``load_schema("event")``."""
+    text = resources.files("schemas").joinpath(f"{name}.schema.json").read_text()
+    return json.loads(text)
+
+
+SCHEMA_NAMES = ("event", "item", "request", "reply", "deadletter")

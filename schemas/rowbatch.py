@@ -1,0 +1,142 @@
+"""The versioned binary layout of ``gradients`` and ``embeddings.updates`` batches.
+
+Internal topics carry float32 rows, so JSON would be slow and lossy; pickle would execute
+code. The layout is little-endian and self-describing::
+
+    header (36 bytes)
+      magic        4s   b"FRRB"
+      version      u16  1
+      kind         u8   0 = gradients, 1 = updates
+      table        u8   0 = user, 1 = item
+      dim          u16  row dimension
+      reserved     u16  0
+      count        u32  number of rows
+      partition    i32  updates: the gradients partition whose progress this batch reports; -1
+      offset       i64  updates: last applied offset of that partition; -1
+      created_ms   i64  when the batch was built
+    body
+      ids          i64[count]
+      rows         f32[count * dim]
+      versions     u64[count]  updates: row version; gradients: examples summed into the row
+      event_ms     i64[count]  newest event time included in the row
+    trailer
+      crc32        u32  over header and body
+
+>>> import numpy as np
+>>> b = RowBatch(KIND_UPDATES, TABLE_USER, np.array([7]), np.ones((1, 4), np.float32),
+...              np.array([3], np.uint64), np.array([1700000000000]), partition=2, offset=41)
+>>> RowBatch.decode(b.encode()).ids.tolist()
+[7]
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"FRRB"
+LAYOUT_VERSION = 1
+KIND_GRADIENTS, KIND_UPDATES = 0, 1
+TABLE_USER, TABLE_ITEM = 0, 1
+TABLE_NAMES = {TABLE_USER: "user", TABLE_ITEM: "item"}
+
+_HEADER = struct.Struct("<4sHBBHHIiqq")
+_CRC = struct.Struct("<I")
+MAX_DIM = 4096
+MAX_COUNT = 1 << 24
+
+
+class CorruptBatch(ValueError):
+    """A batch that is truncated, corrupted or of an unknown layout."""
+
+
+@dataclass(frozen=True, eq=False)
+class RowBatch:
+    """Rows of one table; arrays are read-only views when decoded."""
+
+    kind: int
+    table: int
+    ids: np.ndarray
+    rows: np.ndarray
+    versions: np.ndarray
+    event_ms: np.ndarray
+    partition: int = -1
+    offset: int = -1
+    created_ms: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        if self.rows.ndim != 2 or self.rows.shape[0] != n:
+            raise ValueError(f"rows must be (count, dim), got {self.rows.shape} for {n} ids")
+        if len(self.versions) != n or len(self.event_ms) != n:
+            raise ValueError("ids, versions and event_ms must have the same length")
+        if self.kind not in (KIND_GRADIENTS, KIND_UPDATES):
+            raise ValueError(f"unknown kind {self.kind}")
+        if self.table not in TABLE_NAMES:
+            raise ValueError(f"unknown table {self.table}")
+
+    @property
+    def dim(self) -> int:
+        return int(self.rows.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def encode(self) -> bytes:
+        header = _HEADER.pack(
+            MAGIC,
+            LAYOUT_VERSION,
+            self.kind,
+            self.table,
+            self.dim,
+            0,
+            len(self.ids),
+            self.partition,
+            self.offset,
+            self.created_ms,
+        )
+        body = b"".join(
+            (
+                np.ascontiguousarray(self.ids, "<i8").tobytes(),
+                np.ascontiguousarray(self.rows, "<f4").tobytes(),
+                np.ascontiguousarray(self.versions, "<u8").tobytes(),
+                np.ascontiguousarray(self.event_ms, "<i8").tobytes(),
+            )
+        )
+        crc = zlib.crc32(body, zlib.crc32(header))
+        return header + body + _CRC.pack(crc)
+
+    @classmethod
+    def decode(cls, data: bytes) -> RowBatch:
+        if len(data) < _HEADER.size + _CRC.size:
+            raise CorruptBatch(f"truncated: {len(data)} bytes is shorter than a header")
+        magic, version, kind, table, dim, _, count, partition, offset, created = (
+            _HEADER.unpack_from(data)
+        )
+        if magic != MAGIC:
+            raise CorruptBatch(f"bad magic {magic!r}")
+        if version != LAYOUT_VERSION:
+            raise CorruptBatch(f"unsupported layout version {version}")
+        if dim == 0 or dim > MAX_DIM or count > MAX_COUNT:
+            raise CorruptBatch(f"implausible dim={dim} count={count}")
+        expected = _HEADER.size + count * (8 + 4 * dim + 8 + 8) + _CRC.size
+        if len(data) != expected:
+            raise CorruptBatch(f"length {len(data)} != {expected} for {count}x{dim}")
+        (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+        if zlib.crc32(memoryview(data)[: len(data) - _CRC.size]) != crc:
+            raise CorruptBatch("checksum mismatch")
+        pos = _HEADER.size
+        ids = np.frombuffer(data, "<i8", count, pos)
+        pos += 8 * count
+        rows = np.frombuffer(data, "<f4", count * dim, pos).reshape(count, dim)
+        pos += 4 * count * dim
+        versions = np.frombuffer(data, "<u8", count, pos)
+        pos += 8 * count
+        event_ms = np.frombuffer(data, "<i8", count, pos)
+        try:
+            return cls(kind, table, ids, rows, versions, event_ms, partition, offset, created)
+        except ValueError as exc:
+            raise CorruptBatch(str(exc)) from None

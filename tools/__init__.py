@@ -1,0 +1,1 @@
+"""Synthetic world, producers and benchmarks."""

@@ -1,0 +1,141 @@
+"""Produce the synthetic world to Kafka: the catalogue, and events at a steady rate."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from confluent_kafka import KafkaException, Producer
+
+from freshrec.kafka import producer_config
+from freshrec.progress import ProgressLine
+from freshrec.settings import ConnectionSettings
+from freshrec.topics import TopicNames
+from schemas.codec import encode_event, encode_item
+from tools.pacing import Pacer
+from tools.traffic import EventSynthesizer, catalogue
+from tools.world import World
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeliveryCounter:
+    delivered: int = 0
+    failed: int = 0
+    last_error: str | None = None
+
+    def __call__(self, err, _msg) -> None:
+        if err is None:
+            self.delivered += 1
+        else:
+            self.failed += 1
+            self.last_error = str(err)
+
+
+@dataclass(frozen=True)
+class ProduceStats:
+    produced: int
+    delivered: int
+    failed: int
+    elapsed_s: float
+
+    @property
+    def rate_per_s(self) -> float:
+        return self.delivered / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def _produce(producer: Producer, topic: str, key: bytes, value: bytes, cb) -> None:
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, on_delivery=cb)
+            return
+        except BufferError:  # local queue full: let deliveries drain
+            producer.poll(0.05)
+
+
+def _flush(producer: Producer, counter: DeliveryCounter, produced: int, timeout_s: float) -> None:
+    remaining = producer.flush(timeout_s)
+    if remaining:
+        raise KafkaException(f"{remaining} messages undelivered after {timeout_s}s")
+    if counter.failed:
+        raise KafkaException(
+            f"{counter.failed} of {produced} messages failed: {counter.last_error}"
+        )
+
+
+def produce_items(
+    conn: ConnectionSettings, world: World, progress: ProgressLine | None = None
+) -> ProduceStats:
+    """Load the whole catalogue onto ``items`` (key = item_id)."""
+    topic = TopicNames(conn.topic_prefix).items
+    producer = Producer(producer_config(conn, **{"linger.ms": 20}))
+    counter = DeliveryCounter()
+    start = time.monotonic()
+    n = world.config.n_items
+    for i, item in enumerate(catalogue(world), 1):
+        _produce(producer, topic, item.item_id.encode(), encode_item(item), counter)
+        if i % 5000 == 0:
+            producer.poll(0)
+            if progress:
+                progress.update(f"items: {i:,}/{n:,} ({100 * i // n}%)")
+    _flush(producer, counter, n, 60)
+    elapsed = time.monotonic() - start
+    if progress:
+        progress.done(f"items: {n:,} loaded in {elapsed:.1f}s")
+    return ProduceStats(n, counter.delivered, counter.failed, elapsed)
+
+
+def produce_events(
+    conn: ConnectionSettings,
+    world: World,
+    *,
+    rate_per_s: float,
+    duration_s: float | None,
+    stop: threading.Event | None = None,
+    progress: ProgressLine | None = None,
+    seed: int = 0,
+) -> ProduceStats:
+    """Produce synthetic events at a steady rate until ``duration_s`` or ``stop`` is set."""
+    topic = TopicNames(conn.topic_prefix).events
+    producer = Producer(producer_config(conn))
+    counter = DeliveryCounter()
+    synth = EventSynthesizer(world, seed=seed)
+    slates_per_tick = max(1, int(rate_per_s / 100 / (synth.slate_size + 1)))
+    stop = stop or threading.Event()
+    start = time.monotonic()
+    pacer = Pacer(rate_per_s, start)
+    buffered: deque[tuple[bytes, bytes]] = deque()
+    sent = 0
+    while not stop.is_set():
+        now = time.monotonic()
+        if duration_s is not None and now - start >= duration_s:
+            break
+        want = pacer.to_send(now, sent)
+        while len(buffered) < want:
+            now_ms = int(time.time() * 1000)
+            for e in synth.batch(slates_per_tick, now_ms):
+                buffered.append((e.user_id.encode(), encode_event(e)))
+        for _ in range(want):
+            key, value = buffered.popleft()
+            _produce(producer, topic, key, value, counter)
+        sent += want
+        producer.poll(0)
+        if progress:
+            elapsed = max(now - start, 1e-9)
+            progress.update(
+                f"events: {sent:,} produced, {counter.delivered:,} delivered "
+                f"({counter.delivered / elapsed:,.0f}/s, target {rate_per_s:,.0f}/s)"
+            )
+        stop.wait(0.01)
+    _flush(producer, counter, sent, 30)
+    elapsed = time.monotonic() - start
+    if progress:
+        progress.done(
+            f"events: {sent:,} produced and delivered in {elapsed:.1f}s "
+            f"({counter.delivered / max(elapsed, 1e-9):,.0f}/s)"
+        )
+    return ProduceStats(sent, counter.delivered, counter.failed, elapsed)
