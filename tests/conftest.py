@@ -1,0 +1,104 @@
+"""Shared fixtures: a real Kafka broker and Redis server for the whole session.
+
+Picked in this order: ``KAFKA_BOOTSTRAP_SERVERS``/``REDIS_URL``; testcontainers when a Docker
+engine answers; the embedded stack (Tansu + Valkey from PyPI wheels). Each test gets its own
+topic prefix, so tests never see each other's records.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from freshrec.kafka import admin_config
+from freshrec.settings import ConnectionSettings
+from freshrec.stack import EmbeddedStack
+from freshrec.topics import catalogue_with, ensure_topics
+
+TEST_PARTITIONS = 4
+
+
+@dataclass(frozen=True)
+class Services:
+    kind: str
+    kafka_bootstrap_servers: str
+    redis_url: str
+
+    def conn(self, prefix: str = "") -> ConnectionSettings:
+        return ConnectionSettings(self.kafka_bootstrap_servers, self.redis_url, prefix, "local")
+
+
+def _docker_engine_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=2).ping()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory) -> Iterator[Services]:
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS") and os.environ.get("REDIS_URL"):
+        yield Services("external", os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"])
+        return
+    if _docker_engine_answers():
+        from testcontainers.kafka import KafkaContainer
+        from testcontainers.redis import RedisContainer
+
+        with KafkaContainer().with_kraft() as kafka, RedisContainer() as redis_c:
+            url = f"redis://{redis_c.get_container_host_ip()}:{redis_c.get_exposed_port(6379)}/0"
+            yield Services("testcontainers", kafka.get_bootstrap_server(), url)
+        return
+    stack = EmbeddedStack(tmp_path_factory.mktemp("stack"))
+    state = stack.up(detach=False)
+    try:
+        yield Services("embedded", state.env["KAFKA_BOOTSTRAP_SERVERS"], state.env["REDIS_URL"])
+    finally:
+        stack.down()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}."
+
+
+@pytest.fixture
+def conn(services: Services, prefix: str) -> ConnectionSettings:
+    """Connection settings with this test's own topic prefix; topics provisioned."""
+    c = services.conn(prefix)
+    specs = catalogue_with(
+        {name: TEST_PARTITIONS for name in ("events", "recommend.requests", "gradients")}
+    )
+    ensure_topics(AdminClient(admin_config(c)), prefix, specs)
+    return c
+
+
+@pytest.fixture
+def redis_client(services: Services):
+    import redis
+
+    client = redis.Redis.from_url(services.redis_url)
+    yield client
+    client.close()
+
+
+def wait_for(
+    condition: Callable[[], object], timeout_s: float = 20.0, interval_s: float = 0.05, what=""
+):
+    """Poll ``condition`` until truthy; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what or condition}")
+        time.sleep(interval_s)
