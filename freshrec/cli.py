@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_events.add_argument("--duration", type=float, default=None, help="seconds (default: forever)")
     add_world_options(p_events)
     p_events.set_defaults(func=commands.cmd_produce_events)
+    streams = sub.add_parser("streams", help="the faust app: validation, hot scores, features")
+    streams.set_defaults(func=commands.cmd_streams)
     return parser
 
 

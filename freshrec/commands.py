@@ -93,6 +93,18 @@ def cmd_topics_list(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ services
+
+
+def cmd_streams(args: argparse.Namespace) -> int:
+    from streams.app import run_streams
+    from streams.settings import StreamsSettings
+
+    env = load_environment()
+    connection()  # fail early, with the one-line reason, when no stack is configured
+    return run_streams(StreamsSettings.from_env(env))
+
+
 # ------------------------------------------------------------------------------- produce
 
 
@@ -126,6 +138,16 @@ class RunContext:
     conn: ConnectionSettings
     owned_stack: EmbeddedStack | None
 
+    @property
+    def conn_env(self) -> dict[str, str]:
+        """The variables that point child services at this run's Kafka and Redis."""
+        return {
+            "KAFKA_BOOTSTRAP_SERVERS": self.conn.kafka_bootstrap_servers,
+            "REDIS_URL": self.conn.redis_url,
+            "FRESHREC_TOPIC_PREFIX": self.conn.topic_prefix,
+            "FRESHREC_KAFKA_PROFILE": self.conn.kafka_profile,
+        }
+
 
 @contextlib.contextmanager
 def running_stack() -> Iterator[RunContext]:
@@ -158,29 +180,45 @@ def running_stack() -> Iterator[RunContext]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from freshrec.cli import world_from_args
+    from freshrec.supervisor import ServiceGroup
     from tools.produce import produce_events, produce_items
 
     world = world_from_args(args)
     progress = ProgressLine()
     with running_stack() as ctx:
         provision_topics(ctx.conn)
-        produce_items(ctx.conn, world, progress)
-        stop = threading.Event()
+        services = ServiceGroup({**os.environ, **ctx.conn_env}, state_dir() / "run" / "logs")
         try:
-            stats = produce_events(
-                ctx.conn,
-                world,
-                rate_per_s=args.rate,
-                duration_s=args.duration,
-                stop=stop,
-                progress=progress,
-                seed=args.seed,
+            services.start("streams", "streams")
+            produce_items(ctx.conn, world, progress)
+            stop = threading.Event()
+            watcher = threading.Thread(
+                target=_watch_services, args=(services, stop), daemon=True, name="watch"
             )
-        except KeyboardInterrupt:
-            stop.set()
-            raise
+            watcher.start()
+            try:
+                stats = produce_events(
+                    ctx.conn, world, rate_per_s=args.rate, duration_s=args.duration,
+                    stop=stop, progress=progress, seed=args.seed,
+                )  # fmt: skip
+            finally:
+                stop.set()
+            if services.failure:
+                raise services.failure
+        finally:
+            services.stop_all()
     print(
         f"run finished: {stats.delivered:,} events delivered in {stats.elapsed_s:.1f}s "
         f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed"
     )
     return 0 if stats.failed == 0 else 1
+
+
+def _watch_services(services, stop: threading.Event) -> None:
+    """Stop the run when a service dies, keeping the reason for the exit message."""
+    while not stop.wait(0.5):
+        try:
+            services.check()
+        except RuntimeError as exc:
+            services.failure = exc
+            stop.set()

@@ -52,6 +52,8 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("gradients", "row id", 8, "workers", "parameter servers"),
     TopicSpec("embeddings.updates", "row shard", 4, "parameter servers", "every worker"),
     TopicSpec("hot.items", "scope (global / region)", 1, "streams app", "workers"),
+    # The streams app's repartition of valid events by item: batches of compact records.
+    TopicSpec("events.by_item", "none (explicit partition)", 8, "streams app", "streams app"),
 )
 
 BY_NAME: dict[str, TopicSpec] = {spec.name: spec for spec in CATALOGUE}
@@ -73,6 +75,7 @@ class TopicNames:
     gradients: str
     embeddings_updates: str
     hot_items: str
+    events_by_item: str
 
     def full(self, logical: str) -> str:
         return self.prefix + BY_NAME[logical].name

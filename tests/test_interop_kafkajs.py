@@ -17,11 +17,10 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer
 
 from freshrec.kafka import consumer_config, producer_config
+from freshrec.partitioner import kafka_partition
 from freshrec.topics import TopicNames
 from schemas.codec import decode_event, encode_event
 from schemas.records import Event
-
-from .murmur2 import kafka_partition
 
 INTEROP = Path(__file__).parent / "interop"
 

@@ -7,12 +7,11 @@ import time
 from confluent_kafka import Consumer
 
 from freshrec.kafka import consumer_config
+from freshrec.partitioner import kafka_partition
 from freshrec.topics import TopicNames
 from schemas.codec import decode_event, decode_item
 from tools.produce import produce_events, produce_items
 from tools.world import World, WorldConfig
-
-from .murmur2 import kafka_partition
 
 
 def consume_all(conn, topic: str, expected: int, timeout_s: float = 30.0) -> list:

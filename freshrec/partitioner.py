@@ -1,4 +1,12 @@
-"""Kafka's murmur2 partitioner (the Java client's), to check that keys land where Java puts them."""
+"""Kafka's murmur2 partitioner, the Java client's and kafkajs's placement of keys.
+
+FreshRec's own producers let librdkafka do this (``partitioner=murmur2_random``); this copy
+routes records to an explicit partition (the streams app's repartition batches) and lets tests
+check where keys landed.
+
+>>> kafka_partition(b"u42", 8) == kafka_partition(b"u42", 8)
+True
+"""
 
 
 def murmur2(data: bytes) -> int:

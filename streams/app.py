@@ -1,0 +1,339 @@
+"""``freshrec streams``: the faust app for event-time features.
+
+Two stages, both faust agents in one app (several instances split the partitions):
+
+1. ``validate`` reads ``events`` (keyed by user): decodes each event with the ``schemas/``
+   codec (rejects go to ``events.dlq`` with their reason), drops replayed ``event_id``s inside a
+   bounded window, keeps each user's recent clicks in Redis, and repartitions the valid events
+   by item onto ``events.by_item``, as one compact batch per target partition per input batch.
+2. ``count`` reads ``events.by_item``: each partition owns a disjoint set of items and their
+   forward-decayed counters (``item_state.py``). After every batch it persists the touched rows,
+   the applied source offsets and the serving features in one Redis transaction *before* faust
+   acknowledges the batch, so a SIGKILL loses nothing and counts nothing twice. A timer
+   publishes each partition's top-K hot lists to Redis; readers merge them
+   (``hotlist.merge_hot_lists``).
+
+The catalogue (``items``) is written to Redis by a third agent; items created within the
+new-item window go into a sorted set for the new-items recall channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import defaultdict
+
+import faust
+from confluent_kafka.admin import AdminClient
+from redis.asyncio import Redis
+
+from freshrec import metrics as m
+from freshrec.kafka import admin_config, profile
+from freshrec.partitioner import kafka_partition
+from freshrec.rediskeys import RedisKeys
+from freshrec.topics import TopicNames
+from schemas.codec import dead_letter, decode_event, decode_item, encode_dead_letter
+from schemas.contract import Rejected
+from streams.dedupe import DedupeWindow
+from streams.item_state import EVENT_CODES, ItemPartitionState
+from streams.settings import StreamsSettings
+from streams.sink import StreamsSink
+from streams.transport import FetchTunedApp
+
+log = logging.getLogger("freshrec.streams")
+SERVICE = "streams"
+LAG_SAMPLES_PER_PUBLISH = 256
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _partition_count(settings: StreamsSettings, topic: str) -> int:
+    md = AdminClient(admin_config(settings.conn)).list_topics(topic, timeout=15)
+    t = md.topics.get(topic)
+    if t is None or t.error is not None or not t.partitions:
+        raise RuntimeError(f"topic {topic} is missing: run `freshrec topics create` first")
+    return len(t.partitions)
+
+
+class StreamsApp:
+    """Builds the faust app and holds the state its agents share."""
+
+    def __init__(self, settings: StreamsSettings) -> None:
+        self.settings = settings
+        conn = settings.conn
+        self.names = TopicNames(conn.topic_prefix)
+        self.keys = RedisKeys(conn.topic_prefix)
+        self.by_item_partitions = _partition_count(settings, self.names.events_by_item)
+        self.states: dict[int, ItemPartitionState] = {}
+        self.restoring: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.dedupe: dict[int, DedupeWindow] = {}
+        self.lag_samples: dict[int, list[int]] = defaultdict(list)
+        self.dirty: set[int] = set()
+        self.persist_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.price_checked: dict[int, float] = defaultdict(float)
+        self.redis: Redis | None = None
+        self.sink: StreamsSink | None = None
+        self.app = self._build()
+
+    # ------------------------------------------------------------------------------ faust
+    def _build(self) -> faust.App:
+        s, conn = self.settings, self.settings.conn
+        p = profile(conn)
+        brokers = ";".join(f"kafka://{h}" for h in conn.kafka_bootstrap_servers.split(","))
+        app = FetchTunedApp(
+            f"{conn.topic_prefix}freshrec-streams",
+            broker=brokers,
+            store="memory://",
+            autodiscover=False,
+            web_enabled=False,
+            topic_allow_declare=False,
+            topic_disable_leader=True,
+            consumer_auto_offset_reset="earliest",
+            broker_session_timeout=p.session_timeout_ms / 1000,
+            broker_heartbeat_interval=p.heartbeat_interval_ms / 1000,
+            broker_commit_interval=1.0,
+            stream_wait_empty=False,
+            producer_linger=0.002,
+        )
+        app.fetch_wait_max_ms = s.fetch_wait_max_ms or p.fetch_wait_max_ms
+        raw = {"key_serializer": "raw", "value_serializer": "raw"}
+        events = app.topic(self.names.events, **raw)
+        by_item = app.topic(self.names.events_by_item, **raw)
+        items = app.topic(self.names.items, **raw)
+        dlq = app.topic(self.names.events_dlq, **raw)
+        within = s.batch_within_ms / 1000
+
+        @app.agent(events, name="validate")
+        async def validate(stream):
+            async for batch in stream.take_events(s.batch_max, within=within):
+                await self._validate_batch(batch, by_item, dlq)
+
+        @app.agent(by_item, name="count")
+        async def count(stream):
+            async for batch in stream.take_events(s.batch_max, within=within):
+                await self._count_batch(batch)
+
+        @app.agent(items, name="catalogue")
+        async def catalogue(stream):
+            async for batch in stream.take_events(s.batch_max, within=within):
+                await self._catalogue_batch(batch, dlq)
+
+        @app.timer(interval=s.publish_interval_ms / 1000)
+        async def publish():
+            await self._publish()
+
+        @app.task
+        async def connect():
+            # The worker configured logging at INFO for our own state-change lines; faust,
+            # mode and aiokafka narrate every step at INFO, so they only speak up on warnings.
+            for name in ("faust", "mode", "aiokafka"):
+                logging.getLogger(name).setLevel(logging.WARNING)
+            await self._redis()
+
+        app.on_partitions_revoked.connect(self._on_revoked)
+        app.on_partitions_assigned.connect(self._on_assigned)
+        return app
+
+    async def _redis(self) -> StreamsSink:
+        if self.sink is None:
+            self.redis = Redis.from_url(self.settings.conn.redis_url)
+            self.sink = StreamsSink(self.redis, self.keys)
+        return self.sink
+
+    async def _on_revoked(self, sender, revoked, **kwargs) -> None:
+        for tp in revoked:
+            if tp.topic == self.names.events_by_item:
+                self.states.pop(tp.partition, None)
+                self.dirty.discard(tp.partition)
+            elif tp.topic == self.names.events:
+                self.dedupe.pop(tp.partition, None)
+        m.STREAMS_PARTITIONS.set(len(self.states))
+
+    async def _on_assigned(self, sender, assigned, **kwargs) -> None:
+        owned = sorted(tp.partition for tp in assigned if tp.topic == self.names.events_by_item)
+        log.info("assigned events.by_item partitions %s", owned)
+
+    # ----------------------------------------------------------------------------- stages
+    async def _validate_batch(self, batch, by_item, dlq) -> None:
+        sink = await self._redis()
+        now = _now_ms()
+        limits = self.settings.limits
+        routed: dict[int, list] = defaultdict(list)
+        letters: list[bytes] = []
+        clicks: list[tuple[str, str, int]] = []
+        n_ok = n_dup = 0
+        for ev in batch:
+            msg = ev.message
+            try:
+                e = decode_event(msg.value, now, limits)
+            except Rejected as rej:
+                m.DEAD_LETTERS.labels(str(rej.reason)).inc()
+                letters.append(
+                    encode_dead_letter(
+                        dead_letter(
+                            rej,
+                            topic=msg.topic,
+                            partition=msg.partition,
+                            offset=msg.offset,
+                            key=msg.key,
+                            value=msg.value,
+                            now_ms=now,
+                            service=SERVICE,
+                        )
+                    )
+                )
+                continue
+            window = self.dedupe.get(msg.partition)
+            if window is None:
+                window = self.dedupe[msg.partition] = DedupeWindow(self.settings.dedupe_window)
+            if not window.first_time(e.event_id):
+                n_dup += 1
+                continue
+            n_ok += 1
+            q = kafka_partition(e.item_id.encode(), self.by_item_partitions)
+            routed[q].append(
+                [msg.partition, msg.offset, e.item_id, EVENT_CODES[e.event_type], e.ts_ms,
+                 e.region, e.value or 0.0]
+            )  # fmt: skip
+            if e.event_type == "click":
+                clicks.append((e.user_id, e.item_id, e.ts_ms))
+        futures = []
+        for q, records in routed.items():
+            futures.append(
+                await by_item.send(
+                    value=json.dumps(records, separators=(",", ":")).encode(), partition=q
+                )
+            )
+        for letter in letters:
+            futures.append(await dlq.send(value=letter))
+        if clicks:
+            await sink.push_recent(clicks, self.settings.recent_clicks)
+        if futures:
+            await asyncio.gather(*futures)  # delivered before faust may commit the batch
+        m.STREAMS_EVENTS.labels("valid").inc(n_ok)
+        m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
+        m.STREAMS_EVENTS.labels("rejected").inc(len(letters))
+
+    async def _state(self, partition: int) -> ItemPartitionState:
+        state = self.states.get(partition)
+        if state is not None:
+            return state
+        async with self.restoring[partition]:
+            state = self.states.get(partition)
+            if state is None:
+                sink = await self._redis()
+                state = await sink.restore(partition, self.settings.state)
+                self.states[partition] = state
+                m.STREAMS_PARTITIONS.set(len(self.states))
+                log.info(
+                    "partition %d: restored %d items, offsets %s", partition, state.n_items,
+                    state.applied,
+                )  # fmt: skip
+        return state
+
+    async def _count_batch(self, batch) -> None:
+        await self._redis()
+        touched: set[int] = set()
+        for ev in batch:
+            q = ev.message.partition
+            state = await self._state(q)
+            records = json.loads(ev.message.value)
+            late_before, skipped_before = state.late, state.skipped
+            state.apply(records)
+            m.STREAMS_LATE.inc(state.late - late_before)
+            m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
+            samples = self.lag_samples[q]
+            if len(samples) < LAG_SAMPLES_PER_PUBLISH:
+                samples.extend(r[4] for r in records[: LAG_SAMPLES_PER_PUBLISH - len(samples)])
+            touched.add(q)
+        for q in touched:
+            await self._refresh_prices(q, self.states[q], force=True)
+            await self._persist(q)
+            self.dirty.add(q)
+
+    async def _refresh_prices(self, q: int, state: ItemPartitionState, force: bool) -> None:
+        """Fetch prices of items seen before their catalogue record (retried each second)."""
+        now = time.monotonic()
+        if not force and now - self.price_checked[q] < 1.0:
+            return
+        self.price_checked[q] = now
+        missing = state.items_without_price()[:5000]
+        if missing:
+            sink = await self._redis()
+            state.set_prices(await sink.prices(missing))
+
+    async def _persist(self, q: int) -> None:
+        # One flush at a time per partition: two in flight could land out of order and
+        # leave an older snapshot on top of a newer one.
+        async with self.persist_locks[q]:
+            state = self.states.get(q)
+            if state is not None:
+                sink = await self._redis()
+                await sink.persist(q, state)
+
+    async def _catalogue_batch(self, batch, dlq) -> None:
+        sink = await self._redis()
+        now = _now_ms()
+        good = []
+        for ev in batch:
+            try:
+                good.append(decode_item(ev.message.value, now, self.settings.limits))
+            except Rejected as rej:
+                m.DEAD_LETTERS.labels(str(rej.reason)).inc()
+                msg = ev.message
+                letter = dead_letter(
+                    rej, topic=msg.topic, partition=msg.partition, offset=msg.offset,
+                    key=msg.key, value=msg.value, now_ms=now, service=SERVICE,
+                )  # fmt: skip
+                await dlq.send(value=encode_dead_letter(letter))
+        if good:
+            await sink.write_catalogue(good, now - self.settings.new_item_window_ms)
+            # prices may arrive after the first events of an item
+            prices = {i.item_id: i.price for i in good}
+            for state in self.states.values():
+                known = {k: v for k, v in prices.items() if k in state.slots}
+                if known:
+                    state.set_prices(known)
+
+    async def _publish(self) -> None:
+        sink = await self._redis()
+        # Items first seen before their catalogue record: retry their prices (1/s); any
+        # price found changes hot scores, so the partition is persisted and republished.
+        for q, state in list(self.states.items()):
+            await self._refresh_prices(q, state, force=False)
+            if state.touched:
+                await self._persist(q)
+                self.dirty.add(q)
+        for q in sorted(self.dirty):
+            self.dirty.discard(q)
+            state = self.states.get(q)
+            if state is None:
+                continue
+            lists = state.hot_lists(self.settings.hot_k, q, _now_ms())
+            await sink.publish_hot(lists)
+            published = time.time()
+            for ts in self.lag_samples.pop(q, []):
+                m.HOT_LIST_LAG.observe(max(published - ts / 1000, 0.0))
+            for scope in lists:
+                m.HOT_LIST_PUBLISHES.labels(scope).inc()
+
+
+def run_streams(settings: StreamsSettings) -> int:
+    """Run one streams instance until SIGTERM/SIGINT."""
+    from faust.worker import Worker
+
+    m.serve_metrics(settings.metrics_port)
+    streams = StreamsApp(settings)
+    log.info(
+        "streams app %s: by-item partitions %d, fetch wait %s ms",
+        streams.app.conf.id,
+        streams.by_item_partitions,
+        streams.app.fetch_wait_max_ms,
+    )
+    worker = Worker(streams.app, loglevel="INFO", quiet=True, redirect_stdouts=False)
+    worker.execute_from_commandline()
+    return 0

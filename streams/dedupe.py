@@ -1,0 +1,33 @@
+"""A bounded window of recently seen event ids: a replay inside the window counts once.
+
+>>> w = DedupeWindow(capacity=2)
+>>> w.first_time("a"), w.first_time("a"), w.first_time("b"), w.first_time("c"), w.first_time("a")
+(True, False, True, True, True)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class DedupeWindow:
+    """The last ``capacity`` distinct ids, oldest evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("dedupe capacity must be >= 1")
+        self.capacity = capacity
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def first_time(self, event_id: str) -> bool:
+        """True, and remember it, unless ``event_id`` is in the window."""
+        seen = self._seen
+        if event_id in seen:
+            return False
+        seen[event_id] = None
+        if len(seen) > self.capacity:
+            seen.popitem(last=False)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)

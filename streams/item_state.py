@@ -1,0 +1,240 @@
+"""The per-item, per-scope counters of one ``events.by_item`` partition. Pure: no I/O.
+
+Scopes: 0 is global, then one per region as regions appear (up to ``max_regions``). Counts of
+impressions, clicks and conversions are forward-decayed (``decay.py``), so an event touches
+only its own item's row. ``applied`` remembers, per source partition of ``events``, the highest
+source offset already counted: a replayed repartition batch is skipped event by event, which
+makes the effect exactly-once when the state and ``applied`` are persisted together.
+
+>>> s = ItemPartitionState(StateConfig())
+>>> s.apply([(0, 5, "i1", 1, 3_600_000, "north", 0.0)])
+1
+>>> round(float(s.decayed_clicks(3_600_000)[0, 0]), 9)
+1.0
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from streams.decay import ForwardDecay
+from streams.hotlist import (
+    HotEntry,
+    HotList,
+    HotWeights,
+    Smoothing,
+    hot_scores,
+    price_norm,
+    smoothed_rate,
+    top_k_indices,
+)
+
+IMPRESSION, CLICK, CONVERSION = 0, 1, 2
+EVENT_CODES = {"impression": IMPRESSION, "click": CLICK, "conversion": CONVERSION}
+GLOBAL = "global"
+
+ByItemEvent = tuple[int, int, str, int, int, str | None, float]
+"""(source partition, source offset, item_id, event code, ts_ms, region, value)."""
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    decay_rate_per_hour: float = 0.95
+    late_grace_ms: int = 10 * 60 * 1000
+    """Events older than the partition's newest event time minus this are late and dropped."""
+    max_regions: int = 32
+    weights: HotWeights = field(default_factory=HotWeights)
+    smoothing: Smoothing = field(default_factory=Smoothing)
+    price_cap: float = 1000.0
+
+
+class ItemPartitionState:
+    """Counters for the items of one partition, plus hot-list and feature read-outs."""
+
+    def __init__(self, config: StateConfig, landmark_ms: int | None = None) -> None:
+        self.config = config
+        self.decay = ForwardDecay(config.decay_rate_per_hour, landmark_ms or 0)
+        self._landmark_set = landmark_ms is not None
+        self.slots: dict[str, int] = {}
+        self.item_ids: list[str] = []
+        self.scopes: dict[str, int] = {GLOBAL: 0}
+        self.counts = np.zeros((0, 1, 3), np.float64)  # [item, scope, kind], forward-decayed
+        self.price = np.zeros(0, np.float64)
+        self.watermark_ms = 0
+        self.applied: dict[int, int] = {}
+        self.touched: set[int] = set()
+        self.late = 0
+        self.skipped = 0
+
+    # ---------------------------------------------------------------------------- growth
+    def _slot(self, item_id: str) -> int:
+        slot = self.slots.get(item_id)
+        if slot is None:
+            slot = self.slots[item_id] = len(self.item_ids)
+            self.item_ids.append(item_id)
+            if slot >= len(self.counts):
+                grow = max(1024, len(self.counts))
+                self.counts = np.concatenate(
+                    [self.counts, np.zeros((grow, self.counts.shape[1], 3))], axis=0
+                )
+                self.price = np.concatenate([self.price, np.zeros(grow)])
+        return slot
+
+    def _scope(self, region: str | None) -> int | None:
+        if region is None:
+            return None
+        scope = self.scopes.get(region)
+        if scope is None:
+            if len(self.scopes) > self.config.max_regions:
+                return None
+            scope = self.scopes[region] = len(self.scopes)
+            self.counts = np.concatenate([self.counts, np.zeros((len(self.counts), 1, 3))], axis=1)
+        return scope
+
+    @property
+    def n_items(self) -> int:
+        return len(self.item_ids)
+
+    # ------------------------------------------------------------------------------ apply
+    def apply(self, events: Iterable[ByItemEvent]) -> int:
+        """Count events; returns how many counted (skips replays and late events)."""
+        counted = 0
+        grace = self.config.late_grace_ms
+        for src_part, src_off, item_id, code, ts, region, _value in events:
+            if src_off <= self.applied.get(src_part, -1):
+                self.skipped += 1
+                continue
+            self.applied[src_part] = src_off
+            if not self._landmark_set:
+                self.decay.landmark_ms = ts
+                self._landmark_set = True
+            if ts < self.watermark_ms - grace:
+                self.late += 1
+                continue
+            if ts > self.watermark_ms:
+                self.watermark_ms = ts
+                if self.decay.needs_renormalising(ts):
+                    self.decay.renormalise(ts - grace, self.counts)
+                    self.touched.update(range(self.n_items))
+            slot = self._slot(item_id)
+            w = self.decay.weight(ts)
+            self.counts[slot, 0, code] += w
+            scope = self._scope(region)
+            if scope is not None:
+                self.counts[slot, scope, code] += w
+            self.touched.add(slot)
+            counted += 1
+        return counted
+
+    def set_prices(self, prices: dict[str, float]) -> None:
+        for item_id, p in prices.items():
+            slot = self.slots.get(item_id)
+            if slot is not None:
+                self.price[slot] = p
+                self.touched.add(slot)
+
+    def items_without_price(self) -> list[str]:
+        n = self.n_items
+        return [self.item_ids[i] for i in np.flatnonzero(self.price[:n] == 0.0)]
+
+    # --------------------------------------------------------------------------- read-out
+    def decayed(self, t_ms: int) -> np.ndarray:
+        """[item, scope, kind] counts decayed to ``t_ms``."""
+        return self.decay.value_at(self.counts[: self.n_items], t_ms)
+
+    def decayed_clicks(self, t_ms: int) -> np.ndarray:
+        return self.decayed(t_ms)[:, :, CLICK]
+
+    def rates(self, decayed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Smoothed (CTR, CVR) per [item, scope]."""
+        sm = self.config.smoothing
+        ctr = smoothed_rate(
+            decayed[..., CLICK], decayed[..., IMPRESSION], sm.ctr_prior, sm.ctr_strength
+        )
+        cvr = smoothed_rate(
+            decayed[..., CONVERSION], decayed[..., CLICK], sm.cvr_prior, sm.cvr_strength
+        )
+        return ctr, cvr
+
+    def hot_lists(self, k: int, partition: int, published_ms: int) -> dict[str, HotList]:
+        """This partition's top-K per scope at its watermark, with the score's components."""
+        t = self.watermark_ms
+        n = self.n_items
+        dec = self.decayed(t)
+        _, cvr = self.rates(dec)
+        pn = price_norm(self.price[:n], self.config.price_cap)
+        names = np.array(self.item_ids, dtype=object)
+        out: dict[str, HotList] = {}
+        for scope, s in self.scopes.items():
+            clicks = dec[:, s, CLICK]
+            active = np.flatnonzero(dec[:, s, :].sum(axis=1) > 0) if s else np.arange(n)
+            scores = hot_scores(clicks[active], cvr[active, s], pn[active], self.config.weights)
+            best = active[top_k_indices(scores, k, names[active])]
+            out[scope] = HotList(
+                t,
+                [
+                    HotEntry(self.item_ids[i], float(clicks[i]), float(cvr[i, s]), float(pn[i]))
+                    for i in best
+                ],
+                partition,
+                published_ms,
+            )
+        return out
+
+    def take_touched(self) -> list[int]:
+        touched = sorted(self.touched)
+        self.touched.clear()
+        return touched
+
+    # --------------------------------------------------------------------------- snapshot
+    _ROW = struct.Struct("<d")
+
+    def snapshot_rows(self, slots: list[int]) -> dict[str, bytes]:
+        """Per-item snapshot values for ``slots``: price then forward counts, float64."""
+        n_scopes = self.counts.shape[1]
+        out: dict[str, bytes] = {}
+        for i in slots:
+            row = np.empty(1 + n_scopes * 3)
+            row[0] = self.price[i]
+            row[1:] = self.counts[i].ravel()
+            out[self.item_ids[i]] = row.tobytes()
+        return out
+
+    def snapshot_meta(self) -> dict[str, str]:
+        import json
+
+        return {
+            "landmark_ms": str(self.decay.landmark_ms),
+            "watermark_ms": str(self.watermark_ms),
+            "scopes": json.dumps(list(self.scopes)),
+            "applied": json.dumps({str(k): v for k, v in self.applied.items()}),
+            "late": str(self.late),
+        }
+
+    @classmethod
+    def restore(
+        cls, config: StateConfig, meta: dict[str, str], rows: dict[str, bytes]
+    ) -> ItemPartitionState:
+        import json
+
+        if not meta:
+            return cls(config)
+        state = cls(config, landmark_ms=int(meta["landmark_ms"]))
+        state.watermark_ms = int(meta["watermark_ms"])
+        for region in json.loads(meta["scopes"])[1:]:
+            state._scope(region)
+        state.applied = {int(k): int(v) for k, v in json.loads(meta["applied"]).items()}
+        state.late = int(meta.get("late", 0))
+        n_scopes = len(state.scopes)
+        for item_id, blob in rows.items():
+            row = np.frombuffer(blob, np.float64)
+            slot = state._slot(item_id)
+            state.price[slot] = row[0]
+            k = min(n_scopes, (len(row) - 1) // 3)
+            state.counts[slot, :k] = row[1 : 1 + 3 * k].reshape(k, 3)
+        state.touched.clear()
+        return state

@@ -1,0 +1,65 @@
+"""Settings of ``freshrec streams``, read from the environment at the edge."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from freshrec.settings import ConnectionSettings, env_float, env_int
+from schemas.codec import CodecLimits
+from streams.hotlist import HotWeights, Smoothing
+from streams.item_state import StateConfig
+
+
+@dataclass(frozen=True)
+class StreamsSettings:
+    conn: ConnectionSettings
+    state: StateConfig = field(default_factory=StateConfig)
+    limits: CodecLimits = field(default_factory=CodecLimits)
+    hot_k: int = 500
+    """Length of each published hot list (global and per region)."""
+    recent_clicks: int = 50
+    """How many recent clicks are kept per user."""
+    dedupe_window: int = 200_000
+    """Event ids remembered per source partition; a replay inside the window counts once."""
+    new_item_window_ms: int = 24 * 3_600_000
+    """Items created within this window are 'new' (the new-items recall channel)."""
+    publish_interval_ms: int = 200
+    """How often changed hot lists are recomputed and published."""
+    fetch_wait_max_ms: int | None = None
+    """faust's consumer fetch wait; None takes the Kafka profile's (5 ms local, 100 ms prod)."""
+    batch_max: int = 2000
+    batch_within_ms: int = 20
+    metrics_port: int = 0
+    """Prometheus port; 0 disables the endpoint."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> StreamsSettings:
+        weights = HotWeights(
+            click=env_float(env, "FRESHREC_HOT_WEIGHT_CLICK", 0.6),
+            cvr=env_float(env, "FRESHREC_HOT_WEIGHT_CVR", 0.3),
+            price=env_float(env, "FRESHREC_HOT_WEIGHT_PRICE", 0.1),
+        )
+        state = StateConfig(
+            decay_rate_per_hour=env_float(env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95),
+            late_grace_ms=env_int(env, "FRESHREC_LATE_GRACE_MS", 600_000, minimum=0),
+            weights=weights,
+            smoothing=Smoothing(),
+            price_cap=env_float(env, "FRESHREC_PRICE_CAP", 1000.0),
+        )
+        fetch = env.get("FRESHREC_STREAMS_FETCH_WAIT_MS")
+        return cls(
+            conn=ConnectionSettings.from_env(env),
+            state=state,
+            limits=CodecLimits(
+                max_payload_bytes=env_int(env, "FRESHREC_MAX_EVENT_BYTES", 16_384, minimum=256),
+                max_clock_skew_ms=env_int(env, "FRESHREC_MAX_CLOCK_SKEW_MS", 600_000, minimum=0),
+            ),
+            hot_k=env_int(env, "FRESHREC_HOT_K", 500, minimum=1),
+            recent_clicks=env_int(env, "FRESHREC_RECENT_CLICKS", 50, minimum=1),
+            dedupe_window=env_int(env, "FRESHREC_DEDUPE_WINDOW", 200_000, minimum=1),
+            new_item_window_ms=env_int(env, "FRESHREC_NEW_ITEM_WINDOW_MS", 86_400_000, minimum=1),
+            publish_interval_ms=env_int(env, "FRESHREC_HOT_PUBLISH_MS", 200, minimum=10),
+            fetch_wait_max_ms=int(fetch) if fetch else None,
+            metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
+        )

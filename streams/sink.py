@@ -1,0 +1,109 @@
+"""Writes of the streams app to Redis: batched, one pipeline per flush, never per event."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from redis.asyncio import Redis
+
+from freshrec.rediskeys import RedisKeys
+from schemas.records import Item
+from streams.hotlist import HotList, hot_scores, price_norm
+from streams.item_state import ItemPartitionState
+
+
+class StreamsSink:
+    def __init__(self, redis: Redis, keys: RedisKeys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def write_catalogue(self, items: Sequence[Item], new_since_ms: int) -> None:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(k.item_price, mapping={i.item_id: i.price for i in items})
+        pipe.hset(k.item_category, mapping={i.item_id: i.category for i in items})
+        pipe.hset(k.item_created_ms, mapping={i.item_id: i.created_at_ms for i in items})
+        regional = {i.item_id: i.region for i in items if i.region}
+        if regional:
+            pipe.hset(k.item_region, mapping=regional)
+        fresh = {i.item_id: i.created_at_ms for i in items if i.created_at_ms >= new_since_ms}
+        if fresh:
+            pipe.zadd(k.new_items, fresh)
+        pipe.zremrangebyscore(k.new_items, "-inf", f"({new_since_ms}")
+        await pipe.execute()
+
+    async def prices(self, item_ids: list[str]) -> dict[str, float]:
+        if not item_ids:
+            return {}
+        values = await self.redis.hmget(self.keys.item_price, item_ids)
+        return {i: float(v) for i, v in zip(item_ids, values, strict=True) if v is not None}
+
+    async def push_recent(self, clicks: Iterable[tuple[str, str, int]], keep: int) -> None:
+        """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim."""
+        per_user: dict[str, list[str]] = {}
+        for user_id, item_id, ts in clicks:
+            per_user.setdefault(user_id, []).append(f"{item_id}|{ts}")
+        if not per_user:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for user_id, entries in per_user.items():
+            key = self.keys.user_recent(user_id)
+            pipe.lpush(key, *entries)
+            pipe.ltrim(key, 0, keep - 1)
+        await pipe.execute()
+
+    async def persist(self, partition: int, state: ItemPartitionState) -> None:
+        """State rows of touched items, the meta (with applied offsets) and serving features,
+        in one MULTI/EXEC: a crash leaves either all of a flush or none of it."""
+        touched = state.take_touched()
+        if not touched:
+            return
+        k = self.keys
+        t = state.watermark_ms
+        idx = np.asarray(touched)
+        dec = state.decayed(t)[idx, 0, :]
+        ctr, cvr = state.rates(dec)
+        pn = price_norm(state.price[idx], state.config.price_cap)
+        hot = hot_scores(dec[:, 1], cvr, pn, state.config.weights)
+        ids = [state.item_ids[i] for i in touched]
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(k.streams_rows(partition), mapping=state.snapshot_rows(touched))
+        pipe.hset(k.streams_meta(partition), mapping=state.snapshot_meta())
+        for name, values in (
+            ("impressions", dec[:, 0]),
+            ("clicks", dec[:, 1]),
+            ("conversions", dec[:, 2]),
+            ("ctr", ctr),
+            ("cvr", cvr),
+            ("hot", hot),
+        ):
+            pipe.hset(
+                k.item_feature[name],
+                mapping=dict(zip(ids, np.round(values, 9).tolist(), strict=True)),
+            )
+        pipe.set(k.item_features_as_of, t)
+        await pipe.execute()
+
+    async def restore(self, partition: int, config) -> ItemPartitionState:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self.keys.streams_meta(partition))
+        pipe.hgetall(self.keys.streams_rows(partition))
+        meta_raw, rows_raw = await pipe.execute()
+        meta = {a.decode(): b.decode() for a, b in meta_raw.items()}
+        rows = {a.decode(): b for a, b in rows_raw.items()}
+        return ItemPartitionState.restore(config, meta, rows)
+
+    async def publish_hot(self, lists_by_scope: dict[str, HotList]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for scope, hl in lists_by_scope.items():
+            pipe.hset(self.keys.hot(scope), str(hl.partition), json.dumps(hl.to_json()))
+        pipe.sadd(self.keys.hot_scopes(), *lists_by_scope)
+        await pipe.execute()
+
+
+async def read_hot_lists(redis: Redis, keys: RedisKeys, scope: str) -> list[HotList]:
+    """Every partition's current list for ``scope``: one round trip."""
+    raw = await redis.hgetall(keys.hot(scope))
+    return [HotList.from_json(json.loads(v)) for v in raw.values()]

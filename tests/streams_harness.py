@@ -1,0 +1,114 @@
+"""Run ``freshrec streams`` instances as real processes and compute expectations by brute force."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+from confluent_kafka import Producer
+
+from freshrec.kafka import producer_config
+from freshrec.topics import TopicNames
+from schemas.codec import encode_event, encode_item
+from schemas.records import Event, Item
+from streams.hotlist import HotWeights, Smoothing, price_norm
+
+HOUR_MS = 3_600_000
+
+
+def service_env(conn, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FRESHREC_")}
+    env.update(
+        KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers,
+        REDIS_URL=conn.redis_url,
+        FRESHREC_TOPIC_PREFIX=conn.topic_prefix,
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def service(conn, command: str, log_path: Path, **extra: str) -> Iterator[subprocess.Popen]:
+    """A ``freshrec <command>`` process; stopped (SIGTERM, then SIGKILL) on exit."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "freshrec.cli", *command.split()],
+            env=service_env(conn, **extra), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def produce(conn, events: list[Event] | None = None, items: list[Item] | None = None, raw=()):
+    names = TopicNames(conn.topic_prefix)
+    p = Producer(producer_config(conn))
+    for item in items or []:
+        p.produce(names.items, key=item.item_id.encode(), value=encode_item(item))
+    for e in events or []:
+        p.produce(names.events, key=e.user_id.encode(), value=encode_event(e))
+    for key, value in raw:
+        p.produce(names.events, key=key, value=value)
+    assert p.flush(15) == 0
+
+
+def brute_force(events: list[Event], prices: dict[str, float], at_ms: int, rate=0.95):
+    """Decayed counts per (scope, item) and the hot score, from first principles."""
+    counts: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    seen: set[str] = set()
+    kinds = {"impression": 0, "click": 1, "conversion": 2}
+    for e in events:
+        if e.event_id in seen:
+            continue
+        seen.add(e.event_id)
+        w = rate ** ((at_ms - e.ts_ms) / HOUR_MS)
+        counts[("global", e.item_id)][kinds[e.event_type]] += w
+        if e.region:
+            counts[(e.region, e.item_id)][kinds[e.event_type]] += w
+    sm, wt = Smoothing(), HotWeights()
+    out: dict[str, dict[str, tuple[float, ...]]] = defaultdict(dict)
+    for (scope, item), (imp, clk, conv) in counts.items():
+        ctr = (clk + sm.ctr_strength * sm.ctr_prior) / (imp + sm.ctr_strength)
+        cvr = (conv + sm.cvr_strength * sm.cvr_prior) / (clk + sm.cvr_strength)
+        hot = wt.click * clk + wt.cvr * cvr + wt.price * float(price_norm(prices.get(item, 0.0)))
+        out[scope][item] = (imp, clk, conv, ctr, cvr, hot)
+    return out
+
+
+def top_k(scores: dict[str, tuple[float, ...]], k: int) -> list[str]:
+    return [i for i, _ in sorted(scores.items(), key=lambda x: (-x[1][5], x[0]))[:k]]
+
+
+def wait_for(condition, timeout_s=60.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last is True:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}: {last}")
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)

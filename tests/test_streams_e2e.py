@@ -1,0 +1,206 @@
+"""The streams app against the real broker and Redis: exact hot lists, features, dead letters,
+duplicates, two instances, and SIGKILL + restart."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import random
+import signal
+import time
+
+import pytest
+import redis as redis_lib
+from confluent_kafka import Consumer
+
+from freshrec.kafka import consumer_config
+from freshrec.partitioner import kafka_partition
+from freshrec.rediskeys import RedisKeys
+from freshrec.topics import TopicNames
+from schemas.codec import decode_dead_letter
+from schemas.records import Event, Item
+from streams.hotlist import HotWeights, merge_hot_lists
+from streams.sink import read_hot_lists
+
+from .streams_harness import brute_force, close, produce, service, stop, top_k, wait_for
+
+K = 5
+SETTINGS = {"FRESHREC_HOT_K": str(K), "FRESHREC_HOT_PUBLISH_MS": "100"}
+REGIONS = ["north", "south", "east"]
+
+
+def world_events(seed: int, n: int, t0: int, id_prefix: str) -> list[Event]:
+    """Events on 30 items whose popularity differs enough that ranks are unambiguous."""
+    rng = random.Random(seed)
+    out = []
+    for j in range(n):
+        item = f"i{min(int(rng.expovariate(0.15)), 29)}"
+        kind = rng.choices(["impression", "click", "conversion"], [0.7, 0.25, 0.05])[0]
+        out.append(Event(f"{id_prefix}{j}", kind, f"u{rng.randint(0, 40)}", item,
+                         t0 + rng.randint(0, 120_000), rng.choice(REGIONS), "pc"))  # fmt: skip
+    return out
+
+
+def catalogue() -> list[Item]:
+    return [Item(f"i{i}", f"c{i % 3}", float(5 + 13 * i), 1_700_000_000_000) for i in range(30)]
+
+
+def merged(conn, scope: str, k: int = K):
+    async def read():
+        client = redis_lib.asyncio.Redis.from_url(conn.redis_url)
+        try:
+            return await read_hot_lists(client, RedisKeys(conn.topic_prefix), scope)
+        finally:
+            await client.aclose()
+
+    lists = asyncio.run(read())
+    return lists, merge_hot_lists(lists, k, HotWeights(), 0.95)
+
+
+def matches_brute_force(conn, events, prices) -> bool | str:
+    """True when Redis holds exactly what a brute-force pass over ``events`` gives."""
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    at = max(e.ts_ms for e in events)
+    feats = {n: r.hgetall(k) for n, k in keys.item_feature.items()}
+    if len(feats["clicks"]) != len({e.item_id for e in events}):
+        return f"{len(feats['clicks'])} items have features"
+    # features are decayed to the newest event time of the item's own partition
+    watermarks = {}
+    for item in {e.item_id for e in events}:
+        q = kafka_partition(item.encode(), 8)
+        if q not in watermarks:
+            watermarks[q] = int(r.hget(keys.streams_meta(q), "watermark_ms") or 0)
+        mine = [e for e in events if kafka_partition(e.item_id.encode(), 8) == q]
+        want = brute_force(mine, prices, watermarks[q])["global"][item]
+        for n, w in zip(
+            ("impressions", "clicks", "conversions", "ctr", "cvr", "hot"), want, strict=True
+        ):
+            got = float(feats[n].get(item.encode(), -1))
+            if not math.isclose(got, w, rel_tol=1e-6, abs_tol=1e-6):
+                return f"{item}.{n}: {got} != {w}"
+    expect = brute_force(events, prices, at)
+    for scope in ["global", *REGIONS]:
+        lists, top = merged(conn, scope)
+        if not lists or max(h.as_of_ms for h in lists) != at:
+            return f"{scope}: lists not yet at {at}"
+        got_ids = [e.item_id for e, _ in top]
+        want = top_k(expect[scope], K)
+        if got_ids != want:
+            return f"{scope}: {got_ids} != {want}; got {[(e, s) for e, s in top]} want {[(i, expect[scope][i]) for i in want]}"
+        for (_entry, score), item in zip(top, want, strict=True):
+            if not close(score, expect[scope][item][5]):
+                return f"{scope}/{item}: score {score} != {expect[scope][item][5]}"
+    return True
+
+
+def test_hot_lists_features_and_recent_clicks_match_brute_force(conn, tmp_path):
+    t0 = int(time.time() * 1000) - 300_000
+    events = world_events(1, 3000, t0, "a")
+    prices = {i.item_id: i.price for i in catalogue()}
+    produce(conn, items=catalogue())
+    with service(conn, "streams", tmp_path / "streams.log", **SETTINGS):
+        produce(conn, events)
+        wait_for(lambda: matches_brute_force(conn, events, prices), 90, "exact hot lists")
+        r = redis_lib.Redis.from_url(conn.redis_url)
+        keys = RedisKeys(conn.topic_prefix)
+        for user in ("u1", "u7"):
+            clicks = [e for e in events if e.user_id == user and e.event_type == "click"]
+            recent = [x.decode() for x in r.lrange(keys.user_recent(user), 0, -1)]
+            want = [f"{e.item_id}|{e.ts_ms}" for e in reversed(clicks)][:50]
+            assert recent == want
+        assert r.hlen(keys.item_price) == 30
+
+
+def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn, tmp_path):
+    now = int(time.time() * 1000)
+    good = [Event(f"g{j}", "click", "u1", "i1", now - 1000 + j, "north", "pc") for j in range(20)]
+    poison = [
+        (b"u1", b"{not json", "malformed_json"),
+        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"hover","user_id":"u1","item_id":"i1","ts_ms":%d}' % now, "unknown_event_type"),
+        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","ts_ms":%d}' % now, "missing_field"),
+        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":%d,"value":NaN}' % now, "non_finite_number"),
+        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"","item_id":"i1","ts_ms":%d}' % now, "empty_id"),
+        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":5}', "timestamp_too_old"),
+        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":%d}' % (now + 86_400_000), "timestamp_in_future"),
+    ]  # fmt: skip
+    with service(conn, "streams", tmp_path / "streams.log", **SETTINGS):
+        produce(conn, good[:10], raw=[(k, v) for k, v, _ in poison])
+        produce(conn, good[10:] + good[:5])  # five replays of the same event ids
+        r = redis_lib.Redis.from_url(conn.redis_url)
+        keys = RedisKeys(conn.topic_prefix)
+        wait_for(
+            lambda: r.hget(keys.item_feature["clicks"], "i1") is not None
+            and abs(float(r.hget(keys.item_feature["clicks"], "i1")) - 20) < 1e-3,
+            60, "20 clicks on i1",
+        )  # fmt: skip
+        consumer = Consumer(consumer_config(conn, f"{conn.topic_prefix}dlq-reader"))
+        consumer.subscribe([TopicNames(conn.topic_prefix).events_dlq])
+        letters = []
+        deadline = time.monotonic() + 30
+        while len(letters) < len(poison) and time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is not None and not msg.error():
+                letters.append(decode_dead_letter(msg.value(), now))
+        consumer.close()
+        assert [d.reason for d in letters] == [reason for _, _, reason in poison]
+        assert [base64.b64decode(d.value_b64) for d in letters] == [v for _, v, _ in poison]
+        assert all(d.source_topic == TopicNames(conn.topic_prefix).events for d in letters)
+        time.sleep(0.5)  # give a wrong double count the chance to show
+        assert float(r.hget(keys.item_feature["clicks"], "i1")) == pytest.approx(20, abs=1e-3)
+
+
+def test_two_instances_split_partitions_and_the_merged_top_k_stays_exact(conn, tmp_path):
+    t0 = int(time.time() * 1000) - 300_000
+    events = world_events(2, 3000, t0, "b")
+    prices = {i.item_id: i.price for i in catalogue()}
+    produce(conn, items=catalogue())
+    with (
+        service(conn, "streams", tmp_path / "a.log", **SETTINGS),
+        service(conn, "streams", tmp_path / "b.log", **SETTINGS),
+    ):
+
+        def both_assigned():
+            logs = [(tmp_path / n).read_text() for n in ("a.log", "b.log")]
+            owned = [
+                line
+                for log in logs
+                for line in log.splitlines()
+                if "assigned events.by_item" in line
+            ]
+            last = [
+                log.rsplit("assigned events.by_item partitions", 1)[-1].split("\n")[0]
+                for log in logs
+            ]
+            return (len(owned) >= 2 and all(x.strip() not in ("", "[]") for x in last)) or last
+
+        wait_for(both_assigned, 60, "both instances to own by-item partitions")
+        produce(conn, events)
+        wait_for(lambda: matches_brute_force(conn, events, prices), 90, "exact merged hot lists")
+        lists, _ = merged(conn, "global")
+        assert len({h.partition for h in lists}) > 1
+
+
+def test_sigkill_and_restart_continue_the_counts_without_double_counting(conn, tmp_path):
+    t0 = int(time.time() * 1000) - 300_000
+    first, second = world_events(3, 2000, t0, "c"), world_events(4, 2000, t0 + 130_000, "d")
+    prices = {i.item_id: i.price for i in catalogue()}
+    produce(conn, items=catalogue())
+    with service(conn, "streams", tmp_path / "s1.log", **SETTINGS) as proc:
+        produce(conn, first)
+        wait_for(lambda: matches_brute_force(conn, first, prices), 90, "first half counted")
+        stop(proc, signal.SIGKILL)
+    produce(conn, second)
+    with service(conn, "streams", tmp_path / "s2.log", **SETTINGS):
+        wait_for(
+            lambda: matches_brute_force(conn, first + second, prices),
+            90,
+            "both halves counted once",
+        )
+    assert "restored" in (tmp_path / "s2.log").read_text()
+    meta = redis_lib.Redis.from_url(conn.redis_url).hgetall(
+        RedisKeys(conn.topic_prefix).streams_meta(0)
+    )
+    assert json.loads(meta[b"applied"])

@@ -1,0 +1,201 @@
+"""Pure logic of the streams app: forward decay, hot scores, top-K merge, dedupe, item state."""
+
+from __future__ import annotations
+
+import ast
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streams.decay import HOUR_MS, ForwardDecay
+from streams.dedupe import DedupeWindow
+from streams.hotlist import (
+    HotEntry,
+    HotList,
+    HotWeights,
+    Smoothing,
+    merge_hot_lists,
+    price_norm,
+    top_k_indices,
+)
+from streams.item_state import CLICK, CONVERSION, IMPRESSION, ItemPartitionState, StateConfig
+
+T0 = 1_767_225_600_000
+PURE_MODULES = ["streams/decay.py", "streams/dedupe.py", "streams/hotlist.py", "streams/item_state.py",
+                "tools/world.py", "tools/traffic.py", "tools/pacing.py"]  # fmt: skip
+IO_PACKAGES = {"confluent_kafka", "aiokafka", "faust", "redis", "socket", "requests", "mode"}
+
+
+@pytest.mark.parametrize("path", PURE_MODULES)
+def test_pure_modules_import_no_io(path):
+    tree = ast.parse((Path(__file__).parents[1] / path).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & IO_PACKAGES
+
+
+def naive(events: list[float], t: float, rate: float) -> float:
+    return sum(rate ** ((t - e) / HOUR_MS) for e in events)
+
+
+def test_forward_decay_matches_naive_decay_out_of_order():
+    rng = random.Random(1)
+    d = ForwardDecay(0.95, landmark_ms=T0)
+    times = [T0 + rng.randint(0, 48 * HOUR_MS) for _ in range(500)]
+    rng.shuffle(times)  # order does not matter
+    stored = sum(d.weight(t) for t in times)
+    for t in (max(times), max(times) + 5 * HOUR_MS, max(times) + 1000 * HOUR_MS):
+        exact = naive(times, t, 0.95)
+        assert abs(d.value_at(stored, t) - exact) / exact < 1e-9
+
+
+def test_landmark_renormalisation_keeps_values_and_bounds_growth():
+    d = ForwardDecay(0.95, landmark_ms=T0, renormalise_above=1e6)
+    counts = np.zeros(3)
+    times, t = [], T0
+    for step in range(4000):
+        t = T0 + step * HOUR_MS // 4  # 1000 hours: g would reach ~1e22 without moving L
+        if d.needs_renormalising(t):
+            d.renormalise(t, counts)
+        counts[step % 3] += d.weight(t)
+        times.append(t)
+        assert d.weight(t) <= 1e6 * 1.02
+    assert d.landmark_ms > T0
+    for k in range(3):
+        exact = naive(times[k::3], t, 0.95)
+        assert abs(d.value_at(counts[k], t) - exact) / exact < 1e-9
+
+
+def test_decay_rate_is_validated():
+    with pytest.raises(ValueError):
+        ForwardDecay(1.5)
+
+
+@pytest.mark.parametrize(
+    ("weights", "winner"),
+    [
+        (HotWeights(1.0, 0.0, 0.0), "clicky"),
+        (HotWeights(0.0, 1.0, 0.0), "converting"),
+        (HotWeights(0.0, 0.0, 1.0), "pricey"),
+    ],
+)
+def test_each_weight_of_the_hot_formula_moves_the_ranking(weights, winner):
+    lists = [HotList(T0, [HotEntry("clicky", 10, 0.05, 0.1), HotEntry("converting", 1, 0.9, 0.1),
+                          HotEntry("pricey", 1, 0.05, 0.9)])]  # fmt: skip
+    (best, score), *_ = merge_hot_lists(lists, 3, weights, 0.95)
+    assert best.item_id == winner
+    e = best
+    assert score == pytest.approx(
+        weights.click * e.clicks + weights.cvr * e.cvr + weights.price * e.price_norm
+    )
+
+
+def test_price_normalisation_cannot_drown_the_other_terms():
+    assert price_norm(np.array([0.0, 1e9]), cap=1000).tolist() == [0.0, 1.0]
+
+
+def test_top_k_breaks_ties_by_name_and_keeps_all_ties_in_play():
+    scores = np.array([1.0, 3.0, 3.0, 2.0, 3.0])
+    names = np.array(["e", "d", "c", "b", "a"], dtype=object)
+    assert top_k_indices(scores, 2, names).tolist() == [4, 2]
+    assert top_k_indices(scores, 10).tolist() == [1, 2, 4, 3, 0]
+
+
+def test_merged_partition_lists_equal_the_top_k_over_all_items():
+    rng = np.random.default_rng(3)
+    w = HotWeights()
+    n, parts, k = 600, 4, 25
+    clicks, cvr, pn = rng.gamma(2, 5, n), rng.random(n), rng.random(n)
+    ids = np.array([f"i{i}" for i in range(n)], dtype=object)
+    owner = rng.integers(0, parts, n)
+    lists = []
+    for p in range(parts):
+        mine = np.flatnonzero(owner == p)
+        s = w.click * clicks[mine] + w.cvr * cvr[mine] + w.price * pn[mine]
+        best = mine[top_k_indices(s, k, ids[mine])]
+        lists.append(HotList(T0, [HotEntry(ids[i], clicks[i], cvr[i], pn[i]) for i in best], p))
+    merged = [e.item_id for e, _ in merge_hot_lists(lists, k, w, 0.95)]
+    brute = top_k_indices(w.click * clicks + w.cvr * cvr + w.price * pn, k, ids)
+    assert merged == [ids[i] for i in brute]
+
+
+def test_merge_brings_lists_of_different_ages_to_one_time():
+    old = HotList(T0, [HotEntry("a", 10.0, 0, 0)])
+    new = HotList(T0 + HOUR_MS, [HotEntry("b", 9.6, 0, 0)])
+    (first, _s1), (second, s2) = merge_hot_lists([old, new], 2, HotWeights(1, 0, 0), 0.95)
+    assert (first.item_id, second.item_id) == ("b", "a")
+    assert s2 == pytest.approx(9.5)
+
+
+def test_dedupe_window_is_bounded_and_forgets_the_oldest():
+    w = DedupeWindow(3)
+    assert [w.first_time(x) for x in "abcab"] == [True, True, True, False, False]
+    w.first_time("d")
+    assert len(w) == 3 and w.first_time("a")
+
+
+def make_state(**over) -> ItemPartitionState:
+    return ItemPartitionState(StateConfig(**over))
+
+
+def test_item_state_counts_decay_and_per_region_scopes():
+    s = make_state()
+    s.apply([(0, 0, "i1", IMPRESSION, T0, "north", 0), (0, 1, "i1", CLICK, T0, "north", 0),
+             (0, 2, "i1", CLICK, T0 + HOUR_MS, "south", 0), (0, 3, "i2", CONVERSION, T0 + HOUR_MS, None, 5)])  # fmt: skip
+    dec = s.decayed(T0 + HOUR_MS)
+    i1 = s.slots["i1"]
+    assert dec[i1, 0, CLICK] == pytest.approx(0.95 + 1.0)
+    assert dec[i1, s.scopes["north"], CLICK] == pytest.approx(0.95)
+    assert dec[i1, s.scopes["south"], CLICK] == pytest.approx(1.0)
+    assert dec[s.slots["i2"], 0, CONVERSION] == pytest.approx(1.0)
+
+
+def test_item_state_skips_replayed_source_offsets_exactly():
+    s = make_state()
+    batch = [(1, o, "i1", CLICK, T0, None, 0) for o in range(10)]
+    assert s.apply(batch) == 10
+    assert s.apply([*batch[5:], (1, 10, "i1", CLICK, T0, None, 0)]) == 1
+    assert s.skipped == 5
+    assert s.decayed(T0)[0, 0, CLICK] == pytest.approx(11)
+
+
+def test_late_events_beyond_grace_are_counted_and_dropped():
+    s = make_state(late_grace_ms=60_000)
+    s.apply([(0, 0, "i1", CLICK, T0 + 120_000, None, 0), (0, 1, "i1", CLICK, T0 + 70_000, None, 0),
+             (0, 2, "i1", CLICK, T0, None, 0)])  # fmt: skip
+    assert s.late == 1
+    assert s.decayed(T0 + 120_000)[0, 0, CLICK] == pytest.approx(1 + 0.95 ** (50_000 / HOUR_MS))
+
+
+def test_item_state_snapshot_round_trip_is_exact():
+    s = make_state()
+    rng = random.Random(2)
+    s.apply([(rng.randint(0, 3), o, f"i{rng.randint(0, 50)}", rng.randint(0, 2), T0 + o * 1000,
+              rng.choice(["north", "south", None]), 0) for o in range(2000)])  # fmt: skip
+    s.set_prices({"i1": 9.5})
+    back = ItemPartitionState.restore(
+        s.config, s.snapshot_meta(), s.snapshot_rows(list(range(s.n_items)))
+    )
+    assert back.applied == s.applied and back.watermark_ms == s.watermark_ms
+    for item, slot in s.slots.items():
+        np.testing.assert_array_equal(back.counts[back.slots[item]], s.counts[slot])
+    assert back.price[back.slots["i1"]] == 9.5
+    a = s.hot_lists(10, 0, 0)["global"].entries
+    b = back.hot_lists(10, 0, 0)["global"].entries
+    assert a == b
+
+
+def test_ctr_and_cvr_are_smoothed_towards_priors():
+    s = make_state()
+    s.apply([(0, 0, "i1", CLICK, T0, None, 0)])
+    ctr, cvr = s.rates(s.decayed(T0))
+    sm = Smoothing()
+    assert ctr[0, 0] == pytest.approx((1 + sm.ctr_strength * sm.ctr_prior) / sm.ctr_strength)
+    assert 0 < cvr[0, 0] < 1 and math.isfinite(cvr[0, 0])
