@@ -12,7 +12,10 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
 
-LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LAG_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1, 1.5, 2, 3, 5, 10, 30, 60,
+)  # fmt: skip
 
 # ------------------------------------------------------------------------------ streams
 STREAMS_EVENTS = Counter(
@@ -21,6 +24,17 @@ STREAMS_EVENTS = Counter(
 DEAD_LETTERS = Counter(
     "freshrec_dead_letters_total", "Records sent to a dead-letter topic, by reason", ["reason"]
 )
+STREAMS_COUNTED = Counter(
+    "freshrec_streams_counted_events_total", "Events counted into item state (after repartition)"
+)
+STREAMS_BATCH_SIZE = Histogram(
+    "freshrec_streams_batch_messages", "Messages per agent batch", ["stage"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
+)  # fmt: skip
+STREAMS_BATCH_SECONDS = Histogram(
+    "freshrec_streams_batch_seconds", "Time to process one agent batch", ["stage"],
+    buckets=LAG_BUCKETS_S,
+)  # fmt: skip
 STREAMS_LATE = Counter("freshrec_streams_late_events_total", "Events older than the grace period")
 STREAMS_REPLAYED = Counter(
     "freshrec_streams_replayed_events_total", "Repartitioned events skipped as already counted"

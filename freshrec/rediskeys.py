@@ -24,7 +24,7 @@ class RedisKeys:
             name: f"{p}item:{name}"
             for name in ("impressions", "clicks", "conversions", "ctr", "cvr", "hot")
         }
-        self.item_features_as_of = f"{p}item:features_as_of_ms"  # string
+        self.item_features_as_of = f"{p}item:as_of_ms"  # hash: event time features hold at
 
     def hot(self, scope: str) -> str:
         """Hash: field = by-item partition, value = that partition's HotList JSON."""

@@ -20,13 +20,16 @@ new-item window go into a sorted set for the new-items recall channel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 import faust
 from confluent_kafka.admin import AdminClient
+from mode.supervisors import CrashingSupervisor
 from redis.asyncio import Redis
 
 from freshrec import metrics as m
@@ -45,6 +48,13 @@ from streams.transport import FetchTunedApp
 log = logging.getLogger("freshrec.streams")
 SERVICE = "streams"
 LAG_SAMPLES_PER_PUBLISH = 256
+
+
+@contextlib.contextmanager
+def timed(stage: str, batch) -> Iterator[None]:
+    m.STREAMS_BATCH_SIZE.labels(stage).observe(len(batch))
+    with m.STREAMS_BATCH_SECONDS.labels(stage).time():
+        yield
 
 
 def _now_ms() -> int:
@@ -98,6 +108,10 @@ class StreamsApp:
             broker_commit_interval=1.0,
             stream_wait_empty=False,
             producer_linger=0.002,
+            # An agent that raises must stop the worker, not be restarted past its batch:
+            # faust would ack the batch, and counts would be lost. A restart resumes from
+            # the offsets persisted in Redis instead.
+            agent_supervisor=CrashingSupervisor,
         )
         app.fetch_wait_max_ms = s.fetch_wait_max_ms or p.fetch_wait_max_ms
         raw = {"key_serializer": "raw", "value_serializer": "raw"}
@@ -110,12 +124,14 @@ class StreamsApp:
         @app.agent(events, name="validate")
         async def validate(stream):
             async for batch in stream.take_events(s.batch_max, within=within):
-                await self._validate_batch(batch, by_item, dlq)
+                with timed("validate", batch):
+                    await self._validate_batch(batch, by_item, dlq)
 
         @app.agent(by_item, name="count")
         async def count(stream):
             async for batch in stream.take_events(s.batch_max, within=within):
-                await self._count_batch(batch)
+                with timed("count", batch):
+                    await self._count_batch(batch)
 
         @app.agent(items, name="catalogue")
         async def catalogue(stream):
@@ -201,19 +217,16 @@ class StreamsApp:
             )  # fmt: skip
             if e.event_type == "click":
                 clicks.append((e.user_id, e.item_id, e.ts_ms))
-        futures = []
+        # Not awaited one by one: faust flushes its producer before it commits offsets, so
+        # these are delivered before the batch counts as done.
         for q, records in routed.items():
-            futures.append(
-                await by_item.send(
-                    value=json.dumps(records, separators=(",", ":")).encode(), partition=q
-                )
+            await by_item.send(
+                value=json.dumps(records, separators=(",", ":")).encode(), partition=q
             )
         for letter in letters:
-            futures.append(await dlq.send(value=letter))
+            await dlq.send(value=letter)
         if clicks:
             await sink.push_recent(clicks, self.settings.recent_clicks)
-        if futures:
-            await asyncio.gather(*futures)  # delivered before faust may commit the batch
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
         m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
         m.STREAMS_EVENTS.labels("rejected").inc(len(letters))
@@ -236,6 +249,7 @@ class StreamsApp:
         return state
 
     async def _count_batch(self, batch) -> None:
+        sink = await self._redis()
         await self._redis()
         touched: set[int] = set()
         for ev in batch:
@@ -243,7 +257,7 @@ class StreamsApp:
             state = await self._state(q)
             records = json.loads(ev.message.value)
             late_before, skipped_before = state.late, state.skipped
-            state.apply(records)
+            m.STREAMS_COUNTED.inc(state.apply(records))
             m.STREAMS_LATE.inc(state.late - late_before)
             m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
             samples = self.lag_samples[q]
@@ -251,14 +265,17 @@ class StreamsApp:
                 samples.extend(r[4] for r in records[: LAG_SAMPLES_PER_PUBLISH - len(samples)])
             touched.add(q)
         for q in touched:
-            await self._refresh_prices(q, self.states[q], force=True)
+            state = self.states[q]
+            new = state.take_new_items()
+            if new:
+                state.set_prices(await sink.prices(new))
             await self._persist(q)
             self.dirty.add(q)
 
-    async def _refresh_prices(self, q: int, state: ItemPartitionState, force: bool) -> None:
-        """Fetch prices of items seen before their catalogue record (retried each second)."""
+    async def _refresh_prices(self, q: int, state: ItemPartitionState) -> None:
+        """Fetch prices of items seen before their catalogue record (retried every 5 s)."""
         now = time.monotonic()
-        if not force and now - self.price_checked[q] < 1.0:
+        if now - self.price_checked[q] < 5.0:
             return
         self.price_checked[q] = now
         missing = state.items_without_price()[:5000]
@@ -304,7 +321,7 @@ class StreamsApp:
         # Items first seen before their catalogue record: retry their prices (1/s); any
         # price found changes hot scores, so the partition is persisted and republished.
         for q, state in list(self.states.items()):
-            await self._refresh_prices(q, state, force=False)
+            await self._refresh_prices(q, state)
             if state.touched:
                 await self._persist(q)
                 self.dirty.add(q)

@@ -67,6 +67,7 @@ class ItemPartitionState:
         self.watermark_ms = 0
         self.applied: dict[int, int] = {}
         self.touched: set[int] = set()
+        self.new_slots: list[int] = []
         self.late = 0
         self.skipped = 0
 
@@ -76,6 +77,7 @@ class ItemPartitionState:
         if slot is None:
             slot = self.slots[item_id] = len(self.item_ids)
             self.item_ids.append(item_id)
+            self.new_slots.append(slot)
             if slot >= len(self.counts):
                 grow = max(1024, len(self.counts))
                 self.counts = np.concatenate(
@@ -136,6 +138,12 @@ class ItemPartitionState:
             if slot is not None:
                 self.price[slot] = p
                 self.touched.add(slot)
+
+    def take_new_items(self) -> list[str]:
+        """Items first seen since the last call (their price is still to be looked up)."""
+        new = [self.item_ids[i] for i in self.new_slots]
+        self.new_slots.clear()
+        return new
 
     def items_without_price(self) -> list[str]:
         n = self.n_items
@@ -237,4 +245,5 @@ class ItemPartitionState:
             k = min(n_scopes, (len(row) - 1) // 3)
             state.counts[slot, :k] = row[1 : 1 + 3 * k].reshape(k, 3)
         state.touched.clear()
+        state.new_slots.clear()
         return state

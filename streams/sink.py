@@ -83,7 +83,8 @@ class StreamsSink:
                 k.item_feature[name],
                 mapping=dict(zip(ids, np.round(values, 9).tolist(), strict=True)),
             )
-        pipe.set(k.item_features_as_of, t)
+        # the event time these counts are decayed to; items untouched since keep older ones
+        pipe.hset(k.item_features_as_of, mapping=dict.fromkeys(ids, t))
         await pipe.execute()
 
     async def restore(self, partition: int, config) -> ItemPartitionState:

@@ -16,7 +16,6 @@ import redis as redis_lib
 from confluent_kafka import Consumer
 
 from freshrec.kafka import consumer_config
-from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from schemas.codec import decode_dead_letter
@@ -67,14 +66,13 @@ def matches_brute_force(conn, events, prices) -> bool | str:
     feats = {n: r.hgetall(k) for n, k in keys.item_feature.items()}
     if len(feats["clicks"]) != len({e.item_id for e in events}):
         return f"{len(feats['clicks'])} items have features"
-    # features are decayed to the newest event time of the item's own partition
-    watermarks = {}
+    # each item's features are decayed to the event time recorded beside them
+    as_of = {k.decode(): int(v) for k, v in r.hgetall(keys.item_features_as_of).items()}
     for item in {e.item_id for e in events}:
-        q = kafka_partition(item.encode(), 8)
-        if q not in watermarks:
-            watermarks[q] = int(r.hget(keys.streams_meta(q), "watermark_ms") or 0)
-        mine = [e for e in events if kafka_partition(e.item_id.encode(), 8) == q]
-        want = brute_force(mine, prices, watermarks[q])["global"][item]
+        mine = [e for e in events if e.item_id == item and e.ts_ms <= as_of.get(item, 0)]
+        if not mine:
+            return f"{item}: no features yet"
+        want = brute_force(mine, prices, as_of[item])["global"][item]
         for n, w in zip(
             ("impressions", "clicks", "conversions", "ctr", "cvr", "hot"), want, strict=True
         ):

@@ -1,0 +1,147 @@
+"""Benchmark of ``freshrec streams``: throughput vs raw consume, and hot-list lag at 5k/s.
+
+    .venv/bin/python -m tools.bench_streams [--events 200000] [--rate 5000] [--duration 30]
+
+Writes artifacts/bench_streams.json. Runs on its own embedded stack (or on
+KAFKA_BOOTSTRAP_SERVERS/REDIS_URL when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from freshrec.progress import ProgressLine
+from freshrec.stack import free_port
+from freshrec.topics import TopicNames
+from schemas.codec import encode_event
+from tools.benchlib import bench_connection, produce_values, raw_consume_rate, save
+from tools.produce import produce_events
+from tools.promtext import histogram_quantile, scrape, total
+from tools.traffic import EventSynthesizer
+from tools.world import World, WorldConfig
+
+
+@contextlib.contextmanager
+def streams_process(conn, port: int):
+    env = dict(os.environ)
+    env.update(
+        KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers, REDIS_URL=conn.redis_url,
+        FRESHREC_TOPIC_PREFIX=conn.topic_prefix, FRESHREC_METRICS_PORT=str(port),
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "freshrec.cli", "streams"], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def metric(port: int, name: str, **labels) -> float:
+    try:
+        return total(scrape(f"http://127.0.0.1:{port}/metrics"), name, **labels)
+    except OSError:
+        return 0.0
+
+
+def subtract(after, before, name: str):
+    """``after - before`` for the series ``name`` (a histogram's buckets over one phase)."""
+    base = {tuple(sorted(labels.items())): v for labels, v in before.get(name, [])}
+    return {name: [(labels, v - base.get(tuple(sorted(labels.items())), 0.0))
+                   for labels, v in after.get(name, [])]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=200_000)
+    ap.add_argument("--rate", type=float, default=5000.0)
+    ap.add_argument("--duration", type=float, default=30.0)
+    args = ap.parse_args()
+    progress = ProgressLine()
+    world = World(WorldConfig(seed=3, n_users=1_000_000, n_items=100_000))
+    results: dict = {}
+
+    with bench_connection(f"bs{int(time.time())}.") as conn:
+        topic = TopicNames(conn.topic_prefix).events
+        synth = EventSynthesizer(world, seed=3)
+        records: list[tuple[bytes, bytes]] = []
+        now = int(time.time() * 1000)
+        while len(records) < args.events:
+            records += [(e.user_id.encode(), encode_event(e)) for e in synth.batch(500, now)]
+        records = records[: args.events]
+        produce_values(conn, topic, records)
+        progress.done(f"produced {len(records):,} events")
+
+        raw = raw_consume_rate(conn, topic, len(records))
+        progress.done(f"raw confluent-kafka batch consume: {raw:,.0f} events/s")
+
+        port = free_port()
+        with streams_process(conn, port) as proc:
+            first = None
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise SystemExit(f"freshrec streams exited with {proc.returncode}")
+                counted = metric(port, "freshrec_streams_counted_events_total")
+                if counted > 0 and first is None:
+                    first = (time.perf_counter(), counted)
+                if counted >= len(records):
+                    break
+                progress.update(f"streams counted {counted:,.0f}/{len(records):,}")
+                time.sleep(0.05)
+            end = time.perf_counter()
+        if first is None or counted < len(records):
+            raise SystemExit(f"streams counted only {counted} of {len(records)}")
+        rate = (len(records) - first[1]) / (end - first[0])
+        progress.done(f"freshrec streams: {rate:,.0f} events/s ({100 * rate / raw:.1f}% of raw)")
+        results["throughput"] = {
+            "events": len(records),
+            "raw_consume_events_per_s": round(raw),
+            "streams_events_per_s": round(rate),
+            "ratio": round(rate / raw, 3),
+        }
+
+    with bench_connection(f"bl{int(time.time())}.") as conn:
+        port = free_port()
+        with streams_process(conn, port):
+            # warm up: the group join takes seconds on the embedded broker; measure after it
+            produce_events(conn, world, rate_per_s=200, duration_s=1.0, seed=99)
+            deadline = time.monotonic() + 60
+            while metric(port, "freshrec_streams_counted_events_total") < 150:
+                if time.monotonic() > deadline:
+                    raise SystemExit("streams did not start counting within 60 s")
+                time.sleep(0.1)
+            time.sleep(1.0)
+            name = "freshrec_hot_list_lag_seconds"
+            before = scrape(f"http://127.0.0.1:{port}/metrics")
+            stats = produce_events(
+                conn, world, rate_per_s=args.rate, duration_s=args.duration, progress=progress
+            )
+            time.sleep(2)
+            after = scrape(f"http://127.0.0.1:{port}/metrics")
+        delta = subtract(after, before, name + "_bucket")
+        results["hot_list_lag"] = {
+            "rate_events_per_s": args.rate,
+            "duration_s": args.duration,
+            "events": stats.delivered,
+            "observations": total(delta, name + "_bucket", le="+Inf"),
+            "p50_ms": round(1000 * histogram_quantile(delta, name, 0.50), 1),
+            "p99_ms": round(1000 * histogram_quantile(delta, name, 0.99), 1),
+            "note": "after warm-up; quantiles interpolated in Prometheus histogram buckets",
+        }
+    save("bench_streams", results)
+
+
+if __name__ == "__main__":
+    main()

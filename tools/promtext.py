@@ -1,0 +1,71 @@
+"""Read Prometheus text exposition: scrape a /metrics endpoint, sum series, estimate quantiles.
+
+Used by benchmarks, ``freshrec top`` and tests; no Prometheus server needed.
+
+>>> text = 'x_bucket{le="0.1"} 5\\nx_bucket{le="1.0"} 10\\nx_bucket{le="+Inf"} 10\\n'
+>>> round(histogram_quantile(parse(text), "x", 0.5), 3)
+0.1
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.request
+from collections import defaultdict
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse(text: str) -> Samples:
+    out: Samples = defaultdict(list)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if m:
+            labels = dict(_LABEL.findall(m.group(2) or ""))
+            out[m.group(1)].append((labels, float(m.group(3))))
+    return out
+
+
+def scrape(url: str, timeout_s: float = 2.0) -> Samples:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return parse(resp.read().decode())
+
+
+def total(samples: Samples, name: str, **match: str) -> float:
+    return sum(
+        v
+        for labels, v in samples.get(name, [])
+        if all(labels.get(k) == x for k, x in match.items())
+    )
+
+
+def histogram_quantile(samples: Samples, name: str, q: float, **match: str) -> float:
+    """Prometheus' histogram_quantile: linear interpolation inside the bucket (NaN if empty)."""
+    buckets: dict[float, float] = defaultdict(float)
+    for labels, v in samples.get(name + "_bucket", []):
+        if all(labels.get(k) == x for k, x in match.items()):
+            buckets[float(labels["le"])] += v
+    if not buckets:
+        return math.nan
+    bounds = sorted(buckets)
+    count = buckets[bounds[-1]]
+    if count == 0:
+        return math.nan
+    rank = q * count
+    prev_bound, prev_count = 0.0, 0.0
+    for b in bounds:
+        c = buckets[b]
+        if c >= rank:
+            if math.isinf(b):
+                return prev_bound
+            if c == prev_count:
+                return b
+            return prev_bound + (b - prev_bound) * (rank - prev_count) / (c - prev_count)
+        prev_bound, prev_count = b, c
+    return bounds[-1]
