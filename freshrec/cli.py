@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_events.set_defaults(func=commands.cmd_produce_events)
     streams = sub.add_parser("streams", help="the faust app: validation, hot scores, features")
     streams.set_defaults(func=commands.cmd_streams)
+    worker = sub.add_parser("worker", help="the inference worker: embedding cache, online learning")
+    worker.set_defaults(func=commands.cmd_worker)
+    ps = sub.add_parser("param-server", help="aggregate gradients, Adagrad, persist, broadcast")
+    ps.set_defaults(func=commands.cmd_param_server)
     return parser
 
 

@@ -105,6 +105,24 @@ def cmd_streams(args: argparse.Namespace) -> int:
     return run_streams(StreamsSettings.from_env(env))
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from inference.settings import WorkerSettings
+    from inference.worker import run_worker
+
+    env = load_environment()
+    connection()
+    return run_worker(WorkerSettings.from_env(env))
+
+
+def cmd_param_server(args: argparse.Namespace) -> int:
+    from param_server.server import run_param_server
+    from param_server.settings import ParamServerSettings
+
+    env = load_environment()
+    connection()
+    return run_param_server(ParamServerSettings.from_env(env))
+
+
 # ------------------------------------------------------------------------------- produce
 
 
@@ -190,6 +208,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         services = ServiceGroup({**os.environ, **ctx.conn_env}, state_dir() / "run" / "logs")
         try:
             services.start("streams", "streams")
+            services.start("param-server", "param-server")
+            services.start("worker", "worker")
             produce_items(ctx.conn, world, progress)
             stop = threading.Event()
             watcher = threading.Thread(

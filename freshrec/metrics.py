@@ -50,6 +50,36 @@ STREAMS_PARTITIONS = Gauge(
 )
 
 
+# --------------------------------------------------------------------- online learning
+FRESHNESS_LAG = Histogram(
+    "freshrec_freshness_lag_seconds",
+    "Event time to the moment its effect is usable, per stage (local, global_applied, served)",
+    ["stage"],
+    buckets=LAG_BUCKETS_S,
+)
+WORKER_EVENTS = Counter("freshrec_worker_events_total", "Events read by the worker", ["outcome"])
+WORKER_EXAMPLES = Counter("freshrec_worker_examples_total", "Training examples", ["label"])
+GRADIENT_ROWS = Counter(
+    "freshrec_gradient_rows_total", "Gradient rows by fate", ["table", "outcome"]
+)
+GRADIENT_MESSAGES = Counter("freshrec_gradient_messages_total", "Gradient messages", ["side"])
+UPDATES_INSTALLED = Counter(
+    "freshrec_updates_installed_total", "Broadcast rows by fate in the worker", ["table", "outcome"]
+)
+CACHE_LOOKUPS = Counter(
+    "freshrec_cache_lookups_total", "Embedding rows looked up, by the tier that had them",
+    ["table", "tier"],
+)  # fmt: skip
+CACHE_ROWS = Gauge("freshrec_cache_rows", "Rows resident on the device", ["table"])
+PENDING_STEPS = Gauge("freshrec_pending_local_steps", "Local steps not yet in a global row")
+PS_ROWS_APPLIED = Counter("freshrec_ps_rows_applied_total", "Rows updated by Adagrad", ["table"])
+PS_FLUSHES = Counter("freshrec_ps_flushes_total", "Persist+broadcast rounds", ["outcome"])
+PS_FLUSH_SECONDS = Histogram(
+    "freshrec_ps_flush_seconds", "Time to persist and broadcast one flush", buckets=LAG_BUCKETS_S
+)
+PS_SKIPPED = Counter("freshrec_ps_skipped_messages_total", "Gradient messages skipped", ["reason"])
+
+
 def serve_metrics(port: int) -> None:
     """Expose /metrics on ``port`` (0: do nothing)."""
     if port:

@@ -26,6 +26,24 @@ class RedisKeys:
         }
         self.item_features_as_of = f"{p}item:as_of_ms"  # hash: event time features hold at
 
+    def embeddings(self, table: str) -> str:
+        """Hash: field = 8-byte row id, value = float32 row + u64 version + i64 event ms."""
+        return f"{self.prefix}emb:{table}"
+
+    def optimizer(self, table: str) -> str:
+        """Hash: field = 8-byte row id, value = float32 Adagrad accumulator."""
+        return f"{self.prefix}opt:{table}"
+
+    @property
+    def ps_applied(self) -> str:
+        """Hash: gradients partition -> last applied offset (same transaction as the rows)."""
+        return f"{self.prefix}ps:applied"
+
+    @property
+    def ps_broadcast(self) -> str:
+        """Hash: embeddings.updates partition -> last offset produced after a persist."""
+        return f"{self.prefix}ps:broadcast"
+
     def hot(self, scope: str) -> str:
         """Hash: field = by-item partition, value = that partition's HotList JSON."""
         return f"{self.prefix}hot:{scope}"

@@ -1,0 +1,182 @@
+"""EmbeddingCache: the item table resident on the device, hot users in an LRU slab.
+
+Items are shared by all users, so the whole item table lives on the device (CUDA when
+available, else CPU) and grows as items appear. Users are many: a fixed-capacity slab holds
+the recently used ones; a miss is fetched from Redis in one batched round trip (``HMGET``);
+a row found nowhere is created from its id (``param_server.rows.initial_rows``).
+
+Rows are full-width (dim + 1). Alongside each row the cache keeps the version and newest
+event time of the global row it last installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from freshrec import metrics as m
+from inference.lru import SlotLRU
+from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
+from schemas.rowbatch import TABLE_NAMES
+
+Fetch = Callable[[int, list[int]], dict[int, tuple[np.ndarray, int, int]]]
+"""fetch(table, ids) -> {id: (row, version, event_ms)} for the ids the store has."""
+
+
+def pick_device(setting: str = "auto") -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+class _Table:
+    def __init__(self, w: int, capacity: int, device: torch.device) -> None:
+        self.rows = torch.zeros((capacity, w), dtype=torch.float32, device=device)
+        self.version = np.zeros(capacity, np.uint64)
+        self.event_ms = np.zeros(capacity, np.int64)
+
+    def grow(self, capacity: int) -> None:
+        extra = capacity - len(self.rows)
+        if extra <= 0:
+            return
+        pad = torch.zeros(
+            (extra, self.rows.shape[1]), dtype=self.rows.dtype, device=self.rows.device
+        )
+        self.rows = torch.cat([self.rows, pad])
+        self.version = np.concatenate([self.version, np.zeros(extra, np.uint64)])
+        self.event_ms = np.concatenate([self.event_ms, np.zeros(extra, np.int64)])
+
+
+class EmbeddingCache:
+    def __init__(self, dim: int, user_capacity: int, fetch: Fetch, device: torch.device) -> None:
+        self.dim, self.w = dim, width(dim)
+        self.device = device
+        self.fetch = fetch
+        self.items = _Table(self.w, 1024, device)
+        self.item_slot: dict[int, int] = {}
+        self.item_ids: list[int] = []
+        self.users = _Table(self.w, user_capacity, device)
+        self.user_lru = SlotLRU(user_capacity)
+        self.on_evict: Callable[[int, int], None] = lambda table, row_id: None
+
+    # ------------------------------------------------------------------------------ slots
+    def slots(self, table: int, ids: np.ndarray) -> np.ndarray:
+        """Slots of ``ids`` (in order), loading misses from the store or creating them."""
+        ids = np.asarray(ids, np.int64)
+        if table == TABLE_ITEM:
+            return self._item_slots(ids)
+        return self._user_slots(ids)
+
+    def _item_slots(self, ids: np.ndarray) -> np.ndarray:
+        get = self.item_slot.get
+        out = np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+        missing = sorted({int(i) for i, s in zip(ids.tolist(), out.tolist(), strict=True) if s < 0})
+        m.CACHE_LOOKUPS.labels("item", "device").inc(len(ids) - int((out < 0).sum()))
+        if missing:
+            need = len(self.item_ids) + len(missing)
+            if need > len(self.items.rows):
+                self.items.grow(max(need, 2 * len(self.items.rows)))
+            new_slots = list(range(len(self.item_ids), need))
+            for i, s in zip(missing, new_slots, strict=True):
+                self.item_slot[i] = s
+            self.item_ids.extend(missing)
+            self._fill(TABLE_ITEM, self.items, missing, new_slots)
+            out = np.fromiter((self.item_slot[i] for i in ids.tolist()), np.int64, len(ids))
+        m.CACHE_ROWS.labels("item").set(len(self.item_ids))
+        return out
+
+    def _user_slots(self, ids: np.ndarray) -> np.ndarray:
+        out = np.empty(len(ids), np.int64)
+        missing: dict[int, int] = {}
+        hits = 0
+        for j, i in enumerate(ids.tolist()):
+            slot = self.user_lru.get(i)
+            if slot is None:
+                slot = missing.get(i)
+                if slot is None:
+                    slot, evicted = self.user_lru.admit(i)
+                    if evicted is not None:
+                        self.on_evict(TABLE_USER, evicted)
+                    missing[i] = slot
+            else:
+                hits += 1
+            out[j] = slot
+        m.CACHE_LOOKUPS.labels("user", "device").inc(hits)
+        if missing:
+            self._fill(TABLE_USER, self.users, list(missing), list(missing.values()))
+        m.CACHE_ROWS.labels("user").set(len(self.user_lru))
+        return out
+
+    def _fill(self, table: int, t: _Table, ids: list[int], slots: list[int]) -> None:
+        """One batched store round trip for the misses; the rest created from their ids."""
+        found = self.fetch(table, ids)
+        name = TABLE_NAMES[table]
+        m.CACHE_LOOKUPS.labels(name, "redis").inc(len(found))
+        m.CACHE_LOOKUPS.labels(name, "new").inc(len(ids) - len(found))
+        rows = initial_rows(np.asarray(ids, np.int64), table, self.dim)
+        versions = np.zeros(len(ids), np.uint64)
+        event_ms = np.zeros(len(ids), np.int64)
+        for j, i in enumerate(ids):
+            hit = found.get(i)
+            if hit is not None:
+                rows[j], versions[j], event_ms[j] = hit
+        idx = torch.as_tensor(slots, device=self.device)
+        t.rows[idx] = torch.as_tensor(rows, device=self.device)
+        t.version[slots] = versions
+        t.event_ms[slots] = event_ms
+
+    # ---------------------------------------------------------------------------- access
+    def table(self, table: int) -> _Table:
+        return self.items if table == TABLE_ITEM else self.users
+
+    def gather(self, table: int, slots: np.ndarray) -> np.ndarray:
+        return self.table(table).rows[torch.as_tensor(slots, device=self.device)].cpu().numpy()
+
+    def add(self, table: int, slots: np.ndarray, deltas: np.ndarray) -> None:
+        t = self.table(table)
+        t.rows.index_add_(
+            0,
+            torch.as_tensor(slots, device=self.device),
+            torch.as_tensor(deltas, device=self.device),
+        )
+
+    def held(self, table: int, row_id: int) -> int | None:
+        """The slot of a resident row, without loading it (None if absent)."""
+        if table == TABLE_ITEM:
+            return self.item_slot.get(row_id)
+        return self.user_lru.peek(row_id)
+
+    def install(self, table: int, slot: int, row: np.ndarray, version: int, event_ms: int) -> None:
+        t = self.table(table)
+        t.rows[slot] = torch.as_tensor(row, device=self.device)
+        t.version[slot] = version
+        t.event_ms[slot] = event_ms
+
+    def load_items(self, rows: dict[int, tuple[np.ndarray, int, int]]) -> None:
+        """Install a whole item table (worker start)."""
+        ids = sorted(rows)
+        if not ids:
+            return
+        slots = self._item_slots_for_load(ids)
+        stacked = np.stack([rows[i][0] for i in ids])
+        self.items.rows[torch.as_tensor(slots, device=self.device)] = torch.as_tensor(
+            stacked, device=self.device
+        )
+        self.items.version[slots] = [rows[i][1] for i in ids]
+        self.items.event_ms[slots] = [rows[i][2] for i in ids]
+        m.CACHE_ROWS.labels("item").set(len(self.item_ids))
+
+    def _item_slots_for_load(self, ids: list[int]) -> list[int]:
+        need = len(self.item_ids) + len(ids)
+        if need > len(self.items.rows):
+            self.items.grow(max(need, 2 * len(self.items.rows)))
+        slots = []
+        for i in ids:
+            s = self.item_slot.get(i)
+            if s is None:
+                s = self.item_slot[i] = len(self.item_ids)
+                self.item_ids.append(i)
+            slots.append(s)
+        return slots

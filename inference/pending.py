@@ -1,0 +1,121 @@
+"""Read-your-writes bookkeeping: the worker's local steps that the global row lacks. Pure.
+
+A worker applies u ← u − lr·g to its cached row at once and sends g to the parameter server in
+a gradient message. A row always maps to one ``gradients`` partition, and the parameter server
+applies that partition's messages in offset order; every broadcast update says "these rows
+include everything of partition p up to offset o". So, for each row, the worker keeps its
+local steps (the deltas −lr·g) with the gradient message that carries them, and:
+
+- on a broadcast update for the row from (p, o): the steps whose message was delivered at
+  an offset ≤ o are included, and dropped; the serving row becomes the update's row plus the
+  steps that remain;
+- on a delivery report (p, o) for a message: if the row's last installed update already
+  covers o, the step was included before the worker learnt its offset: it is dropped too, and
+  removed from the serving row.
+
+Exact: a step is in the serving row either through the global row or as a pending delta,
+never both, never neither.
+
+>>> import numpy as np
+>>> p = PendingSteps()
+>>> p.record(("user", 1), np.array([0.5]), token=7)
+>>> p.delivered(7, partition=0, offset=41)
+[]
+>>> p.on_install(("user", 1), partition=0, offset=40).tolist()    # not yet included
+[0.5]
+>>> p.on_install(("user", 1), partition=0, offset=41) is None      # now it is
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+
+RowRef = Hashable
+"""A row: (table, row id)."""
+
+
+class PendingSteps:
+    def __init__(self) -> None:
+        self._steps: dict[RowRef, list[list]] = {}  # row -> [[token, delta], ...]
+        self._rows_of: dict[int, set[RowRef]] = {}  # token -> rows it carries
+        self._delivered: dict[int, tuple[int, int]] = {}  # token -> (partition, offset)
+        self._installed: dict[RowRef, tuple[int, int]] = {}  # row -> (partition, offset)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._steps.values())
+
+    def rows(self) -> int:
+        return len(self._steps)
+
+    def record(self, row: RowRef, delta: np.ndarray, token: int | None) -> None:
+        """A local step on ``row``; ``token`` names its gradient message (None: not sent yet)."""
+        self._steps.setdefault(row, []).append([token, delta])
+        if token is not None:
+            self._rows_of.setdefault(token, set()).add(row)
+
+    def assign(self, row: RowRef, token: int) -> None:
+        """Steps of ``row`` held back (admission) now travel in message ``token``."""
+        for step in self._steps.get(row, ()):
+            if step[0] is None:
+                step[0] = token
+                self._rows_of.setdefault(token, set()).add(row)
+
+    def delivered(self, token: int, partition: int, offset: int) -> list[tuple[RowRef, np.ndarray]]:
+        """Record where message ``token`` landed; returns (row, delta) of steps that an
+        installed update already included: subtract them from the serving rows."""
+        self._delivered[token] = (partition, offset)
+        included: list[tuple[RowRef, np.ndarray]] = []
+        for row in self._rows_of.get(token, ()):
+            installed = self._installed.get(row)
+            if installed and installed[0] == partition and installed[1] >= offset:
+                steps = self._steps.get(row, [])
+                included += [(row, s[1]) for s in steps if s[0] == token]
+                self._set(row, [s for s in steps if s[0] != token])
+        self._forget_if_done(token)
+        return included
+
+    def failed(self, token: int) -> None:
+        """The message was not delivered: its steps stay local, unsent (the global row will
+        never include them)."""
+        for row in self._rows_of.pop(token, ()):
+            for step in self._steps.get(row, ()):
+                if step[0] == token:
+                    step[0] = -1
+
+    def on_install(self, row: RowRef, partition: int, offset: int) -> np.ndarray | None:
+        """A global update of ``row`` covering (partition, offset) was installed; returns the
+        sum of the steps it does not include (None if none)."""
+        self._installed[row] = (partition, offset)
+        remaining, dropped = [], set()
+        for step in self._steps.get(row, ()):
+            where = self._delivered.get(step[0]) if step[0] is not None else None
+            if where is not None and where[0] == partition and where[1] <= offset:
+                dropped.add(step[0])
+                continue
+            remaining.append(step)
+        self._set(row, remaining)
+        for token in dropped:
+            self._forget_if_done(token)
+        if not remaining:
+            return None
+        return np.sum([s[1] for s in remaining], axis=0)
+
+    def forget_row(self, row: RowRef) -> None:
+        """The cache evicted ``row``: its bookkeeping goes with it."""
+        self._steps.pop(row, None)
+        self._installed.pop(row, None)
+
+    def _set(self, row: RowRef, steps: list) -> None:
+        if steps:
+            self._steps[row] = steps
+        else:
+            self._steps.pop(row, None)
+
+    def _forget_if_done(self, token: int) -> None:
+        rows = self._rows_of.get(token, set())
+        if not any(s[0] == token for r in rows for s in self._steps.get(r, ())):
+            self._rows_of.pop(token, None)
+            self._delivered.pop(token, None)

@@ -1,0 +1,276 @@
+"""``freshrec param-server``: aggregate gradients, sparse Adagrad, persist, broadcast.
+
+A consumer group on ``gradients``; each instance owns some partitions, and a row always
+lives in one partition, so instances never touch the same row. Every gradient message is
+applied as one unit, in offset order (rows clipped, non-finite rows rejected, Adagrad), so the
+tables are a deterministic function of the input log. Every ``flush_interval_ms`` the touched
+rows, their Adagrad accumulators and each partition's last applied offset are written to Redis
+in one MULTI/EXEC; then the new rows are broadcast on ``embeddings.updates`` with the
+(partition, offset) they include. On assignment a partition resumes right after its applied
+offset in Redis, so after a crash nothing is lost and nothing is applied twice. While Redis is
+unreachable the server pauses its partitions, keeps what it has in memory, commits nothing,
+and resumes when Redis answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+import redis
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer
+
+from freshrec import metrics as m
+from freshrec.kafka import consumer_config, producer_config
+from freshrec.rediskeys import RedisKeys
+from freshrec.topics import TopicNames
+from param_server.adagrad import adagrad_step
+from param_server.rows import encode_row, initial_rows, row_key
+from param_server.settings import ParamServerSettings
+from param_server.store import applied_offsets, fetch_accumulators, fetch_rows
+from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
+
+log = logging.getLogger("freshrec.param_server")
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class RowState:
+    __slots__ = ("accum", "event_ms", "row", "version")
+
+    def __init__(self, row: np.ndarray, accum: np.ndarray, version: int, event_ms: int) -> None:
+        self.row, self.accum, self.version, self.event_ms = row, accum, version, event_ms
+
+
+class ParameterServer:
+    def __init__(self, settings: ParamServerSettings) -> None:
+        self.settings = settings
+        conn = settings.conn
+        self.names = TopicNames(conn.topic_prefix)
+        self.keys = RedisKeys(conn.topic_prefix)
+        self.redis = redis.Redis.from_url(conn.redis_url, socket_timeout=5)
+        self.w = settings.dim + 1
+        self.consumer = Consumer(consumer_config(conn, f"{conn.topic_prefix}freshrec-param-server"))
+        self.producer = Producer(producer_config(conn))
+        self.rows: dict[tuple[int, int], RowState] = {}
+        self.applied: dict[int, int] = {}
+        self.dirty: dict[int, set[tuple[int, int]]] = defaultdict(set)
+        self.owned: set[int] = set()
+        self.update_partitions = 1
+        self._last_flush = time.monotonic()
+        self._paused = False
+
+    # ------------------------------------------------------------------------ assignment
+    def _on_assign(self, consumer, partitions) -> None:
+        applied = self._redis_retry(lambda: applied_offsets(self.redis, self.keys))
+        for tp in partitions:
+            done = applied.get(tp.partition)
+            self.applied[tp.partition] = -1 if done is None else done
+            tp.offset = OFFSET_BEGINNING if done is None else done + 1
+            self.owned.add(tp.partition)
+        consumer.assign(partitions)
+        log.info(
+            "assigned gradients partitions %s, resuming after offsets %s",
+            sorted(tp.partition for tp in partitions),
+            {tp.partition: self.applied[tp.partition] for tp in partitions},
+        )
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        self.flush()
+        for tp in partitions:
+            self.owned.discard(tp.partition)
+            self.applied.pop(tp.partition, None)
+        self.rows.clear()  # reloaded from Redis on demand; another owner may change them
+        log.info("revoked gradients partitions %s", sorted(tp.partition for tp in partitions))
+
+    # ------------------------------------------------------------------------------ loop
+    def run(self, stop: threading.Event) -> None:
+        topic = self.names.gradients
+        md = self.producer.list_topics(self.names.embeddings_updates, timeout=15)
+        self.update_partitions = len(md.topics[self.names.embeddings_updates].partitions) or 1
+        self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        log.info("parameter server on %s (dim %d)", topic, self.settings.dim)
+        try:
+            while not stop.is_set():
+                self.poll_once()
+            self.flush()
+        finally:
+            self.producer.flush(10)
+            self.consumer.close()
+
+    def poll_once(self) -> None:
+        msgs = self.consumer.consume(500, 0.02)
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consumer error: %s", err)
+                continue
+            self.apply_message(msg.partition(), msg.offset(), msg.value())
+        waiting = sum(len(d) for d in self.dirty.values())
+        due = (time.monotonic() - self._last_flush) * 1000 >= self.settings.flush_interval_ms
+        if waiting and (due or waiting >= self.settings.max_dirty_rows):
+            self.flush()
+        self.producer.poll(0)
+
+    # ----------------------------------------------------------------------------- apply
+    def apply_message(self, partition: int, offset: int, value: bytes) -> None:
+        if offset <= self.applied.get(partition, -1):
+            m.PS_SKIPPED.labels("already_applied").inc()
+            return
+        self.applied[partition] = offset
+        try:
+            batch = RowBatch.decode(value)
+        except CorruptBatch as exc:
+            m.PS_SKIPPED.labels("corrupt").inc()
+            log.warning("gradients %d@%d corrupt, skipped: %s", partition, offset, exc)
+            return
+        if batch.kind != KIND_GRADIENTS or batch.dim != self.w:
+            m.PS_SKIPPED.labels("wrong_layout").inc()
+            return
+        refs = [(batch.table, i) for i in batch.ids.tolist()]
+        self._ensure_loaded(batch.table, [r for r in refs if r not in self.rows])
+        states = [self.rows[r] for r in refs]
+        rows = np.stack([s.row for s in states])
+        accum = np.stack([s.accum for s in states])
+        ok = adagrad_step(rows, accum, np.asarray(batch.rows, np.float32), self.settings.adagrad)
+        name = TABLE_NAMES[batch.table]
+        rejected = int((~ok).sum())
+        if rejected:
+            m.GRADIENT_ROWS.labels(name, "rejected_non_finite").inc(rejected)
+        for j in np.flatnonzero(ok).tolist():
+            s = states[j]
+            s.row, s.accum = rows[j], accum[j]
+            s.version += 1
+            s.event_ms = max(s.event_ms, int(batch.event_ms[j]))
+            self.dirty[partition].add(refs[j])
+        m.PS_ROWS_APPLIED.labels(name).inc(int(ok.sum()))
+        m.GRADIENT_MESSAGES.labels("applied").inc()
+
+    def _ensure_loaded(self, table: int, refs: list[tuple[int, int]]) -> None:
+        if not refs:
+            return
+        ids = [i for _, i in refs]
+        found = self._redis_retry(lambda: fetch_rows(self.redis, self.keys, table, ids, self.w))
+        accums = self._redis_retry(
+            lambda: fetch_accumulators(self.redis, self.keys, table, ids, self.w)
+        )
+        fresh = initial_rows(np.asarray(ids, np.int64), table, self.settings.dim)
+        init_acc = self.settings.adagrad.initial_accumulator
+        for j, i in enumerate(ids):
+            row, version, event_ms = found.get(i, (fresh[j], 0, 0))
+            acc = accums.get(i)
+            if acc is None:
+                acc = np.full(self.w, init_acc, np.float32)
+            self.rows[(table, i)] = RowState(row, acc, version, event_ms)
+
+    # ----------------------------------------------------------------------------- flush
+    def flush(self) -> None:
+        """Persist dirty rows with the applied offsets (one transaction), then broadcast."""
+        self._last_flush = time.monotonic()
+        if not any(self.dirty.values()):
+            return
+        started = time.perf_counter()
+        dirty = {p: refs for p, refs in self.dirty.items() if refs}
+        self._redis_retry(lambda: self._persist(dirty))
+        persisted = time.time()
+        for refs in dirty.values():
+            for ref in list(refs)[:256]:
+                ev = self.rows[ref].event_ms
+                if ev:
+                    m.FRESHNESS_LAG.labels("global_applied").observe(
+                        max(persisted - ev / 1000, 0.0)
+                    )
+        self._broadcast(dirty)
+        self.dirty.clear()
+        m.PS_FLUSHES.labels("ok").inc()
+        m.PS_FLUSH_SECONDS.observe(time.perf_counter() - started)
+
+    def _persist(self, dirty: dict[int, set[tuple[int, int]]]) -> None:
+        rows: dict[str, dict[bytes, bytes]] = defaultdict(dict)
+        accs: dict[str, dict[bytes, bytes]] = defaultdict(dict)
+        for refs in dirty.values():
+            for table, i in refs:
+                s = self.rows[(table, i)]
+                name = TABLE_NAMES[table]
+                rows[name][row_key(i)] = encode_row(s.row, s.version, s.event_ms)
+                accs[name][row_key(i)] = np.ascontiguousarray(s.accum, "<f4").tobytes()
+        pipe = self.redis.pipeline(transaction=True)
+        for name, mapping in rows.items():
+            pipe.hset(self.keys.embeddings(name), mapping=mapping)
+            pipe.hset(self.keys.optimizer(name), mapping=accs[name])
+        pipe.hset(self.keys.ps_applied, mapping={p: self.applied[p] for p in dirty})
+        pipe.execute()
+
+    def _broadcast(self, dirty: dict[int, set[tuple[int, int]]]) -> None:
+        created = int(time.time() * 1000)
+        for p, refs in dirty.items():
+            by_table: dict[int, list[int]] = defaultdict(list)
+            for table, i in refs:
+                by_table[table].append(i)
+            for table, ids in by_table.items():
+                states = [self.rows[(table, i)] for i in ids]
+                batch = RowBatch(
+                    KIND_UPDATES, table, np.asarray(ids, np.int64),
+                    np.stack([s.row for s in states]),
+                    np.asarray([s.version for s in states], np.uint64),
+                    np.asarray([s.event_ms for s in states], np.int64),
+                    partition=p, offset=self.applied[p], created_ms=created,
+                )  # fmt: skip
+                self.producer.produce(
+                    self.names.embeddings_updates, value=batch.encode(),
+                    partition=p % self.update_partitions, on_delivery=self._record_broadcast,
+                )  # fmt: skip
+        self.producer.poll(0)
+
+    def _record_broadcast(self, err, msg) -> None:
+        if err is not None:
+            log.warning("update broadcast failed: %s", err)
+            return
+        # only a start position for new workers; the next broadcast records it again
+        with contextlib.suppress(*REDIS_DOWN):
+            self.redis.hset(self.keys.ps_broadcast, str(msg.partition()), msg.offset())
+
+    # ----------------------------------------------------------------------------- redis
+    def _redis_retry(self, op):
+        """Run ``op``; while Redis is down, pause consumption and retry (nothing committed)."""
+        warned = False
+        while True:
+            try:
+                result = op()
+            except REDIS_DOWN as exc:
+                if not warned:
+                    log.warning("Redis unavailable (%s): pausing until it answers", exc)
+                    warned = True
+                    m.PS_FLUSHES.labels("redis_down").inc()
+                self._pause(True)
+                time.sleep(0.5)
+                self.consumer.poll(0)  # keep group membership alive
+                continue
+            if warned:
+                log.info("Redis is back: resuming")
+            self._pause(False)
+            return result
+
+    def _pause(self, pause: bool) -> None:
+        if pause == self._paused:
+            return
+        assignment = self.consumer.assignment()
+        if assignment:
+            (self.consumer.pause if pause else self.consumer.resume)(assignment)
+        self._paused = pause
+
+
+def run_param_server(settings: ParamServerSettings) -> int:
+    import signal
+
+    m.serve_metrics(settings.metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ParameterServer(settings).run(stop)
+    log.info("parameter server stopped")
+    return 0

@@ -1,0 +1,35 @@
+"""Settings of ``freshrec param-server``, read from the environment at the edge."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from freshrec.settings import ConnectionSettings, env_float, env_int
+from param_server.adagrad import AdagradConfig
+
+
+@dataclass(frozen=True)
+class ParamServerSettings:
+    conn: ConnectionSettings
+    dim: int = 64
+    adagrad: AdagradConfig = field(default_factory=AdagradConfig)
+    flush_interval_ms: int = 100
+    """How often applied rows are persisted (one Redis transaction) and broadcast."""
+    max_dirty_rows: int = 50_000
+    """Flush early when this many rows wait."""
+    metrics_port: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ParamServerSettings:
+        return cls(
+            conn=ConnectionSettings.from_env(env),
+            dim=env_int(env, "FRESHREC_EMBEDDING_DIM", 64, minimum=1),
+            adagrad=AdagradConfig(
+                lr=env_float(env, "FRESHREC_GLOBAL_LR", 0.05),
+                max_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0),
+            ),
+            flush_interval_ms=env_int(env, "FRESHREC_FLUSH_INTERVAL_MS", 100, minimum=1),
+            max_dirty_rows=env_int(env, "FRESHREC_MAX_DIRTY_ROWS", 50_000, minimum=1),
+            metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
+        )

@@ -1,0 +1,51 @@
+"""Rows and optimizer state in Redis (synchronous client): the global truth's layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import redis
+
+from freshrec.rediskeys import RedisKeys
+from param_server.rows import decode_row, key_to_id, row_key
+from schemas.rowbatch import TABLE_NAMES
+
+Row = tuple[np.ndarray, int, int]
+
+
+def fetch_rows(
+    r: redis.Redis, keys: RedisKeys, table: int, ids: list[int], w: int
+) -> dict[int, Row]:
+    """One HMGET for many rows; absent rows are absent from the result."""
+    if not ids:
+        return {}
+    blobs = r.hmget(keys.embeddings(TABLE_NAMES[table]), [row_key(i) for i in ids])
+    return {i: decode_row(b, w) for i, b in zip(ids, blobs, strict=True) if b is not None}
+
+
+def fetch_accumulators(
+    r: redis.Redis, keys: RedisKeys, table: int, ids: list[int], w: int
+) -> dict[int, np.ndarray]:
+    if not ids:
+        return {}
+    blobs = r.hmget(keys.optimizer(TABLE_NAMES[table]), [row_key(i) for i in ids])
+    return {
+        i: np.frombuffer(b, "<f4", w).copy()
+        for i, b in zip(ids, blobs, strict=True)
+        if b is not None
+    }
+
+
+def load_table(r: redis.Redis, keys: RedisKeys, table: int, w: int) -> dict[int, Row]:
+    """Every row of a table (the worker's item table at start), scanned in chunks."""
+    out: dict[int, Row] = {}
+    for field, blob in r.hscan_iter(keys.embeddings(TABLE_NAMES[table]), count=5000):
+        out[key_to_id(field)] = decode_row(blob, w)
+    return out
+
+
+def applied_offsets(r: redis.Redis, keys: RedisKeys) -> dict[int, int]:
+    return {int(k): int(v) for k, v in r.hgetall(keys.ps_applied).items()}
+
+
+def broadcast_offsets(r: redis.Redis, keys: RedisKeys) -> dict[int, int]:
+    return {int(k): int(v) for k, v in r.hgetall(keys.ps_broadcast).items()}
