@@ -55,8 +55,14 @@ def test_prometheus_scrapes_each_service_on_its_metrics_port():
     targets = {
         t
         for job in PROMETHEUS["scrape_configs"]
-        for sc in job["static_configs"]
+        for sc in job.get("static_configs", [])
         for t in sc["targets"]
+    }
+    targets |= {
+        f"{name}:{sd['port']}"
+        for job in PROMETHEUS["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
     }
     for name, svc in FRESHREC_SERVICES.items():
         port = svc["environment"].get("FRESHREC_METRICS_PORT")
