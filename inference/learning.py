@@ -6,7 +6,8 @@ column is a constant 1). For an example (u, v, y, w): loss = w·BCE(σ(u·v), y)
 
 Labels: a click is a positive; a conversion a positive of weight ``conversion_weight``; an
 impression is a negative unless the same (request, item) was clicked in the same batch.
-A batch with positives but no negatives gets ``sampled_negatives`` random items per positive.
+A batch with positives but no negatives gets up to ``sampled_negatives`` random items per
+positive from ``item_pool`` (never the positive item itself).
 
 >>> import numpy as np
 >>> u = np.array([[1.0, 0.0, 1.0]], np.float32); v = np.array([[1.0, 0.0, 0.0]], np.float32)
@@ -65,6 +66,8 @@ def examples_from_events(
         picks = rng.integers(0, len(item_pool), positives * cfg.sampled_negatives)
         for j, k in enumerate(picks.tolist()):
             src = j // cfg.sampled_negatives
+            if item_pool[k] == items[src]:
+                continue  # never the positive item itself
             users.append(users[src])
             items.append(item_pool[k])
             labels.append(0.0)

@@ -14,7 +14,10 @@ local steps (the deltas −lr·g) with the gradient message that carries them, a
   removed from the serving row.
 
 Exact: a step is in the serving row either through the global row or as a pending delta,
-never both, never neither.
+never both, never neither — provided the worker has processed the delivery reports of its
+messages before it installs an update that might include them (``has_undelivered``): the
+parameter server can only have applied a message the broker had acknowledged, so the worker
+waits for its outstanding reports (milliseconds) before installing such a row.
 
 >>> import numpy as np
 >>> p = PendingSteps()
@@ -102,6 +105,13 @@ class PendingSteps:
         if not remaining:
             return None
         return np.sum([s[1] for s in remaining], axis=0)
+
+    def has_undelivered(self, row: RowRef) -> bool:
+        """True if a step of ``row`` travels in a message whose offset is not known yet."""
+        return any(
+            s[0] is not None and s[0] >= 0 and s[0] not in self._delivered
+            for s in self._steps.get(row, ())
+        )
 
     def forget_row(self, row: RowRef) -> None:
         """The cache evicted ``row``: its bookkeeping goes with it."""

@@ -269,6 +269,9 @@ class OnlineLearner:
         if batch.kind != KIND_UPDATES:
             return
         name = TABLE_NAMES[batch.table]
+        if any(self.pending.has_undelivered((batch.table, rid)) for rid in batch.ids.tolist()):
+            # the update may include a message whose delivery report has not been read yet
+            self.producer.flush(1.0)
         now = time.time()
         installed = 0
         for j, rid in enumerate(batch.ids.tolist()):

@@ -33,7 +33,7 @@ def finite_rows(g: np.ndarray) -> np.ndarray:
 
 def clip_rows(g: np.ndarray, max_norm: float) -> np.ndarray:
     """Rows scaled to L2 norm ≤ ``max_norm`` (a copy)."""
-    norms = np.linalg.norm(g, axis=1, keepdims=True)
+    norms = np.linalg.norm(g.astype(np.float64), axis=1, keepdims=True)  # float32 overflows
     scale = np.minimum(1.0, max_norm / np.maximum(norms, 1e-30))
     return (g * scale).astype(g.dtype, copy=False)
 

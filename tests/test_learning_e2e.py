@@ -1,0 +1,281 @@
+"""Online learning against the real broker and Redis: local fine-tune, parameter server,
+broadcast, read-your-writes, crash recovery, takeover, bounded rows, worker restart."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+import redis as redis_lib
+from confluent_kafka import Producer
+
+from freshrec.kafka import producer_config
+from freshrec.partitioner import kafka_partition
+from freshrec.rediskeys import RedisKeys
+from freshrec.topics import TopicNames
+from inference.settings import LearningSettings, WorkerSettings
+from inference.worker import OnlineLearner
+from param_server.rows import TABLE_ITEM, TABLE_USER, decode_row, row_key
+from schemas.ids import row_id
+from schemas.records import Event
+from schemas.rowbatch import KIND_GRADIENTS, RowBatch
+
+from .streams_harness import produce, service, stop, wait_for
+
+DIM = 8
+W = DIM + 1
+ENV = {"FRESHREC_EMBEDDING_DIM": str(DIM), "FRESHREC_FLUSH_INTERVAL_MS": "50"}
+
+
+def learner(conn, **learning) -> OnlineLearner:
+    s = WorkerSettings(conn, LearningSettings(dim=DIM, **learning), user_capacity_rows=1000)
+    w = OnlineLearner(s)
+    w.start()
+    return w
+
+
+def pump(workers, until, timeout_s=40.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for w in workers:
+            w.poll_once()
+        if until():
+            return
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def clicks(user, item, n, t0=None, prefix="c"):
+    t0 = t0 or int(time.time() * 1000)
+    return [Event(f"{prefix}{user}{item}{j}", "click", user, item, t0 + j) for j in range(n)]
+
+
+def score(w: OnlineLearner, user, item) -> float:
+    return float(w.user_row(user) @ w.item_row(item))
+
+
+def redis_row(conn, table: str, rid: int):
+    blob = redis_lib.Redis.from_url(conn.redis_url).hget(
+        RedisKeys(conn.topic_prefix).embeddings(table), row_key(rid)
+    )
+    return None if blob is None else decode_row(blob, W)
+
+
+def test_a_click_moves_the_users_row_towards_the_item_before_the_parameter_server_runs(conn):
+    w = learner(conn)
+    before = score(w, "u1", "i1")
+    produce(conn, clicks("u1", "i1", 3))
+    pump([w], lambda: w.stats["events"] or w.pending.rows() > 0, what="the click to be learnt")
+    assert score(w, "u1", "i1") > before + 0.01
+    assert redis_row(conn, "user", row_id("u1")) is None  # no parameter server ran
+    w.close()
+
+
+def test_parameter_server_applies_persists_and_broadcasts_with_rising_versions(conn, tmp_path):
+    a = learner(conn)
+    with service(conn, "param-server", tmp_path / "ps.log", **ENV):
+        produce(conn, clicks("u2", "i2", 2, prefix="a"))
+        pump([a], lambda: redis_row(conn, "item", row_id("i2")) is not None, what="persisted row")
+        b = learner(conn)  # a second worker: loads the item table, follows the broadcast
+        slot = b.cache.held(TABLE_ITEM, row_id("i2"))
+        assert slot is not None
+        v1 = int(b.cache.items.version[slot])
+        assert v1 >= 1
+        produce(conn, clicks("u2", "i2", 2, prefix="b"))
+        pump([a, b], lambda: int(b.cache.items.version[slot]) > v1, what="the broadcast to reach b")
+        row, version, _ = redis_row(conn, "item", row_id("i2"))
+        pump(
+            [a, b],
+            lambda: int(b.cache.items.version[slot]) == redis_row(conn, "item", row_id("i2"))[1],
+            what="b to catch up",
+        )
+        np.testing.assert_allclose(
+            b.item_row("i2"), redis_row(conn, "item", row_id("i2"))[0], rtol=1e-6
+        )
+        a.close()
+        b.close()
+
+
+def test_read_your_writes_local_steps_survive_slow_broadcasts_and_converge(conn, tmp_path):
+    w = learner(conn)
+    with service(
+        conn, "param-server", tmp_path / "ps.log", **{**ENV, "FRESHREC_FLUSH_INTERVAL_MS": "1500"}
+    ):
+        best = -np.inf
+        t0 = int(time.time() * 1000)
+        for round_ in range(4):
+            produce(conn, clicks("u3", "i3", 2, t0 + 10 * round_, prefix=f"r{round_}"))
+            pump([w], lambda: len(w.pending) > 0 or w.stats["x"], timeout_s=20, what="local step")
+            s = score(w, "u3", "i3")
+            assert s >= best - 1e-6, "a broadcast undid a local step"
+            best = s
+            for _ in range(40):  # let slow broadcasts arrive in between
+                w.poll_once()
+                assert score(w, "u3", "i3") >= best - 1e-6
+        pump([w], lambda: len(w.pending) == 0, timeout_s=30, what="all steps included")
+        row, _, _ = redis_row(conn, "user", row_id("u3"))
+        np.testing.assert_allclose(w.user_row("u3"), row, rtol=1e-5, atol=1e-6)
+    w.close()
+
+
+def gradient_messages(
+    n_messages: int, seed: int = 0, poison: bool = False
+) -> list[tuple[int, bytes]]:
+    """A long, deterministic stream of gradient messages on 4 partitions."""
+    rng = np.random.default_rng(seed)
+    by_part = {q: [i for i in range(400) if kafka_partition(row_key(i), 4) == q] for q in range(4)}
+    out = []
+    for j in range(n_messages):
+        part = int(rng.integers(0, 4))
+        ids = np.array(rng.choice(by_part[part], 5, replace=False), np.int64)
+        g = rng.standard_normal((5, W)).astype(np.float32)
+        if poison and j % 10 == 3:
+            g[0, 0] = np.nan
+            g[1] *= 1e30
+        batch = RowBatch(
+            KIND_GRADIENTS,
+            TABLE_USER,
+            ids,
+            g,
+            np.ones(5, np.uint64),
+            np.full(5, 1_767_225_600_000 + j),
+        )
+        out.append((part, batch.encode()))
+    return out
+
+
+def send(conn, messages) -> None:
+    names = TopicNames(conn.topic_prefix)
+    p = Producer(producer_config(conn))
+    for part, value in messages:
+        p.produce(names.gradients, value=value, partition=part)
+    assert p.flush(30) == 0
+
+
+def gradient_stream(conn, n_messages: int, seed: int = 0, poison: bool = False) -> None:
+    send(conn, gradient_messages(n_messages, seed, poison))
+
+
+def tables(conn) -> dict[int, tuple]:
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    out = {}
+    for k, v in r.hgetall(keys.embeddings("user")).items():
+        row, version, _ = decode_row(v, W)
+        out[k] = (row, version)
+    return out
+
+
+def applied_total(conn) -> int:
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    return sum(int(v) + 1 for v in r.hgetall(RedisKeys(conn.topic_prefix).ps_applied).values())
+
+
+N_MESSAGES = 400
+
+
+@pytest.fixture(scope="module")
+def reference_tables(services, tmp_path_factory):
+    """Tables after one uninterrupted parameter-server run over the gradient stream."""
+    import uuid
+
+    from confluent_kafka.admin import AdminClient
+
+    from freshrec.kafka import admin_config
+    from freshrec.topics import catalogue_with, ensure_topics
+
+    from .conftest import TEST_PARTITIONS
+
+    prefix = f"ref{uuid.uuid4().hex[:8]}."
+    conn = services.conn(prefix)
+    ensure_topics(AdminClient(admin_config(conn)), prefix,
+                  catalogue_with({n: TEST_PARTITIONS for n in ("events", "recommend.requests", "gradients")}))  # fmt: skip
+    gradient_stream(conn, N_MESSAGES)
+    with service(conn, "param-server", tmp_path_factory.mktemp("ref") / "ps.log", **ENV):
+        wait_for(lambda: applied_total(conn) == N_MESSAGES, 60, "reference run")
+    return tables(conn)
+
+
+def assert_same_tables(got, want):
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_allclose(got[k][0], want[k][0], rtol=1e-6, atol=1e-7)
+        assert got[k][1] == want[k][1]  # versions: every message applied exactly once
+
+
+def test_sigkill_mid_stream_and_restart_give_the_uninterrupted_tables(
+    conn, tmp_path, reference_tables
+):
+    messages = gradient_messages(N_MESSAGES)
+    with service(
+        conn, "param-server", tmp_path / "ps1.log", **{**ENV, "FRESHREC_FLUSH_INTERVAL_MS": "5"}
+    ) as proc:
+        send(conn, messages[:150])
+        wait_for(lambda: applied_total(conn) > 0, 60, "some progress")
+        stop(proc, signal.SIGKILL)
+    done = applied_total(conn)
+    assert 0 < done <= 150
+    send(conn, messages[150:])
+    with service(conn, "param-server", tmp_path / "ps2.log", **ENV):
+        wait_for(lambda: applied_total(conn) == N_MESSAGES, 60, "the restarted server to finish")
+    assert "resuming after offsets" in (tmp_path / "ps2.log").read_text()
+    assert_same_tables(tables(conn), reference_tables)
+
+
+def test_two_instances_share_partitions_and_one_takes_over_when_the_other_dies(
+    conn, tmp_path, reference_tables
+):
+    with (
+        service(conn, "param-server", tmp_path / "a.log", **ENV) as a,
+        service(conn, "param-server", tmp_path / "b.log", **ENV),
+    ):
+
+        def both_assigned():
+            logs = [(tmp_path / n).read_text() for n in ("a.log", "b.log")]
+            return all(
+                "assigned gradients partitions [" in x
+                and "assigned gradients partitions []"
+                not in x.split("assigned gradients partitions")[-1][:4]
+                for x in logs
+            )
+
+        wait_for(both_assigned, 60, "both instances to own partitions")
+        stop(a, signal.SIGKILL)
+        gradient_stream(conn, N_MESSAGES)
+        wait_for(lambda: applied_total(conn) == N_MESSAGES, 90, "the survivor to finish the work")
+    assert_same_tables(tables(conn), reference_tables)
+
+
+def test_non_finite_and_exploding_gradients_never_reach_a_table(conn, tmp_path):
+    gradient_stream(conn, 100, seed=5, poison=True)
+    with service(conn, "param-server", tmp_path / "ps.log", **ENV):
+        wait_for(lambda: applied_total(conn) == 100, 60, "all messages")
+    rows = tables(conn)
+    assert rows
+    lr = 0.05
+    for row, version in rows.values():
+        assert np.isfinite(row).all()
+        # Adagrad moves each element by at most lr per step; initial rows have norm ~0.3
+        assert np.linalg.norm(row) <= 1.0 + lr * np.sqrt(W) * version
+
+
+def test_a_restarted_worker_reloads_rows_from_redis_and_continues(conn, tmp_path):
+    with service(conn, "param-server", tmp_path / "ps.log", **ENV):
+        a = learner(conn)
+        produce(conn, clicks("u9", "i9", 3, prefix="w1"))
+        pump(
+            [a],
+            lambda: redis_row(conn, "user", row_id("u9")) is not None and len(a.pending) == 0,
+            what="persisted",
+        )
+        a.close()
+        b = learner(conn)
+        stored, version, _ = redis_row(conn, "user", row_id("u9"))
+        np.testing.assert_allclose(b.user_row("u9"), stored, rtol=1e-6)
+        slot = b.cache.held(TABLE_USER, row_id("u9"))
+        assert int(b.cache.users.version[slot]) == version
+        before = score(b, "u9", "i9")
+        produce(conn, clicks("u9", "i9", 2, prefix="w2"))
+        pump([b], lambda: score(b, "u9", "i9") > before + 1e-3, what="learning to continue")
+        b.close()

@@ -1,0 +1,164 @@
+"""Pure logic of online learning: labels, gradients, Adagrad, LRU, rows, read-your-writes."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from inference.learning import LabelConfig, aggregate, examples_from_events, logistic_gradients
+from inference.lru import SlotLRU
+from inference.pending import PendingSteps
+from param_server.adagrad import AdagradConfig, adagrad_step, clip_rows
+from param_server.rows import TABLE_ITEM, TABLE_USER, decode_row, encode_row, initial_rows
+from schemas.records import Event
+
+T = 1_767_225_600_000
+
+
+def ev(kind, user="u1", item="i1", req="r1"):
+    return Event(f"{kind}-{user}-{item}-{req}", kind, user, item, T, request_id=req)
+
+
+def test_labels_clicked_impressions_are_not_negatives_and_conversions_weigh_more():
+    events = [
+        ev("impression"),
+        ev("click"),
+        ev("impression", item="i2"),
+        ev("conversion", item="i3"),
+    ]
+    ex = examples_from_events(
+        events, LabelConfig(conversion_weight=3.0), np.random.default_rng(0), []
+    )
+    assert list(zip(ex.items, ex.labels.tolist(), ex.weights.tolist(), strict=True)) == [
+        ("i1", 1.0, 1.0), ("i2", 0.0, 1.0), ("i3", 1.0, 3.0),
+    ]  # fmt: skip
+
+
+def test_a_batch_without_negatives_gets_sampled_ones():
+    ex = examples_from_events(
+        [ev("click")], LabelConfig(sampled_negatives=3), np.random.default_rng(0), ["i7", "i8"]
+    )
+    assert ex.labels.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert set(ex.items[1:]) <= {"i7", "i8"} and ex.users == ["u1"] * 4
+
+
+def test_gradients_match_finite_differences():
+    rng = np.random.default_rng(1)
+    u, v = rng.standard_normal((1, 5)), rng.standard_normal((1, 5))
+    u[0, -1] = 1.0
+    y, w = np.array([1.0]), np.array([2.0])
+
+    def loss(uu, vv):
+        p = 1 / (1 + np.exp(-(uu * vv).sum()))
+        return -w[0] * (y[0] * np.log(p) + (1 - y[0]) * np.log(1 - p))
+
+    gu, gv = logistic_gradients(u.astype(np.float64), v.astype(np.float64), y, w)
+    eps = 1e-6
+    for j in range(4):
+        d = np.zeros_like(u)
+        d[0, j] = eps
+        assert gu[0, j] == pytest.approx((loss(u + d, v) - loss(u - d, v)) / (2 * eps), rel=1e-5)
+        assert gv[0, j] == pytest.approx((loss(u, v + d) - loss(u, v - d)) / (2 * eps), rel=1e-5)
+    assert gu[0, -1] == 0.0  # the user's constant column does not learn
+
+
+def test_aggregate_sums_per_row():
+    keys, sums, counts = aggregate(np.array([5, 3, 5]), np.array([[1.0], [2.0], [4.0]]))
+    assert (
+        keys.tolist() == [3, 5]
+        and sums.ravel().tolist() == [2.0, 5.0]
+        and counts.tolist() == [1, 2]
+    )
+
+
+def test_adagrad_matches_its_formula_and_rejects_non_finite_rows():
+    cfg = AdagradConfig(lr=0.1, eps=1e-8, max_norm=100.0)
+    rows = np.ones((3, 2), np.float32)
+    acc = np.zeros((3, 2), np.float32)
+    g = np.array([[0.5, -0.25], [np.nan, 1.0], [np.inf, 0.0]], np.float32)
+    ok = adagrad_step(rows, acc, g, cfg)
+    assert ok.tolist() == [True, False, False]
+    np.testing.assert_allclose(rows[0], 1 - 0.1 * g[0] / (np.abs(g[0]) + 1e-8), rtol=1e-6)
+    assert rows[1:].tolist() == [[1, 1], [1, 1]] and acc[1:].tolist() == [[0, 0], [0, 0]]
+
+
+def test_exploding_gradients_are_clipped_to_the_norm_bound():
+    g = np.array([[3e30, 4e30], [0.3, 0.4]], np.float32)
+    clipped = clip_rows(g, 1.0)
+    assert np.linalg.norm(clipped, axis=1) == pytest.approx([1.0, 0.5], rel=1e-5)
+
+
+def test_rows_are_deterministic_from_ids_and_round_trip():
+    a = initial_rows(np.array([1, 2, 3]), TABLE_USER, 8)
+    assert (a == initial_rows(np.array([1, 2, 3]), TABLE_USER, 8)).all()
+    assert not (a == initial_rows(np.array([1, 2, 3]), TABLE_ITEM, 8)).all()
+    assert a[:, -1].tolist() == [1.0] * 3
+    assert initial_rows(np.array([1]), TABLE_ITEM, 8)[0, -1] == 0.0
+    row, version, ms = decode_row(encode_row(a[0], 7, T), 9)
+    assert (row == a[0]).all() and (version, ms) == (7, T)
+
+
+def test_lru_evicts_the_least_recently_used():
+    lru = SlotLRU(2)
+    lru.admit("a"), lru.admit("b")
+    lru.get("a")
+    assert lru.admit("c") == (1, "b")
+    assert "b" not in lru and lru.peek("a") == 0
+
+
+def test_read_your_writes_bookkeeping_is_exact_under_any_interleaving():
+    """Model: the global row is the sum of the deltas of applied messages. Whatever the order
+    of local steps, deliveries and installs, serving = global + pending = all local steps."""
+    for seed in range(200):
+        rng = random.Random(seed)
+        p = PendingSteps()
+        row = ("user", 1)
+        total = 0.0
+        log: list[tuple[int, float]] = []  # (offset, delta) as the partition receives them
+        serving = 0.0
+        sent: list[tuple[int, float]] = []  # (token, delta) sent, not yet delivered
+        tokens = iter(range(1, 10_000))
+        delivered_offsets: list[int] = []
+        last_install = 0
+        late: list[tuple[int, int]] = []
+        for _ in range(rng.randint(1, 40)):
+            action = rng.random()
+            if action < 0.4:
+                d = rng.uniform(-1, 1)
+                token = next(tokens)
+                p.record(row, np.array([d]), token)
+                serving += d
+                total += d
+                sent.append((token, d))
+            elif action < 0.7 and sent:
+                token, d = sent.pop(0)  # Kafka keeps order within a partition
+                offset = len(log)
+                log.append((offset, d))
+                delivered_offsets.append(offset)
+                late.append((token, offset))
+            if late and rng.random() < 0.5:  # delivery reports come later, in order
+                token, offset = late.pop(0)
+                for _, delta in p.delivered(token, 0, offset):
+                    serving -= float(delta[0])
+            elif log and len(log) - 1 >= last_install:
+                # the worker waits for outstanding delivery reports before it installs
+                while late:
+                    token, offset = late.pop(0)
+                    for _, delta in p.delivered(token, 0, offset):
+                        serving -= float(delta[0])
+                # and installs only newer versions: installs move forward
+                upto = last_install = rng.randint(last_install, len(log) - 1)
+                global_row = sum(d for o, d in log if o <= upto)
+                rest = p.on_install(row, 0, upto)
+                serving = global_row + (float(rest[0]) if rest is not None else 0.0)
+            assert serving == pytest.approx(total, abs=1e-9), seed
+
+
+def test_steps_included_before_their_delivery_report_are_dropped_on_the_report():
+    p = PendingSteps()
+    p.record(("user", 1), np.array([1.0]), token=1)
+    assert p.on_install(("user", 1), 0, 10).tolist() == [1.0]  # offset unknown yet: kept
+    assert [d.tolist() for _, d in p.delivered(1, 0, 10)] == [[1.0]]  # it was included
+    assert len(p) == 0
