@@ -84,7 +84,6 @@ def test_parameter_server_applies_persists_and_broadcasts_with_rising_versions(c
         assert v1 >= 1
         produce(conn, clicks("u2", "i2", 2, prefix="b"))
         pump([a, b], lambda: int(b.cache.items.version[slot]) > v1, what="the broadcast to reach b")
-        row, version, _ = redis_row(conn, "item", row_id("i2"))
         pump(
             [a, b],
             lambda: int(b.cache.items.version[slot]) == redis_row(conn, "item", row_id("i2"))[1],
