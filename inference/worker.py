@@ -51,6 +51,7 @@ from schemas.rowbatch import (
 
 log = logging.getLogger("freshrec.worker")
 LAG_SAMPLES = 256
+MAX_ROWS_PER_MESSAGE = 1000
 
 
 class OnlineLearner:
@@ -229,22 +230,31 @@ class OnlineLearner:
 
     def _send(self, outgoing) -> None:
         created = int(time.time() * 1000)
-        for (table, part), rows in outgoing.items():
-            token = next(self.tokens)
-            ids = np.array([r[0] for r in rows], np.int64)
-            batch = RowBatch(
-                KIND_GRADIENTS, table, ids, np.stack([r[1] for r in rows]).astype(np.float32),
-                np.array([r[2] for r in rows], np.uint64), np.array([r[3] for r in rows], np.int64),
-                created_ms=created,
-            )  # fmt: skip
-            for k in ids.tolist():
-                self.pending.assign((table, k), token)
-            self.producer.produce(
-                self.names.gradients, value=batch.encode(), key=row_key(int(ids[0])),
-                partition=part, on_delivery=self._delivered(token, table),
-            )  # fmt: skip
-            m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "sent").inc(len(ids))
-            m.GRADIENT_MESSAGES.labels("sent").inc()
+        for (table, part), all_rows in outgoing.items():
+            for lo in range(0, len(all_rows), MAX_ROWS_PER_MESSAGE):
+                self._send_one(table, part, all_rows[lo : lo + MAX_ROWS_PER_MESSAGE], created)
+
+    def _send_one(self, table: int, part: int, rows: list, created: int) -> None:
+        token = next(self.tokens)
+        ids = np.array([r[0] for r in rows], np.int64)
+        batch = RowBatch(
+            KIND_GRADIENTS, table, ids, np.stack([r[1] for r in rows]).astype(np.float32),
+            np.array([r[2] for r in rows], np.uint64), np.array([r[3] for r in rows], np.int64),
+            created_ms=created,
+        )  # fmt: skip
+        for k in ids.tolist():
+            self.pending.assign((table, k), token)
+        while True:
+            try:
+                self.producer.produce(
+                    self.names.gradients, value=batch.encode(), key=row_key(int(ids[0])),
+                    partition=part, on_delivery=self._delivered(token, table),
+                )  # fmt: skip
+                break
+            except BufferError:
+                self.producer.poll(0.05)
+        m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "sent").inc(len(ids))
+        m.GRADIENT_MESSAGES.labels("sent").inc()
 
     def _delivered(self, token: int, table: int):
         def callback(err, msg) -> None:

@@ -35,6 +35,7 @@ from param_server.store import applied_offsets, fetch_accumulators, fetch_rows
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
 
 log = logging.getLogger("freshrec.param_server")
+MAX_ROWS_PER_MESSAGE = 1000
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
@@ -211,20 +212,31 @@ class ParameterServer:
             by_table: dict[int, list[int]] = defaultdict(list)
             for table, i in refs:
                 by_table[table].append(i)
-            for table, ids in by_table.items():
-                states = [self.rows[(table, i)] for i in ids]
-                batch = RowBatch(
-                    KIND_UPDATES, table, np.asarray(ids, np.int64),
-                    np.stack([s.row for s in states]),
-                    np.asarray([s.version for s in states], np.uint64),
-                    np.asarray([s.event_ms for s in states], np.int64),
-                    partition=p, offset=self.applied[p], created_ms=created,
-                )  # fmt: skip
-                self.producer.produce(
-                    self.names.embeddings_updates, value=batch.encode(),
-                    partition=p % self.update_partitions, on_delivery=self._record_broadcast,
-                )  # fmt: skip
+            for table, all_ids in by_table.items():
+                # chunks stay far below Kafka's default 1 MB message limit
+                for lo in range(0, len(all_ids), MAX_ROWS_PER_MESSAGE):
+                    ids = all_ids[lo : lo + MAX_ROWS_PER_MESSAGE]
+                    states = [self.rows[(table, i)] for i in ids]
+                    batch = RowBatch(
+                        KIND_UPDATES, table, np.asarray(ids, np.int64),
+                        np.stack([s.row for s in states]),
+                        np.asarray([s.version for s in states], np.uint64),
+                        np.asarray([s.event_ms for s in states], np.int64),
+                        partition=p, offset=self.applied[p], created_ms=created,
+                    )  # fmt: skip
+                    self._produce(
+                        self.names.embeddings_updates, batch.encode(),
+                        p % self.update_partitions, self._record_broadcast,
+                    )  # fmt: skip
         self.producer.poll(0)
+
+    def _produce(self, topic: str, value: bytes, partition: int, cb) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, value=value, partition=partition, on_delivery=cb)
+                return
+            except BufferError:  # local queue full: let deliveries drain
+                self.producer.poll(0.05)
 
     def _record_broadcast(self, err, msg) -> None:
         if err is not None:

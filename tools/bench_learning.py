@@ -1,0 +1,152 @@
+"""Benchmark of online learning: the worker's event path vs raw consume, parameter-server
+rows/s with Redis persistence, and freshness lag per stage at a steady event rate.
+
+    .venv/bin/python -m tools.bench_learning [--events 100000] [--rate 5000] [--duration 20]
+
+Writes artifacts/bench_learning.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import numpy as np
+
+from freshrec.progress import ProgressLine
+from freshrec.stack import free_port
+from freshrec.topics import TopicNames
+from inference.settings import LearningSettings, WorkerSettings
+from inference.worker import OnlineLearner
+from param_server.server import ParameterServer
+from param_server.settings import ParamServerSettings
+from schemas.codec import encode_event
+from tools.bench_streams import subtract
+from tools.benchlib import bench_connection, produce_values, raw_consume_rate, save
+from tools.produce import produce_events
+from tools.promtext import histogram_quantile, scrape, total
+from tools.traffic import EventSynthesizer
+from tools.world import World, WorldConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=100_000)
+    ap.add_argument("--rate", type=float, default=5000.0)
+    ap.add_argument("--duration", type=float, default=20.0)
+    args = ap.parse_args()
+    progress = ProgressLine()
+    world = World(WorldConfig(seed=5, n_users=1_000_000, n_items=100_000))
+    results: dict = {}
+    from freshrec.metrics import serve_metrics
+
+    port = free_port()
+    serve_metrics(port)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    with bench_connection(f"bw{int(time.time())}.") as conn:
+        topic = TopicNames(conn.topic_prefix).events
+        synth = EventSynthesizer(world, seed=5)
+        records: list[tuple[bytes, bytes]] = []
+        now = int(time.time() * 1000)
+        while len(records) < args.events:
+            records += [(e.user_id.encode(), encode_event(e)) for e in synth.batch(500, now)]
+        produce_values(conn, topic, records[: args.events])
+        raw = raw_consume_rate(conn, topic, args.events)
+        progress.done(f"raw consume: {raw:,.0f} events/s")
+
+        # the worker's event path: decode, examples, gradients, local step, gradient emit
+        w = OnlineLearner(WorkerSettings(conn, LearningSettings(dim=64)))
+        w.start()
+        first = None
+        while True:
+            w.poll_once()
+            n = (
+                total(scrape(url), "freshrec_worker_events_total")
+                if first or w.pending.rows()
+                else 0
+            )
+            if n and first is None:
+                first = (time.perf_counter(), n)
+            if n >= args.events:
+                break
+        w.producer.flush(30)
+        elapsed = time.perf_counter() - first[0]
+        worker_rate = (args.events - first[1]) / elapsed
+        grad_msgs = total(scrape(url), "freshrec_gradient_messages_total", side="sent")
+        grad_rows = total(scrape(url), "freshrec_gradient_rows_total", outcome="sent")
+        w.close()
+        progress.done(
+            f"worker event path: {worker_rate:,.0f} events/s ({worker_rate / raw:.1%} of raw)"
+        )
+
+        # parameter server: apply + persist all gradient messages just produced
+        ps = ParameterServer(ParamServerSettings(conn, dim=64))
+        stop = threading.Event()
+        t = threading.Thread(target=ps.run, args=(stop,), daemon=True)
+        before = total(scrape(url), "freshrec_ps_rows_applied_total")
+        t.start()
+        start = None
+        while True:
+            applied = total(scrape(url), "freshrec_ps_rows_applied_total") - before
+            if applied and start is None:
+                start = (time.perf_counter(), applied)
+            if applied >= grad_rows:
+                break
+            time.sleep(0.02)
+        while ps.dirty:
+            time.sleep(0.01)
+        ps_rate = (grad_rows - start[1]) / (time.perf_counter() - start[0])
+        stop.set()
+        t.join(30)
+        progress.done(f"parameter server: {ps_rate:,.0f} rows/s applied and persisted")
+        results["throughput"] = {
+            "events": args.events,
+            "raw_consume_events_per_s": round(raw),
+            "worker_events_per_s": round(worker_rate),
+            "ratio": round(worker_rate / raw, 3),
+            "gradient_messages": int(grad_msgs),
+            "gradient_rows": int(grad_rows),
+            "param_server_rows_per_s": round(ps_rate),
+            "dim": 64,
+        }
+
+    with bench_connection(f"bf{int(time.time())}.") as conn:
+        stop = threading.Event()
+        ps = ParameterServer(ParamServerSettings(conn, dim=64))
+        w = OnlineLearner(WorkerSettings(conn, LearningSettings(dim=64)))
+        threads = [threading.Thread(target=ps.run, args=(stop,), daemon=True),
+                   threading.Thread(target=w.run, args=(stop,), daemon=True)]  # fmt: skip
+        for th in threads:
+            th.start()
+        produce_events(conn, world, rate_per_s=200, duration_s=2.0, seed=1)  # warm-up (joins)
+        time.sleep(3)
+        base = scrape(url)
+        stats = produce_events(
+            conn, world, rate_per_s=args.rate, duration_s=args.duration, progress=progress
+        )
+        time.sleep(3)
+        after = scrape(url)
+        stop.set()
+        for th in threads:
+            th.join(30)
+        name = "freshrec_freshness_lag_seconds"
+        delta = subtract(after, base, name + "_bucket")
+        lag = {}
+        for stage in ("local", "global_applied", "served"):
+            lag[stage] = {
+                "p50_ms": round(1000 * histogram_quantile(delta, name, 0.5, stage=stage), 1),
+                "p99_ms": round(1000 * histogram_quantile(delta, name, 0.99, stage=stage), 1),
+            }
+        results["freshness_lag"] = {
+            "rate_events_per_s": args.rate, "duration_s": args.duration, "events": stats.delivered,
+            "note": "worker and parameter server as threads of one process; histogram buckets",
+            **lag,
+        }  # fmt: skip
+    save("bench_learning", results)
+    _ = np
+
+
+if __name__ == "__main__":
+    main()
