@@ -55,6 +55,16 @@ def encode_row(row: np.ndarray, version: int, event_ms: int) -> bytes:
     return np.ascontiguousarray(row, "<f4").tobytes() + struct.pack("<Qq", version, event_ms)
 
 
+def encode_rows(rows: np.ndarray, versions: np.ndarray, event_ms: np.ndarray) -> list[bytes]:
+    """``encode_row`` for many rows at once (one structured array, then one slice per row)."""
+    n, w = rows.shape
+    packed = np.empty(n, np.dtype([("row", "<f4", (w,)), ("version", "<u8"), ("event_ms", "<i8")]))
+    packed["row"], packed["version"], packed["event_ms"] = rows, versions, event_ms
+    raw = packed.tobytes()
+    size = packed.dtype.itemsize
+    return [raw[k * size : (k + 1) * size] for k in range(n)]
+
+
 def decode_row(blob: bytes, w: int) -> tuple[np.ndarray, int, int]:
     if len(blob) != 4 * w + 16:
         raise ValueError(f"row blob of {len(blob)} bytes does not fit width {w}")

@@ -29,9 +29,9 @@ from freshrec.kafka import consumer_config, producer_config
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from param_server.adagrad import adagrad_step
-from param_server.rows import encode_row, initial_rows, row_key
+from param_server.rows import encode_rows, initial_rows, row_key
 from param_server.settings import ParamServerSettings
-from param_server.store import applied_offsets, fetch_accumulators, fetch_rows
+from param_server.store import applied_offsets, fetch_rows_and_accumulators
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
 
 log = logging.getLogger("freshrec.param_server")
@@ -104,13 +104,25 @@ class ParameterServer:
 
     def poll_once(self) -> None:
         msgs = self.consumer.consume(500, 0.02)
+        decoded = []
         for msg in msgs:
             err = msg.error()
             if err is not None:
                 if err.code() != KafkaError._PARTITION_EOF:
                     log.warning("consumer error: %s", err)
                 continue
-            self.apply_message(msg.partition(), msg.offset(), msg.value())
+            batch = self._decode(msg.partition(), msg.offset(), msg.value())
+            if batch is not None:
+                decoded.append((msg.partition(), msg.offset(), batch))
+        # one Redis round trip for every row this poll needs that is not in memory yet
+        missing: dict[int, set[int]] = defaultdict(set)
+        for _, _, batch in decoded:
+            for i in batch.ids.tolist():
+                if (batch.table, i) not in self.rows:
+                    missing[batch.table].add(i)
+        self._ensure_loaded_many(missing)
+        for partition, offset, batch in decoded:
+            self.apply_batch(partition, offset, batch)
         waiting = sum(len(d) for d in self.dirty.values())
         due = (time.monotonic() - self._last_flush) * 1000 >= self.settings.flush_interval_ms
         if waiting and (due or waiting >= self.settings.max_dirty_rows):
@@ -119,21 +131,36 @@ class ParameterServer:
 
     # ----------------------------------------------------------------------------- apply
     def apply_message(self, partition: int, offset: int, value: bytes) -> None:
+        """Apply one gradient message (decode, load its rows, Adagrad)."""
+        batch = self._decode(partition, offset, value)
+        if batch is not None:
+            self._ensure_loaded_many({batch.table: set(batch.ids.tolist())})
+            self.apply_batch(partition, offset, batch)
+
+    def _decode(self, partition: int, offset: int, value: bytes) -> RowBatch | None:
+        """The message's batch, or None (already applied, corrupt or foreign: skipped, and
+        a skipped offset counts as applied)."""
         if offset <= self.applied.get(partition, -1):
             m.PS_SKIPPED.labels("already_applied").inc()
-            return
-        self.applied[partition] = offset
+            return None
         try:
             batch = RowBatch.decode(value)
         except CorruptBatch as exc:
             m.PS_SKIPPED.labels("corrupt").inc()
             log.warning("gradients %d@%d corrupt, skipped: %s", partition, offset, exc)
-            return
+            self.applied[partition] = offset
+            return None
         if batch.kind != KIND_GRADIENTS or batch.dim != self.w:
             m.PS_SKIPPED.labels("wrong_layout").inc()
+            self.applied[partition] = offset
+            return None
+        return batch
+
+    def apply_batch(self, partition: int, offset: int, batch: RowBatch) -> None:
+        if offset <= self.applied.get(partition, -1):
             return
+        self.applied[partition] = offset
         refs = [(batch.table, i) for i in batch.ids.tolist()]
-        self._ensure_loaded(batch.table, [r for r in refs if r not in self.rows])
         states = [self.rows[r] for r in refs]
         rows = np.stack([s.row for s in states])
         accum = np.stack([s.accum for s in states])
@@ -151,22 +178,27 @@ class ParameterServer:
         m.PS_ROWS_APPLIED.labels(name).inc(int(ok.sum()))
         m.GRADIENT_MESSAGES.labels("applied").inc()
 
-    def _ensure_loaded(self, table: int, refs: list[tuple[int, int]]) -> None:
-        if not refs:
+    def _ensure_loaded_many(self, missing: dict[int, set[int]]) -> None:
+        """Load rows and accumulators not in memory: one pipelined round trip for all."""
+        wanted = {
+            t: sorted(i for i in ids if (t, i) not in self.rows) for t, ids in missing.items()
+        }
+        wanted = {t: ids for t, ids in wanted.items() if ids}
+        if not wanted:
             return
-        ids = [i for _, i in refs]
-        found = self._redis_retry(lambda: fetch_rows(self.redis, self.keys, table, ids, self.w))
-        accums = self._redis_retry(
-            lambda: fetch_accumulators(self.redis, self.keys, table, ids, self.w)
+        found = self._redis_retry(
+            lambda: fetch_rows_and_accumulators(self.redis, self.keys, wanted, self.w)
         )
-        fresh = initial_rows(np.asarray(ids, np.int64), table, self.settings.dim)
         init_acc = self.settings.adagrad.initial_accumulator
-        for j, i in enumerate(ids):
-            row, version, event_ms = found.get(i, (fresh[j], 0, 0))
-            acc = accums.get(i)
-            if acc is None:
-                acc = np.full(self.w, init_acc, np.float32)
-            self.rows[(table, i)] = RowState(row, acc, version, event_ms)
+        for table, ids in wanted.items():
+            fresh = initial_rows(np.asarray(ids, np.int64), table, self.settings.dim)
+            rows, accums = found[table]
+            for j, i in enumerate(ids):
+                row, version, event_ms = rows.get(i, (fresh[j], 0, 0))
+                acc = accums.get(i)
+                if acc is None:
+                    acc = np.full(self.w, init_acc, np.float32)
+                self.rows[(table, i)] = RowState(row, acc, version, event_ms)
 
     # ----------------------------------------------------------------------------- flush
     def flush(self) -> None:
@@ -191,18 +223,25 @@ class ParameterServer:
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - started)
 
     def _persist(self, dirty: dict[int, set[tuple[int, int]]]) -> None:
-        rows: dict[str, dict[bytes, bytes]] = defaultdict(dict)
-        accs: dict[str, dict[bytes, bytes]] = defaultdict(dict)
+        by_table: dict[int, list[int]] = defaultdict(list)
         for refs in dirty.values():
             for table, i in refs:
-                s = self.rows[(table, i)]
-                name = TABLE_NAMES[table]
-                rows[name][row_key(i)] = encode_row(s.row, s.version, s.event_ms)
-                accs[name][row_key(i)] = np.ascontiguousarray(s.accum, "<f4").tobytes()
+                by_table[table].append(i)
         pipe = self.redis.pipeline(transaction=True)
-        for name, mapping in rows.items():
-            pipe.hset(self.keys.embeddings(name), mapping=mapping)
-            pipe.hset(self.keys.optimizer(name), mapping=accs[name])
+        for table, ids in by_table.items():
+            states = [self.rows[(table, i)] for i in ids]
+            fields = [row_key(i) for i in ids]
+            name = TABLE_NAMES[table]
+            pipe.hset(self.keys.embeddings(name), mapping=dict(zip(fields, encode_rows(
+                np.stack([s.row for s in states]),
+                np.fromiter((s.version for s in states), np.uint64, len(states)),
+                np.fromiter((s.event_ms for s in states), np.int64, len(states)),
+            ), strict=True)))  # fmt: skip
+            accs = np.ascontiguousarray(np.stack([s.accum for s in states]), "<f4")
+            pipe.hset(
+                self.keys.optimizer(name),
+                mapping=dict(zip(fields, (a.tobytes() for a in accs), strict=True)),
+            )
         pipe.hset(self.keys.ps_applied, mapping={p: self.applied[p] for p in dirty})
         pipe.execute()
 

@@ -22,17 +22,27 @@ def fetch_rows(
     return {i: decode_row(b, w) for i, b in zip(ids, blobs, strict=True) if b is not None}
 
 
-def fetch_accumulators(
-    r: redis.Redis, keys: RedisKeys, table: int, ids: list[int], w: int
-) -> dict[int, np.ndarray]:
-    if not ids:
-        return {}
-    blobs = r.hmget(keys.optimizer(TABLE_NAMES[table]), [row_key(i) for i in ids])
-    return {
-        i: np.frombuffer(b, "<f4", w).copy()
-        for i, b in zip(ids, blobs, strict=True)
-        if b is not None
-    }
+def fetch_rows_and_accumulators(
+    r: redis.Redis, keys: RedisKeys, wanted: dict[int, list[int]], w: int
+) -> dict[int, tuple[dict[int, Row], dict[int, np.ndarray]]]:
+    """Rows and Adagrad accumulators of several tables in one pipelined round trip."""
+    pipe = r.pipeline(transaction=False)
+    for table, ids in wanted.items():
+        fields = [row_key(i) for i in ids]
+        pipe.hmget(keys.embeddings(TABLE_NAMES[table]), fields)
+        pipe.hmget(keys.optimizer(TABLE_NAMES[table]), fields)
+    replies = pipe.execute()
+    out = {}
+    for n, (table, ids) in enumerate(wanted.items()):
+        rows_raw, acc_raw = replies[2 * n], replies[2 * n + 1]
+        rows = {i: decode_row(b, w) for i, b in zip(ids, rows_raw, strict=True) if b is not None}
+        accs = {
+            i: np.frombuffer(b, "<f4", w).copy()
+            for i, b in zip(ids, acc_raw, strict=True)
+            if b is not None
+        }
+        out[table] = (rows, accs)
+    return out
 
 
 def load_table(r: redis.Redis, keys: RedisKeys, table: int, w: int) -> dict[int, Row]:
