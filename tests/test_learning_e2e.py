@@ -278,3 +278,48 @@ def test_a_restarted_worker_reloads_rows_from_redis_and_continues(conn, tmp_path
         produce(conn, clicks("u9", "i9", 2, prefix="w2"))
         pump([b], lambda: score(b, "u9", "i9") > before + 1e-3, what="learning to continue")
         b.close()
+
+
+def test_parameter_server_pauses_while_redis_is_unavailable_and_resumes(
+    services, conn, tmp_path, reference_tables
+):
+    """A private Redis frozen (SIGSTOP) mid-stream: the server waits, loses nothing, finishes."""
+    import os
+    import subprocess
+
+    from freshrec.stack import free_port, redis_binary
+
+    port = free_port()
+    rproc = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    private = conn.__class__(
+        conn.kafka_bootstrap_servers, f"redis://127.0.0.1:{port}/0", conn.topic_prefix
+    )
+    try:
+        wait_for(lambda: _pings(private.redis_url), 20, "private redis")
+        messages = gradient_messages(N_MESSAGES)
+        env = {**ENV, "REDIS_URL": private.redis_url}
+        with service(conn, "param-server", tmp_path / "ps.log", **env):
+            send(conn, messages[:100])
+            wait_for(lambda: applied_total(private) > 0, 60, "some progress")
+            os.kill(rproc.pid, signal.SIGSTOP)
+            send(conn, messages[100:])
+            time.sleep(7)  # longer than the client's 5 s socket timeout
+            os.kill(rproc.pid, signal.SIGCONT)
+            wait_for(
+                lambda: applied_total(private) == N_MESSAGES, 90, "the server to resume and finish"
+            )
+        log = (tmp_path / "ps.log").read_text()
+        assert "Redis unavailable" in log and "Redis is back" in log
+        assert_same_tables(tables(private), reference_tables)
+    finally:
+        os.kill(rproc.pid, signal.SIGCONT)
+        rproc.terminate()
+        rproc.wait(10)
+
+
+def _pings(url: str) -> bool:
+    try:
+        return bool(redis_lib.Redis.from_url(url, socket_timeout=1).ping())
+    except redis_lib.exceptions.ConnectionError:
+        return False
