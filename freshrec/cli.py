@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--duration", type=float, default=None,
                      help="seconds to run (default: until Ctrl-C)")  # fmt: skip
     run.add_argument("--rate", type=float, action=EnvDefault, envvar="FRESHREC_EVENT_RATE",
-                     default=2000.0, help="synthetic events per second")  # fmt: skip
+                     default=500.0, help="synthetic events per second")  # fmt: skip
     add_world_options(run)
     run.set_defaults(func=commands.cmd_run)
 

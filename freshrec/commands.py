@@ -198,6 +198,8 @@ def running_stack() -> Iterator[RunContext]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from freshrec.cli import world_from_args
+    from freshrec.runstatus import StatusPoller, summary, wait_until_assigned
+    from freshrec.stack import free_port
     from freshrec.supervisor import ServiceGroup
     from tools.produce import produce_events, produce_items
 
@@ -207,20 +209,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         provision_topics(ctx.conn)
         services = ServiceGroup({**os.environ, **ctx.conn_env}, state_dir() / "run" / "logs")
         try:
-            services.start("streams", "streams")
-            services.start("param-server", "param-server")
-            services.start("worker", "worker")
+            ports = {name: free_port() for name in ("streams", "param-server", "worker")}
+            for name, port in ports.items():
+                services.start(name, name, FRESHREC_METRICS_PORT=str(port))
             produce_items(ctx.conn, world, progress)
+            wait_until_assigned(
+                ports, 120, lambda w: progress.update(f"waiting for {', '.join(w)} to join")
+            )
+            services.check()
             stop = threading.Event()
             watcher = threading.Thread(
                 target=_watch_services, args=(services, stop), daemon=True, name="watch"
             )
             watcher.start()
             try:
-                stats = produce_events(
-                    ctx.conn, world, rate_per_s=args.rate, duration_s=args.duration,
-                    stop=stop, progress=progress, seed=args.seed,
-                )  # fmt: skip
+                with StatusPoller(ports) as status:
+                    stats = produce_events(
+                        ctx.conn, world, rate_per_s=args.rate, duration_s=args.duration,
+                        stop=stop, progress=progress, seed=args.seed,
+                        suffix=lambda: status.text,
+                    )  # fmt: skip
+                    time.sleep(2.5)  # let the services drain the last events
+                    final = summary(ports)
             finally:
                 stop.set()
             if services.failure:
@@ -229,7 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             services.stop_all()
     print(
         f"run finished: {stats.delivered:,} events delivered in {stats.elapsed_s:.1f}s "
-        f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed"
+        f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed\n{final}"
     )
     return 0 if stats.failed == 0 else 1
 

@@ -80,6 +80,11 @@ PS_FLUSH_SECONDS = Histogram(
 PS_SKIPPED = Counter("freshrec_ps_skipped_messages_total", "Gradient messages skipped", ["reason"])
 
 
+ASSIGNED_PARTITIONS = Gauge(
+    "freshrec_assigned_partitions", "Input partitions this process owns in its group", ["service"]
+)
+
+
 def serve_metrics(port: int) -> None:
     """Expose /metrics on ``port`` (0: do nothing)."""
     if port:

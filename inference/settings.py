@@ -31,8 +31,6 @@ class WorkerSettings:
     user_capacity_rows: int = 200_000
     batch_max: int = 2000
     poll_timeout_ms: int = 5
-    row_expiry_ms: int = 7 * 86_400_000
-    """Users unseen for this long are dropped from the device slab at the next sweep."""
     device: str = "auto"
     worker_id: str = ""
     metrics_port: int = 0
@@ -50,7 +48,6 @@ class WorkerSettings:
             learning=learning,
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),
-            row_expiry_ms=env_int(env, "FRESHREC_ROW_EXPIRY_MS", 7 * 86_400_000, minimum=1),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),

@@ -26,6 +26,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 
 from freshrec import metrics as m
 from freshrec.kafka import consumer_config, producer_config
+from freshrec.lifecycle import run_until_signalled
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -104,7 +105,10 @@ class OnlineLearner:
                 for p in range(n)
             ]
         )
-        self.events.subscribe([self.names.events])
+        self.events.subscribe(
+            [self.names.events],
+            on_assign=lambda c, parts: m.ASSIGNED_PARTITIONS.labels("worker").set(len(parts)),
+        )
         log.info(
             "worker %s: %d item rows from Redis, device %s, broadcast from %s",
             self.settings.worker_id, len(items), self.cache.device, positions or "the beginning",
@@ -316,12 +320,4 @@ class OnlineLearner:
 
 
 def run_worker(settings: WorkerSettings) -> int:
-    import signal
-
-    m.serve_metrics(settings.metrics_port)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    OnlineLearner(settings).run(stop)
-    log.info("worker stopped")
-    return 0
+    return run_until_signalled("worker", OnlineLearner(settings).run, settings.metrics_port)

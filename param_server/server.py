@@ -26,6 +26,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer
 
 from freshrec import metrics as m
 from freshrec.kafka import consumer_config, producer_config
+from freshrec.lifecycle import run_until_signalled
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from param_server.adagrad import adagrad_step
@@ -73,6 +74,7 @@ class ParameterServer:
             tp.offset = OFFSET_BEGINNING if done is None else done + 1
             self.owned.add(tp.partition)
         consumer.assign(partitions)
+        m.ASSIGNED_PARTITIONS.labels("param-server").set(len(self.owned))
         log.info(
             "assigned gradients partitions %s, resuming after offsets %s",
             sorted(tp.partition for tp in partitions),
@@ -316,12 +318,4 @@ class ParameterServer:
 
 
 def run_param_server(settings: ParamServerSettings) -> int:
-    import signal
-
-    m.serve_metrics(settings.metrics_port)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    ParameterServer(settings).run(stop)
-    log.info("parameter server stopped")
-    return 0
+    return run_until_signalled("param_server", ParameterServer(settings).run, settings.metrics_port)

@@ -171,6 +171,7 @@ class StreamsApp:
 
     async def _on_assigned(self, sender, assigned, **kwargs) -> None:
         owned = sorted(tp.partition for tp in assigned if tp.topic == self.names.events_by_item)
+        m.ASSIGNED_PARTITIONS.labels("streams").set(len(assigned))
         log.info("assigned events.by_item partitions %s", owned)
 
     # ----------------------------------------------------------------------------- stages

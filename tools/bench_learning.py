@@ -9,11 +9,6 @@ Writes artifacts/bench_learning.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,7 +21,13 @@ from param_server.server import ParameterServer
 from param_server.settings import ParamServerSettings
 from schemas.codec import encode_event
 from tools.bench_streams import subtract
-from tools.benchlib import bench_connection, produce_values, raw_consume_rate, save
+from tools.benchlib import (
+    bench_connection,
+    produce_values,
+    raw_consume_rate,
+    save,
+    service_process,
+)
 from tools.produce import produce_events
 from tools.promtext import histogram_quantile, scrape, total
 from tools.traffic import EventSynthesizer
@@ -47,27 +48,6 @@ def safe_scrape(port: int):
         return scrape(f"http://127.0.0.1:{port}/metrics")
     except OSError:
         return {}
-
-
-@contextlib.contextmanager
-def service_process(conn, command: str, port: int, extra: dict):
-    env = dict(os.environ)
-    env.update(
-        KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers, REDIS_URL=conn.redis_url,
-        FRESHREC_TOPIC_PREFIX=conn.topic_prefix, FRESHREC_METRICS_PORT=str(port), **extra,
-    )  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "freshrec.cli", command], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main() -> None:

@@ -9,43 +9,23 @@ KAFKA_BOOTSTRAP_SERVERS/REDIS_URL when set).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
 
 from freshrec.progress import ProgressLine
 from freshrec.stack import free_port
 from freshrec.topics import TopicNames
 from schemas.codec import encode_event
-from tools.benchlib import bench_connection, produce_values, raw_consume_rate, save
+from tools.benchlib import (
+    bench_connection,
+    produce_values,
+    raw_consume_rate,
+    save,
+    service_process,
+)
 from tools.produce import produce_events
 from tools.promtext import histogram_quantile, scrape, total
 from tools.traffic import EventSynthesizer
 from tools.world import World, WorldConfig
-
-
-@contextlib.contextmanager
-def streams_process(conn, port: int):
-    env = dict(os.environ)
-    env.update(
-        KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers, REDIS_URL=conn.redis_url,
-        FRESHREC_TOPIC_PREFIX=conn.topic_prefix, FRESHREC_METRICS_PORT=str(port),
-    )  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "freshrec.cli", "streams"], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def metric(port: int, name: str, **labels) -> float:
@@ -87,7 +67,7 @@ def main() -> None:
         progress.done(f"raw confluent-kafka batch consume: {raw:,.0f} events/s")
 
         port = free_port()
-        with streams_process(conn, port) as proc:
+        with service_process(conn, "streams", port) as proc:
             first = None
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
@@ -114,7 +94,7 @@ def main() -> None:
 
     with bench_connection(f"bl{int(time.time())}.") as conn:
         port = free_port()
-        with streams_process(conn, port):
+        with service_process(conn, "streams", port):
             # warm up: the group join takes seconds on the embedded broker; measure after it
             produce_events(conn, world, rate_per_s=200, duration_s=1.0, seed=99)
             deadline = time.monotonic() + 60

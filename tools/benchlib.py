@@ -6,6 +6,9 @@ import contextlib
 import json
 import os
 import platform
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,6 +42,29 @@ def bench_connection(prefix: str) -> Iterator[ConnectionSettings]:
             yield conn
         finally:
             stack.down()
+
+
+@contextlib.contextmanager
+def service_process(conn: ConnectionSettings, command: str, port: int, extra=None):
+    """``freshrec <command>`` against ``conn`` with metrics on ``port``; stopped on exit."""
+    env = dict(os.environ)
+    env.update(
+        KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers, REDIS_URL=conn.redis_url,
+        FRESHREC_TOPIC_PREFIX=conn.topic_prefix, FRESHREC_METRICS_PORT=str(port),
+        **(extra or {}),
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "freshrec.cli", command], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def produce_values(

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from confluent_kafka import KafkaException, Producer
@@ -98,6 +99,7 @@ def produce_events(
     stop: threading.Event | None = None,
     progress: ProgressLine | None = None,
     seed: int = 0,
+    suffix: Callable[[], str] | None = None,
 ) -> ProduceStats:
     """Produce synthetic events at a steady rate until ``duration_s`` or ``stop`` is set."""
     topic = TopicNames(conn.topic_prefix).events
@@ -126,9 +128,11 @@ def produce_events(
         producer.poll(0)
         if progress:
             elapsed = max(now - start, 1e-9)
+            extra = suffix() if suffix else ""
             progress.update(
                 f"events: {sent:,} produced, {counter.delivered:,} delivered "
                 f"({counter.delivered / elapsed:,.0f}/s, target {rate_per_s:,.0f}/s)"
+                + (f" | {extra}" if extra else "")
             )
         stop.wait(0.01)
     _flush(producer, counter, sent, 30)

@@ -1,0 +1,79 @@
+"""What `freshrec run` shows about its services, read from their own /metrics endpoints."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from tools.promtext import Samples, histogram_quantile, scrape, total
+
+
+def _scrape_all(ports: dict[str, int]) -> dict[str, Samples]:
+    out: dict[str, Samples] = {}
+    for name, port in ports.items():
+        try:
+            out[name] = scrape(f"http://127.0.0.1:{port}/metrics", timeout_s=1.0)
+        except OSError:
+            out[name] = {}
+    return out
+
+
+def summary(ports: dict[str, int]) -> str:
+    s = _scrape_all(ports)
+    streams, worker, ps = s.get("streams", {}), s.get("worker", {}), s.get("param-server", {})
+    lag = "freshrec_freshness_lag_seconds"
+
+    def p99(samples: Samples, stage: str) -> str:
+        v = histogram_quantile(samples, lag, 0.99, stage=stage)
+        return "–" if math.isnan(v) else f"{v * 1000:,.0f}ms"
+
+    return (
+        f"streams counted {total(streams, 'freshrec_streams_counted_events_total'):,.0f}"
+        f" | worker learnt {total(worker, 'freshrec_worker_events_total', outcome='valid'):,.0f}"
+        f" | ps applied {total(ps, 'freshrec_ps_rows_applied_total'):,.0f} rows"
+        f" | p99 local {p99(worker, 'local')} global {p99(ps, 'global_applied')}"
+        f" served {p99(worker, 'served')}"
+    )
+
+
+def wait_until_assigned(ports: dict[str, int], timeout_s: float, on_wait=None) -> None:
+    """Block until every service owns partitions in its group (joins take seconds)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        scraped = _scrape_all(ports)
+        waiting = [
+            name
+            for name, samples in scraped.items()
+            if total(samples, "freshrec_assigned_partitions") <= 0
+        ]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"services not ready after {timeout_s:.0f}s: {', '.join(waiting)}")
+        if on_wait:
+            on_wait(waiting)
+        time.sleep(0.5)
+
+
+class StatusPoller:
+    """Refreshes ``text`` every ``interval_s`` in the background (scrapes are slow-ish)."""
+
+    def __init__(self, ports: dict[str, int], interval_s: float = 2.0) -> None:
+        self.ports, self.interval_s = ports, interval_s
+        self.text = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="run-status")
+
+    def __enter__(self) -> StatusPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.text = summary(self.ports)
