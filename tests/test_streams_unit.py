@@ -25,7 +25,10 @@ from streams.item_state import CLICK, CONVERSION, IMPRESSION, ItemPartitionState
 
 T0 = 1_767_225_600_000
 PURE_MODULES = ["streams/decay.py", "streams/dedupe.py", "streams/hotlist.py", "streams/item_state.py",
-                "tools/world.py", "tools/traffic.py", "tools/pacing.py"]  # fmt: skip
+                "tools/world.py", "tools/traffic.py", "tools/pacing.py", "inference/batching.py",
+                "inference/breaker.py", "inference/rerank.py", "inference/merge.py", "inference/pending.py",
+                "inference/learning.py", "inference/lru.py", "param_server/adagrad.py", "param_server/rows.py",
+                "freshrec/hashing.py"]  # fmt: skip
 IO_PACKAGES = {"confluent_kafka", "aiokafka", "faust", "redis", "socket", "requests", "mode"}
 
 

@@ -1,0 +1,54 @@
+"""Re-ranking: maximal marginal relevance (Carbonell & Goldstein, 1998) for diversity, then
+category spacing. Pure.
+
+MMR picks, one at a time, the candidate maximising λ·relevance − (1 − λ)·max similarity to
+what is already picked; similarity is the cosine of item embeddings.
+
+>>> import numpy as np
+>>> vecs = np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]])
+>>> mmr(np.array([1.0, 0.95, 0.6]), vecs, k=2, lam=0.5)
+[0, 2]
+>>> space_categories(["a", "a", "b", "a", "c"], min_gap=2)
+[0, 2, 1, 4, 3]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def mmr(relevance: np.ndarray, vectors: np.ndarray, k: int, lam: float = 0.7) -> list[int]:
+    """Indices of ``k`` candidates in MMR order; ``lam`` = 1 is pure relevance."""
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    n = len(relevance)
+    k = min(k, n)
+    if k <= 0:
+        return []
+    unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    max_sim = np.full(n, -np.inf)
+    picked: list[int] = []
+    available = np.ones(n, bool)
+    for _ in range(k):
+        penalty = np.where(np.isinf(max_sim), 0.0, max_sim)
+        score = lam * relevance - (1.0 - lam) * penalty
+        score[~available] = -np.inf
+        best = int(np.argmax(score))
+        picked.append(best)
+        available[best] = False
+        max_sim = np.maximum(max_sim, unit @ unit[best])
+    return picked
+
+
+def space_categories(categories: list[str], min_gap: int) -> list[int]:
+    """An order of positions in which two items of one category are at least ``min_gap``
+    apart where possible: greedily take the best-ranked item whose category is not among the
+    last ``min_gap - 1`` placed; if none fits, the best-ranked remaining one."""
+    remaining = list(range(len(categories)))
+    order: list[int] = []
+    while remaining:
+        recent = {categories[i] for i in order[-(min_gap - 1) :]} if min_gap > 1 else set()
+        pick = next((i for i in remaining if categories[i] not in recent), remaining[0])
+        order.append(pick)
+        remaining.remove(pick)
+    return order
