@@ -125,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _sigterm_as_interrupt()
     from freshrec.stack import StackError
+    from freshrec.supervisor import ServiceDied
     from freshrec.topics import TopicMismatchError
 
     try:
@@ -132,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except (StackError, TopicMismatchError, SettingsError) as exc:
+    except (StackError, TopicMismatchError, SettingsError, TimeoutError, ServiceDied) as exc:
         print(f"freshrec: error: {exc}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings, load_environment, state_dir
 from freshrec.stack import EmbeddedStack, StackError, external_services
+from freshrec.supervisor import ServiceDied, ServiceGroup
 
 log = logging.getLogger("freshrec")
 
@@ -200,7 +201,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from freshrec.cli import world_from_args
     from freshrec.runstatus import StatusPoller, summary, wait_until_assigned
     from freshrec.stack import free_port
-    from freshrec.supervisor import ServiceGroup
     from tools.produce import produce_events, produce_items
 
     world = world_from_args(args)
@@ -213,10 +213,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             for name, port in ports.items():
                 services.start(name, name, FRESHREC_METRICS_PORT=str(port))
             produce_items(ctx.conn, world, progress)
-            wait_until_assigned(
-                ports, 120, lambda w: progress.update(f"waiting for {', '.join(w)} to join")
-            )
-            services.check()
+
+            def waiting(names: list[str]) -> None:
+                services.check()  # a service that died will never join
+                progress.update(f"waiting for {', '.join(names)} to join")
+
+            wait_until_assigned(ports, 120, waiting)
             stop = threading.Event()
             watcher = threading.Thread(
                 target=_watch_services, args=(services, stop), daemon=True, name="watch"
@@ -244,11 +246,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if stats.failed == 0 else 1
 
 
-def _watch_services(services, stop: threading.Event) -> None:
+def _watch_services(services: ServiceGroup, stop: threading.Event) -> None:
     """Stop the run when a service dies, keeping the reason for the exit message."""
     while not stop.wait(0.5):
         try:
             services.check()
-        except RuntimeError as exc:
+        except ServiceDied as exc:
             services.failure = exc
             stop.set()

@@ -18,6 +18,10 @@ from freshrec.stack import _die_with_parent
 log = logging.getLogger("freshrec.run")
 
 
+class ServiceDied(RuntimeError):
+    """A child service of the run exited; the message carries its last log lines."""
+
+
 @dataclass
 class ServiceGroup:
     """``freshrec <command>`` children; ``stop_all`` sends SIGTERM, then SIGKILL after a grace."""
@@ -48,7 +52,7 @@ class ServiceGroup:
         for name, proc in self.children:
             if proc.poll() is not None:
                 tail = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-5:]
-                raise RuntimeError(
+                raise ServiceDied(
                     f"{name} exited with code {proc.returncode}; last log lines:\n"
                     + "\n".join(tail)
                 )
