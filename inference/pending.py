@@ -46,9 +46,10 @@ class PendingSteps:
         self._rows_of: dict[int, set[RowRef]] = {}  # token -> rows it carries
         self._delivered: dict[int, tuple[int, int]] = {}  # token -> (partition, offset)
         self._installed: dict[RowRef, tuple[int, int]] = {}  # row -> (partition, offset)
+        self._count = 0  # steps held, kept current by _set (len() is read every poll)
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self._steps.values())
+        return self._count
 
     def rows(self) -> int:
         return len(self._steps)
@@ -56,6 +57,7 @@ class PendingSteps:
     def record(self, row: RowRef, delta: np.ndarray, token: int | None) -> None:
         """A local step on ``row``; ``token`` names its gradient message (None: not sent yet)."""
         self._steps.setdefault(row, []).append([token, delta])
+        self._count += 1
         if token is not None:
             self._rows_of.setdefault(token, set()).add(row)
 
@@ -115,10 +117,11 @@ class PendingSteps:
 
     def forget_row(self, row: RowRef) -> None:
         """The cache evicted ``row``: its bookkeeping goes with it."""
-        self._steps.pop(row, None)
+        self._count -= len(self._steps.pop(row, ()))
         self._installed.pop(row, None)
 
     def _set(self, row: RowRef, steps: list) -> None:
+        self._count += len(steps) - len(self._steps.get(row, ()))
         if steps:
             self._steps[row] = steps
         else:

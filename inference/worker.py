@@ -79,6 +79,7 @@ class OnlineLearner:
         self.unsent: dict[tuple[int, int], list] = {}  # row -> [grad sum, count, event_ms]
         self.item_pool: list[str] = []
         self.grad_partitions = self._partitions(self.names.gradients)
+        self._partition_cache: dict[int, int] = {}
         self.stats = defaultdict(int)
         self._last_commit = time.monotonic()
 
@@ -227,10 +228,19 @@ class OnlineLearner:
                 held[2] = max(held[2], t)
             if self.touches[ref] >= threshold:
                 del self.unsent[ref]
-                part = kafka_partition(row_key(k), self.grad_partitions)
+                part = self._partition_of(k)
                 outgoing[(table, part)].append((k, *held))
             else:
                 m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "held_for_admission").inc()
+
+    def _partition_of(self, row: int) -> int:
+        """The ``gradients`` partition of a row (murmur2 in Python: cached per row)."""
+        part = self._partition_cache.get(row)
+        if part is None:
+            if len(self._partition_cache) > 1_000_000:
+                self._partition_cache.clear()
+            part = self._partition_cache[row] = kafka_partition(row_key(row), self.grad_partitions)
+        return part
 
     def _send(self, outgoing) -> None:
         created = int(time.time() * 1000)

@@ -65,6 +65,9 @@ def _finite_float(token: str) -> float:
     return value
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def parse_json(data: bytes | str, limits: CodecLimits = DEFAULT_LIMITS) -> Any:
     """Strict JSON: size-bounded, UTF-8, finite numbers only."""
     if data is None:
@@ -74,7 +77,8 @@ def parse_json(data: bytes | str, limits: CodecLimits = DEFAULT_LIMITS) -> Any:
             Reason.OVERSIZE_PAYLOAD, f"{len(data)} bytes, at most {limits.max_payload_bytes}"
         )
     try:
-        return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+        text = data.decode() if isinstance(data, bytes | bytearray) else data
+        return _DECODER.decode(text)
     except Rejected:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:

@@ -62,20 +62,22 @@ Checker = Callable[[Any, int], None]
 """``check(value, max_ts_ms)``: raises ``Rejected``; ``max_ts_ms`` bounds timestamps."""
 
 
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "boolean": (bool,),
+    "integer": (int,),
+    "number": (int, float),
+}
+
+
 def _type_ok(kind: str, value: Any) -> bool:
-    if kind == "object":
-        return isinstance(value, dict)
-    if kind == "array":
-        return isinstance(value, list)
-    if kind == "string":
-        return isinstance(value, str)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    raise ValueError(f"unsupported type {kind!r}")
+    """Exact JSON types: ``json.loads`` yields exactly these, and ``True`` is not an integer."""
+    try:
+        return type(value) in _JSON_TYPES[kind]
+    except KeyError:
+        raise ValueError(f"unsupported type {kind!r}") from None
 
 
 def compile_schema(schema: dict[str, Any], path: str = "$") -> Checker:
@@ -107,29 +109,35 @@ def compile_schema(schema: dict[str, Any], path: str = "$") -> Checker:
                 raise Rejected(enum_reason, f"{path} must be one of {sorted(allowed)}, got {v!r}")
 
         checks.append(check_enum)
-    if kind is not None:
+    if kind is not None and kind not in _JSON_TYPES:
+        raise ValueError(f"unsupported type {kind!r}")
+    allowed_types = _JSON_TYPES.get(kind, ())
 
-        def check_type(v: Any, _: int) -> None:
-            if not _type_ok(kind, v):
-                raise Rejected(Reason.WRONG_TYPE, f"{path} must be {kind}, got {type(v).__name__}")
+    def wrong_type(v: Any) -> Rejected:
+        return Rejected(Reason.WRONG_TYPE, f"{path} must be {kind}, got {type(v).__name__}")
 
-        checks.append(check_type)
+    # The type check is fused with the kind's own checks: one call per value on the hot path.
     if kind == "string":
         lo, hi = schema.get("minLength", 0), schema.get("maxLength")
 
-        def check_len(v: str, _: int) -> None:
-            if len(v) < lo:
+        def check_string(v: Any, _: int) -> None:
+            if type(v) is not str:
+                raise wrong_type(v)
+            n = len(v)
+            if n < lo:
                 r = Reason.EMPTY_ID if is_id else Reason.INVALID_VALUE
                 raise Rejected(r, f"{path} must have at least {lo} characters")
-            if hi is not None and len(v) > hi:
+            if hi is not None and n > hi:
                 r = Reason.ID_TOO_LONG if is_id else Reason.INVALID_VALUE
-                raise Rejected(r, f"{path} has {len(v)} characters, at most {hi} allowed")
+                raise Rejected(r, f"{path} has {n} characters, at most {hi} allowed")
 
-        checks.append(check_len)
-    if kind in ("integer", "number"):
+        checks.append(check_string)
+    elif kind in ("integer", "number"):
         lo, hi = schema.get("minimum"), schema.get("maximum")
 
-        def check_range(v: float, max_ts_ms: int) -> None:
+        def check_number(v: Any, max_ts_ms: int) -> None:
+            if type(v) not in allowed_types:
+                raise wrong_type(v)
             if lo is not None and v < lo:
                 r = Reason.TIMESTAMP_TOO_OLD if is_ts else Reason.INVALID_VALUE
                 raise Rejected(r, f"{path}={v} is below {lo}")
@@ -140,7 +148,14 @@ def compile_schema(schema: dict[str, Any], path: str = "$") -> Checker:
                     Reason.TIMESTAMP_IN_FUTURE, f"{path}={v} is after the allowed {max_ts_ms}"
                 )
 
-        checks.append(check_range)
+        checks.append(check_number)
+    elif kind is not None:
+
+        def check_type(v: Any, _: int) -> None:
+            if type(v) not in allowed_types:
+                raise wrong_type(v)
+
+        checks.append(check_type)
     if kind == "array":
         max_items = schema.get("maxItems")
         item_check = compile_schema(schema["items"], path + "[]") if "items" in schema else None
@@ -176,6 +191,9 @@ def compile_schema(schema: dict[str, Any], path: str = "$") -> Checker:
                     raise Rejected(Reason.UNKNOWN_FIELD, f"{path}.{name} is not in the schema")
 
         checks.append(check_object)
+
+    if len(checks) == 1:
+        return checks[0]
 
     def check(v: Any, max_ts_ms: int) -> None:
         for c in checks:
