@@ -34,6 +34,13 @@ from tools.traffic import EventSynthesizer
 from tools.world import World, WorldConfig
 
 
+def counter(name: str, **labels: str) -> float:
+    """A counter of this process, read from the in-process registry."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def merge(*scrapes):
     """Samples of several processes under one name each (series of both kept)."""
     out: dict = {}
@@ -82,11 +89,8 @@ def main() -> None:
         first = None
         while True:
             w.poll_once()
-            n = (
-                total(scrape(url), "freshrec_worker_events_total")
-                if first or w.pending.rows()
-                else 0
-            )
+            # read the in-process counter: scraping /metrics per poll would be the bottleneck
+            n = counter("freshrec_worker_events_total", outcome="valid")
             if n and first is None:
                 first = (time.perf_counter(), n)
             if n >= args.events:
@@ -105,11 +109,17 @@ def main() -> None:
         ps = ParameterServer(ParamServerSettings(conn, dim=64))
         stop = threading.Event()
         t = threading.Thread(target=ps.run, args=(stop,), daemon=True)
-        before = total(scrape(url), "freshrec_ps_rows_applied_total")
+        before = counter("freshrec_ps_rows_applied_total", table="user") + counter(
+            "freshrec_ps_rows_applied_total", table="item"
+        )
         t.start()
         start = None
         while True:
-            applied = total(scrape(url), "freshrec_ps_rows_applied_total") - before
+            applied = (
+                counter("freshrec_ps_rows_applied_total", table="user")
+                + counter("freshrec_ps_rows_applied_total", table="item")
+                - before
+            )
             if applied and start is None:
                 start = (time.perf_counter(), applied)
             if applied >= grad_rows:
