@@ -1,16 +1,18 @@
 """``freshrec streams``: the faust app for event-time features.
 
-Two stages, both faust agents in one app (several instances split the partitions):
+Two stages in one process (several instances split the partitions):
 
-1. ``validate`` reads ``events`` (keyed by user): decodes each event with the ``schemas/``
-   codec (rejects go to ``events.dlq`` with their reason), drops replayed ``event_id``s inside a
-   bounded window, keeps each user's recent clicks in Redis, and repartitions the valid events
-   by item onto ``events.by_item``, as one compact batch per target partition per input batch.
-2. ``count`` reads ``events.by_item``: each partition owns a disjoint set of items and their
-   forward-decayed counters (``item_state.py``). After every batch it persists the touched rows,
-   the applied source offsets and the serving features in one Redis transaction *before* faust
-   acknowledges the batch, so a SIGKILL loses nothing and counts nothing twice. A timer
-   publishes each partition's top-K hot lists to Redis; readers merge them
+1. validate (``streams/validate.py``, confluent-kafka batches on a thread of this process,
+   because every event passes through it and faust's per-message path is slow): decodes each
+   event with the ``schemas/`` codec (rejects go to ``events.dlq`` with their reason), drops
+   replayed ``event_id``s inside a bounded window, keeps each user's recent clicks in Redis,
+   and repartitions the valid events by item onto ``events.by_item``, one compact batch per
+   target partition.
+2. ``count``, a faust agent on ``events.by_item``: each partition owns a disjoint set of items
+   and their forward-decayed counters (``item_state.py``). After every batch it persists the
+   touched rows, the applied source offsets and the serving features in one Redis transaction
+   *before* faust acknowledges the batch, so a SIGKILL loses nothing and counts nothing twice.
+   A timer publishes each partition's top-K hot lists to Redis; readers merge them
    (``hotlist.merge_hot_lists``).
 
 The catalogue (``items``) is written to Redis by a third agent; items created within the
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -34,16 +37,15 @@ from redis.asyncio import Redis
 
 from freshrec import metrics as m
 from freshrec.kafka import admin_config, profile
-from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
-from schemas.codec import dead_letter, decode_event, decode_item, encode_dead_letter
+from schemas.codec import dead_letter, decode_item, encode_dead_letter
 from schemas.contract import Rejected
-from streams.dedupe import DedupeWindow
-from streams.item_state import EVENT_CODES, ItemPartitionState
+from streams.item_state import ItemPartitionState
 from streams.settings import StreamsSettings
 from streams.sink import StreamsSink
 from streams.transport import FetchTunedApp
+from streams.validate import ValidateStage
 
 log = logging.getLogger("freshrec.streams")
 SERVICE = "streams"
@@ -80,10 +82,9 @@ class StreamsApp:
         self.by_item_partitions = _partition_count(settings, self.names.events_by_item)
         self.states: dict[int, ItemPartitionState] = {}
         self.restoring: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self.dedupe: dict[int, DedupeWindow] = {}
         self.lag_samples: dict[int, list[int]] = defaultdict(list)
         self.dirty: set[int] = set()
-        self.persist_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.persist_lock = asyncio.Lock()
         self.price_checked: dict[int, float] = defaultdict(float)
         self.redis: Redis | None = None
         self.sink: StreamsSink | None = None
@@ -115,17 +116,10 @@ class StreamsApp:
         )
         app.fetch_wait_max_ms = s.fetch_wait_max_ms or p.fetch_wait_max_ms
         raw = {"key_serializer": "raw", "value_serializer": "raw"}
-        events = app.topic(self.names.events, **raw)
         by_item = app.topic(self.names.events_by_item, **raw)
         items = app.topic(self.names.items, **raw)
         dlq = app.topic(self.names.events_dlq, **raw)
         within = s.batch_within_ms / 1000
-
-        @app.agent(events, name="validate")
-        async def validate(stream):
-            async for batch in stream.take_events(s.batch_max, within=within):
-                with timed("validate", batch):
-                    await self._validate_batch(batch, by_item, dlq)
 
         @app.agent(by_item, name="count")
         async def count(stream):
@@ -165,8 +159,6 @@ class StreamsApp:
             if tp.topic == self.names.events_by_item:
                 self.states.pop(tp.partition, None)
                 self.dirty.discard(tp.partition)
-            elif tp.topic == self.names.events:
-                self.dedupe.pop(tp.partition, None)
         m.STREAMS_PARTITIONS.set(len(self.states))
 
     async def _on_assigned(self, sender, assigned, **kwargs) -> None:
@@ -175,63 +167,6 @@ class StreamsApp:
         log.info("assigned events.by_item partitions %s", owned)
 
     # ----------------------------------------------------------------------------- stages
-    async def _validate_batch(self, batch, by_item, dlq) -> None:
-        sink = await self._redis()
-        now = _now_ms()
-        limits = self.settings.limits
-        routed: dict[int, list] = defaultdict(list)
-        letters: list[bytes] = []
-        clicks: list[tuple[str, str, int]] = []
-        n_ok = n_dup = 0
-        for ev in batch:
-            msg = ev.message
-            try:
-                e = decode_event(msg.value, now, limits)
-            except Rejected as rej:
-                m.DEAD_LETTERS.labels(str(rej.reason)).inc()
-                letters.append(
-                    encode_dead_letter(
-                        dead_letter(
-                            rej,
-                            topic=msg.topic,
-                            partition=msg.partition,
-                            offset=msg.offset,
-                            key=msg.key,
-                            value=msg.value,
-                            now_ms=now,
-                            service=SERVICE,
-                        )
-                    )
-                )
-                continue
-            window = self.dedupe.get(msg.partition)
-            if window is None:
-                window = self.dedupe[msg.partition] = DedupeWindow(self.settings.dedupe_window)
-            if not window.first_time(e.event_id):
-                n_dup += 1
-                continue
-            n_ok += 1
-            q = kafka_partition(e.item_id.encode(), self.by_item_partitions)
-            routed[q].append(
-                [msg.partition, msg.offset, e.item_id, EVENT_CODES[e.event_type], e.ts_ms,
-                 e.region, e.value or 0.0]
-            )  # fmt: skip
-            if e.event_type == "click":
-                clicks.append((e.user_id, e.item_id, e.ts_ms))
-        # Not awaited one by one: faust flushes its producer before it commits offsets, so
-        # these are delivered before the batch counts as done.
-        for q, records in routed.items():
-            await by_item.send(
-                value=json.dumps(records, separators=(",", ":")).encode(), partition=q
-            )
-        for letter in letters:
-            await dlq.send(value=letter)
-        if clicks:
-            await sink.push_recent(clicks, self.settings.recent_clicks)
-        m.STREAMS_EVENTS.labels("valid").inc(n_ok)
-        m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
-        m.STREAMS_EVENTS.labels("rejected").inc(len(letters))
-
     async def _state(self, partition: int) -> ItemPartitionState:
         state = self.states.get(partition)
         if state is not None:
@@ -265,13 +200,13 @@ class StreamsApp:
             if len(samples) < LAG_SAMPLES_PER_PUBLISH:
                 samples.extend(r[4] for r in records[: LAG_SAMPLES_PER_PUBLISH - len(samples)])
             touched.add(q)
-        for q in touched:
-            state = self.states[q]
-            new = state.take_new_items()
-            if new:
-                state.set_prices(await sink.prices(new))
-            await self._persist(q)
-            self.dirty.add(q)
+        new = {q: self.states[q].take_new_items() for q in touched}
+        prices = await sink.prices([i for items in new.values() for i in items])
+        for q, items in new.items():
+            if items:
+                self.states[q].set_prices({i: prices[i] for i in items if i in prices})
+        await self._persist(sorted(touched))
+        self.dirty.update(touched)
 
     async def _refresh_prices(self, q: int, state: ItemPartitionState) -> None:
         """Fetch prices of items seen before their catalogue record (retried every 5 s)."""
@@ -284,14 +219,14 @@ class StreamsApp:
             sink = await self._redis()
             state.set_prices(await sink.prices(missing))
 
-    async def _persist(self, q: int) -> None:
-        # One flush at a time per partition: two in flight could land out of order and
-        # leave an older snapshot on top of a newer one.
-        async with self.persist_locks[q]:
-            state = self.states.get(q)
-            if state is not None:
+    async def _persist(self, partitions: list[int]) -> None:
+        # One flush at a time: two in flight could land out of order and leave an older
+        # snapshot on top of a newer one.
+        async with self.persist_lock:
+            states = [(q, self.states[q]) for q in partitions if q in self.states]
+            if states:
                 sink = await self._redis()
-                await sink.persist(q, state)
+                await sink.persist(states)
 
     async def _catalogue_batch(self, batch, dlq) -> None:
         sink = await self._redis()
@@ -324,7 +259,7 @@ class StreamsApp:
         for q, state in list(self.states.items()):
             await self._refresh_prices(q, state)
             if state.touched:
-                await self._persist(q)
+                await self._persist([q])
                 self.dirty.add(q)
         for q in sorted(self.dirty):
             self.dirty.discard(q)
@@ -352,6 +287,11 @@ def run_streams(settings: StreamsSettings) -> int:
         streams.by_item_partitions,
         streams.app.fetch_wait_max_ms,
     )
+    # The validate stage runs on confluent-kafka batches in a thread of this process; it
+    # dies with the process (offsets it did not commit are replayed and skipped by offset).
+    stop = threading.Event()
+    validate = ValidateStage(settings, streams.by_item_partitions)
+    threading.Thread(target=validate.run, args=(stop,), daemon=True, name="validate").start()
     worker = Worker(streams.app, loglevel="INFO", quiet=True, redirect_stdouts=False)
     worker.execute_from_commandline()
     return 0

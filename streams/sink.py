@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from redis.asyncio import Redis
@@ -40,26 +40,21 @@ class StreamsSink:
         values = await self.redis.hmget(self.keys.item_price, item_ids)
         return {i: float(v) for i, v in zip(item_ids, values, strict=True) if v is not None}
 
-    async def push_recent(self, clicks: Iterable[tuple[str, str, int]], keep: int) -> None:
-        """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim."""
-        per_user: dict[str, list[str]] = {}
-        for user_id, item_id, ts in clicks:
-            per_user.setdefault(user_id, []).append(f"{item_id}|{ts}")
-        if not per_user:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for user_id, entries in per_user.items():
-            key = self.keys.user_recent(user_id)
-            pipe.lpush(key, *entries)
-            pipe.ltrim(key, 0, keep - 1)
-        await pipe.execute()
+    async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> None:
+        """Per partition: state rows of touched items, the meta (with applied offsets) and
+        serving features — all partitions in one MULTI/EXEC, so a crash leaves either all of
+        a flush or none of it."""
+        pipe = self.redis.pipeline(transaction=True)
+        queued = False
+        for partition, state in states:
+            queued |= self._queue_persist(pipe, partition, state)
+        if queued:
+            await pipe.execute()
 
-    async def persist(self, partition: int, state: ItemPartitionState) -> None:
-        """State rows of touched items, the meta (with applied offsets) and serving features,
-        in one MULTI/EXEC: a crash leaves either all of a flush or none of it."""
+    def _queue_persist(self, pipe, partition: int, state: ItemPartitionState) -> bool:
         touched = state.take_touched()
         if not touched:
-            return
+            return False
         k = self.keys
         t = state.watermark_ms
         idx = np.asarray(touched)
@@ -68,7 +63,6 @@ class StreamsSink:
         pn = price_norm(state.price[idx], state.config.price_cap)
         hot = hot_scores(dec[:, 1], cvr, pn, state.config.weights)
         ids = [state.item_ids[i] for i in touched]
-        pipe = self.redis.pipeline(transaction=True)
         pipe.hset(k.streams_rows(partition), mapping=state.snapshot_rows(touched))
         pipe.hset(k.streams_meta(partition), mapping=state.snapshot_meta())
         for name, values in (
@@ -85,7 +79,7 @@ class StreamsSink:
             )
         # the event time these counts are decayed to; items untouched since keep older ones
         pipe.hset(k.item_features_as_of, mapping=dict.fromkeys(ids, t))
-        await pipe.execute()
+        return True
 
     async def restore(self, partition: int, config) -> ItemPartitionState:
         pipe = self.redis.pipeline(transaction=True)

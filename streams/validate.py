@@ -1,0 +1,166 @@
+"""The validate stage of ``freshrec streams``, on confluent-kafka batches.
+
+faust's per-message path caps a consumer at a few thousand messages per second on two cores
+(docs/benchmarks.md), and every event passes through this stage. So it runs as a
+confluent-kafka batch consumer (group ``{prefix}freshrec-streams-validate``) on a thread of the
+streams process: decode each event with the ``schemas/`` codec, send rejects to
+``events.dlq``, drop event ids seen in the dedupe window, keep users' recent clicks in Redis,
+and repartition the valid events by item onto ``events.by_item`` as one compact JSON batch per
+target partition. The faust app consumes those batches (the keyed, stateful stage).
+
+Offsets are committed after the producer has delivered everything produced before them, so
+nothing is lost; a replay after a crash repartitions events again, and the count stage skips
+them by source offset (exactly-once counts). Dead letters and recent clicks are at-least-once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+
+import redis
+from confluent_kafka import Consumer, KafkaError, Producer
+
+from freshrec import metrics as m
+from freshrec.kafka import consumer_config, producer_config
+from freshrec.partitioner import kafka_partition
+from freshrec.rediskeys import RedisKeys
+from freshrec.topics import TopicNames
+from schemas.codec import dead_letter, decode_event, encode_dead_letter
+from schemas.contract import Rejected
+from streams.dedupe import DedupeWindow
+from streams.item_state import EVENT_CODES
+from streams.settings import StreamsSettings
+
+log = logging.getLogger("freshrec.streams")
+SERVICE = "streams"
+COMMIT_INTERVAL_S = 1.0
+
+
+def push_recent(r: redis.Redis, keys: RedisKeys, clicks, keep: int) -> None:
+    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim."""
+    per_user: dict[str, list[str]] = defaultdict(list)
+    for user_id, item_id, ts in clicks:
+        per_user[user_id].append(f"{item_id}|{ts}")
+    if not per_user:
+        return
+    pipe = r.pipeline(transaction=False)
+    for user_id, entries in per_user.items():
+        key = keys.user_recent(user_id)
+        pipe.lpush(key, *entries)
+        pipe.ltrim(key, 0, keep - 1)
+    pipe.execute()
+
+
+class ValidateStage:
+    def __init__(self, settings: StreamsSettings, by_item_partitions: int) -> None:
+        self.settings = settings
+        conn = settings.conn
+        self.names = TopicNames(conn.topic_prefix)
+        self.keys = RedisKeys(conn.topic_prefix)
+        self.partitions = by_item_partitions
+        self.consumer = Consumer(
+            consumer_config(conn, f"{conn.topic_prefix}freshrec-streams-validate")
+        )
+        self.producer = Producer(producer_config(conn))
+        self.redis = redis.Redis.from_url(conn.redis_url)
+        self.dedupe: dict[int, DedupeWindow] = {}
+        self._last_commit = time.monotonic()
+        self._uncommitted = False
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        self._commit()
+        for tp in partitions:
+            self.dedupe.pop(tp.partition, None)
+
+    def run(self, stop: threading.Event) -> None:
+        self.consumer.subscribe([self.names.events], on_revoke=self._on_revoke)
+        try:
+            while not stop.is_set():
+                msgs = self.consumer.consume(self.settings.batch_max, 0.05)
+                good = []
+                for msg in msgs:
+                    err = msg.error()
+                    if err is None:
+                        good.append(msg)
+                    elif err.code() != KafkaError._PARTITION_EOF:
+                        log.warning("events consumer error: %s", err)
+                if good:
+                    with m.STREAMS_BATCH_SECONDS.labels("validate").time():
+                        self.process(good)
+                    m.STREAMS_BATCH_SIZE.labels("validate").observe(len(good))
+                    self._uncommitted = True
+                self.producer.poll(0)
+                if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S:
+                    self._commit()
+        finally:
+            self._commit()
+            self.consumer.close()
+
+    def _commit(self) -> None:
+        self._last_commit = time.monotonic()
+        if not self._uncommitted:
+            return
+        if self.producer.flush(30):  # everything before these offsets is delivered first
+            log.warning("repartitioned events not delivered yet; offsets not committed")
+            return
+        try:
+            self.consumer.commit(asynchronous=False)
+            self._uncommitted = False
+        except Exception as exc:  # a rebalance in flight: the next commit catches up
+            log.info("commit skipped: %s", exc)
+
+    def process(self, msgs) -> None:
+        now = int(time.time() * 1000)
+        limits = self.settings.limits
+        routed: dict[int, list] = defaultdict(list)
+        clicks: list[tuple[str, str, int]] = []
+        n_ok = n_dup = n_bad = 0
+        for msg in msgs:
+            value = msg.value()
+            try:
+                e = decode_event(value, now, limits)
+            except Rejected as rej:
+                n_bad += 1
+                m.DEAD_LETTERS.labels(str(rej.reason)).inc()
+                letter = dead_letter(
+                    rej, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+                    key=msg.key(), value=value, now_ms=now, service=SERVICE,
+                )  # fmt: skip
+                self._produce(self.names.events_dlq, encode_dead_letter(letter), None)
+                continue
+            window = self.dedupe.get(msg.partition())
+            if window is None:
+                window = self.dedupe[msg.partition()] = DedupeWindow(self.settings.dedupe_window)
+            if not window.first_time(e.event_id):
+                n_dup += 1
+                continue
+            n_ok += 1
+            q = kafka_partition(e.item_id.encode(), self.partitions)
+            routed[q].append(
+                [msg.partition(), msg.offset(), e.item_id, EVENT_CODES[e.event_type], e.ts_ms,
+                 e.region, e.value or 0.0]
+            )  # fmt: skip
+            if e.event_type == "click":
+                clicks.append((e.user_id, e.item_id, e.ts_ms))
+        for q, records in routed.items():
+            self._produce(
+                self.names.events_by_item, json.dumps(records, separators=(",", ":")).encode(), q
+            )
+        if clicks:
+            push_recent(self.redis, self.keys, clicks, self.settings.recent_clicks)
+        m.STREAMS_EVENTS.labels("valid").inc(n_ok)
+        m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
+        m.STREAMS_EVENTS.labels("rejected").inc(n_bad)
+
+    def _produce(self, topic: str, value: bytes, partition: int | None) -> None:
+        kwargs = {} if partition is None else {"partition": partition}
+        while True:
+            try:
+                self.producer.produce(topic, value=value, **kwargs)
+                return
+            except BufferError:
+                self.producer.poll(0.05)
