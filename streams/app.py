@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -275,6 +276,17 @@ class StreamsApp:
                 m.HOT_LIST_PUBLISHES.labels(scope).inc()
 
 
+def _crash_on_error(loop, stop: threading.Event) -> None:
+    """A validate stage that fails must take the process down, not leave faust running
+    without input: state is in Redis and a restart resumes from committed offsets."""
+    try:
+        loop(stop)
+    except BaseException:
+        log.exception("the validate stage failed; exiting")
+        logging.shutdown()
+        os._exit(1)
+
+
 def run_streams(settings: StreamsSettings) -> int:
     """Run one streams instance until SIGTERM/SIGINT."""
     from faust.worker import Worker
@@ -291,7 +303,9 @@ def run_streams(settings: StreamsSettings) -> int:
     # dies with the process (offsets it did not commit are replayed and skipped by offset).
     stop = threading.Event()
     validate = ValidateStage(settings, streams.by_item_partitions)
-    threading.Thread(target=validate.run, args=(stop,), daemon=True, name="validate").start()
+    threading.Thread(
+        target=_crash_on_error, args=(validate.run, stop), daemon=True, name="validate"
+    ).start()
     worker = Worker(streams.app, loglevel="INFO", quiet=True, redirect_stdouts=False)
     worker.execute_from_commandline()
     return 0
