@@ -68,6 +68,7 @@ class ItemPartitionState:
         self.applied: dict[int, int] = {}
         self.touched: set[int] = set()
         self.new_slots: list[int] = []
+        self._names = np.empty(0, dtype=object)  # item ids as an array, for tie-breaking
         self.late = 0
         self.skipped = 0
 
@@ -175,22 +176,20 @@ class ItemPartitionState:
         dec = self.decayed(t)
         _, cvr = self.rates(dec)
         pn = price_norm(self.price[:n], self.config.price_cap)
-        names = np.array(self.item_ids, dtype=object)
+        if len(self._names) != n:
+            self._names = np.array(self.item_ids, dtype=object)
+        names = self._names
         out: dict[str, HotList] = {}
         for scope, s in self.scopes.items():
             clicks = dec[:, s, CLICK]
             active = np.flatnonzero(dec[:, s, :].sum(axis=1) > 0) if s else np.arange(n)
             scores = hot_scores(clicks[active], cvr[active, s], pn[active], self.config.weights)
             best = active[top_k_indices(scores, k, names[active])]
-            out[scope] = HotList(
-                t,
-                [
-                    HotEntry(self.item_ids[i], float(clicks[i]), float(cvr[i, s]), float(pn[i]))
-                    for i in best
-                ],
-                partition,
-                published_ms,
+            ids = [self.item_ids[i] for i in best.tolist()]
+            entries = list(
+                map(HotEntry, ids, clicks[best].tolist(), cvr[best, s].tolist(), pn[best].tolist())
             )
+            out[scope] = HotList(t, entries, partition, published_ms)
         return out
 
     def take_touched(self) -> list[int]:
