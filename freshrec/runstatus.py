@@ -5,17 +5,11 @@ from __future__ import annotations
 import math
 import threading
 
-from tools.promtext import Samples, histogram_quantile, scrape, total
+from tools.promtext import Samples, histogram_quantile, scrape_port, total
 
 
 def _scrape_all(ports: dict[str, int]) -> dict[str, Samples]:
-    out: dict[str, Samples] = {}
-    for name, port in ports.items():
-        try:
-            out[name] = scrape(f"http://127.0.0.1:{port}/metrics", timeout_s=1.0)
-        except OSError:
-            out[name] = {}
-    return out
+    return {name: scrape_port(port) for name, port in ports.items()}
 
 
 def summary(ports: dict[str, int]) -> str:

@@ -262,7 +262,7 @@ class OnlineLearner:
             try:
                 self.producer.produce(
                     self.names.gradients, value=batch.encode(), key=row_key(int(ids[0])),
-                    partition=part, on_delivery=self._delivered(token, table),
+                    partition=part, on_delivery=self._delivered(token),
                 )  # fmt: skip
                 break
             except BufferError:
@@ -270,7 +270,7 @@ class OnlineLearner:
         m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "sent").inc(len(ids))
         m.GRADIENT_MESSAGES.labels("sent").inc()
 
-    def _delivered(self, token: int, table: int):
+    def _delivered(self, token: int):
         def callback(err, msg) -> None:
             if err is not None:
                 log.warning("gradient message lost: %s", err)

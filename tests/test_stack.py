@@ -49,11 +49,17 @@ def test_a_missing_broker_binary_is_a_one_line_error(tmp_path, monkeypatch):
         EmbeddedStack(tmp_path).up()
 
 
-def test_a_service_that_never_answers_times_out_and_is_cleaned_up(tmp_path, monkeypatch):
+def fake_broker(tmp_path, monkeypatch, script: str):
+    """A shell script standing in for the Tansu binary."""
     fake = tmp_path / "tansu"
-    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.write_text("#!/bin/sh\n" + script + "\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CALF_TANSU_BIN", str(fake))
+    return fake
+
+
+def test_a_service_that_never_answers_times_out_and_is_cleaned_up(tmp_path, monkeypatch):
+    fake = fake_broker(tmp_path, monkeypatch, "exec sleep 60")
     with pytest.raises(StackError, match="did not accept connections"):
         EmbeddedStack(tmp_path / "state").up(timeout_s=0.5)
     assert not (tmp_path / "state" / "stack.json").exists()
@@ -68,10 +74,7 @@ def test_a_service_that_never_answers_times_out_and_is_cleaned_up(tmp_path, monk
 
 
 def test_a_broker_that_exits_at_start_reports_its_log(tmp_path, monkeypatch):
-    fake = tmp_path / "tansu"
-    fake.write_text("#!/bin/sh\necho 'address in use' >&2\nexit 3\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("CALF_TANSU_BIN", str(fake))
+    fake_broker(tmp_path, monkeypatch, "echo 'address in use' >&2\nexit 3")
     with pytest.raises(StackError, match="exited with code 3 at start: address in use"):
         EmbeddedStack(tmp_path / "state").up(timeout_s=5)
 

@@ -19,18 +19,16 @@ from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import OnlineLearner
 from param_server.server import ParameterServer
 from param_server.settings import ParamServerSettings
-from schemas.codec import encode_event
-from tools.bench_streams import subtract
 from tools.benchlib import (
     bench_connection,
     produce_values,
     raw_consume_rate,
     save,
     service_process,
+    synthetic_records,
 )
 from tools.produce import produce_events
-from tools.promtext import histogram_quantile, scrape, total
-from tools.traffic import EventSynthesizer
+from tools.promtext import histogram_quantile, merge, scrape_port, subtract, total
 from tools.world import World, WorldConfig
 
 
@@ -39,22 +37,6 @@ def counter(name: str, **labels: str) -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-def merge(*scrapes):
-    """Samples of several processes under one name each (series of both kept)."""
-    out: dict = {}
-    for samples in scrapes:
-        for name, series in samples.items():
-            out.setdefault(name, []).extend(series)
-    return out
-
-
-def safe_scrape(port: int):
-    try:
-        return scrape(f"http://127.0.0.1:{port}/metrics")
-    except OSError:
-        return {}
 
 
 def main() -> None:
@@ -66,20 +48,10 @@ def main() -> None:
     progress = ProgressLine()
     world = World(WorldConfig(seed=5, n_users=1_000_000, n_items=100_000))
     results: dict = {}
-    from freshrec.metrics import serve_metrics
-
-    port = free_port()
-    serve_metrics(port)
-    url = f"http://127.0.0.1:{port}/metrics"
 
     with bench_connection(f"bw{int(time.time())}.") as conn:
         topic = TopicNames(conn.topic_prefix).events
-        synth = EventSynthesizer(world, seed=5)
-        records: list[tuple[bytes, bytes]] = []
-        now = int(time.time() * 1000)
-        while len(records) < args.events:
-            records += [(e.user_id.encode(), encode_event(e)) for e in synth.batch(500, now)]
-        produce_values(conn, topic, records[: args.events])
+        produce_values(conn, topic, synthetic_records(world, 5, args.events))
         raw = raw_consume_rate(conn, topic, args.events)
         progress.done(f"raw consume: {raw:,.0f} events/s")
 
@@ -98,8 +70,11 @@ def main() -> None:
         w.producer.flush(30)
         elapsed = time.perf_counter() - first[0]
         worker_rate = (args.events - first[1]) / elapsed
-        grad_msgs = total(scrape(url), "freshrec_gradient_messages_total", side="sent")
-        grad_rows = total(scrape(url), "freshrec_gradient_rows_total", outcome="sent")
+        grad_msgs = counter("freshrec_gradient_messages_total", side="sent")
+        grad_rows = sum(
+            counter("freshrec_gradient_rows_total", table=t, outcome="sent")
+            for t in ("user", "item")
+        )
         w.close()
         progress.done(
             f"worker event path: {worker_rate:,.0f} events/s ({worker_rate / raw:.1%} of raw)"
@@ -152,16 +127,16 @@ def main() -> None:
         ):
             produce_events(conn, world, rate_per_s=200, duration_s=2.0, seed=1)  # warm-up (joins)
             deadline = time.monotonic() + 60
-            while total(safe_scrape(pport), "freshrec_ps_rows_applied_total") == 0:
+            while total(scrape_port(pport), "freshrec_ps_rows_applied_total") == 0:
                 if time.monotonic() > deadline:
                     raise SystemExit("the parameter server applied nothing within 60 s")
                 time.sleep(0.2)
-            base = merge(safe_scrape(wport), safe_scrape(pport))
+            base = merge(scrape_port(wport), scrape_port(pport))
             stats = produce_events(
                 conn, world, rate_per_s=args.rate, duration_s=args.duration, progress=progress
             )
             time.sleep(3)
-            after = merge(safe_scrape(wport), safe_scrape(pport))
+            after = merge(scrape_port(wport), scrape_port(pport))
         name = "freshrec_freshness_lag_seconds"
         lag = {}
         for stage, port_after, port_base in (

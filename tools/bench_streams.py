@@ -14,17 +14,16 @@ import time
 from freshrec.progress import ProgressLine
 from freshrec.stack import free_port
 from freshrec.topics import TopicNames
-from schemas.codec import encode_event
 from tools.benchlib import (
     bench_connection,
     produce_values,
     raw_consume_rate,
     save,
     service_process,
+    synthetic_records,
 )
 from tools.produce import produce_events
-from tools.promtext import histogram_quantile, scrape, total
-from tools.traffic import EventSynthesizer
+from tools.promtext import histogram_quantile, scrape, subtract, total
 from tools.world import World, WorldConfig
 
 
@@ -33,13 +32,6 @@ def metric(port: int, name: str, **labels) -> float:
         return total(scrape(f"http://127.0.0.1:{port}/metrics"), name, **labels)
     except OSError:
         return 0.0
-
-
-def subtract(after, before, name: str):
-    """``after - before`` for the series ``name`` (a histogram's buckets over one phase)."""
-    base = {tuple(sorted(labels.items())): v for labels, v in before.get(name, [])}
-    return {name: [(labels, v - base.get(tuple(sorted(labels.items())), 0.0))
-                   for labels, v in after.get(name, [])]}  # fmt: skip
 
 
 def main() -> None:
@@ -54,12 +46,7 @@ def main() -> None:
 
     with bench_connection(f"bs{int(time.time())}.") as conn:
         topic = TopicNames(conn.topic_prefix).events
-        synth = EventSynthesizer(world, seed=3)
-        records: list[tuple[bytes, bytes]] = []
-        now = int(time.time() * 1000)
-        while len(records) < args.events:
-            records += [(e.user_id.encode(), encode_event(e)) for e in synth.batch(500, now)]
-        records = records[: args.events]
+        records = synthetic_records(world, 3, args.events)
         produce_values(conn, topic, records)
         progress.done(f"produced {len(records):,} events")
 

@@ -67,6 +67,19 @@ def service_process(conn: ConnectionSettings, command: str, port: int, extra=Non
             proc.kill()
 
 
+def synthetic_records(world, seed: int, n: int) -> list[tuple[bytes, bytes]]:
+    """``n`` encoded synthetic events as (key, value), stamped now, ready to pre-produce."""
+    from schemas.codec import encode_event
+    from tools.traffic import EventSynthesizer
+
+    synth = EventSynthesizer(world, seed=seed)
+    now = int(time.time() * 1000)
+    records: list[tuple[bytes, bytes]] = []
+    while len(records) < n:
+        records += [(e.user_id.encode(), encode_event(e)) for e in synth.batch(500, now)]
+    return records[:n]
+
+
 def produce_values(
     conn: ConnectionSettings, topic: str, records: list[tuple[bytes, bytes]]
 ) -> None:

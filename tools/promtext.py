@@ -69,3 +69,31 @@ def histogram_quantile(samples: Samples, name: str, q: float, **match: str) -> f
             return prev_bound + (b - prev_bound) * (rank - prev_count) / (c - prev_count)
         prev_bound, prev_count = b, c
     return bounds[-1]
+
+
+def scrape_port(port: int, timeout_s: float = 1.0) -> Samples:
+    """The /metrics of a local process, or nothing if it does not answer (yet)."""
+    try:
+        return scrape(f"http://127.0.0.1:{port}/metrics", timeout_s)
+    except OSError:
+        return {}
+
+
+def merge(*scrapes: Samples) -> Samples:
+    """Samples of several processes under one name each (every process's series kept)."""
+    out: Samples = defaultdict(list)
+    for samples in scrapes:
+        for name, series in samples.items():
+            out[name].extend(series)
+    return out
+
+
+def subtract(after: Samples, before: Samples, name: str) -> Samples:
+    """``after - before`` for the series ``name`` (a histogram's buckets over one phase)."""
+    base = {tuple(sorted(labels.items())): v for labels, v in before.get(name, [])}
+    return {
+        name: [
+            (labels, v - base.get(tuple(sorted(labels.items())), 0.0))
+            for labels, v in after.get(name, [])
+        ]
+    }
