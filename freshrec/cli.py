@@ -113,6 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=commands.cmd_worker)
     ps = sub.add_parser("param-server", help="aggregate gradients, Adagrad, persist, broadcast")
     ps.set_defaults(func=commands.cmd_param_server)
+    train = sub.add_parser(
+        "train", help="offline training: starting embeddings and both ranking models"
+    )
+    add_world_options(train)
+    train.add_argument("--impressions", type=int, default=1_000_000,
+                       help="logged impressions to train on")  # fmt: skip
+    train.add_argument("--out", default=None,
+                       help="model directory [env FRESHREC_MODEL_DIR; default .freshrec/models]")  # fmt: skip
+    train.add_argument("--load", choices=("auto", "yes", "no"), default="auto",
+                       help="write the starting embeddings to Redis (auto: if a stack is set)")  # fmt: skip
+    train.add_argument("--if-missing", action="store_true",
+                       help="do nothing when the directory already holds models of this world")  # fmt: skip
+    train.set_defaults(func=commands.cmd_train)
+
+    rec = sub.add_parser("recommend", help="ask the workers for recommendations over Kafka")
+    rec.add_argument("--user", required=True, help="user id, e.g. u42")
+    rec.add_argument("-k", type=int, default=20, help="how many items")
+    rec.add_argument("--device", choices=("high_end", "pc", "low_end"), default=None)
+    rec.add_argument("--region", default=None)
+    rec.add_argument("--exclude", default="", help="comma-separated item ids never to return")
+    rec.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
+    rec.add_argument("--json", action="store_true", help="print the reply as JSON")
+    rec.set_defaults(func=commands.cmd_recommend)
     return parser
 
 
@@ -127,13 +150,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from freshrec.stack import StackError
     from freshrec.supervisor import ServiceDied
     from freshrec.topics import TopicMismatchError
+    from inference.client import RecommendError, RecommendTimeout
+    from inference.modelfile import ModelFileError
 
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except (StackError, TopicMismatchError, SettingsError, TimeoutError, ServiceDied) as exc:
+    except (
+        StackError, TopicMismatchError, SettingsError, TimeoutError, ServiceDied,
+        RecommendError, RecommendTimeout, ModelFileError,
+    ) as exc:  # fmt: skip
         print(f"freshrec: error: {exc}", file=sys.stderr)
         return 2
 

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings, load_environment, state_dir
@@ -146,6 +147,143 @@ def cmd_produce_events(args: argparse.Namespace) -> int:
         progress=ProgressLine(),
     )
     return 0 if stats.failed == 0 else 1
+
+
+# ------------------------------------------------------------------------- train, recommend
+
+
+def model_dir(args_out: str | None = None) -> Path:
+    from inference.settings import default_model_dir
+
+    env = load_environment()
+    return Path(args_out or env.get("FRESHREC_MODEL_DIR") or default_model_dir(env))
+
+
+def ensure_models(world, directory: Path, impressions: int, progress: ProgressLine) -> dict:
+    """The manifest of models trained on this world; trains them when there are none."""
+    from inference.modelfile import ModelFileError, read_manifest
+    from inference.train import TrainConfig, train, world_fingerprint
+
+    try:
+        manifest = read_manifest(directory)
+        if manifest.get("world") == world_fingerprint(world):
+            log.info(
+                "models %s found in %s (trained on this world)", manifest["version"], directory
+            )
+            return manifest
+        log.info("models in %s were trained on another world: training again", directory)
+    except ModelFileError:
+        log.info("no models in %s yet: training (a minute or two, cached afterwards)", directory)
+    started = time.monotonic()
+    manifest = train(world, TrainConfig(impressions=impressions), directory, progress.update)
+    t = manifest["training"]
+    progress.done(
+        f"trained {manifest['version']} in {time.monotonic() - started:.0f}s: AUC two-tower "
+        f"{t['auc_two_tower']:.3f}, wide&deep {t['auc_wide_deep']:.3f}, light {t['auc_light']:.3f}"
+    )
+    return manifest
+
+
+def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest: dict) -> int:
+    """Write the trained two-tower rows to Redis where no row exists yet."""
+    import redis
+
+    from freshrec.rediskeys import RedisKeys
+    from inference.modelfile import load_tensors
+    from param_server.rows import TABLE_ITEM, TABLE_USER
+    from param_server.store import seed_rows
+
+    tensors = load_tensors(directory, manifest["files"]["two_tower"])
+    r = redis.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    written = 0
+    try:
+        for table, ids, rows in (
+            (TABLE_ITEM, "item_ids", "item_rows"),
+            (TABLE_USER, "user_ids", "user_rows"),
+        ):
+            written += seed_rows(
+                r, keys, table, tensors[ids].numpy(), tensors[rows].numpy(),
+                version=1, event_ms=int(manifest["created_ms"]),
+            )  # fmt: skip
+    finally:
+        r.close()
+    return written
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from freshrec.cli import world_from_args
+    from inference.modelfile import read_manifest
+
+    world = world_from_args(args)
+    directory = model_dir(args.out)
+    progress = ProgressLine()
+    if args.if_missing:
+        manifest = ensure_models(world, directory, args.impressions, progress)
+    else:
+        from inference.train import TrainConfig, train
+
+        manifest = train(
+            world, TrainConfig(impressions=args.impressions), directory, progress.update
+        )
+        t = manifest["training"]
+        progress.done(
+            f"trained {manifest['version']}: AUC two-tower {t['auc_two_tower']:.3f}, "
+            f"wide&deep {t['auc_wide_deep']:.3f}, light {t['auc_light']:.3f} "
+            f"({t['impressions']:,} impressions, {t['seconds']}s)"
+        )
+    print(f"models: {directory / 'manifest.json'} (version {read_manifest(directory)['version']})")
+    load = args.load == "yes" or (
+        args.load == "auto"
+        and (external_services() or "KAFKA_BOOTSTRAP_SERVERS" in load_environment())
+    )
+    if load:
+        n = load_starting_embeddings(connection(), directory, manifest)
+        print(f"starting embeddings: {n:,} rows written to Redis (existing rows kept)")
+    return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from inference.client import SyncRecommendClient
+
+    conn = connection()
+    context = {k: v for k, v in (("device", args.device), ("region", args.region)) if v}
+    exclude = [x for x in args.exclude.split(",") if x]
+    with SyncRecommendClient(
+        conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix, timeout_s=args.timeout,
+        profile=conn.kafka_profile,
+    ) as client:  # fmt: skip
+        started = time.monotonic()
+        reply = client.recommend(args.user, args.k, context=context or None, exclude=exclude)
+        elapsed = (time.monotonic() - started) * 1000
+    if args.json:
+        print(json.dumps(asdict(reply), indent=2))
+        return 0
+    print(format_reply(reply, elapsed))
+    return 0
+
+
+def format_reply(reply, elapsed_ms: float) -> str:
+    lines = [
+        f"user {reply.user_id}: {len(reply.items)} items, tier {reply.tier} ({reply.tier_reason}),"
+        f" model {reply.model_version or '-'}, worker {reply.worker or '-'}",
+        f"user embedding v{reply.user_embedding_version} "
+        f"age {_age(reply.user_embedding_age_ms)}; round trip {elapsed_ms:.1f} ms; "
+        + ", ".join(f"{k} {v:.1f}" for k, v in (reply.timings_ms or {}).items()),
+        f"{'#':>3}  {'item':<12} {'score':>8}  channels",
+    ]
+    for n, item in enumerate(reply.items, 1):
+        lines.append(f"{n:>3}  {item.item_id:<12} {item.score:>8.4f}  {','.join(item.channels)}")
+    return "\n".join(lines)
+
+
+def _age(ms: int | None) -> str:
+    if ms is None:
+        return "- (initial row)"
+    return f"{ms / 1000:.1f}s" if ms < 120_000 else f"{ms / 60_000:.0f}min"
 
 
 # ----------------------------------------------------------------------------------- run

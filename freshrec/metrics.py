@@ -80,6 +80,53 @@ PS_FLUSH_SECONDS = Histogram(
 PS_SKIPPED = Counter("freshrec_ps_skipped_messages_total", "Gradient messages skipped", ["reason"])
 
 
+# ------------------------------------------------------------------------------ serving
+REQUESTS = Counter(
+    "freshrec_requests_total",
+    "Recommendation requests read by the worker, by outcome "
+    "(served, expired, duplicate, invalid, revoked)",
+    ["outcome"],
+)
+REPLIES = Counter("freshrec_replies_total", "Replies sent, by tier", ["tier"])
+REQUEST_SECONDS = Histogram(
+    "freshrec_request_seconds",
+    "Request latency per stage (queue, recall, rank, rerank, total) and tier",
+    ["stage", "tier"],
+    buckets=LAG_BUCKETS_S,
+)
+REQUEST_BATCH_SIZE = Histogram(
+    "freshrec_request_batch_size", "Requests per dynamic batch",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)  # fmt: skip
+DEGRADED = Counter(
+    "freshrec_degraded_replies_total", "Replies below the full tier or degraded, by reason",
+    ["tier", "reason"],
+)  # fmt: skip
+RECALL_CALLS = Counter(
+    "freshrec_recall_calls_total",
+    "Recall channel calls per batch, by outcome (ok, timeout, error, breaker_open)",
+    ["channel", "outcome"],
+)
+BREAKER_STATE = Gauge(
+    "freshrec_breaker_state", "Recall channel breaker: 0 closed, 1 half-open, 2 open", ["channel"]
+)
+MODEL_INFO = Gauge("freshrec_model_info", "The ranking model version in use (value 1)", ["version"])
+MODEL_RELOADS = Counter("freshrec_model_reloads_total", "Model loads", ["outcome"])
+CATALOGUE_ITEMS = Gauge("freshrec_catalogue_items", "Items in the worker's catalogue snapshot")
+SNAPSHOT_REFRESHES = Counter(
+    "freshrec_snapshot_refreshes_total", "Snapshot refreshes from Redis", ["outcome"]
+)
+EVENT_BACKLOG = Gauge(
+    "freshrec_worker_event_backlog", "Events read but not yet learnt (requests go first)"
+)
+CONSUMER_LAG = Gauge(
+    "freshrec_consumer_lag_messages",
+    "Messages behind the partition end, from the consumer's own fetch responses "
+    "(librdkafka statistics)",
+    ["group", "topic", "partition"],
+)
+
+
 ASSIGNED_PARTITIONS = Gauge(
     "freshrec_assigned_partitions", "Input partitions this process owns in its group", ["service"]
 )

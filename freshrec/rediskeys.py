@@ -56,6 +56,10 @@ class RedisKeys:
         """List, newest first, of ``item_id|ts_ms`` for the user's recent clicks."""
         return f"{self.prefix}user:recent:{user_id}"
 
+    def answered(self, request_id: str) -> str:
+        """String with a TTL: this request id has been answered (answer-once across workers)."""
+        return f"{self.prefix}req:answered:{request_id}"
+
     def streams_rows(self, partition: int) -> str:
         return f"{self.prefix}streams:p{partition}:rows"
 

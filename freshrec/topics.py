@@ -48,6 +48,7 @@ CATALOGUE: tuple[TopicSpec, ...] = (
         {"cleanup.policy": "compact"},
     ),
     TopicSpec("recommend.requests", "user_id", 8, "clients", "workers"),
+    TopicSpec("recommend.requests.dlq", "none", 1, "workers", "operators"),
     TopicSpec("recommend.replies", "correlation id", 8, "workers", "clients"),
     TopicSpec("gradients", "row id", 8, "workers", "parameter servers"),
     TopicSpec("embeddings.updates", "row shard", 4, "parameter servers", "every worker"),
@@ -71,6 +72,7 @@ class TopicNames:
     events_dlq: str
     items: str
     recommend_requests: str
+    recommend_requests_dlq: str
     recommend_replies: str
     gradients: str
     embeddings_updates: str

@@ -82,7 +82,13 @@ class EmbeddingCache:
             for i, s in zip(missing, new_slots, strict=True):
                 self.item_slot[i] = s
             self.item_ids.extend(missing)
-            self._fill(TABLE_ITEM, self.items, missing, new_slots)
+            try:
+                self._fill(TABLE_ITEM, self.items, missing, new_slots)
+            except BaseException:  # the store failed: leave no half-loaded rows behind
+                del self.item_ids[-len(missing) :]
+                for i in missing:
+                    del self.item_slot[i]
+                raise
             out = np.fromiter((self.item_slot[i] for i in ids.tolist()), np.int64, len(ids))
         m.CACHE_ROWS.labels("item").set(len(self.item_ids))
         return out
@@ -105,7 +111,12 @@ class EmbeddingCache:
             out[j] = slot
         m.CACHE_LOOKUPS.labels("user", "device").inc(hits)
         if missing:
-            self._fill(TABLE_USER, self.users, list(missing), list(missing.values()))
+            try:
+                self._fill(TABLE_USER, self.users, list(missing), list(missing.values()))
+            except BaseException:  # the store failed: those slots hold nothing valid
+                for i in missing:
+                    self.user_lru.discard(i)
+                raise
         m.CACHE_ROWS.labels("user").set(len(self.user_lru))
         return out
 

@@ -19,6 +19,8 @@ class SlotLRU:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
         self._slots: OrderedDict[Hashable, int] = OrderedDict()
+        self._free: list[int] = []
+        self._next = 0
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -40,9 +42,18 @@ class SlotLRU:
         """A slot for a new key, and the key it evicted (None if a free slot was used)."""
         if key in self._slots:
             return self.get(key), None
-        if len(self._slots) < self.capacity:
-            slot, evicted = len(self._slots), None
+        if self._free:
+            slot, evicted = self._free.pop(), None
+        elif self._next < self.capacity:
+            slot, evicted = self._next, None
+            self._next += 1
         else:
             evicted, slot = self._slots.popitem(last=False)
         self._slots[key] = slot
         return slot, evicted
+
+    def discard(self, key: Hashable) -> None:
+        """Forget a key (its row could not be loaded); its slot is reused next."""
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)

@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from freshrec.settings import ConnectionSettings, env_float, env_int
+from freshrec.settings import ConnectionSettings, SettingsError, env_float, env_int, state_dir
+from inference.breaker import BreakerConfig
+from inference.degrade import LadderConfig
 from inference.learning import LabelConfig
+from inference.recall import DEFAULT_CHANNELS, parse_delays
+from inference.serving import ServingSettings
+from streams.hotlist import HotWeights
 
 
 @dataclass(frozen=True)
@@ -24,16 +30,40 @@ class LearningSettings:
     labels: LabelConfig = field(default_factory=LabelConfig)
 
 
+def default_model_dir(env: Mapping[str, str] | None = None) -> Path:
+    return state_dir(env) / "models"
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     conn: ConnectionSettings
     learning: LearningSettings = field(default_factory=LearningSettings)
     user_capacity_rows: int = 200_000
     batch_max: int = 2000
+    """Messages per consume call."""
+    event_slice: int = 256
+    """Events learnt between two looks at the request queue (bounds a request's wait)."""
     poll_timeout_ms: int = 5
     device: str = "auto"
     worker_id: str = ""
     metrics_port: int = 0
+    redis_timeout_s: float = 0.5
+    commit_interval_s: float = 0.2
+    # ---- serving
+    serving: ServingSettings = field(default_factory=ServingSettings)
+    max_batch: int = 32
+    max_wait_ms: int = 5
+    model_dir: Path = field(default_factory=default_model_dir)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    recall_delays_ms: dict[str, float] = field(default_factory=dict)
+    """Fault injection: extra latency per recall channel (drills and tests only)."""
+    hot_k: int = 500
+    hot_weights: HotWeights = field(default_factory=HotWeights)
+    hot_decay_per_hour: float = 0.95
+    answered_memory: int = 100_000
+    recent_users: int = 100_000
+    """Users whose last clicks the worker keeps in memory (i2i recall)."""
+    answered_ttl_s: int = 3600
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -43,12 +73,54 @@ class WorkerSettings:
             max_grad_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0),
             admission_touches=env_int(env, "FRESHREC_ADMISSION_TOUCHES", 1, minimum=1),
         )
+        channels = dict(DEFAULT_CHANNELS)
+        enabled = env.get("FRESHREC_RECALL_CHANNELS")
+        if enabled:
+            wanted = [c.strip() for c in enabled.split(",") if c.strip()]
+            unknown = [c for c in wanted if c not in DEFAULT_CHANNELS]
+            if unknown:
+                raise SettingsError(f"FRESHREC_RECALL_CHANNELS: unknown channel(s) {unknown}")
+            channels = {c: DEFAULT_CHANNELS[c] for c in wanted}
+        scale = env_float(env, "FRESHREC_RECALL_DEADLINE_SCALE", 1.0)
+        channels = {k: replace(v, deadline_ms=v.deadline_ms * scale) for k, v in channels.items()}
+        serving = ServingSettings(
+            candidates=env_int(env, "FRESHREC_CANDIDATES", 500, minimum=1),
+            default_budget_ms=env_int(env, "FRESHREC_REQUEST_BUDGET_MS", 250, minimum=1),
+            mmr_lambda=env_float(env, "FRESHREC_MMR_LAMBDA", 0.7),
+            category_gap=env_int(env, "FRESHREC_CATEGORY_GAP", 2, minimum=1),
+            channels=channels,
+            ladder=LadderConfig(
+                queue_depth_limit=env_int(env, "FRESHREC_QUEUE_DEPTH_LIMIT", 256, minimum=1)
+            ),
+            result_ttl_ms=env_int(env, "FRESHREC_RESULT_TTL_MS", 3_600_000, minimum=1),
+        )
+        try:
+            delays = parse_delays(env.get("FRESHREC_RECALL_INJECT_DELAY_MS", ""))
+        except ValueError as exc:
+            raise SettingsError(f"FRESHREC_RECALL_INJECT_DELAY_MS: {exc}") from None
         return cls(
             conn=ConnectionSettings.from_env(env),
             learning=learning,
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),
+            event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 256, minimum=1),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
+            serving=serving,
+            max_batch=env_int(env, "FRESHREC_MAX_BATCH", 32, minimum=1),
+            max_wait_ms=env_int(env, "FRESHREC_MAX_WAIT_MS", 5, minimum=0),
+            model_dir=Path(env.get("FRESHREC_MODEL_DIR") or default_model_dir(env)),
+            breaker=BreakerConfig(
+                threshold=env_float(env, "FRESHREC_BREAKER_THRESHOLD", 0.10),
+                cooldown_ms=env_int(env, "FRESHREC_BREAKER_COOLDOWN_MS", 2000, minimum=1),
+            ),
+            recall_delays_ms=delays,
+            hot_k=env_int(env, "FRESHREC_HOT_K", 500, minimum=1),
+            hot_weights=HotWeights(
+                click=env_float(env, "FRESHREC_HOT_WEIGHT_CLICK", 0.6),
+                cvr=env_float(env, "FRESHREC_HOT_WEIGHT_CVR", 0.3),
+                price=env_float(env, "FRESHREC_HOT_WEIGHT_PRICE", 0.1),
+            ),
+            hot_decay_per_hour=env_float(env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95),
         )

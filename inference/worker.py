@@ -1,9 +1,15 @@
-"""``freshrec worker``: the online-learning side of the inference worker.
+"""``freshrec worker``: the inference worker — online learning and serving in one loop.
 
-One confluent-kafka consumer in one group reads ``events`` (range assignor: a worker owns the
-same partition numbers of every co-partitioned topic, so the serving side added later meets a
-user's clicks in the same process). A second, group-less consumer reads every partition of
-``embeddings.updates``.
+One confluent-kafka consumer in one group reads ``events`` and ``recommend.requests`` (range
+assignor: a worker owns the same partition numbers of both, so a user's clicks and that user's
+next request meet in one process and one EmbeddingCache). A second, group-less consumer reads
+every partition of ``embeddings.updates``.
+
+Requests go before events: consumed events wait in a backlog that is learnt in short slices
+between request batches; past a high-water mark the event partitions are paused (librdkafka
+drops their prefetched messages and resumes after the last one handed out), so requests keep
+flowing whatever the event backlog. Offsets are committed explicitly: an event's once it is
+learnt, a request's once its reply is delivered.
 
 Per batch of events: decode (invalid ones are skipped and counted; the streams app writes the
 dead letters), build labelled examples, compute logistic-loss gradients for user and item
@@ -15,14 +21,22 @@ local steps are remembered (``pending.py``) until a broadcast update includes th
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict, deque
 
 import numpy as np
 import redis
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    Message,
+    Producer,
+    TopicPartition,
+)
 
 from freshrec import metrics as m
 from freshrec.kafka import consumer_config, producer_config
@@ -30,16 +44,29 @@ from freshrec.lifecycle import run_until_signalled
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
+from inference.batching import BatchPolicy, split_expired
+from inference.breaker import CLOSED, HALF_OPEN
 from inference.cache import EmbeddingCache, pick_device
 from inference.learning import aggregate, examples_from_events, logistic_gradients
+from inference.modelfile import ModelWatcher
 from inference.pending import PendingSteps
+from inference.recall import RecallRunner
+from inference.serving import Inbound, Recommender
 from inference.settings import WorkerSettings
+from inference.snapshot import SnapshotRefresher
 from param_server.adagrad import clip_rows, finite_rows
 from param_server.rows import row_key
 from param_server.store import broadcast_offsets, fetch_rows, load_table
-from schemas.codec import decode_event
+from schemas.codec import (
+    dead_letter,
+    decode_event,
+    decode_request,
+    encode_dead_letter,
+    encode_reply,
+)
 from schemas.contract import Rejected
 from schemas.ids import row_id
+from schemas.records import RecommendReply
 from schemas.rowbatch import (
     KIND_GRADIENTS,
     KIND_UPDATES,
@@ -55,15 +82,20 @@ LAG_SAMPLES = 256
 MAX_ROWS_PER_MESSAGE = 1000
 
 
-class OnlineLearner:
-    """The worker's learning loop; the serving issue adds the request side to the same loop."""
+class Worker:
+    """Learning and serving on one thread; ``run`` loops ``poll_once`` until stopped."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         conn = settings.conn
         self.names = TopicNames(conn.topic_prefix)
         self.keys = RedisKeys(conn.topic_prefix)
-        self.redis = redis.Redis.from_url(conn.redis_url)
+        # Timeouts: a stopped Redis must fail calls quickly (serving degrades, learning waits)
+        # instead of hanging the loop that also answers requests.
+        self.redis = redis.Redis.from_url(
+            conn.redis_url, socket_timeout=settings.redis_timeout_s,
+            socket_connect_timeout=settings.redis_timeout_s,
+        )  # fmt: skip
         self.dim = settings.learning.dim
         self.cache = EmbeddingCache(
             self.dim, settings.user_capacity_rows, self._fetch, pick_device(settings.device)
@@ -71,7 +103,12 @@ class OnlineLearner:
         self.cache.on_evict = lambda table, rid: self.pending.forget_row((table, rid))
         self.pending = PendingSteps()
         self.producer = Producer(producer_config(conn))
-        self.events = Consumer(consumer_config(conn, f"{conn.topic_prefix}freshrec-workers"))
+        self.group = f"{conn.topic_prefix}freshrec-workers"
+        self.events = Consumer(
+            consumer_config(
+                conn, self.group, **{"statistics.interval.ms": 1000, "stats_cb": self._stats}
+            )
+        )
         self.updates = Consumer(consumer_config(conn, None))
         self.tokens = itertools.count(1)
         self.rng = np.random.default_rng(abs(hash(settings.worker_id)) % (2**32))
@@ -82,6 +119,33 @@ class OnlineLearner:
         self._partition_cache: dict[int, int] = {}
         self.stats = defaultdict(int)
         self._last_commit = time.monotonic()
+        # ---- serving
+        sv = settings.serving
+        self.policy = BatchPolicy(settings.max_batch, settings.max_wait_ms)
+        self.requests: deque[Inbound] = deque()
+        self.backlog: deque[Message] = deque()
+        self.paused: list[TopicPartition] = []
+        self.processed: dict[tuple[str, int], int] = {}
+        self._committed: dict[tuple[str, int], int] = {}
+        self.answered: OrderedDict[str, None] = OrderedDict()
+        self._answered_unsaved: list[str] = []
+        self._events_retry_at = 0.0
+        self._housekeeping_at = 0.0
+        self.assigned = 0
+        self.snapshots = SnapshotRefresher(
+            self.redis, self.keys, settings.hot_k, weights=settings.hot_weights,
+            rate_per_hour=settings.hot_decay_per_hour,
+        )  # fmt: skip
+        self.models = ModelWatcher(settings.model_dir, self.cache.device, self.dim)
+        self.recommender = Recommender(
+            sv, self.cache, self.redis, self.keys, self.snapshots, self.models,
+            lambda channels: RecallRunner(
+                channels, sv.channels, settings.breaker, settings.recall_delays_ms
+            ),
+            settings.worker_id,
+        )  # fmt: skip
+        self.recent: OrderedDict[str, deque[str]] = OrderedDict()
+        self.recommender.recent_clicks = lambda u: list(self.recent.get(u, ()))
 
     # ------------------------------------------------------------------------------ setup
     def _partitions(self, topic: str) -> int:
@@ -95,10 +159,22 @@ class OnlineLearner:
         return fetch_rows(self.redis, self.keys, table, ids, self.dim + 1)
 
     def start(self) -> None:
-        """Load the item table, then follow the broadcast from before that load."""
+        """Load the item table, then follow the broadcast from before that load; load the
+        models and the serving snapshot; join the group."""
         positions = broadcast_offsets(self.redis, self.keys)
         items = load_table(self.redis, self.keys, TABLE_ITEM, self.dim + 1)
         self.cache.load_items(items)
+        if self.models.load_now() is None:
+            log.warning(
+                "no ranking models (%s): serving from the hot list until `freshrec train` "
+                "writes them", self.models.last_error,
+            )  # fmt: skip
+        else:
+            m.MODEL_INFO.labels(self.models.version).set(1)
+            m.MODEL_RELOADS.labels("ok").inc()
+        self.models.on_change = self._model_changed
+        self.snapshots.start()
+        self.recommender.adopt_snapshot()
         n = self._partitions(self.names.embeddings_updates)
         self.updates.assign(
             [
@@ -107,16 +183,20 @@ class OnlineLearner:
             ]
         )
         self.events.subscribe(
-            [self.names.events],
-            on_assign=lambda c, parts: m.ASSIGNED_PARTITIONS.labels("worker").set(len(parts)),
-        )
+            [self.names.events, self.names.recommend_requests],
+            on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke,
+        )  # fmt: skip
         log.info(
             "worker %s: %d item rows from Redis, device %s, broadcast from %s",
             self.settings.worker_id, len(items), self.cache.device, positions or "the beginning",
         )  # fmt: skip
 
     def close(self) -> None:
+        self.snapshots.stop()
+        self.recommender.runner.close()
         self.producer.flush(10)
+        self._save_answered()
+        self._commit(sync=True)
         self.events.close()
         self.updates.close()
         self.redis.close()
@@ -131,20 +211,258 @@ class OnlineLearner:
             self.close()
 
     def poll_once(self) -> None:
-        msgs = self.events.consume(self.settings.batch_max, self.settings.poll_timeout_ms / 1000)
-        good = [msg for msg in msgs if self._ok(msg)]
-        if good:
-            self.on_events(good)
-        ups = self.updates.consume(1000, 0)
-        for msg in ups:
+        msgs = self.events.consume(self.settings.batch_max, self._poll_timeout_s())
+        for msg in msgs:
+            if not self._ok(msg):
+                continue
+            if msg.topic() == self.names.recommend_requests:
+                self._accept_request(msg)
+            else:
+                self.backlog.append(msg)
+        self._serve_ready()
+        self._learn_slice()
+        for msg in self.updates.consume(1000, 0):
             if self._ok(msg):
                 self.on_update(msg.value())
         self.producer.poll(0)
+        self._flow_control()
+        self._save_answered()  # right away: it narrows the window for a duplicate answer
         now = time.monotonic()
-        if now - self._last_commit > 1.0 and good:
-            self.events.commit(asynchronous=True)
+        if now - self._last_commit > self.settings.commit_interval_s:
+            self._commit()
             self._last_commit = now
+        if now - self._housekeeping_at > 1.0:
+            self._housekeeping_at = now
+            self.models.poll()
+            for name, state in self.recommender.runner.breaker_states().items():
+                m.BREAKER_STATE.labels(name).set(
+                    0 if state == CLOSED else 1 if state == HALF_OPEN else 2
+                )
         m.PENDING_STEPS.set(len(self.pending))
+        m.EVENT_BACKLOG.set(len(self.backlog))
+
+    def _poll_timeout_s(self) -> float:
+        if self.requests:
+            d = self.policy.decide(len(self.requests), self.requests[0].enqueued_ms, _now_ms())
+            return 0.0 if d.flush or self.backlog else d.wait_ms / 1000
+        if self.backlog and time.monotonic() >= self._events_retry_at:
+            return 0.0
+        return self.settings.poll_timeout_ms / 1000
+
+    # ---------------------------------------------------------------------------- requests
+    def _accept_request(self, msg) -> None:
+        headers = dict(msg.headers() or [])
+        reply_to = (headers.get("reply-to") or b"").decode(errors="replace") or (
+            self.names.recommend_replies
+        )
+        corr = headers.get("correlation-id")
+        now = _now_ms()
+        try:
+            req = decode_request(msg.value(), now)
+        except Rejected as rej:
+            m.REQUESTS.labels("invalid").inc()
+            letter = dead_letter(
+                rej, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+                key=msg.key(), value=msg.value(), now_ms=now, service="worker",
+            )  # fmt: skip
+            self._produce(self.names.recommend_requests_dlq, None, encode_dead_letter(letter))
+            error = RecommendReply(
+                request_id=(corr or b"unknown").decode(errors="replace")[:128] or "unknown",
+                user_id="unknown", items=(), tier="error",
+                tier_reason=f"invalid request: {rej.reason}: {rej.detail}"[:256],
+                served_at_ms=now, worker=self.settings.worker_id,
+            )  # fmt: skip
+            self._reply(reply_to, corr, error, msg.partition(), msg.offset())
+            return
+        self.requests.append(Inbound(req, reply_to, corr, now, msg.partition(), msg.offset()))
+
+    def _serve_ready(self) -> None:
+        while self.requests:
+            d = self.policy.decide(len(self.requests), self.requests[0].enqueued_ms, _now_ms())
+            if not d.flush:
+                return
+            take = [
+                self.requests.popleft()
+                for _ in range(min(len(self.requests), self.policy.max_batch))
+            ]
+            live, expired = split_expired(
+                take, lambda b: b.deadline_ms(self.settings.serving.default_budget_ms), _now_ms()
+            )
+            for b in expired:
+                m.REQUESTS.labels("expired").inc()
+                self._done_request(b.partition, b.offset)
+            live = self._drop_answered(live)
+            if not live:
+                continue
+            m.REQUEST_BATCH_SIZE.observe(len(live))
+            replies = self.recommender.serve(live, queue_depth=len(self.requests))
+            for b, reply in zip(live, replies, strict=True):
+                m.REQUESTS.labels("served").inc()
+                self._reply(b.reply_to, b.correlation_id, reply, b.partition, b.offset)
+
+    def _drop_answered(self, live: list[Inbound]) -> list[Inbound]:
+        """The same request_id is answered once: ids answered here are remembered, and ids
+        answered by any worker (before a crash or a rebalance) are looked up in Redis."""
+        fresh, seen = [], set()
+        for b in live:
+            rid = b.request.request_id
+            if rid in self.answered or rid in seen:
+                m.REQUESTS.labels("duplicate").inc()
+                self._done_request(b.partition, b.offset)
+            else:
+                seen.add(rid)
+                fresh.append(b)
+        if not fresh:
+            return fresh
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for b in fresh:
+                pipe.exists(self.keys.answered(b.request.request_id))
+            found = pipe.execute()
+        except redis.RedisError:
+            return fresh  # answer: a duplicate reply is dropped by the client
+        out = []
+        for b, hit in zip(fresh, found, strict=True):
+            if hit:
+                m.REQUESTS.labels("duplicate").inc()
+                self._done_request(b.partition, b.offset)
+            else:
+                out.append(b)
+        return out
+
+    def _reply(self, topic: str, corr, reply: RecommendReply, partition: int, offset: int) -> None:
+        headers = [("correlation-id", corr)] if corr is not None else []
+        rid = reply.request_id
+
+        def delivered(err, msg) -> None:
+            if err is not None:
+                log.warning("reply to %s lost: %s", topic, err)
+                m.REQUESTS.labels("reply_failed").inc()
+                return  # not committed: the request is redelivered after a restart
+            if reply.tier != "error":
+                self._remember_answered(rid)
+            self._done_request(partition, offset)
+
+        self._produce(topic, corr, encode_reply(reply), headers=headers, on_delivery=delivered)
+
+    def _produce(self, topic, key, value, headers=None, on_delivery=None) -> None:
+        while True:
+            try:
+                self.producer.produce(
+                    topic, value=value, key=key, headers=headers, on_delivery=on_delivery
+                )
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+
+    def _remember_answered(self, rid: str) -> None:
+        self.answered[rid] = None
+        if len(self.answered) > self.settings.answered_memory:
+            self.answered.popitem(last=False)
+        self._answered_unsaved.append(rid)
+
+    def _save_answered(self) -> None:
+        if not self._answered_unsaved:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for rid in self._answered_unsaved:
+                pipe.set(self.keys.answered(rid), 1, ex=self.settings.answered_ttl_s)
+            pipe.execute()
+            self._answered_unsaved.clear()
+        except redis.RedisError:
+            del self._answered_unsaved[: -self.settings.answered_memory]  # retried later
+
+    def _done_request(self, partition: int, offset: int) -> None:
+        if partition >= 0:
+            key = (self.names.recommend_requests, partition)
+            self.processed[key] = max(self.processed.get(key, 0), offset + 1)
+
+    def _model_changed(self, models) -> None:
+        m.MODEL_INFO.clear()
+        m.MODEL_INFO.labels(models.version).set(1)
+        m.MODEL_RELOADS.labels("ok").inc()
+
+    # ------------------------------------------------------------------ events, offsets
+    def _learn_slice(self) -> None:
+        if not self.backlog or time.monotonic() < self._events_retry_at:
+            return
+        n = min(len(self.backlog), self.settings.event_slice)
+        chunk = [self.backlog.popleft() for _ in range(n)]
+        try:
+            self.on_events(chunk)
+        except redis.RedisError as exc:
+            # rows could not be loaded: keep the events, serve on, try again shortly
+            log.warning("learning paused, Redis unavailable: %s", exc)
+            self.backlog.extendleft(reversed(chunk))
+            self._events_retry_at = time.monotonic() + 1.0
+            return
+        for msg in chunk:
+            key = (msg.topic(), msg.partition())
+            self.processed[key] = max(self.processed.get(key, 0), msg.offset() + 1)
+
+    def _flow_control(self) -> None:
+        high = 4 * self.settings.batch_max
+        if not self.paused and len(self.backlog) > high:
+            parts = [tp for tp in self.events.assignment() if tp.topic == self.names.events]
+            if parts:
+                self.events.pause(parts)
+                self.paused = parts
+        elif self.paused and len(self.backlog) < self.settings.batch_max:
+            self.events.resume(self.paused)
+            self.paused = []
+
+    def _commit(self, sync: bool = False) -> None:
+        changed = [
+            TopicPartition(t, p, o)
+            for (t, p), o in self.processed.items()
+            if self._committed.get((t, p)) != o
+        ]
+        if not changed:
+            return
+        try:
+            self.events.commit(offsets=changed, asynchronous=not sync)
+        except Exception as exc:  # e.g. during a rebalance; retried on the next round
+            log.debug("commit failed: %s", exc)
+            return
+        for tp in changed:
+            self._committed[(tp.topic, tp.partition)] = tp.offset
+
+    def _on_assign(self, consumer, parts) -> None:
+        self.assigned = len(parts)
+        m.ASSIGNED_PARTITIONS.labels("worker").set(len(parts))
+        self.paused = []
+
+    def _on_revoke(self, consumer, parts) -> None:
+        gone = {(tp.topic, tp.partition) for tp in parts}
+        self.producer.flush(5)  # deliver replies (and their offsets) before letting go
+        self._commit(sync=True)
+        self.backlog = deque(m_ for m_ in self.backlog if (m_.topic(), m_.partition()) not in gone)
+        kept = deque()
+        for b in self.requests:
+            if (self.names.recommend_requests, b.partition) in gone:
+                m.REQUESTS.labels("revoked").inc()
+            else:
+                kept.append(b)
+        self.requests = kept
+        for key in gone:
+            self.processed.pop(key, None)
+            self._committed.pop(key, None)
+        self.paused = []
+        self.assigned = 0
+        m.ASSIGNED_PARTITIONS.labels("worker").set(0)
+
+    def _stats(self, raw: str) -> None:
+        """librdkafka statistics: consumer lag per partition from the fetch responses."""
+        try:
+            stats = json.loads(raw)
+        except ValueError:
+            return
+        for topic, t in stats.get("topics", {}).items():
+            for pid, p in t.get("partitions", {}).items():
+                lag = p.get("consumer_lag", -1)
+                if pid != "-1" and lag is not None and lag >= 0:
+                    m.CONSUMER_LAG.labels("workers", topic, pid).set(lag)
 
     @staticmethod
     def _ok(msg) -> bool:
@@ -169,6 +487,7 @@ class OnlineLearner:
         m.WORKER_EVENTS.labels("valid").inc(len(events))
         if not events:
             return
+        self._remember_clicks(events)
         if not self.item_pool:
             self.item_pool = [e.item_id for e in events]
         ex = examples_from_events(events, self.settings.learning.labels, self.rng, self.item_pool)
@@ -181,6 +500,22 @@ class OnlineLearner:
         done = time.time()
         for ts in ex.event_ms[:LAG_SAMPLES].tolist():
             m.FRESHNESS_LAG.labels("local").observe(max(done - ts / 1000, 0.0))
+
+    def _remember_clicks(self, events) -> None:
+        """The last clicks per user (bounded), for the i2i channel of this worker."""
+        for e in events:
+            if e.event_type == "impression":
+                continue
+            q = self.recent.get(e.user_id)
+            if q is None:
+                q = self.recent[e.user_id] = deque(maxlen=10)
+                if len(self.recent) > self.settings.recent_users:
+                    self.recent.popitem(last=False)
+            else:
+                self.recent.move_to_end(e.user_id)
+            if e.item_id in q:
+                q.remove(e.item_id)
+            q.appendleft(e.item_id)
 
     def learn(self, ex) -> None:
         user_ids = np.fromiter((row_id(u) for u in ex.users), np.int64, len(ex.users))
@@ -329,5 +664,9 @@ class OnlineLearner:
         return self.cache.gather(TABLE_ITEM, slot)[0]
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def run_worker(settings: WorkerSettings) -> int:
-    return run_until_signalled("worker", OnlineLearner(settings).run, settings.metrics_port)
+    return run_until_signalled("worker", Worker(settings).run, settings.metrics_port)

@@ -6,7 +6,7 @@ import numpy as np
 import redis
 
 from freshrec.rediskeys import RedisKeys
-from param_server.rows import decode_row, key_to_id, row_key
+from param_server.rows import decode_row, encode_rows, key_to_id, row_key
 from schemas.rowbatch import TABLE_NAMES
 
 Row = tuple[np.ndarray, int, int]
@@ -59,3 +59,25 @@ def applied_offsets(r: redis.Redis, keys: RedisKeys) -> dict[int, int]:
 
 def broadcast_offsets(r: redis.Redis, keys: RedisKeys) -> dict[int, int]:
     return {int(k): int(v) for k, v in r.hgetall(keys.ps_broadcast).items()}
+
+
+def seed_rows(
+    r: redis.Redis, keys: RedisKeys, table: int, ids: np.ndarray, rows: np.ndarray,
+    version: int, event_ms: int, chunk: int = 5000,
+) -> int:  # fmt: skip
+    """Write starting rows (offline training) where no row exists yet (HSETNX), so a reload
+    never moves a row that online learning has already refined back in time. Returns how
+    many rows were written."""
+    key = keys.embeddings(TABLE_NAMES[table])
+    versions = np.full(len(ids), version, np.uint64)
+    times = np.full(len(ids), event_ms, np.int64)
+    written = 0
+    for lo in range(0, len(ids), chunk):
+        blobs = encode_rows(
+            rows[lo : lo + chunk], versions[lo : lo + chunk], times[lo : lo + chunk]
+        )
+        pipe = r.pipeline(transaction=False)
+        for rid, blob in zip(ids[lo : lo + chunk].tolist(), blobs, strict=True):
+            pipe.hsetnx(key, row_key(rid), blob)
+        written += sum(pipe.execute())
+    return written

@@ -96,6 +96,7 @@ class RecommendReply:
     tier: Tier
     tier_reason: str
     served_at_ms: int
+    degraded: bool = False
     model_version: str | None = None
     user_embedding_version: int | None = None
     user_embedding_age_ms: int | None = None

@@ -16,7 +16,7 @@ from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
-from inference.worker import OnlineLearner
+from inference.worker import Worker
 from param_server.rows import TABLE_ITEM, TABLE_USER, decode_row, row_key
 from schemas.ids import row_id
 from schemas.records import Event
@@ -29,9 +29,9 @@ W = DIM + 1
 ENV = {"FRESHREC_EMBEDDING_DIM": str(DIM), "FRESHREC_FLUSH_INTERVAL_MS": "50"}
 
 
-def learner(conn, **learning) -> OnlineLearner:
+def learner(conn, **learning) -> Worker:
     s = WorkerSettings(conn, LearningSettings(dim=DIM, **learning), user_capacity_rows=1000)
-    w = OnlineLearner(s)
+    w = Worker(s)
     w.start()
     return w
 
@@ -51,7 +51,7 @@ def clicks(user, item, n, t0=None, prefix="c"):
     return [Event(f"{prefix}{user}{item}{j}", "click", user, item, t0 + j) for j in range(n)]
 
 
-def score(w: OnlineLearner, user, item) -> float:
+def score(w: Worker, user, item) -> float:
     return float(w.user_row(user) @ w.item_row(item))
 
 

@@ -1,5 +1,5 @@
 """Pure serving policies: batching decision, circuit breaker, MMR and category spacing,
-channel merging with quotas. (The serving loop that uses them is the serving issue's.)"""
+channel merging with quotas."""
 
 from __future__ import annotations
 
@@ -96,3 +96,186 @@ def test_merge_respects_quotas_dedupes_and_fills_the_budget():
     assert "h1" in items and "h2" in items
     assert len(items) == len(set(items)) == 6
     assert merge_channels(results, {}, budget=4, exclude=frozenset({"v0"}))[0][0] == "v1"
+
+
+# ------------------------------------------------------------------ degradation ladder
+def test_ladder_full_when_everything_fits():
+    from inference.degrade import Ladder, Situation
+
+    assert Ladder().choose(Situation("pc", budget_ms=500)).tier == "full"
+
+
+def test_ladder_falls_to_cached_then_light_then_hot():
+    from inference.degrade import Ladder, LadderConfig, Situation
+
+    ladder = Ladder(LadderConfig(queue_depth_limit=10, full_cost_ms=40, light_cost_ms=10))
+    deep = dict(device="pc", budget_ms=500, queue_depth=11)
+    assert ladder.choose(Situation(**deep, cached=True)).tier == "cached"
+    assert ladder.choose(Situation(**deep)).tier == "light"
+    assert ladder.choose(Situation(**deep, light_ok=False)).tier == "hot"
+    tight = ladder.choose(Situation("pc", budget_ms=30))  # < 40 ms × 1.5 safety
+    assert tight.tier == "light" and "budget" in tight.reason
+    assert ladder.choose(Situation("pc", budget_ms=5)).tier == "hot"
+    # a measured cost replaces the assumed one
+    assert ladder.choose(Situation("pc", budget_ms=30, full_cost_ms=10)).tier == "full"
+    broken = ladder.choose(Situation("pc", budget_ms=500, full_ok=False))
+    assert broken.tier == "light" and "unavailable" in broken.reason
+    assert ladder.choose(Situation("low_end", budget_ms=500)).tier == "light"
+    assert ladder.choose(Situation("low_end", budget_ms=500, cached=True)).tier == "light"
+
+
+# ------------------------------------------------------------------------- result cache
+def test_result_cache_ttl_version_and_capacity():
+    from inference.resultcache import ResultCache
+
+    c = ResultCache(capacity=2, ttl_ms=100)
+    c.put("a", 1, ["x"], now_ms=0)
+    assert c.get("a", 1, 99) == ["x"] and c.peek_valid("a", 1, 99)
+    assert c.get("a", 1, 100) is None  # expired, and forgotten
+    c.put("a", 1, ["x"], 0)
+    assert c.get("a", 2, 1) is None and len(c) == 0  # the user's embedding moved
+    c.put("a", 1, ["x"], 0)
+    c.put("b", 1, ["y"], 0)
+    c.get("a", 1, 1)  # a is now the most recent
+    c.put("c", 1, ["z"], 0)
+    assert c.get("b", 1, 1) is None and c.get("a", 1, 1) == ["x"]
+    with pytest.raises(ValueError):
+        ResultCache(capacity=0)
+
+
+# ----------------------------------------------------------------------------- features
+def test_recent_category_share_and_encoding():
+    from inference.features import DENSE, FeatureEncoder, recent_category_share
+
+    shares = recent_category_share([3, 3, 5, 3], np.array([3, 5, 9]))
+    np.testing.assert_allclose(shares, [0.75, 0.25, 0.0])
+    assert recent_category_share([], np.array([1, 2])).tolist() == [0.0, 0.0]
+    enc = FeatureEncoder()
+    ctx = enc.context(["high_end", "bogus"], ["north", ""], [3_600_000 * 5, 0])
+    assert ctx[0, 0] == 0 and ctx[1, 0] == 3 and ctx[0, 1] == 5 and ctx[1, 1] == 24
+    assert ctx[1, 2] == 0 and 0 < ctx[0, 2] < 16
+    u = np.ones((2, 5), np.float32)
+    v = np.full((2, 5), 0.5, np.float32)
+    x = enc.encode(u, v, np.array([[10.0, 0.1, 0.2, 3.0]] * 2, np.float32),
+                   np.array([4, 7]), ctx, shares[:2])  # fmt: skip
+    assert x.dense.shape == (2, len(DENSE)) and x.dense[0, 0] == pytest.approx(2.5)
+    assert x.dense[0, 5] == pytest.approx(0.75) and x.sparse.shape == (2, 4)
+    assert (x.cross >= 0).all() and len(set(x.cross[0])) == 3
+
+
+# ----------------------------------------------------------------------- models, files
+def test_models_score_a_batch_in_one_pass_and_round_trip_through_files(tmp_path):
+    import torch
+
+    from inference.features import FeatureEncoder
+    from inference.modelfile import (
+        ModelFileError,
+        ModelWatcher,
+        load_model,
+        read_manifest,
+        save_model,
+        write_manifest,
+    )  # fmt: skip
+    from inference.ranking import LightRanker, WideDeep, score
+
+    rng = np.random.default_rng(0)
+    enc = FeatureEncoder()
+    n = 50
+    x = enc.encode(
+        rng.standard_normal((n, 9)).astype(np.float32), rng.standard_normal((n, 9)).astype(np.float32),
+        rng.random((n, 4)).astype(np.float32), rng.integers(0, 128, n),
+        enc.context(["pc"] * n, ["north"] * n, [0] * n),
+    )  # fmt: skip
+    cpu = torch.device("cpu")
+    full, light = WideDeep(8), LightRanker(8)
+    batched = score(full, x, cpu)
+    assert batched.shape == (n,) and ((batched > 0) & (batched < 1)).all()
+    one = score(full, type(x)(x.user[:1], x.item[:1], x.dense[:1], x.sparse[:1], x.cross[:1]), cpu)
+    assert one[0] == pytest.approx(batched[0], rel=1e-5)
+    files = {
+        "wide_deep": save_model(tmp_path, full, "v1", 8),
+        "light": save_model(tmp_path, light, "v1", 8),
+    }
+    write_manifest(tmp_path, {"version": "v1", "dim": 8, "files": files})
+    loaded = load_model(tmp_path, read_manifest(tmp_path), "wide_deep", cpu)
+    np.testing.assert_allclose(score(loaded, x, cpu), batched, rtol=1e-6)
+    watcher = ModelWatcher(tmp_path, cpu, dim=8)
+    assert watcher.load_now().version == "v1"
+    assert ModelWatcher(tmp_path, cpu, dim=16).load_now() is None  # wrong dimension: refused
+    path = tmp_path / files["light"]["file"]
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    with pytest.raises(ModelFileError, match="checksum"):
+        load_model(tmp_path, read_manifest(tmp_path), "light", cpu)
+    with pytest.raises(ModelFileError, match="freshrec train"):
+        read_manifest(tmp_path / "nowhere")
+
+
+# --------------------------------------------------------------------------- training
+def test_auc_matches_the_pairwise_definition():
+    from inference.train import auc
+
+    rng = np.random.default_rng(3)
+    y = rng.random(200) < 0.3
+    s = np.round(rng.random(200), 1)  # ties
+    pos, neg = s[y], s[~y]
+    pairwise = (
+        (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    ) / (len(pos) * len(neg))
+    assert auc(y, s) == pytest.approx(pairwise)
+
+
+def test_recent_share_in_training_only_sees_earlier_slates():
+    from inference.train import Logs, recent_shares
+
+    # one user, two slates: clicks in slate 1 (t=1) inform slate 2 (t=2), not slate 1 itself
+    logs = Logs(
+        users=np.array([0, 0, 0, 0]), items=np.array([0, 1, 0, 1]), t_ms=np.array([1, 1, 2, 2]),
+        clicked=np.array([True, False, False, False]), converted=np.zeros(4, bool),
+    )  # fmt: skip
+    cats = np.array([7, 8])
+    assert recent_shares(logs, cats).tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+# ------------------------------------------------------------------------------ recall
+def test_recall_runner_drops_late_channels_and_opens_their_breaker():
+    import time
+
+    from inference.recall import ChannelConfig, RecallQuery, RecallRunner, parse_delays
+
+    def fast(queries, n):
+        return [["a", "b"][:n] for _ in queries]
+
+    def slow(queries, n):
+        time.sleep(0.2)
+        return [["c"] for _ in queries]
+
+    def broken(queries, n):
+        raise RuntimeError("boom")
+
+    runner = RecallRunner(
+        {"vector": fast, "i2i": slow, "hot": broken},
+        {"vector": ChannelConfig(2, 50), "i2i": ChannelConfig(5, 20), "hot": ChannelConfig(5, 50)},
+        BreakerConfig(window=10, min_calls=2, threshold=0.1, cooldown_ms=60_000),
+    )
+    q = [RecallQuery("u1", np.zeros(3, np.float32), None)]
+    first = runner.run(q)
+    assert first.per_query == [{"vector": ["a", "b"]}]
+    assert first.timed_out == ["i2i"] and first.failed == ["hot"]
+    assert first.elapsed_ms < 150  # did not wait for the slow channel
+    runner.run(q)
+    assert runner.breaker_states() == {"vector": "closed", "i2i": "open", "hot": "open"}
+    third = runner.run(q)
+    assert sorted(third.skipped) == ["hot", "i2i"] and third.elapsed_ms < 40
+    runner.close()
+    assert parse_delays("i2i=300, hot=5") == {"i2i": 300.0, "hot": 5.0}
+    with pytest.raises(ValueError):
+        parse_delays("nope=1")
+
+
+def test_lru_discard_frees_the_slot_for_reuse():
+    from inference.lru import SlotLRU
+
+    lru = SlotLRU(2)
+    assert lru.admit("a") == (0, None)
+    lru.discard("a")
+    assert "a" not in lru and lru.admit("b") == (0, None) and lru.admit("c") == (1, None)

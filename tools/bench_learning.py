@@ -16,7 +16,7 @@ from freshrec.progress import ProgressLine
 from freshrec.stack import free_port
 from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
-from inference.worker import OnlineLearner
+from inference.worker import Worker
 from param_server.server import ParameterServer
 from param_server.settings import ParamServerSettings
 from tools.benchlib import (
@@ -56,7 +56,7 @@ def main() -> None:
         progress.done(f"raw consume: {raw:,.0f} events/s")
 
         # the worker's event path: decode, examples, gradients, local step, gradient emit
-        w = OnlineLearner(WorkerSettings(conn, LearningSettings(dim=64)))
+        w = Worker(WorkerSettings(conn, LearningSettings(dim=64)))
         w.start()
         first = None
         while True:

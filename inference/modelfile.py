@@ -1,0 +1,189 @@
+"""Versioned model files: safetensors with a SHA-256 checksum, and a manifest that names the
+current set. The worker hot-reloads when the manifest changes.
+
+Layout of a model directory (default ``$FRESHREC_HOME/models``)::
+
+    manifest.json                      the current set (written last, atomically)
+    wide_deep-<version>.safetensors    the full ranking model
+    light-<version>.safetensors        the distilled model
+    two_tower-<version>.safetensors    starting embeddings (user_ids, user_rows, item_ids, item_rows)
+
+``manifest.json``::
+
+    {"version": "20261129T120000-3f2a", "dim": 64, "created_ms": ...,
+     "files": {"wide_deep": {"file": "...", "sha256": "..."}, "light": {...},
+               "two_tower": {...}},
+     "training": {...}}
+
+A file whose checksum does not match the manifest is refused (``ModelFileError``) and the
+worker keeps the models it has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from inference.ranking import build
+
+log = logging.getLogger("freshrec.models")
+MANIFEST = "manifest.json"
+
+
+class ModelFileError(RuntimeError):
+    """A model file or manifest is missing, corrupt, or does not match its checksum."""
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_tensors(directory: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    """Write ``name`` atomically; returns its manifest entry (file name and checksum)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    _atomic_write(
+        path, lambda p: save_file(contiguous, str(p), metadata={"freshrec": json.dumps(meta)})
+    )
+    return {"file": name, "sha256": sha256_of(path)}
+
+
+def save_model(directory: Path, model: nn.Module, version: str, dim: int) -> dict:
+    meta = {"kind": model.kind, "version": version, "dim": dim}
+    return save_tensors(directory, f"{model.kind}-{version}.safetensors", model.state_dict(), meta)
+
+
+def write_manifest(directory: Path, manifest: dict) -> Path:
+    path = directory / MANIFEST
+    _atomic_write(path, lambda p: p.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
+    return path
+
+
+def read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelFileError(f"no {MANIFEST} in {directory}: run `freshrec train`") from None
+    except json.JSONDecodeError as exc:
+        raise ModelFileError(f"{path} is not valid JSON: {exc}") from None
+    for key in ("version", "dim", "files"):
+        if key not in manifest:
+            raise ModelFileError(f"{path} lacks {key!r}")
+    return manifest
+
+
+def load_tensors(directory: Path, entry: dict) -> dict[str, torch.Tensor]:
+    path = directory / entry["file"]
+    if not path.exists():
+        raise ModelFileError(f"{path} is missing")
+    actual = sha256_of(path)
+    if actual != entry["sha256"]:
+        raise ModelFileError(f"{path}: checksum {actual[:12]}… != manifest {entry['sha256'][:12]}…")
+    return load_file(str(path))
+
+
+def load_model(directory: Path, manifest: dict, kind: str, device: torch.device) -> nn.Module:
+    entry = manifest["files"].get(kind)
+    if entry is None:
+        raise ModelFileError(f"manifest {manifest['version']} has no {kind} model")
+    model = build(kind, int(manifest["dim"]))
+    try:
+        model.load_state_dict(load_tensors(directory, entry))
+    except RuntimeError as exc:
+        raise ModelFileError(f"{entry['file']} does not fit a {kind} model: {exc}") from None
+    return model.to(device).eval()
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    version: str
+    full: nn.Module
+    light: nn.Module
+
+
+class ModelWatcher:
+    """Holds the current ``ModelSet``; ``poll()`` (cheap: one stat) starts a background load
+    when the manifest changed, and the new set replaces the old one between batches."""
+
+    def __init__(self, directory: Path, device: torch.device, dim: int) -> None:
+        self.directory = directory
+        self.device = device
+        self.dim = dim
+        self.current: ModelSet | None = None
+        self.last_error: str | None = None
+        self._seen: tuple[int, int] | None = None
+        self._loading: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.on_change: Callable[[ModelSet], None] = lambda s: None
+
+    def load_now(self) -> ModelSet | None:
+        """Load synchronously (worker start); None, with ``last_error`` set, if unavailable."""
+        self._stat_changed()
+        self._load()
+        return self.current
+
+    def poll(self) -> None:
+        if self._loading is not None and self._loading.is_alive():
+            return
+        if self._stat_changed():
+            self._loading = threading.Thread(target=self._load, daemon=True, name="model-load")
+            self._loading.start()
+
+    def _stat_changed(self) -> bool:
+        try:
+            st = (self.directory / MANIFEST).stat()
+        except FileNotFoundError:
+            return False
+        key = (st.st_mtime_ns, st.st_ino)
+        if key == self._seen:
+            return False
+        self._seen = key
+        return True
+
+    def _load(self) -> None:
+        try:
+            manifest = read_manifest(self.directory)
+            if self.current is not None and manifest["version"] == self.current.version:
+                return
+            if int(manifest["dim"]) != self.dim:
+                raise ModelFileError(
+                    f"models of dim {manifest['dim']} do not fit embeddings of dim {self.dim}"
+                )
+            full = load_model(self.directory, manifest, "wide_deep", self.device)
+            light = load_model(self.directory, manifest, "light", self.device)
+        except (ModelFileError, OSError, KeyError, ValueError) as exc:
+            self.last_error = str(exc)
+            log.error("models not loaded, keeping %s: %s", self.version or "none", exc)
+            return
+        new = ModelSet(manifest["version"], full, light)
+        with self._lock:
+            self.current = new
+            self.last_error = None
+        log.info("models %s loaded from %s", new.version, self.directory)
+        self.on_change(new)
+
+    @property
+    def version(self) -> str | None:
+        return self.current.version if self.current else None

@@ -1,0 +1,153 @@
+"""Multi-channel recall: every channel runs concurrently for a whole batch of requests, each
+with its own deadline and circuit breaker.
+
+Channels (all answer a list of item ids per query, best first):
+
+- ``vector``: the user's row against the resident item table — one matmul and top-k on the
+  device for the whole batch (exact; see ``ann.py`` for the background index on large
+  catalogues);
+- ``i2i``: the user's recent clicks (Redis, written by the streams app) as a query: the mean of
+  those items' rows, weighted towards the newest, against the item table;
+- ``hot``, ``region``: the merged global and regional hot lists (from the snapshot);
+- ``new``: items created within the new-item window (from the snapshot).
+
+A channel that misses its deadline is dropped from that batch (its thread finishes in the
+background; its result is discarded) and counted; its breaker sees a failure. An open breaker
+skips the channel until its cool-down has passed. A ``delay`` per channel can be injected for
+fault drills (``FRESHREC_RECALL_INJECT_DELAY_MS``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from freshrec import metrics as m
+from inference.breaker import BreakerConfig, CircuitBreaker
+
+log = logging.getLogger("freshrec.recall")
+CHANNELS = ("vector", "i2i", "hot", "region", "new")
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    quota: int
+    deadline_ms: float
+
+
+DEFAULT_CHANNELS: dict[str, ChannelConfig] = {
+    "vector": ChannelConfig(250, 40.0),
+    "i2i": ChannelConfig(100, 40.0),
+    "hot": ChannelConfig(80, 20.0),
+    "region": ChannelConfig(40, 20.0),
+    "new": ChannelConfig(30, 20.0),
+}
+
+
+@dataclass(frozen=True)
+class RecallQuery:
+    user_id: str
+    user_row: np.ndarray
+    region: str | None
+
+
+Channel = Callable[[list[RecallQuery], int], list[list[str]]]
+"""channel(queries, n) -> for each query, up to n item ids, best first."""
+
+
+@dataclass
+class RecallResult:
+    per_query: list[dict[str, list[str]]]
+    timed_out: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """Channels whose breaker was open."""
+    elapsed_ms: float = 0.0
+
+
+class RecallRunner:
+    def __init__(
+        self, channels: Mapping[str, Channel], configs: Mapping[str, ChannelConfig],
+        breaker: BreakerConfig | None = None, delays_ms: Mapping[str, float] | None = None,
+    ) -> None:  # fmt: skip
+        unknown = set(configs) - set(channels)
+        if unknown:
+            raise ValueError(f"no such recall channel: {', '.join(sorted(unknown))}")
+        self.channels = dict(channels)
+        self.configs = dict(configs)
+        self.breakers = {name: CircuitBreaker(breaker) for name in self.channels}
+        self.delays_ms = dict(delays_ms or {})
+        self.pool = cf.ThreadPoolExecutor(
+            max_workers=2 * len(self.channels), thread_name_prefix="recall"
+        )
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _call(self, name: str, queries: list[RecallQuery]) -> list[list[str]]:
+        delay = self.delays_ms.get(name)
+        if delay:
+            time.sleep(delay / 1000)
+        return self.channels[name](queries, self.configs[name].quota)
+
+    def run(self, queries: list[RecallQuery], budget_ms: float | None = None) -> RecallResult:
+        """All allowed channels at once; waits at most each channel's deadline (capped by
+        ``budget_ms``, the batch's remaining deadline budget)."""
+        start = time.monotonic()
+        now_ms = int(time.time() * 1000)
+        futures: dict[str, cf.Future] = {}
+        result = RecallResult([{} for _ in queries])
+        for name in self.configs:
+            breaker = self.breakers[name]
+            if not breaker.allow(now_ms):
+                result.skipped.append(name)
+                m.RECALL_CALLS.labels(name, "breaker_open").inc()
+                continue
+            futures[name] = self.pool.submit(self._call, name, queries)
+        for name, fut in futures.items():
+            limit = self.configs[name].deadline_ms
+            if budget_ms is not None:
+                limit = min(limit, max(budget_ms, 0.0))
+            remaining = limit / 1000 - (time.monotonic() - start)
+            try:
+                lists = fut.result(timeout=max(remaining, 0.0))
+            except cf.TimeoutError:
+                fut.cancel()
+                result.timed_out.append(name)
+                self._record(name, False, "timeout")
+                continue
+            except Exception as exc:  # a failing channel must not fail the request
+                log.warning("recall channel %s failed: %s", name, exc)
+                result.failed.append(name)
+                self._record(name, False, "error")
+                continue
+            self._record(name, True, "ok")
+            for j, items in enumerate(lists):
+                result.per_query[j][name] = items
+        result.elapsed_ms = (time.monotonic() - start) * 1000
+        return result
+
+    def _record(self, name: str, ok: bool, outcome: str) -> None:
+        now_ms = int(time.time() * 1000)
+        self.breakers[name].record(ok, now_ms)
+        m.RECALL_CALLS.labels(name, outcome).inc()
+
+    def breaker_states(self) -> dict[str, str]:
+        now_ms = int(time.time() * 1000)
+        return {name: b.state(now_ms) for name, b in self.breakers.items()}
+
+
+def parse_delays(spec: str) -> dict[str, float]:
+    """``"i2i=300,hot=5"`` → {"i2i": 300.0, "hot": 5.0}."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in CHANNELS:
+            raise ValueError(f"expected channel=ms with a channel of {CHANNELS}, got {part!r}")
+        out[name] = float(value)
+    return out

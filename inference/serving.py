@@ -1,0 +1,461 @@
+"""The serving path of the worker: a batch of requests in, one reply per request out.
+
+recall (all channels concurrently, per-channel deadlines and breakers) → merge with quotas →
+tier per request (``degrade.Ladder``) → one forward pass per model over every candidate of
+the batch → MMR and category spacing → replies with versions, ages and per-stage timings.
+
+Runs on the worker's thread, between event slices, so it reads the same EmbeddingCache that
+online learning writes: a user's click is in their next recommendation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+import torch
+
+from freshrec import metrics as m
+from freshrec.rediskeys import RedisKeys
+from inference.cache import EmbeddingCache
+from inference.degrade import CACHED, FULL, HOT, LIGHT, Ladder, LadderConfig, Situation
+from inference.features import RECENT, FeatureEncoder, recent_category_share
+from inference.merge import merge_channels
+from inference.modelfile import ModelWatcher
+from inference.ranking import score
+from inference.recall import DEFAULT_CHANNELS, ChannelConfig, RecallQuery, RecallRunner
+from inference.rerank import mmr, space_categories
+from inference.resultcache import ResultCache
+from inference.snapshot import Snapshot, SnapshotRefresher
+from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows
+from schemas.ids import row_id
+from schemas.records import RecommendReply, RecommendRequest, ReplyItem
+
+log = logging.getLogger("freshrec.serving")
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    candidates: int = 500
+    default_budget_ms: int = 250
+    """Deadline budget of a request that names none."""
+    mmr_lambda: float = 0.7
+    category_gap: int = 2
+    channels: dict[str, ChannelConfig] = field(default_factory=lambda: dict(DEFAULT_CHANNELS))
+    ladder: LadderConfig = field(default_factory=LadderConfig)
+    result_ttl_ms: int = 3_600_000
+    result_cache_entries: int = 100_000
+    recall_share: float = 0.5
+    """At most this share of the tightest budget in a batch is spent waiting for recall."""
+
+
+@dataclass
+class Inbound:
+    """A decoded request and where its reply goes."""
+
+    request: RecommendRequest
+    reply_to: str
+    correlation_id: bytes | None
+    enqueued_ms: int
+    partition: int = -1
+    offset: int = -1
+
+    def deadline_ms(self, default_budget_ms: int) -> int:
+        d = self.request.deadline_ms
+        return d if d is not None else self.enqueued_ms + default_budget_ms
+
+
+class Recommender:
+    def __init__(
+        self, settings: ServingSettings, cache: EmbeddingCache, client: redis.Redis,
+        keys: RedisKeys, snapshots: SnapshotRefresher, models: ModelWatcher,
+        runner_factory, worker_id: str,
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.cache = cache
+        self.redis = client
+        self.keys = keys
+        self.snapshots = snapshots
+        self.models = models
+        self.worker_id = worker_id
+        self.encoder = FeatureEncoder()
+        self.ladder = Ladder(settings.ladder)
+        self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
+        self.snap = Snapshot()
+        self.slot_of: dict[str, int] = {}
+        self.name_of_slot = np.empty(0, object)
+        self.named = torch.zeros(0, dtype=torch.bool)
+        self.slot_category = torch.zeros(0, dtype=torch.int64)
+        self.cat_index = np.empty(0, np.int64)  # slot -> catalogue index (-1: unknown)
+        self.full_cost_ms: float | None = None
+        self.light_cost_ms: float | None = None
+        self.full_failed_until = 0.0
+        self.recent_clicks: Callable[[str], list[str]] = lambda user_id: []
+        self.fetched_recent: dict[str, list[str]] = {}
+        """Recent clicks the i2i channel read from Redis for the current batch."""
+        """The worker's own view of a user's recent clicks, newest first."""
+        self.runner: RecallRunner = runner_factory(
+            {"vector": self._vector, "i2i": self._i2i, "hot": self._hot,
+             "region": self._region, "new": self._new}
+        )  # fmt: skip
+        self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
+
+    # ------------------------------------------------------------------------ snapshot
+    def adopt_snapshot(self) -> None:
+        snap = self.snapshots.take()
+        if snap is None:
+            return
+        if snap.catalogue is not None and (
+            self.snap.catalogue is not snap.catalogue or len(self.name_of_slot) == 0
+        ):
+            cat = snap.catalogue
+            slots = self.cache.slots(TABLE_ITEM, cat.row_ids)
+            n = len(self.cache.item_ids)
+            names = np.empty(n, object)
+            names[slots] = cat.names
+            cat_index = np.full(n, -1, np.int64)
+            cat_index[slots] = np.arange(len(cat.names))
+            named = torch.zeros(n, dtype=torch.bool, device=self.cache.device)
+            named[torch.as_tensor(slots, device=self.cache.device)] = True
+            slot_category = torch.full((n,), -1, dtype=torch.int64, device=self.cache.device)
+            slot_category[torch.as_tensor(slots, device=self.cache.device)] = torch.as_tensor(
+                cat.category, device=self.cache.device
+            )
+            self.slot_category = slot_category
+            self.slot_of = dict(zip(cat.names, slots.tolist(), strict=True))
+            self.name_of_slot, self.cat_index, self.named = names, cat_index, named
+            m.CATALOGUE_ITEMS.set(len(cat.names))
+        self.snap = snap
+
+    # ------------------------------------------------------------------------ channels
+    def _topk_names(self, queries_rows: np.ndarray, n: int) -> list[list[str]]:
+        items = self.cache.items.rows
+        named = self.named
+        size = min(len(named), len(items))
+        if size == 0 or n <= 0:
+            return [[] for _ in range(len(queries_rows))]
+        q = torch.as_tensor(queries_rows, device=items.device)
+        scores = q @ items[:size].T
+        scores = scores.masked_fill(~named[:size], float("-inf"))
+        k = min(n, int(named[:size].sum()))
+        idx = torch.topk(scores, k, dim=1).indices.cpu().numpy()
+        names = self.name_of_slot
+        return [[names[s] for s in row] for row in idx]
+
+    def _vector(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
+        return self._topk_names(np.stack([q.user_row for q in queries]), n)
+
+    def _i2i(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
+        """Recent clicks: this worker's own (it sees every event of its users' partitions,
+        so a click counts here before any other service has seen it), else the streams
+        app's list in Redis."""
+        recents: list[list[str]] = [self.recent_clicks(q.user_id) for q in queries]
+        missing = [j for j, r in enumerate(recents) if not r]
+        if missing:
+            pipe = self.redis.pipeline(transaction=False)
+            for j in missing:
+                pipe.lrange(self.keys.user_recent(queries[j].user_id), 0, 9)
+            for j, raw in zip(missing, pipe.execute(), strict=True):
+                recents[j] = [r.decode().partition("|")[0] for r in raw]
+                self.fetched_recent[queries[j].user_id] = recents[j]
+        dim = self.cache.dim
+        out: list[list[str]] = [[] for _ in queries]
+        items = self.cache.items.rows
+        size = min(len(self.named), len(items), len(self.slot_category))
+        for j, recent in enumerate(recents):
+            slots = [self.slot_of[name] for name in recent[:10] if name in self.slot_of]
+            if not slots or size == 0:
+                continue
+            # similar items: the clicked items' categories, nearest to their recency-weighted
+            # mean embedding
+            vecs = self.cache.gather(TABLE_ITEM, np.asarray(slots))
+            weights = 0.8 ** np.arange(len(slots), dtype=np.float32)  # newest first
+            q = np.zeros(self.cache.w, np.float32)
+            q[:dim] = (weights[:, None] * vecs[:, :dim]).sum(0) / weights.sum()
+            cats = torch.as_tensor(np.unique(self.slot_category[slots].cpu().numpy()))
+            mask = self.named[:size] & torch.isin(self.slot_category[:size], cats.to(items.device))
+            count = int(mask.sum())
+            if count == 0:
+                continue
+            scores = items[:size] @ torch.as_tensor(q, device=items.device)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            idx = torch.topk(scores, min(n, count)).indices.cpu().numpy()
+            out[j] = [self.name_of_slot[s] for s in idx]
+        return out
+
+    def _hot(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
+        top = self.snap.hot.get("global", [])[:n]
+        return [top for _ in queries]
+
+    def _region(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
+        return [self.snap.hot.get(q.region, [])[:n] if q.region else [] for q in queries]
+
+    def _new(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
+        top = self.snap.new[:n]
+        return [top for _ in queries]
+
+    # --------------------------------------------------------------------------- serve
+    def serve(self, batch: list[Inbound], queue_depth: int = 0) -> list[RecommendReply]:
+        start = time.monotonic()
+        now_ms = int(time.time() * 1000)
+        s = self.settings
+        self.adopt_snapshot()
+        degraded: list[str] = []
+        if not self.snapshots.healthy:
+            degraded.append("redis unavailable: cached features and lists")
+        reqs = [b.request for b in batch]
+        user_rows, versions, ages, user_note = self._users(reqs, now_ms)
+        if user_note:
+            degraded.append(user_note)
+        budgets = [b.deadline_ms(s.default_budget_ms) - now_ms for b in batch]
+        queries = [
+            RecallQuery(r.user_id, user_rows[j], r.context.region if r.context else None)
+            for j, r in enumerate(reqs)
+        ]
+        self.fetched_recent = {}
+        recall = self.runner.run(queries, budget_ms=min(budgets) * s.recall_share)
+        t_recall = time.monotonic()
+        if recall.timed_out or recall.failed:
+            degraded.append(
+                "recall channels dropped: " + ", ".join(recall.timed_out + recall.failed)
+            )
+        merged = [
+            self._candidates(recall.per_query[j], frozenset(r.exclude)) for j, r in enumerate(reqs)
+        ]
+        models = self.models.current
+        choices = []
+        for j, r in enumerate(reqs):
+            device = r.context.device if r.context else None
+            key = self._cache_key(r)
+            budget_left = budgets[j] - (t_recall - start) * 1000
+            choices.append(
+                self.ladder.choose(
+                    Situation(
+                        device=device, budget_ms=budget_left, queue_depth=queue_depth,
+                        cached=self.results.peek_valid(key, versions[j], now_ms),
+                        full_ok=models is not None and time.monotonic() >= self.full_failed_until,
+                        light_ok=models is not None,
+                        full_cost_ms=self.full_cost_ms, light_cost_ms=self.light_cost_ms,
+                    )
+                )
+            )  # fmt: skip
+        ranked: dict[int, list[tuple[str, float, tuple[str, ...]]]] = {}
+        features_note = self._rank(reqs, user_rows, merged, choices, ranked, models)
+        if features_note:
+            degraded.append(features_note)
+        t_rank = time.monotonic()
+        replies = []
+        for j, (b, r) in enumerate(zip(batch, reqs, strict=True)):
+            tier, reason = choices[j].tier, choices[j].reason
+            if j in ranked:
+                items = self._rerank(ranked[j], r.k)
+                if tier == FULL:
+                    self.results.put(self._cache_key(r), versions[j], items, now_ms)
+            elif tier == CACHED:
+                items = self.results.get(self._cache_key(r), versions[j], now_ms) or []
+                items = [i for i in items if i[0] not in set(r.exclude)][: r.k]
+            else:
+                tier = HOT
+                items = self._hot_items(r)
+            done = time.monotonic()
+            timings = {
+                "queue": max(0.0, start * 1000 - _mono_of(b.enqueued_ms, now_ms, start)),
+                "recall": (t_recall - start) * 1000,
+                "rank": (t_rank - t_recall) * 1000 if j in ranked else 0.0,
+                "rerank": (done - t_rank) * 1000,
+            }
+            timings["total"] = timings["queue"] + (done - start) * 1000
+            reason_text = reason if not degraded else f"{reason}; degraded: {'; '.join(degraded)}"
+            replies.append(
+                RecommendReply(
+                    request_id=r.request_id, user_id=r.user_id,
+                    items=tuple(ReplyItem(i, round(float(sc), 6), ch) for i, sc, ch in items),
+                    tier=tier, tier_reason=reason_text[:256], degraded=bool(degraded),
+                    served_at_ms=int(time.time() * 1000),
+                    model_version=models.version if models else None,
+                    user_embedding_version=int(versions[j]), user_embedding_age_ms=ages[j],
+                    item_table_version=int(self.cache.items.version.max(initial=0)),
+                    timings_ms={k: round(v, 3) for k, v in timings.items()},
+                    worker=self.worker_id,
+                )
+            )  # fmt: skip
+            m.REPLIES.labels(tier).inc()
+            for stage, value in timings.items():
+                m.REQUEST_SECONDS.labels(stage, tier).observe(value / 1000)
+            if tier != FULL or degraded:
+                m.DEGRADED.labels(tier, _reason_label(reason, degraded)).inc()
+        return replies
+
+    def _users(self, reqs: list[RecommendRequest], now_ms: int):
+        ids = np.fromiter((row_id(r.user_id) for r in reqs), np.int64, len(reqs))
+        note = None
+        try:
+            slots = self.cache.slots(TABLE_USER, ids)
+            rows = self.cache.gather(TABLE_USER, slots)
+            versions = self.cache.users.version[slots].astype(np.int64)
+            event_ms = self.cache.users.event_ms[slots]
+        except redis.RedisError:
+            note = "redis unavailable: users not resident start from their initial rows"
+            rows = initial_rows(ids, TABLE_USER, self.cache.dim)
+            versions = np.zeros(len(ids), np.int64)
+            event_ms = np.zeros(len(ids), np.int64)
+            for j, rid in enumerate(ids.tolist()):
+                slot = self.cache.held(TABLE_USER, rid)
+                if slot is not None:
+                    rows[j] = self.cache.gather(TABLE_USER, np.array([slot]))[0]
+                    versions[j] = int(self.cache.users.version[slot])
+                    event_ms[j] = int(self.cache.users.event_ms[slot])
+        ages = [int(now_ms - t) if t > 0 else None for t in event_ms.tolist()]
+        ages = [max(a, 0) if a is not None else None for a in ages]
+        return rows, versions.tolist(), ages, note
+
+    def _candidates(self, per_channel: dict[str, list[str]], exclude: frozenset[str]):
+        merged = merge_channels(per_channel, self.quotas, self.settings.candidates, exclude)
+        return [(name, ch) for name, ch in merged if name in self.slot_of]
+
+    @staticmethod
+    def _cache_key(r: RecommendRequest) -> tuple:
+        ctx = r.context
+        return (r.user_id, ctx.device if ctx else None, ctx.region if ctx else None, r.k)
+
+    def _rank(self, reqs, user_rows, merged, choices, ranked, models) -> str | None:
+        note = None
+        for tier in (FULL, LIGHT):
+            group = [j for j, c in enumerate(choices) if c.tier == tier and merged[j]]
+            if not group or models is None:
+                continue
+            t0 = time.monotonic()
+            model = models.full if tier == FULL else models.light
+            inputs, pairs, realtime_note = self._inputs(reqs, user_rows, merged, group, tier)
+            note = note or realtime_note
+            try:
+                probs = score(model, inputs, self.cache.device)
+            except Exception as exc:  # a broken model must not stop serving
+                log.error("%s model failed on a batch: %s", tier, exc)
+                m.DEGRADED.labels(tier, "model_error").inc()
+                if tier == FULL:
+                    self.full_failed_until = time.monotonic() + 10
+                for j in group:
+                    choices[j] = type(choices[j])(HOT, f"{tier} model error")
+                continue
+            for (j, name, ch), p in zip(pairs, probs.tolist(), strict=True):
+                ranked.setdefault(j, []).append((name, p, ch))
+            cost = (time.monotonic() - t0) * 1000
+            if tier == FULL:
+                self.full_cost_ms = _ewma(self.full_cost_ms, cost)
+            else:
+                self.light_cost_ms = _ewma(self.light_cost_ms, cost)
+        return note
+
+    def _inputs(self, reqs, user_rows, merged, group, tier):
+        pairs = [(j, name, ch) for j in group for name, ch in merged[j]]
+        slots = np.fromiter((self.slot_of[name] for _, name, _ in pairs), np.int64, len(pairs))
+        owner = np.fromiter((j for j, _, _ in pairs), np.int64, len(pairs))
+        items = self.cache.gather(TABLE_ITEM, slots)
+        cat_idx = self.cat_index[slots]
+        cat = self.snap.catalogue
+        dense = np.zeros((len(pairs), 4), np.float32)
+        dense[:, 1:3] = 0.05
+        known = cat_idx >= 0
+        dense[known, 0] = cat.price[cat_idx[known]]
+        if self.snap.features is not None:
+            dense[known, 1:4] = self.snap.features[cat_idx[known]]
+        note = None
+        realtime = [j for j in group if (reqs[j].context and reqs[j].context.device == "high_end")]
+        if tier == FULL and realtime:
+            note = self._realtime_features(pairs, dense, set(realtime))
+        categories = np.zeros(len(pairs), np.int64)
+        categories[known] = cat.category[cat_idx[known]]
+        ctx = self.encoder.context(
+            [r.context.device if r.context else None for r in reqs],
+            [r.context.region if r.context else None for r in reqs],
+            [
+                (r.context.ts_ms if r.context and r.context.ts_ms else int(time.time() * 1000))
+                for r in reqs
+            ],
+        )
+        shares = np.zeros(len(pairs), np.float32)
+        for j in group:
+            recent = self.recent_clicks(reqs[j].user_id) or self.fetched_recent.get(
+                reqs[j].user_id, []
+            )
+            recent_slots = [self.slot_of[n] for n in recent[:RECENT] if n in self.slot_of]
+            ci = self.cat_index[recent_slots] if recent_slots else np.empty(0, np.int64)
+            recent_cats = cat.category[ci[ci >= 0]].tolist() if len(ci) else []
+            rows = owner == j
+            shares[rows] = recent_category_share(recent_cats, categories[rows])
+        inputs = self.encoder.encode(user_rows[owner], items, dense, categories, ctx[owner], shares)
+        return inputs, pairs, note
+
+    def _realtime_features(self, pairs, dense: np.ndarray, realtime: set[int]) -> str | None:
+        """high_end devices: CTR/CVR/hot read from Redis now, not from the snapshot."""
+        rows = [k for k, (j, _, _) in enumerate(pairs) if j in realtime]
+        names = sorted({pairs[k][1] for k in rows})
+        pipe = self.redis.pipeline(transaction=False)
+        for feature in ("ctr", "cvr", "hot"):
+            pipe.hmget(self.keys.item_feature[feature], names)
+        try:
+            ctr, cvr, hot = pipe.execute()
+        except redis.RedisError:
+            return "redis unavailable: cached features for high_end"
+        fresh = {
+            n: (c, v, h) for n, c, v, h in zip(names, ctr, cvr, hot, strict=True) if c is not None
+        }
+        for k in rows:
+            got = fresh.get(pairs[k][1])
+            if got is not None:
+                dense[k, 1:4] = [float(x) if x is not None else 0.0 for x in got]
+        return None
+
+    def _rerank(self, scored, k: int):
+        scored.sort(key=lambda x: -x[1])
+        names = [n for n, _, _ in scored]
+        rel = np.array([p for _, p, _ in scored], np.float64)
+        slots = np.fromiter((self.slot_of[n] for n in names), np.int64, len(names))
+        vecs = self.cache.gather(TABLE_ITEM, slots)[:, : self.cache.dim]
+        picked = mmr(rel, vecs, k, self.settings.mmr_lambda)
+        cats = [self._category_name(slots[i]) for i in picked]
+        order = space_categories(cats, self.settings.category_gap)
+        return [scored[picked[i]] for i in order]
+
+    def _category_name(self, slot: int) -> str:
+        ci = self.cat_index[slot] if slot < len(self.cat_index) else -1
+        return self.snap.catalogue.category_names[ci] if ci >= 0 else ""
+
+    def _hot_items(self, r: RecommendRequest):
+        region = r.context.region if r.context else None
+        lists = []
+        if region and region in self.snap.hot:
+            lists.append(("region", self.snap.hot[region]))
+        lists.append(("hot", self.snap.hot.get("global", [])))
+        excluded = set(r.exclude)
+        out, seen = [], set()
+        for channel, names in lists:
+            for pos, name in enumerate(names):
+                if name in excluded or name in seen:
+                    continue
+                seen.add(name)
+                out.append((name, 1.0 / (1 + pos), (channel,)))
+        out.sort(key=lambda x: -x[1])
+        return out[: r.k]
+
+
+def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+def _mono_of(enqueued_ms: int, now_ms: int, start: float) -> float:
+    """An epoch-ms timestamp expressed on the monotonic clock (ms), relative to ``start``."""
+    return start * 1000 - (now_ms - enqueued_ms)
+
+
+def _reason_label(reason: str, degraded: list[str]) -> str:
+    text = reason if reason != "ok" else (degraded[0] if degraded else "ok")
+    for key in ("low_end", "queue depth", "budget", "unavailable", "error", "redis", "recall"):
+        if key in text:
+            return key.replace(" ", "_")
+    return "other"

@@ -1,0 +1,210 @@
+"""What the worker caches from Redis for serving, refreshed on a background thread.
+
+- the catalogue (category, price, region of every item), reloaded when it grows or every
+  ``catalogue_refresh_s``;
+- item features (smoothed CTR/CVR, hot score) every ``features_refresh_s`` — the "cached
+  features" that ``pc`` devices rank with and everyone falls back to when Redis is down;
+- the merged global and per-region hot lists every ``hot_refresh_s`` (the streams app
+  publishes per-partition lists; ``merge_hot_lists`` gives the exact top-K);
+- the newest items every ``hot_refresh_s``.
+
+A failed refresh keeps the previous snapshot (serving goes on from it) and is retried; the
+worker reads ``healthy`` to mark its replies degraded. The worker's thread adopts a new
+snapshot between batches (``take``), so serving never sees one half-replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+
+from freshrec import metrics as m
+from freshrec.rediskeys import RedisKeys
+from inference.features import CATEGORY_BUCKETS, bucket
+from schemas.ids import row_id
+from streams.hotlist import HotList, HotWeights, merge_hot_lists
+
+log = logging.getLogger("freshrec.snapshot")
+
+
+@dataclass
+class Catalogue:
+    names: list[str]
+    row_ids: np.ndarray
+    category: np.ndarray  # category buckets
+    category_names: list[str]
+    price: np.ndarray
+    region: list[str | None]
+    index: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Snapshot:
+    catalogue: Catalogue | None = None
+    features: np.ndarray | None = None
+    """(n, 3) [ctr, cvr, hot] aligned with the catalogue."""
+    hot: dict[str, list[str]] = field(default_factory=dict)
+    """Scope (``global`` or a region) → item ids, hottest first."""
+    new: list[str] = field(default_factory=list)
+    version: int = 0
+    """Bumped when the catalogue is replaced (the worker then re-maps slots)."""
+
+
+def _decode_hash(raw: dict) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+class SnapshotRefresher:
+    def __init__(
+        self, client: redis.Redis, keys: RedisKeys, hot_k: int = 500, *,
+        weights: HotWeights | None = None, rate_per_hour: float = 0.95, hot_refresh_s: float = 0.5, features_refresh_s: float = 5.0,
+        catalogue_refresh_s: float = 60.0, new_items: int = 200,
+    ) -> None:  # fmt: skip
+        self.redis = client
+        self.keys = keys
+        self.hot_k = hot_k
+        self.hot_refresh_s = hot_refresh_s
+        self.features_refresh_s = features_refresh_s
+        self.catalogue_refresh_s = catalogue_refresh_s
+        self.new_items = new_items
+        self.weights = weights or HotWeights()
+        self.rate_per_hour = rate_per_hour
+        self.snapshot = Snapshot()
+        self.healthy = True
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+        self._fresh = False
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._catalogue_at = 0.0
+        self._features_at = 0.0
+        self._catalogue_len = -1
+
+    # ------------------------------------------------------------------------- thread
+    def start(self) -> None:
+        self.refresh_once()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="snapshot")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.hot_refresh_s):
+            self.refresh_once()
+
+    def take(self) -> Snapshot | None:
+        """The snapshot if it changed since the last ``take``, else None."""
+        with self._lock:
+            if not self._fresh:
+                return None
+            self._fresh = False
+            return self.snapshot
+
+    # ------------------------------------------------------------------------ refresh
+    def refresh_once(self) -> None:
+        try:
+            snap = self._refresh()
+        except redis.RedisError as exc:
+            if self.healthy:
+                log.warning("snapshot refresh failed, serving from the last one: %s", exc)
+            self.healthy = False
+            self.last_error = str(exc)
+            m.SNAPSHOT_REFRESHES.labels("failed").inc()
+            return
+        if not self.healthy:
+            log.info("snapshot refresh recovered")
+        self.healthy = True
+        self.last_error = None
+        m.SNAPSHOT_REFRESHES.labels("ok").inc()
+        with self._lock:
+            self.snapshot = snap
+            self._fresh = True
+
+    def _refresh(self) -> Snapshot:
+        now = time.monotonic()
+        old = self.snapshot
+        cat = old.catalogue
+        k = self.keys
+        size = self.redis.hlen(k.item_category)
+        if (
+            cat is None
+            or size != self._catalogue_len
+            or now - self._catalogue_at > self.catalogue_refresh_s
+        ):
+            cat = self._load_catalogue()
+            self._catalogue_len = size
+            self._catalogue_at = now
+            self._features_at = 0.0
+        features = old.features if cat is old.catalogue else None
+        if features is None or now - self._features_at > self.features_refresh_s:
+            features = self._load_features(cat)
+            self._features_at = now
+        hot = self._load_hot()
+        new = [v.decode() for v in self.redis.zrevrange(k.new_items, 0, self.new_items - 1)]
+        version = old.version + (cat is not old.catalogue)
+        return Snapshot(cat, features, hot, new, version)
+
+    def _load_catalogue(self) -> Catalogue:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(k.item_category)
+        pipe.hgetall(k.item_price)
+        pipe.hgetall(k.item_region)
+        cats, prices, regions = (_decode_hash(x) for x in pipe.execute())
+        names = sorted(cats)
+        index = {n: j for j, n in enumerate(names)}
+        buckets: dict[str, int] = {}
+        category = np.fromiter(
+            (buckets.setdefault(cats[n], bucket(cats[n], CATEGORY_BUCKETS)) for n in names),
+            np.int64, len(names),
+        )  # fmt: skip
+        price = np.fromiter((float(prices.get(n, 0.0)) for n in names), np.float32, len(names))
+        return Catalogue(
+            names=names,
+            row_ids=np.fromiter((row_id(n) for n in names), np.int64, len(names)),
+            category=category,
+            category_names=[cats[n] for n in names],
+            price=price,
+            region=[regions.get(n) for n in names],
+            index=index,
+        )
+
+    def _load_features(self, cat: Catalogue) -> np.ndarray:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        for name in ("ctr", "cvr", "hot"):
+            pipe.hgetall(k.item_feature[name])
+        out = np.zeros((len(cat.names), 3), np.float32)
+        out[:, 0] = 0.05  # the smoothing priors, for items not seen in events yet
+        out[:, 1] = 0.05
+        for col, raw in enumerate(pipe.execute()):
+            for name, value in raw.items():
+                j = cat.index.get(name.decode())
+                if j is not None:
+                    out[j, col] = float(value)
+        return out
+
+    def _load_hot(self) -> dict[str, list[str]]:
+        import json
+
+        k = self.keys
+        scopes = sorted(s.decode() for s in self.redis.smembers(k.hot_scopes()))
+        if not scopes:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for scope in scopes:
+            pipe.hgetall(k.hot(scope))
+        out = {}
+        for scope, raw in zip(scopes, pipe.execute(), strict=True):
+            lists = [HotList.from_json(json.loads(v)) for v in raw.values()]
+            merged = merge_hot_lists(lists, self.hot_k, self.weights, self.rate_per_hour)
+            out[scope] = [e.item_id for e, _ in merged]
+        return out

@@ -1,0 +1,24 @@
+"""The examples in module docstrings are run, so they cannot rot."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = ("freshrec", "schemas", "streams", "inference", "param_server", "tools")
+MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for pkg in PACKAGES
+    for p in (ROOT / pkg).glob("*.py")
+    if ">>>" in p.read_text()
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0

@@ -1,0 +1,313 @@
+"""Serving over the real broker and Redis: request/reply with the client, duplicates and late
+replies, invalid and expired requests, clicks that move recommendations, a slow recall channel
+and its breaker, Redis stopped mid-traffic, a hot model reload, and a worker crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+
+import numpy as np
+import pytest
+import redis as redis_lib
+from confluent_kafka import Consumer, Producer
+
+from freshrec import metrics as m
+from freshrec.kafka import consumer_config, producer_config
+from freshrec.topics import TopicNames
+from inference.client import RecommendTimeout, SyncRecommendClient
+from inference.modelfile import read_manifest, write_manifest
+from schemas.codec import decode_dead_letter
+from schemas.records import Event, RecommendRequest
+from tools.world import World
+
+from .serving_harness import WORLD, running_worker, seed_redis, train_models, worker_settings
+from .streams_harness import produce, service, stop, wait_for
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    train_models(d)
+    return d
+
+
+@pytest.fixture
+def seeded(conn, model_dir):
+    seed_redis(conn, model_dir)
+    return conn
+
+
+def client_for(conn, **kwargs) -> SyncRecommendClient:
+    return SyncRecommendClient(
+        conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix, **kwargs
+    )
+
+
+def counter(metric, *labels) -> float:
+    return metric.labels(*labels)._value.get()
+
+
+def test_request_reply_through_the_broker(seeded, model_dir):
+    conn = seeded
+    with running_worker(worker_settings(conn, model_dir)) as w, client_for(conn) as client:
+        # u0 is the world's most active user: it has a trained starting row
+        reply = client.recommend("u0", 10, context={"device": "pc", "region": "north"},
+                                 exclude=["i0", "i1"], timeout_s=10)  # fmt: skip
+        assert reply.request_id.startswith(client.client.client_id)
+        assert reply.user_id == "u0" and len(reply.items) == 10
+        assert reply.tier == "full" and not reply.degraded
+        assert reply.model_version == read_manifest(model_dir)["version"]
+        assert {"queue", "recall", "rank", "rerank", "total"} <= set(reply.timings_ms)
+        ids = [i.item_id for i in reply.items]
+        assert len(set(ids)) == 10 and not {"i0", "i1"} & set(ids)
+        assert all(i.channels for i in reply.items)
+        assert reply.user_embedding_version >= 1  # the trained starting row, not a random one
+        # low-end devices get the light model by design
+        low = client.recommend("u2", 5, context={"device": "low_end"}, timeout_s=10)
+        assert low.tier == "light" and "low_end" in low.tier_reason
+        # the same request id is answered once: the second send gets no reply
+        req = RecommendRequest(request_id=f"dup-{uuid.uuid4().hex}", user_id="u3", k=3)
+        client._call(client.client.send(req, 10), 15)
+        before = counter(m.REQUESTS, "duplicate")
+        with pytest.raises(RecommendTimeout):
+            client._call(client.client.send(req, 1.5), 10)
+        assert counter(m.REQUESTS, "duplicate") == before + 1
+        # a reply that arrives after its call gave up is dropped and counted as late
+        with pytest.raises(RecommendTimeout):
+            client.recommend("u4", 5, timeout_s=0.001, deadline_ms=int(time.time() * 1000) + 10_000)
+        wait_for(lambda: client.stats.late == 1, 10, "the late reply")
+        # a reply nobody asked for is dropped and counted as unknown
+        p = Producer(producer_config(conn))
+        p.produce(client.client.reply_topic, b"{}", headers=[("correlation-id", b"nobody")])
+        p.flush(10)
+        wait_for(lambda: client.stats.unknown >= 1, 10, "the unknown reply")
+        assert client.stats.duplicate == 0
+    assert w.stats["invalid"] == 0
+
+
+def test_invalid_request_gets_an_error_reply_and_a_dead_letter(seeded, model_dir):
+    conn = seeded
+    names = TopicNames(conn.topic_prefix)
+    with running_worker(worker_settings(conn, model_dir)), client_for(conn) as client:
+        p = Producer(producer_config(conn))
+        corr = uuid.uuid4().hex
+        bad = json.dumps({"schema_version": 1, "request_id": "r1", "user_id": "u1", "k": 0})
+        fut = client._call(_expect(client.client, corr), 5)
+        p.produce(names.recommend_requests, bad.encode(), key=b"u1",
+                  headers=[("reply-to", client.client.reply_topic.encode()),
+                           ("correlation-id", corr.encode())])  # fmt: skip
+        p.flush(10)
+        reply = fut.result(20)
+        assert reply.tier == "error" and "k" in reply.tier_reason
+        c = Consumer(consumer_config(conn, f"dlq-{uuid.uuid4().hex[:6]}"))
+        c.subscribe([names.recommend_requests_dlq])
+        deadline = time.monotonic() + 30
+        letter = None
+        while letter is None and time.monotonic() < deadline:
+            msg = c.poll(0.5)
+            if msg is not None and not msg.error():
+                letter = decode_dead_letter(msg.value(), int(time.time() * 1000))
+        c.close()
+        assert letter is not None and letter.source_topic == names.recommend_requests
+        assert letter.reason == "invalid_value" and letter.service == "worker"
+
+
+async def _expect(client, corr):
+    """A future for a reply with a correlation id of our choosing (raw requests)."""
+    import asyncio
+
+    fut = asyncio.get_running_loop().create_future()
+    client._pending[corr] = (fut, time.monotonic())
+    return _Bridge(fut)
+
+
+class _Bridge:
+    def __init__(self, fut) -> None:
+        self.fut = fut
+
+    def result(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self.fut.done():
+            assert time.monotonic() < deadline, "no reply"
+            time.sleep(0.05)
+        return self.fut.result()
+
+
+def test_an_expired_request_is_not_worked_on(seeded, model_dir):
+    conn = seeded
+    with running_worker(worker_settings(conn, model_dir)), client_for(conn) as client:
+        client.recommend("u1", 5, timeout_s=10)  # warm: the group has joined
+        before = counter(m.REQUESTS, "expired")
+        with pytest.raises(RecommendTimeout):
+            client.recommend("u5", 5, timeout_s=2, deadline_ms=int(time.time() * 1000) - 1)
+        assert counter(m.REQUESTS, "expired") == before + 1
+
+
+def _category_share(reply, world: World, category: int) -> float:
+    items = [World.index_of(i.item_id) for i in reply.items]
+    return float(np.mean(world.item_category[items] == category))
+
+
+def test_a_users_clicks_move_their_next_recommendations_within_a_second(seeded, model_dir):
+    conn = seeded
+    world = World(WORLD)
+    user = "u77"
+    with running_worker(worker_settings(conn, model_dir)), client_for(conn) as client:
+        before = client.recommend(user, 20, context={"device": "pc"}, timeout_s=10)
+        # the category least present in this user's recommendations
+        counts = np.bincount(
+            world.item_category[[World.index_of(i.item_id) for i in before.items]],
+            minlength=WORLD.n_categories,
+        )
+        target = int(np.argmin(counts))
+        share_before = _category_share(before, world, target)
+        clicked = world.category_items[target][:12]
+        now = int(time.time() * 1000)
+        produce(conn, [
+            Event(f"mv-{user}-{i}-{j}", "click", user, World.item_id(int(i)), now + j, None, "pc")
+            for j, i in enumerate(clicked) for _ in range(1)
+        ])  # fmt: skip
+        sent = time.monotonic()
+        time.sleep(1.0)
+        after = client.recommend(user, 20, context={"device": "pc"}, timeout_s=10)
+        assert time.monotonic() - sent < 2.5
+        share_after = _category_share(after, world, target)
+        assert share_after > share_before, (share_before, share_after)
+        assert after.user_embedding_version is not None
+
+
+def test_a_slow_channel_is_dropped_its_breaker_opens_and_closes_after_recovery(seeded, model_dir):
+    conn = seeded
+    with running_worker(worker_settings(conn, model_dir)) as w, client_for(conn) as client:
+        client.recommend("u1", 5, timeout_s=10)
+        runner = w.recommender.runner
+        runner.delays_ms["vector"] = 300  # the vector channel's deadline is 40 ms
+        timed_out_before = counter(m.RECALL_CALLS, "vector", "timeout")
+        for j in range(6):
+            started = time.monotonic()
+            reply = client.recommend(f"u{10 + j}", 5, timeout_s=5,
+                                     deadline_ms=int(time.time() * 1000) + 250)  # fmt: skip
+            assert (time.monotonic() - started) < 1.0  # within its deadline (+ Kafka)
+            assert reply.items, "the other channels still fill the reply"
+            if j == 0:
+                assert "vector" in reply.tier_reason and reply.degraded
+        assert counter(m.RECALL_CALLS, "vector", "timeout") >= timed_out_before + 4
+        wait_for(lambda: runner.breaker_states()["vector"] == "open" or runner.breaker_states(), 5)
+        assert runner.breaker_states()["vector"] in ("open", "half_open")
+        skipped = counter(m.RECALL_CALLS, "vector", "breaker_open")
+        client.recommend("u30", 5, timeout_s=5)
+        assert counter(m.RECALL_CALLS, "vector", "breaker_open") >= skipped  # open: not called
+        runner.delays_ms.pop("vector")  # recovered
+        time.sleep(0.6)  # past the cool-down: half-open, a probe goes through
+        for j in range(3):
+            client.recommend(f"u4{j}", 5, timeout_s=5)
+        assert runner.breaker_states()["vector"] == "closed"
+        reply = client.recommend("u50", 5, timeout_s=5)
+        assert not reply.degraded and any("vector" in i.channels for i in reply.items)
+
+
+def test_redis_stopped_mid_traffic_replies_continue_degraded_then_recover(conn, model_dir):
+    from freshrec.stack import free_port, redis_binary
+
+    port = free_port()
+    rproc = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    private = conn.__class__(conn.kafka_bootstrap_servers, url, conn.topic_prefix)
+    try:
+        wait_for(lambda: _pings(url), 20, "private redis")
+        seed_redis(private, model_dir)
+        with running_worker(worker_settings(private, model_dir)), client_for(conn) as client:
+            assert not client.recommend("u1", 5, timeout_s=10).degraded
+            os.kill(rproc.pid, signal.SIGSTOP)
+            degraded = []
+            for j in range(8):  # users new to the worker: their rows would come from Redis
+                r = client.recommend(f"u{200 + j}", 5, timeout_s=5)
+                assert r.items
+                degraded.append(r.degraded)
+            assert all(degraded[2:]), degraded
+            assert "redis" in r.tier_reason
+            os.kill(rproc.pid, signal.SIGCONT)
+
+            def recovered():
+                return not client.recommend("u300", 5, timeout_s=5).degraded
+
+            wait_for(recovered, 20, "normal replies after Redis returns")
+    finally:
+        os.kill(rproc.pid, signal.SIGCONT)
+        rproc.terminate()
+        rproc.wait(10)
+
+
+def _pings(url: str) -> bool:
+    try:
+        return bool(redis_lib.Redis.from_url(url, socket_timeout=1).ping())
+    except redis_lib.RedisError:
+        return False
+
+
+def test_hot_model_reload_changes_the_version_without_losing_requests(seeded, model_dir, tmp_path):
+    conn = seeded
+    mine = tmp_path / "models"
+    shutil.copytree(model_dir, mine)
+    with running_worker(worker_settings(conn, mine)), client_for(conn) as client:
+        first = client.recommend("u1", 5, timeout_s=10).model_version
+        manifest = read_manifest(mine)
+        manifest["version"] = "reloaded-" + uuid.uuid4().hex[:6]
+        versions = []
+        for j in range(60):
+            if j == 10:
+                write_manifest(mine, manifest)
+            versions.append(client.recommend(f"u{j}", 5, timeout_s=5).model_version)
+            time.sleep(0.03)
+        assert versions[0] == first and versions[-1] == manifest["version"]
+        assert client.stats.timeouts == 0 and client.stats.replied >= 61
+
+
+def test_a_corrupt_model_file_is_refused_and_the_old_models_keep_serving(
+    seeded, model_dir, tmp_path
+):
+    conn = seeded
+    mine = tmp_path / "models"
+    shutil.copytree(model_dir, mine)
+    with running_worker(worker_settings(conn, mine)) as w, client_for(conn) as client:
+        good = client.recommend("u1", 5, timeout_s=10).model_version
+        manifest = read_manifest(mine)
+        target = mine / manifest["files"]["wide_deep"]["file"]
+        target.write_bytes(target.read_bytes()[:-7] + b"garbage")
+        manifest["version"] = "corrupt"
+        write_manifest(mine, manifest)
+        wait_for(lambda: w.models.last_error is not None, 10, "the refused load")
+        assert "checksum" in w.models.last_error
+        assert client.recommend("u2", 5, timeout_s=5).model_version == good
+
+
+def test_a_request_is_answered_after_a_worker_crash_and_only_once(seeded, model_dir, tmp_path):
+    conn = seeded
+    env = {"FRESHREC_EMBEDDING_DIM": "16", "FRESHREC_MODEL_DIR": str(model_dir)}
+    with client_for(conn) as client:
+        with service(conn, "worker", tmp_path / "a.log", **env) as a:
+            first = client.recommend("u1", 5, timeout_s=40)  # includes the group join
+            time.sleep(0.5)
+            stop(a, signal.SIGKILL)
+        # a request sent while no worker runs is answered by the next one
+        fut = client._call(_send_later(client, "u2"), 5)
+        with service(conn, "worker", tmp_path / "b.log", **env):
+            second = fut.result(60)
+            time.sleep(1.0)
+        assert first.items and second.items and second.request_id != first.request_id
+        assert client.stats.duplicate == 0  # the first request was not answered again
+
+
+async def _send_later(client, user):
+    import asyncio
+
+    task = asyncio.ensure_future(client.client.recommend(user, 5, timeout_s=55))
+    return _Bridge(task)
