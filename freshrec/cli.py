@@ -70,7 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--duration", type=float, default=None,
                      help="seconds to run (default: until Ctrl-C)")  # fmt: skip
     run.add_argument("--rate", type=float, action=EnvDefault, envvar="FRESHREC_EVENT_RATE",
-                     default=500.0, help="synthetic events per second")  # fmt: skip
+                     default=100.0, help="background synthetic events per second")  # fmt: skip
+    run.add_argument("--requests", type=float, action=EnvDefault,
+                     envvar="FRESHREC_REQUEST_RATE", default=20.0,
+                     help="closed-loop recommendation requests per second")  # fmt: skip
+    run.add_argument("--workers", type=int, default=1, help="inference workers to start")
+    run.add_argument("--train-impressions", type=int, default=None,
+                     help="impressions for offline training when no models are cached "
+                          "(default: 10 per item, 50k to 1M)")  # fmt: skip
     add_world_options(run)
     run.set_defaults(func=commands.cmd_run)
 

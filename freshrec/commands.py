@@ -338,17 +338,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     from freshrec.cli import world_from_args
     from freshrec.runstatus import StatusPoller, summary, wait_until_assigned
     from freshrec.stack import free_port
+    from tools.closedloop import ClosedLoop
     from tools.produce import produce_events, produce_items
 
     world = world_from_args(args)
     progress = ProgressLine()
+    models = model_dir()
+    impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
+    manifest = ensure_models(world, models, impressions, progress)
     with running_stack() as ctx:
         provision_topics(ctx.conn)
-        services = ServiceGroup({**os.environ, **ctx.conn_env}, state_dir() / "run" / "logs")
+        rows = load_starting_embeddings(ctx.conn, models, manifest)
+        log.info(
+            "starting embeddings: %s rows written to Redis (trained %s)",
+            f"{rows:,}",
+            manifest["version"],
+        )
+        services = ServiceGroup(
+            {**os.environ, **ctx.conn_env, "FRESHREC_MODEL_DIR": str(models),
+             "FRESHREC_EMBEDDING_DIM": str(manifest["dim"])},
+            state_dir() / "run" / "logs",
+        )  # fmt: skip
         try:
-            ports = {name: free_port() for name in ("streams", "param-server", "worker")}
+            ports = {"streams": free_port(), "param-server": free_port()}
+            for n in range(args.workers):
+                ports[f"worker-{n}" if args.workers > 1 else "worker"] = free_port()
             for name, port in ports.items():
-                services.start(name, name, FRESHREC_METRICS_PORT=str(port))
+                command = "worker" if name.startswith("worker") else name
+                services.start(name, command, FRESHREC_METRICS_PORT=str(port),
+                               FRESHREC_WORKER_ID=name)  # fmt: skip
             produce_items(ctx.conn, world, progress)
 
             def waiting(names: list[str]) -> None:
@@ -361,13 +379,19 @@ def cmd_run(args: argparse.Namespace) -> int:
                 target=_watch_services, args=(services, stop), daemon=True, name="watch"
             )
             watcher.start()
+            loop = ClosedLoop(ctx.conn, world, args.requests, seed=args.seed)
+            loop_thread = loop.run_in_thread(stop) if args.requests > 0 else None
             try:
                 with StatusPoller(ports) as status:
                     stats = produce_events(
                         ctx.conn, world, rate_per_s=args.rate, duration_s=args.duration,
                         stop=stop, progress=progress, seed=args.seed,
-                        suffix=lambda: status.text,
+                        suffix=lambda: f"{loop.stats.line()} | {status.text}",
+                        label="background events",
                     )  # fmt: skip
+                    stop.set()
+                    if loop_thread:
+                        loop_thread.join(15)
                     time.sleep(2.5)  # let the services drain the last events
                     final = summary(ports)
             finally:
@@ -377,10 +401,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         finally:
             services.stop_all()
     print(
-        f"run finished: {stats.delivered:,} events delivered in {stats.elapsed_s:.1f}s "
-        f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed\n{final}"
+        f"run finished: {stats.delivered:,} background events delivered in {stats.elapsed_s:.1f}s "
+        f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed\n"
+        f"closed loop: {loop.stats.final()}\n{final}"
     )
-    return 0 if stats.failed == 0 else 1
+    return 0 if stats.failed == 0 and (args.requests == 0 or loop.stats.replied > 0) else 1
 
 
 def _watch_services(services: ServiceGroup, stop: threading.Event) -> None:

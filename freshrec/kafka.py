@@ -34,6 +34,9 @@ class ClientProfile:
     fetch_wait_max_ms: int
     """How long a fetch waits for data; on Tansu also the floor of every round trip."""
     producer_linger_ms: int
+    background_fetch_wait_ms: int
+    """Fetch wait of consumers off the request path (gradients, the broadcast): on Tansu each
+    idle consumer costs broker CPU per fetch, so these poll less often."""
     metadata_max_age_ms: int
     topic_metadata_refresh_ms: int
 
@@ -44,6 +47,7 @@ PROFILES: dict[str, ClientProfile] = {
         heartbeat_interval_ms=500,
         fetch_wait_max_ms=5,
         producer_linger_ms=2,
+        background_fetch_wait_ms=20,
         metadata_max_age_ms=30_000,
         topic_metadata_refresh_ms=5_000,
     ),
@@ -52,6 +56,7 @@ PROFILES: dict[str, ClientProfile] = {
         heartbeat_interval_ms=3_000,
         fetch_wait_max_ms=100,
         producer_linger_ms=5,
+        background_fetch_wait_ms=100,
         metadata_max_age_ms=300_000,
         topic_metadata_refresh_ms=300_000,
     ),
@@ -91,13 +96,15 @@ def producer_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any
 
 
 def consumer_config(
-    conn: ConnectionSettings, group_id: str | None, **overrides: Any
-) -> dict[str, Any]:
-    """A consumer; ``group_id=None`` makes a group-less one for ``assign()`` (broadcast reads)."""
+    conn: ConnectionSettings, group_id: str | None, *, background: bool = False,
+    **overrides: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """A consumer; ``group_id=None`` makes a group-less one for ``assign()`` (broadcast reads);
+    ``background`` ones (off the request path) use the profile's longer fetch wait."""
     p = profile(conn)
     cfg: dict[str, Any] = {
         "bootstrap.servers": conn.kafka_bootstrap_servers,
-        "fetch.wait.max.ms": p.fetch_wait_max_ms,
+        "fetch.wait.max.ms": p.background_fetch_wait_ms if background else p.fetch_wait_max_ms,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,

@@ -165,6 +165,18 @@ class EmbeddingCache:
         t.version[slot] = version
         t.event_ms[slot] = event_ms
 
+    def install_many(
+        self, table: int, slots: np.ndarray, rows: np.ndarray, versions: np.ndarray,
+        event_ms: np.ndarray,
+    ) -> None:  # fmt: skip
+        """``install`` for many rows (distinct slots) in one device copy."""
+        t = self.table(table)
+        t.rows[torch.as_tensor(slots, device=self.device)] = torch.as_tensor(
+            rows, dtype=torch.float32, device=self.device
+        )
+        t.version[slots] = versions
+        t.event_ms[slots] = event_ms
+
     def load_items(self, rows: dict[int, tuple[np.ndarray, int, int]]) -> None:
         """Install a whole item table (worker start)."""
         ids = sorted(rows)

@@ -19,35 +19,29 @@ def merge_channels(
 ) -> list[tuple[str, tuple[str, ...]]]:  # fmt: skip
     found_by: dict[str, list[str]] = {}
     order: list[str] = []
-    used: dict[str, int] = {}
-
-    def take(channel: str, item: str) -> None:
-        if item in found_by:
-            if channel not in found_by[item]:
-                found_by[item].append(channel)
-            return
-        if len(order) >= budget:
-            return
-        found_by[item] = [channel]
-        order.append(item)
-
     for channel, items in results.items():
         quota = quotas.get(channel, budget)
+        used = 0
         for item in items:
             if item in exclude:
                 continue
-            if used.get(channel, 0) >= quota:
-                if item in found_by and channel not in found_by[item]:
-                    found_by[item].append(channel)
-                continue
-            new = item not in found_by
-            take(channel, item)
-            if new and item in found_by:
-                used[channel] = used.get(channel, 0) + 1
-    for channel, items in results.items():
+            channels = found_by.get(item)
+            if channels is not None:
+                if channel not in channels:
+                    channels.append(channel)
+            elif used < quota and len(order) < budget:
+                found_by[item] = [channel]
+                order.append(item)
+                used += 1
+    for channel, items in results.items():  # fill what quotas left unused, in priority order
         for item in items:
-            if len(order) >= budget:
-                break
-            if item not in exclude:
-                take(channel, item)
+            if item in exclude:
+                continue
+            channels = found_by.get(item)
+            if channels is not None:
+                if channel not in channels:
+                    channels.append(channel)
+            elif len(order) < budget:
+                found_by[item] = [channel]
+                order.append(item)
     return [(item, tuple(found_by[item])) for item in order]

@@ -49,8 +49,22 @@ class ServingSettings:
     ladder: LadderConfig = field(default_factory=LadderConfig)
     result_ttl_ms: int = 3_600_000
     result_cache_entries: int = 100_000
+    mmr_pool_factor: int = 10
+    """MMR re-ranks the best ``factor × k`` candidates (diversity among the relevant ones)."""
     recall_share: float = 0.5
     """At most this share of the tightest budget in a batch is spent waiting for recall."""
+
+
+@dataclass
+class Candidates:
+    """One request's merged candidates: ids, the channels that found each, cache slots."""
+
+    names: list[str]
+    channels: list[tuple[str, ...]]
+    slots: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 @dataclass
@@ -96,6 +110,8 @@ class Recommender:
         self.full_failed_until = 0.0
         self.recent_clicks: Callable[[str], list[str]] = lambda user_id: []
         self.fetched_recent: dict[str, list[str]] = {}
+        self._hot_ranked: dict[str | None, list] = {}
+        self._hot_ranked_of: Snapshot | None = None
         """Recent clicks the i2i channel read from Redis for the current batch."""
         """The worker's own view of a user's recent clicks, newest first."""
         self.runner: RecallRunner = runner_factory(
@@ -243,7 +259,7 @@ class Recommender:
                     )
                 )
             )  # fmt: skip
-        ranked: dict[int, list[tuple[str, float, tuple[str, ...]]]] = {}
+        ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
         features_note = self._rank(reqs, user_rows, merged, choices, ranked, models)
         if features_note:
             degraded.append(features_note)
@@ -252,7 +268,7 @@ class Recommender:
         for j, (b, r) in enumerate(zip(batch, reqs, strict=True)):
             tier, reason = choices[j].tier, choices[j].reason
             if j in ranked:
-                items = self._rerank(ranked[j], r.k)
+                items = self._rerank(merged[j], ranked[j], r.k)
                 if tier == FULL:
                     self.results.put(self._cache_key(r), versions[j], items, now_ms)
             elif tier == CACHED:
@@ -315,7 +331,12 @@ class Recommender:
 
     def _candidates(self, per_channel: dict[str, list[str]], exclude: frozenset[str]):
         merged = merge_channels(per_channel, self.quotas, self.settings.candidates, exclude)
-        return [(name, ch) for name, ch in merged if name in self.slot_of]
+        slot_of = self.slot_of
+        kept = [(name, ch) for name, ch in merged if name in slot_of]
+        return Candidates(
+            [n for n, _ in kept], [c for _, c in kept],
+            np.fromiter((slot_of[n] for n, _ in kept), np.int64, len(kept)),
+        )  # fmt: skip
 
     @staticmethod
     def _cache_key(r: RecommendRequest) -> tuple:
@@ -325,12 +346,12 @@ class Recommender:
     def _rank(self, reqs, user_rows, merged, choices, ranked, models) -> str | None:
         note = None
         for tier in (FULL, LIGHT):
-            group = [j for j, c in enumerate(choices) if c.tier == tier and merged[j]]
+            group = [j for j, c in enumerate(choices) if c.tier == tier and len(merged[j])]
             if not group or models is None:
                 continue
             t0 = time.monotonic()
             model = models.full if tier == FULL else models.light
-            inputs, pairs, realtime_note = self._inputs(reqs, user_rows, merged, group, tier)
+            inputs, realtime_note = self._inputs(reqs, user_rows, merged, group, tier)
             note = note or realtime_note
             try:
                 probs = score(model, inputs, self.cache.device)
@@ -342,8 +363,9 @@ class Recommender:
                 for j in group:
                     choices[j] = type(choices[j])(HOT, f"{tier} model error")
                 continue
-            for (j, name, ch), p in zip(pairs, probs.tolist(), strict=True):
-                ranked.setdefault(j, []).append((name, p, ch))
+            bounds = np.cumsum([len(merged[j]) for j in group])[:-1]
+            for j, part in zip(group, np.split(probs, bounds), strict=True):
+                ranked[j] = part
             cost = (time.monotonic() - t0) * 1000
             if tier == FULL:
                 self.full_cost_ms = _ewma(self.full_cost_ms, cost)
@@ -352,13 +374,14 @@ class Recommender:
         return note
 
     def _inputs(self, reqs, user_rows, merged, group, tier):
-        pairs = [(j, name, ch) for j in group for name, ch in merged[j]]
-        slots = np.fromiter((self.slot_of[name] for _, name, _ in pairs), np.int64, len(pairs))
-        owner = np.fromiter((j for j, _, _ in pairs), np.int64, len(pairs))
+        lens = [len(merged[j]) for j in group]
+        slots = np.concatenate([merged[j].slots for j in group])
+        owner = np.repeat(np.asarray(group, np.int64), lens)
+        n = len(slots)
         items = self.cache.gather(TABLE_ITEM, slots)
         cat_idx = self.cat_index[slots]
         cat = self.snap.catalogue
-        dense = np.zeros((len(pairs), 4), np.float32)
+        dense = np.zeros((n, 4), np.float32)
         dense[:, 1:3] = 0.05
         known = cat_idx >= 0
         dense[known, 0] = cat.price[cat_idx[known]]
@@ -367,34 +390,37 @@ class Recommender:
         note = None
         realtime = [j for j in group if (reqs[j].context and reqs[j].context.device == "high_end")]
         if tier == FULL and realtime:
-            note = self._realtime_features(pairs, dense, set(realtime))
-        categories = np.zeros(len(pairs), np.int64)
+            note = self._realtime_features(merged, group, lens, realtime, dense)
+        categories = np.zeros(n, np.int64)
         categories[known] = cat.category[cat_idx[known]]
+        now_ms = int(time.time() * 1000)
         ctx = self.encoder.context(
             [r.context.device if r.context else None for r in reqs],
             [r.context.region if r.context else None for r in reqs],
-            [
-                (r.context.ts_ms if r.context and r.context.ts_ms else int(time.time() * 1000))
-                for r in reqs
-            ],
+            [(r.context.ts_ms if r.context and r.context.ts_ms else now_ms) for r in reqs],
         )
-        shares = np.zeros(len(pairs), np.float32)
-        for j in group:
-            recent = self.recent_clicks(reqs[j].user_id) or self.fetched_recent.get(
-                reqs[j].user_id, []
-            )
-            recent_slots = [self.slot_of[n] for n in recent[:RECENT] if n in self.slot_of]
-            ci = self.cat_index[recent_slots] if recent_slots else np.empty(0, np.int64)
-            recent_cats = cat.category[ci[ci >= 0]].tolist() if len(ci) else []
-            rows = owner == j
-            shares[rows] = recent_category_share(recent_cats, categories[rows])
+        shares = np.zeros(n, np.float32)
+        lo = 0
+        for j, size in zip(group, lens, strict=True):
+            user = reqs[j].user_id
+            recent = self.recent_clicks(user) or self.fetched_recent.get(user, [])
+            recent_slots = [self.slot_of[x] for x in recent[:RECENT] if x in self.slot_of]
+            if recent_slots:
+                ci = self.cat_index[recent_slots]
+                recent_cats = cat.category[ci[ci >= 0]].tolist()
+                shares[lo : lo + size] = recent_category_share(
+                    recent_cats, categories[lo : lo + size]
+                )
+            lo += size
         inputs = self.encoder.encode(user_rows[owner], items, dense, categories, ctx[owner], shares)
-        return inputs, pairs, note
+        return inputs, note
 
-    def _realtime_features(self, pairs, dense: np.ndarray, realtime: set[int]) -> str | None:
+    def _realtime_features(self, merged, group, lens, realtime, dense: np.ndarray) -> str | None:
         """high_end devices: CTR/CVR/hot read from Redis now, not from the snapshot."""
-        rows = [k for k, (j, _, _) in enumerate(pairs) if j in realtime]
-        names = sorted({pairs[k][1] for k in rows})
+        offsets = dict(
+            zip(group, np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist(), strict=True)
+        )
+        names = sorted({name for j in realtime for name in merged[j].names})
         pipe = self.redis.pipeline(transaction=False)
         for feature in ("ctr", "cvr", "hot"):
             pipe.hmget(self.keys.item_feature[feature], names)
@@ -403,45 +429,62 @@ class Recommender:
         except redis.RedisError:
             return "redis unavailable: cached features for high_end"
         fresh = {
-            n: (c, v, h) for n, c, v, h in zip(names, ctr, cvr, hot, strict=True) if c is not None
+            n: [float(c), float(v or 0.0), float(h or 0.0)]
+            for n, c, v, h in zip(names, ctr, cvr, hot, strict=True)
+            if c is not None
         }
-        for k in rows:
-            got = fresh.get(pairs[k][1])
-            if got is not None:
-                dense[k, 1:4] = [float(x) if x is not None else 0.0 for x in got]
+        for j in realtime:
+            base = offsets[j]
+            for k, name in enumerate(merged[j].names):
+                got = fresh.get(name)
+                if got is not None:
+                    dense[base + k, 1:4] = got
         return None
 
-    def _rerank(self, scored, k: int):
-        scored.sort(key=lambda x: -x[1])
-        names = [n for n, _, _ in scored]
-        rel = np.array([p for _, p, _ in scored], np.float64)
-        slots = np.fromiter((self.slot_of[n] for n in names), np.int64, len(names))
+    def _rerank(self, cands: Candidates, probs: np.ndarray, k: int):
+        """MMR over the head of the ranking, then category spacing."""
+        pool = max(self.settings.mmr_pool_factor * k, 50)
+        head = np.argsort(-probs, kind="stable")[:pool]
+        slots = cands.slots[head]
         vecs = self.cache.gather(TABLE_ITEM, slots)[:, : self.cache.dim]
-        picked = mmr(rel, vecs, k, self.settings.mmr_lambda)
-        cats = [self._category_name(slots[i]) for i in picked]
+        picked = mmr(probs[head].astype(np.float64), vecs, k, self.settings.mmr_lambda)
+        cats = [self._category_name(int(slots[i])) for i in picked]
         order = space_categories(cats, self.settings.category_gap)
-        return [scored[picked[i]] for i in order]
+        out = []
+        for i in order:
+            c = int(head[picked[i]])
+            out.append((cands.names[c], float(probs[c]), cands.channels[c]))
+        return out
 
     def _category_name(self, slot: int) -> str:
         ci = self.cat_index[slot] if slot < len(self.cat_index) else -1
         return self.snap.catalogue.category_names[ci] if ci >= 0 else ""
 
     def _hot_items(self, r: RecommendRequest):
+        """The regional hot list, then the global one, minus exclusions (no model)."""
         region = r.context.region if r.context else None
-        lists = []
-        if region and region in self.snap.hot:
-            lists.append(("region", self.snap.hot[region]))
-        lists.append(("hot", self.snap.hot.get("global", [])))
+        ranked = self._hot_ranked.get(region)
+        if ranked is None or self._hot_ranked_of is not self.snap:
+            if self._hot_ranked_of is not self.snap:
+                self._hot_ranked, self._hot_ranked_of = {}, self.snap
+            lists = []
+            if region and region in self.snap.hot:
+                lists.append(("region", self.snap.hot[region]))
+            lists.append(("hot", self.snap.hot.get("global", [])))
+            best: dict[str, tuple[str, float, tuple[str, ...]]] = {}
+            for channel, names in lists:
+                for pos, name in enumerate(names):
+                    if name not in best:
+                        best[name] = (name, 1.0 / (1 + pos), (channel,))
+            ranked = self._hot_ranked[region] = sorted(best.values(), key=lambda x: -x[1])
         excluded = set(r.exclude)
-        out, seen = [], set()
-        for channel, names in lists:
-            for pos, name in enumerate(names):
-                if name in excluded or name in seen:
-                    continue
-                seen.add(name)
-                out.append((name, 1.0 / (1 + pos), (channel,)))
-        out.sort(key=lambda x: -x[1])
-        return out[: r.k]
+        out = []
+        for entry in ranked:
+            if entry[0] not in excluded:
+                out.append(entry)
+                if len(out) == r.k:
+                    break
+        return out
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:

@@ -48,6 +48,9 @@ class WorkerSettings:
     worker_id: str = ""
     metrics_port: int = 0
     redis_timeout_s: float = 0.5
+    torch_threads: int = 1
+    """Intra-op CPU threads (0: torch's default). One keeps a busy host's cores for the other
+    processes; batching, not intra-op threads, is what makes ranking cheap."""
     commit_interval_s: float = 0.2
     # ---- serving
     serving: ServingSettings = field(default_factory=ServingSettings)
@@ -104,6 +107,7 @@ class WorkerSettings:
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),
             event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 256, minimum=1),
+            torch_threads=env_int(env, "FRESHREC_TORCH_THREADS", 1, minimum=0),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),

@@ -15,7 +15,9 @@ snapshot between batches (``take``), so serving never sees one half-replaced.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +29,8 @@ from freshrec import metrics as m
 from freshrec.rediskeys import RedisKeys
 from inference.features import CATEGORY_BUCKETS, bucket
 from schemas.ids import row_id
-from streams.hotlist import HotList, HotWeights, merge_hot_lists
+from streams.decay import HOUR_MS
+from streams.hotlist import HotWeights, top_k_indices
 
 log = logging.getLogger("freshrec.snapshot")
 
@@ -84,6 +87,7 @@ class SnapshotRefresher:
         self._catalogue_at = 0.0
         self._features_at = 0.0
         self._catalogue_len = -1
+        self._hot_cache: dict[str, tuple[int, list[str]]] = {}
 
     # ------------------------------------------------------------------------- thread
     def start(self) -> None:
@@ -193,8 +197,8 @@ class SnapshotRefresher:
         return out
 
     def _load_hot(self) -> dict[str, list[str]]:
-        import json
-
+        """Merged lists per scope; a scope whose per-partition lists did not change since the
+        last refresh keeps its merged list (parsing is what costs here)."""
         k = self.keys
         scopes = sorted(s.decode() for s in self.redis.smembers(k.hot_scopes()))
         if not scopes:
@@ -204,7 +208,42 @@ class SnapshotRefresher:
             pipe.hgetall(k.hot(scope))
         out = {}
         for scope, raw in zip(scopes, pipe.execute(), strict=True):
-            lists = [HotList.from_json(json.loads(v)) for v in raw.values()]
-            merged = merge_hot_lists(lists, self.hot_k, self.weights, self.rate_per_hour)
-            out[scope] = [e.item_id for e, _ in merged]
+            fingerprint = hash(tuple(sorted(raw.items())))
+            cached = self._hot_cache.get(scope)
+            if cached is not None and cached[0] == fingerprint:
+                out[scope] = cached[1]
+                continue
+            merged = merge_raw_hot_lists(
+                [json.loads(v) for v in raw.values()], self.hot_k, self.weights, self.rate_per_hour
+            )
+            self._hot_cache[scope] = (fingerprint, merged)
+            out[scope] = merged
         return out
+
+
+def merge_raw_hot_lists(
+    lists: list[dict], k: int, weights: HotWeights, rate_per_hour: float
+) -> list[str]:
+    """``streams.hotlist.merge_hot_lists`` on the published JSON, vectorised: the same scores
+    (counts decayed to the newest list's time), ids only."""
+    if not lists:
+        return []
+    t = max(int(h["as_of_ms"]) for h in lists)
+    ln = -math.log(rate_per_hour) / HOUR_MS
+    ids: list[str] = []
+    cols = []
+    for h in lists:
+        entries = h["entries"]
+        if not entries:
+            continue
+        arr = np.asarray([e[1:] for e in entries], np.float64)
+        arr[:, 0] *= math.exp(-ln * (t - int(h["as_of_ms"])))
+        cols.append(arr)
+        ids.extend(e[0] for e in entries)
+    if not cols:
+        return []
+    a = np.concatenate(cols)
+    score = weights.click * a[:, 0] + weights.cvr * a[:, 1] + weights.price * a[:, 2]
+    names = np.asarray(ids)
+    top = top_k_indices(score, k, names)
+    return names[top].tolist()

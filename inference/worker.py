@@ -29,6 +29,7 @@ from collections import OrderedDict, defaultdict, deque
 
 import numpy as np
 import redis
+import torch
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -87,6 +88,8 @@ class Worker:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
         conn = settings.conn
         self.names = TopicNames(conn.topic_prefix)
         self.keys = RedisKeys(conn.topic_prefix)
@@ -109,7 +112,7 @@ class Worker:
                 conn, self.group, **{"statistics.interval.ms": 1000, "stats_cb": self._stats}
             )
         )
-        self.updates = Consumer(consumer_config(conn, None))
+        self.updates = Consumer(consumer_config(conn, None, background=True))
         self.tokens = itertools.count(1)
         self.rng = np.random.default_rng(abs(hash(settings.worker_id)) % (2**32))
         self.touches: dict[tuple[int, int], int] = defaultdict(int)
@@ -632,7 +635,8 @@ class Worker:
             # the update may include a message whose delivery report has not been read yet
             self.producer.flush(1.0)
         now = time.time()
-        installed = 0
+        slots, rows, versions, times = [], [], [], []
+        held_versions = self.cache.table(batch.table).version
         for j, rid in enumerate(batch.ids.tolist()):
             slot = self.cache.held(batch.table, rid)
             if slot is None:
@@ -640,19 +644,25 @@ class Worker:
                     m.UPDATES_INSTALLED.labels(name, "not_cached").inc()
                     continue
                 slot = int(self.cache.slots(TABLE_ITEM, np.array([rid]))[0])
+                held_versions = self.cache.table(batch.table).version  # may have grown
             version = int(batch.versions[j])
-            if version <= int(self.cache.table(batch.table).version[slot]):
+            if version <= int(held_versions[slot]):
                 m.UPDATES_INSTALLED.labels(name, "stale").inc()
                 continue
-            row = batch.rows[j].copy()
+            row = batch.rows[j]
             rest = self.pending.on_install((batch.table, rid), batch.partition, batch.offset)
             if rest is not None:
-                row += rest
-            self.cache.install(batch.table, slot, row, version, int(batch.event_ms[j]))
-            installed += 1
-            if installed <= LAG_SAMPLES:
-                m.FRESHNESS_LAG.labels("served").observe(max(now - batch.event_ms[j] / 1000, 0.0))
-        m.UPDATES_INSTALLED.labels(name, "installed").inc(installed)
+                row = row + rest
+            slots.append(slot)
+            rows.append(row)
+            versions.append(version)
+            times.append(int(batch.event_ms[j]))
+        if slots:
+            self.cache.install_many(batch.table, np.asarray(slots), np.stack(rows),
+                                    np.asarray(versions, np.uint64), np.asarray(times, np.int64))  # fmt: skip
+            for t in times[:LAG_SAMPLES]:
+                m.FRESHNESS_LAG.labels("served").observe(max(now - t / 1000, 0.0))
+        m.UPDATES_INSTALLED.labels(name, "installed").inc(len(slots))
 
     # ------------------------------------------------------------------------ inspection
     def user_row(self, user_id: str) -> np.ndarray:

@@ -55,7 +55,9 @@ class ParameterServer:
         self.keys = RedisKeys(conn.topic_prefix)
         self.redis = redis.Redis.from_url(conn.redis_url, socket_timeout=5)
         self.w = settings.dim + 1
-        self.consumer = Consumer(consumer_config(conn, f"{conn.topic_prefix}freshrec-param-server"))
+        self.consumer = Consumer(
+            consumer_config(conn, f"{conn.topic_prefix}freshrec-param-server", background=True)
+        )
         self.producer = Producer(producer_config(conn))
         self.rows: dict[tuple[int, int], RowState] = {}
         self.applied: dict[int, int] = {}

@@ -115,7 +115,7 @@ class StreamsApp:
             # the offsets persisted in Redis instead.
             agent_supervisor=CrashingSupervisor,
         )
-        app.fetch_wait_max_ms = s.fetch_wait_max_ms or p.fetch_wait_max_ms
+        app.fetch_wait_max_ms = s.fetch_wait_max_ms or p.background_fetch_wait_ms
         raw = {"key_serializer": "raw", "value_serializer": "raw"}
         by_item = app.topic(self.names.events_by_item, **raw)
         items = app.topic(self.names.items, **raw)

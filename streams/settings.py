@@ -27,7 +27,7 @@ class StreamsSettings:
     publish_interval_ms: int = 200
     """How often changed hot lists are recomputed and published."""
     fetch_wait_max_ms: int | None = None
-    """faust's consumer fetch wait; None takes the Kafka profile's (5 ms local, 100 ms prod)."""
+    """faust's consumer fetch wait; None takes the profile's background wait (20 ms local, 100 ms prod)."""
     batch_max: int = 2000
     batch_within_ms: int = 20
     metrics_port: int = 0

@@ -63,7 +63,7 @@ class ValidateStage:
         self.keys = RedisKeys(conn.topic_prefix)
         self.partitions = by_item_partitions
         self.consumer = Consumer(
-            consumer_config(conn, f"{conn.topic_prefix}freshrec-streams-validate")
+            consumer_config(conn, f"{conn.topic_prefix}freshrec-streams-validate", background=True)
         )
         self.producer = Producer(producer_config(conn))
         self.redis = redis.Redis.from_url(conn.redis_url)

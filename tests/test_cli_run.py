@@ -24,26 +24,36 @@ def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def test_run_with_duration_produces_events_and_cleans_up(tmp_path):
-    proc = freshrec(tmp_path, "run", "--duration", "4", "--items", "2000", "--users", "10000",
-                    "--rate", "1000")  # fmt: skip
-    out, _ = proc.communicate(timeout=120)
+def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
+    """`freshrec run --duration 30`: trains (small world), serves simulated users who click,
+    and prints served requests, a nonzero CTR and freshness figures; nothing left behind."""
+    proc = freshrec(tmp_path, "run", "--duration", "30", "--items", "2000", "--users", "10000",
+                    "--rate", "100", "--requests", "20")  # fmt: skip
+    out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
-    m = re.search(r"run finished: ([\d,]+) events delivered", out)
+    m = re.search(r"run finished: ([\d,]+) background events delivered", out)
     assert m and int(m.group(1).replace(",", "")) > 2000, out
-    assert "items: 2,000 loaded" in out
+    assert "items: 2,000 loaded" in out and "trained " in out
+    served = re.search(r"closed loop: served ([\d,]+) of ([\d,]+) requests", out)
+    assert served and int(served.group(1).replace(",", "")) > 300, out
+    ctr = re.search(r"CTR of served recommendations ([\d.]+)%", out)
+    assert ctr and float(ctr.group(1)) > 0, out
+    fresh = re.search(r"p99 local ([\d,]+)ms global ([\d,]+)ms served ([\d,]+)ms", out)
+    assert fresh, out
+    assert (tmp_path / "models" / "manifest.json").exists()  # cached for the next run
     pids = [int(p) for p in PIDS.findall(out.split("embedded stack stopped")[1])]
     assert len(pids) == 2
     assert not any(pid_alive(p) for p in pids)
 
 
 def test_ctrl_c_stops_the_run_and_its_stack(tmp_path):
-    proc = freshrec(tmp_path, "run", "--items", "500", "--users", "1000", "--rate", "200")
+    proc = freshrec(tmp_path, "run", "--items", "500", "--users", "1000", "--rate", "200",
+                    "--train-impressions", "20000")  # fmt: skip
     lines: list[str] = []
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("events:") or time.monotonic() > deadline:
+        if line.startswith("background events:") or time.monotonic() > deadline:
             break
     up = next(x for x in lines if "embedded stack up" in x)
     proc.send_signal(signal.SIGINT)

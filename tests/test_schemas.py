@@ -233,3 +233,21 @@ def test_dead_letter_envelope_keeps_reason_origin_and_original_bytes():
     assert (back.source_topic, back.source_partition, back.source_offset) == ("events", 3, 42)
     assert base64.b64decode(back.value_b64) == bad
     assert base64.b64decode(back.key_b64) == b"u1"
+
+
+def test_reply_encoder_writes_every_field():
+    import dataclasses
+    import json
+
+    from schemas.codec import encode_reply
+    from schemas.records import RecommendReply, ReplyItem
+
+    reply = RecommendReply(
+        request_id="r", user_id="u", items=(ReplyItem("i", 0.5, ("vector",)),), tier="full",
+        tier_reason="ok", served_at_ms=1_767_225_600_000, degraded=True, model_version="m",
+        user_embedding_version=3, user_embedding_age_ms=4, item_table_version=5,
+        timings_ms={"total": 1.0}, worker="w",
+    )  # fmt: skip
+    encoded = json.loads(encode_reply(reply))
+    assert set(encoded) == {f.name for f in dataclasses.fields(RecommendReply)}
+    assert decode_reply(encode_reply(reply), 1_767_225_600_000) == reply

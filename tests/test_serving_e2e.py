@@ -311,3 +311,21 @@ async def _send_later(client, user):
 
     task = asyncio.ensure_future(client.client.recommend(user, 5, timeout_s=55))
     return _Bridge(task)
+
+
+def test_kafkajs_asks_for_recommendations_with_the_documented_protocol(seeded, model_dir):
+    from .test_interop_kafkajs import INTEROP, _bin, ensure_kafkajs
+
+    ensure_kafkajs()
+    conn = seeded
+    names = TopicNames(conn.topic_prefix)
+    with running_worker(worker_settings(conn, model_dir)):
+        out = subprocess.run(
+            [_bin("node"), "request_reply.js", conn.kafka_bootstrap_servers,
+             names.recommend_requests, names.recommend_replies, "u0", "7"],
+            cwd=INTEROP, capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reply["user_id"] == "u0" and len(reply["items"]) == 7 and reply["tier"] == "full"
+    assert reply["request_id"].startswith("js-")

@@ -100,6 +100,7 @@ def produce_events(
     progress: ProgressLine | None = None,
     seed: int = 0,
     suffix: Callable[[], str] | None = None,
+    label: str = "events",
 ) -> ProduceStats:
     """Produce synthetic events at a steady rate until ``duration_s`` or ``stop`` is set."""
     topic = TopicNames(conn.topic_prefix).events
@@ -130,8 +131,7 @@ def produce_events(
             elapsed = max(now - start, 1e-9)
             extra = suffix() if suffix else ""
             progress.update(
-                f"events: {sent:,} produced, {counter.delivered:,} delivered "
-                f"({counter.delivered / elapsed:,.0f}/s, target {rate_per_s:,.0f}/s)"
+                f"{label}: {sent:,} produced ({counter.delivered / elapsed:,.0f}/s)"
                 + (f" | {extra}" if extra else "")
             )
         stop.wait(0.01)
@@ -139,7 +139,7 @@ def produce_events(
     elapsed = time.monotonic() - start
     if progress:
         progress.done(
-            f"events: {sent:,} produced and delivered in {elapsed:.1f}s "
+            f"{label}: {sent:,} produced and delivered in {elapsed:.1f}s "
             f"({counter.delivered / max(elapsed, 1e-9):,.0f}/s)"
         )
     return ProduceStats(sent, counter.delivered, counter.failed, elapsed)

@@ -1,0 +1,195 @@
+"""The closed loop of ``freshrec run``: simulated users ask for recommendations over Kafka,
+look at the reply, and click or convert as the synthetic world's ground truth says; what they
+did goes to ``events``, which feeds online learning, hot lists and features — and so the next
+replies.
+
+Users are drawn like the world's active users (Zipf), with their region and device class.
+Each reply becomes one impression per shown item (position = rank), a click with the world's
+click probability and a conversion with its conversion probability. CTR of served
+recommendations = clicks / impressions of the items the workers chose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from confluent_kafka import Producer
+
+from freshrec.kafka import producer_config
+from freshrec.settings import ConnectionSettings
+from freshrec.topics import TopicNames
+from inference.client import RecommendClient, RecommendError, RecommendTimeout
+from schemas.codec import encode_event
+from schemas.records import DEVICE_CLASSES, Event
+from tools.world import World
+
+log = logging.getLogger("freshrec.loop")
+
+
+@dataclass
+class LoopStats:
+    sent: int = 0
+    replied: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    impressions: int = 0
+    clicks: int = 0
+    conversions: int = 0
+    tiers: Counter = field(default_factory=Counter)
+    latencies_ms: deque = field(default_factory=lambda: deque(maxlen=5000))
+    all_latencies_ms: list = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def ctr(self) -> float:
+        return self.clicks / self.impressions if self.impressions else 0.0
+
+    def p(self, q: float, recent: bool = True) -> float:
+        data = self.latencies_ms if recent else self.all_latencies_ms
+        return float(np.percentile(np.asarray(data), q)) if data else float("nan")
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return (
+            f"requests {self.replied / elapsed:,.0f}/s p99 {self.p(99):,.0f}ms"
+            f" | CTR {100 * self.ctr:.1f}%"
+            + (f" | timeouts {self.timeouts}" if self.timeouts else "")
+        )
+
+    def final(self) -> str:
+        tiers = ", ".join(f"{k} {v:,}" for k, v in self.tiers.most_common())
+        return (
+            f"served {self.replied:,} of {self.sent:,} requests ({self.timeouts} timeouts, "
+            f"{self.errors} errors), latency p50 {self.p(50, False):,.1f}ms p99 "
+            f"{self.p(99, False):,.1f}ms; tiers: {tiers or '-'}; CTR of served "
+            f"recommendations {100 * self.ctr:.2f}% ({self.clicks:,} clicks / "
+            f"{self.impressions:,} impressions, {self.conversions:,} conversions)"
+        )
+
+
+class ClosedLoop:
+    def __init__(
+        self, conn: ConnectionSettings, world: World, rate_per_s: float, *, k: int = 10,
+        seed: int = 1, timeout_s: float = 2.0, concurrency: int = 256,
+    ) -> None:  # fmt: skip
+        self.conn = conn
+        self.world = world
+        self.rate = rate_per_s
+        self.k = k
+        self.rng = np.random.default_rng(seed)
+        self.timeout_s = timeout_s
+        self.concurrency = concurrency
+        self.stats = LoopStats()
+        self.topic = TopicNames(conn.topic_prefix).events
+        self._seq = 0
+
+    def run_in_thread(self, stop: threading.Event) -> threading.Thread:
+        t = threading.Thread(target=lambda: asyncio.run(self.run(stop)), daemon=True, name="loop")
+        t.start()
+        return t
+
+    async def run(self, stop: threading.Event) -> None:
+        producer = Producer(producer_config(self.conn))
+        sem = asyncio.Semaphore(self.concurrency)
+        tasks: set[asyncio.Task] = set()
+        async with RecommendClient(
+            self.conn.kafka_bootstrap_servers, topic_prefix=self.conn.topic_prefix,
+            timeout_s=self.timeout_s, profile=self.conn.kafka_profile,
+        ) as client:  # fmt: skip
+            self.stats.started = time.monotonic()
+            sent = 0
+            while not stop.is_set():
+                due = int((time.monotonic() - self.stats.started) * self.rate) - sent
+                for _ in range(max(due, 0)):
+                    await sem.acquire()
+                    task = asyncio.create_task(self._one(client, producer, sem))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    sent += 1
+                producer.poll(0)
+                await asyncio.sleep(0.005)
+            if tasks:
+                await asyncio.wait(tasks, timeout=self.timeout_s + 1)
+        producer.flush(10)
+
+    async def _one(self, client: RecommendClient, producer: Producer, sem: asyncio.Semaphore):
+        try:
+            w = self.world
+            user = int(w.sample_users(self.rng, 1)[0])
+            region = w.config.regions[int(w.user_region(np.array([user]))[0])]
+            device = DEVICE_CLASSES[int(w.user_device(np.array([user]))[0])]
+            uid = World.user_id(user)
+            self.stats.sent += 1
+            started = time.monotonic()
+            try:
+                reply = await client.recommend(
+                    uid, self.k, context={"device": device, "region": region,
+                                          "ts_ms": int(time.time() * 1000)},
+                )  # fmt: skip
+            except RecommendTimeout:
+                self.stats.timeouts += 1
+                return
+            except RecommendError:
+                self.stats.errors += 1
+                return
+            ms = (time.monotonic() - started) * 1000
+            self.stats.replied += 1
+            self.stats.latencies_ms.append(ms)
+            self.stats.all_latencies_ms.append(ms)
+            self.stats.tiers[reply.tier] += 1
+            self._behave(producer, user, uid, region, device, reply)
+        finally:
+            sem.release()
+
+    def _behave(self, producer, user, uid, region, device, reply) -> None:
+        w = self.world
+        items = []
+        for it in reply.items:
+            try:
+                items.append(World.index_of(it.item_id))
+            except ValueError:
+                continue
+        if not items:
+            return
+        now = int(time.time() * 1000)
+        idx = np.asarray(items)
+        users = np.full(len(idx), user)
+        clicked = self.rng.random(len(idx)) < w.click_probability(users, idx, now)
+        p_conv = w.conversion_probability(users, idx, now)
+        converted = clicked & (self.rng.random(len(idx)) < p_conv)
+        self._seq += 1
+        rid = reply.request_id
+        for pos, (i, c, v) in enumerate(
+            zip(idx.tolist(), clicked.tolist(), converted.tolist(), strict=True)
+        ):
+            iid = World.item_id(i)
+            base = f"{rid}-{pos}"
+            out = [Event(base + "i", "impression", uid, iid, now, region, device, rid, pos)]
+            if c:
+                out.append(Event(base + "c", "click", uid, iid, now + 1, region, device, rid, pos))
+            if v:
+                price = float(w.item_price[i])
+                out.append(
+                    Event(
+                        base + "v", "conversion", uid, iid, now + 2, region, device, rid, pos, price
+                    )
+                )
+            for e in out:
+                self._produce(producer, e)
+        self.stats.impressions += len(idx)
+        self.stats.clicks += int(clicked.sum())
+        self.stats.conversions += int(converted.sum())
+
+    def _produce(self, producer: Producer, e: Event) -> None:
+        while True:
+            try:
+                producer.produce(self.topic, key=e.user_id.encode(), value=encode_event(e))
+                return
+            except BufferError:
+                producer.poll(0.05)
