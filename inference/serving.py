@@ -24,7 +24,7 @@ from freshrec.rediskeys import RedisKeys
 from inference.cache import EmbeddingCache
 from inference.degrade import CACHED, FULL, HOT, LIGHT, Ladder, LadderConfig, Situation
 from inference.features import RECENT, FeatureEncoder, recent_category_share
-from inference.merge import merge_channels
+from inference.merge import found_by, merge_slot_arrays
 from inference.modelfile import ModelWatcher
 from inference.ranking import score
 from inference.recall import DEFAULT_CHANNELS, ChannelConfig, RecallQuery, RecallRunner
@@ -36,6 +36,8 @@ from schemas.ids import row_id
 from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 
 log = logging.getLogger("freshrec.serving")
+_NONE = np.empty(0, np.int64)
+_NEW = "\0new"  # the new-items list among the per-scope lists
 
 
 @dataclass(frozen=True)
@@ -57,14 +59,13 @@ class ServingSettings:
 
 @dataclass
 class Candidates:
-    """One request's merged candidates: ids, the channels that found each, cache slots."""
+    """One request's merged candidates (cache slots) and each channel's list."""
 
-    names: list[str]
-    channels: list[tuple[str, ...]]
     slots: np.ndarray
+    per_channel: dict[str, np.ndarray]
 
     def __len__(self) -> int:
-        return len(self.names)
+        return len(self.slots)
 
 
 @dataclass
@@ -104,6 +105,9 @@ class Recommender:
         self.name_of_slot = np.empty(0, object)
         self.named = torch.zeros(0, dtype=torch.bool)
         self.slot_category = torch.zeros(0, dtype=torch.int64)
+        self.named_count = 0
+        self.list_slots: dict[str, np.ndarray] = {}
+        """Hot lists (per scope) and new items as cache slots, per snapshot."""
         self.cat_index = np.empty(0, np.int64)  # slot -> catalogue index (-1: unknown)
         self.full_cost_ms: float | None = None
         self.light_cost_ms: float | None = None
@@ -144,26 +148,33 @@ class Recommender:
             self.slot_category = slot_category
             self.slot_of = dict(zip(cat.names, slots.tolist(), strict=True))
             self.name_of_slot, self.cat_index, self.named = names, cat_index, named
+            self.named_count = len(cat.names)
             m.CATALOGUE_ITEMS.set(len(cat.names))
         self.snap = snap
+        lists = dict(snap.hot)
+        lists[_NEW] = snap.new
+        get = self.slot_of.get
+        self.list_slots = {
+            scope: np.fromiter((s for s in (get(x) for x in names) if s is not None), np.int64)
+            for scope, names in lists.items()
+        }
 
     # ------------------------------------------------------------------------ channels
-    def _topk_names(self, queries_rows: np.ndarray, n: int) -> list[list[str]]:
+    def _topk_slots(self, queries_rows: np.ndarray, n: int) -> list[np.ndarray]:
         items = self.cache.items.rows
         named = self.named
         size = min(len(named), len(items))
         if size == 0 or n <= 0:
-            return [[] for _ in range(len(queries_rows))]
+            return [np.empty(0, np.int64) for _ in range(len(queries_rows))]
         q = torch.as_tensor(queries_rows, device=items.device)
         scores = q @ items[:size].T
         scores = scores.masked_fill(~named[:size], float("-inf"))
-        k = min(n, int(named[:size].sum()))
+        k = min(n, self.named_count)
         idx = torch.topk(scores, k, dim=1).indices.cpu().numpy()
-        names = self.name_of_slot
-        return [[names[s] for s in row] for row in idx]
+        return list(idx)
 
-    def _vector(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
-        return self._topk_names(np.stack([q.user_row for q in queries]), n)
+    def _vector(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
+        return self._topk_slots(np.stack([q.user_row for q in queries]), n)
 
     def _i2i(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
         """Recent clicks: this worker's own (it sees every event of its users' partitions,
@@ -179,7 +190,7 @@ class Recommender:
                 recents[j] = [r.decode().partition("|")[0] for r in raw]
                 self.fetched_recent[queries[j].user_id] = recents[j]
         dim = self.cache.dim
-        out: list[list[str]] = [[] for _ in queries]
+        out: list[np.ndarray] = [np.empty(0, np.int64) for _ in queries]
         items = self.cache.items.rows
         size = min(len(self.named), len(items), len(self.slot_category))
         for j, recent in enumerate(recents):
@@ -199,19 +210,18 @@ class Recommender:
                 continue
             scores = items[:size] @ torch.as_tensor(q, device=items.device)
             scores = scores.masked_fill(~mask, float("-inf"))
-            idx = torch.topk(scores, min(n, count)).indices.cpu().numpy()
-            out[j] = [self.name_of_slot[s] for s in idx]
+            out[j] = torch.topk(scores, min(n, count)).indices.cpu().numpy()
         return out
 
-    def _hot(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
-        top = self.snap.hot.get("global", [])[:n]
+    def _hot(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
+        top = self.list_slots.get("global", _NONE)[:n]
         return [top for _ in queries]
 
-    def _region(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
-        return [self.snap.hot.get(q.region, [])[:n] if q.region else [] for q in queries]
+    def _region(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
+        return [self.list_slots.get(q.region, _NONE)[:n] if q.region else _NONE for q in queries]
 
-    def _new(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
-        top = self.snap.new[:n]
+    def _new(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
+        top = self.list_slots.get(_NEW, _NONE)[:n]
         return [top for _ in queries]
 
     # --------------------------------------------------------------------------- serve
@@ -239,9 +249,7 @@ class Recommender:
             degraded.append(
                 "recall channels dropped: " + ", ".join(recall.timed_out + recall.failed)
             )
-        merged = [
-            self._candidates(recall.per_query[j], frozenset(r.exclude)) for j, r in enumerate(reqs)
-        ]
+        merged = [self._candidates(recall.per_query[j], r.exclude) for j, r in enumerate(reqs)]
         models = self.models.current
         choices = []
         for j, r in enumerate(reqs):
@@ -329,14 +337,12 @@ class Recommender:
         ages = [max(a, 0) if a is not None else None for a in ages]
         return rows, versions.tolist(), ages, note
 
-    def _candidates(self, per_channel: dict[str, list[str]], exclude: frozenset[str]):
-        merged = merge_channels(per_channel, self.quotas, self.settings.candidates, exclude)
-        slot_of = self.slot_of
-        kept = [(name, ch) for name, ch in merged if name in slot_of]
-        return Candidates(
-            [n for n, _ in kept], [c for _, c in kept],
-            np.fromiter((slot_of[n] for n, _ in kept), np.int64, len(kept)),
-        )  # fmt: skip
+    def _candidates(self, per_channel: dict[str, np.ndarray], exclude: tuple[str, ...]):
+        ex = None
+        if exclude:
+            ex = np.fromiter((self.slot_of[x] for x in exclude if x in self.slot_of), np.int64)
+        slots = merge_slot_arrays(per_channel, self.quotas, self.settings.candidates, ex)
+        return Candidates(slots, per_channel)
 
     @staticmethod
     def _cache_key(r: RecommendRequest) -> tuple:
@@ -420,7 +426,8 @@ class Recommender:
         offsets = dict(
             zip(group, np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist(), strict=True)
         )
-        names = sorted({name for j in realtime for name in merged[j].names})
+        cand_names = {j: self.name_of_slot[merged[j].slots].tolist() for j in realtime}
+        names = sorted({name for j in realtime for name in cand_names[j]})
         pipe = self.redis.pipeline(transaction=False)
         for feature in ("ctr", "cvr", "hot"):
             pipe.hmget(self.keys.item_feature[feature], names)
@@ -435,7 +442,7 @@ class Recommender:
         }
         for j in realtime:
             base = offsets[j]
-            for k, name in enumerate(merged[j].names):
+            for k, name in enumerate(cand_names[j]):
                 got = fresh.get(name)
                 if got is not None:
                     dense[base + k, 1:4] = got
@@ -450,11 +457,10 @@ class Recommender:
         picked = mmr(probs[head].astype(np.float64), vecs, k, self.settings.mmr_lambda)
         cats = [self._category_name(int(slots[i])) for i in picked]
         order = space_categories(cats, self.settings.category_gap)
-        out = []
-        for i in order:
-            c = int(head[picked[i]])
-            out.append((cands.names[c], float(probs[c]), cands.channels[c]))
-        return out
+        final = head[[picked[i] for i in order]]
+        channels = found_by(cands.slots[final], cands.per_channel)
+        names = self.name_of_slot[cands.slots[final]]
+        return [(names[i], float(probs[c]), channels[i]) for i, c in enumerate(final.tolist())]
 
     def _category_name(self, slot: int) -> str:
         ci = self.cat_index[slot] if slot < len(self.cat_index) else -1

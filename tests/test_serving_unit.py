@@ -279,3 +279,25 @@ def test_lru_discard_frees_the_slot_for_reuse():
     assert lru.admit("a") == (0, None)
     lru.discard("a")
     assert "a" not in lru and lru.admit("b") == (0, None) and lru.admit("c") == (1, None)
+
+
+def test_vectorised_slot_merge_selects_like_the_reference():
+    from inference.merge import found_by, merge_channels, merge_slot_arrays
+
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        results = {
+            c: rng.choice(60, size=rng.integers(0, 30), replace=False)
+            for c in ("vector", "i2i", "hot", "new")
+        }
+        quotas = {c: int(rng.integers(0, 15)) for c in results}
+        budget = int(rng.integers(1, 50))
+        exclude = rng.choice(60, size=5, replace=False)
+        ref = merge_channels(
+            {c: [str(x) for x in a] for c, a in results.items()}, quotas, budget,
+            frozenset(str(x) for x in exclude),
+        )  # fmt: skip
+        got = merge_slot_arrays(results, quotas, budget, exclude)
+        assert [str(x) for x in got] == [item for item, _ in ref]
+        # the same channels per item (their order is not part of the contract)
+        assert [set(c) for c in found_by(got, results)] == [set(ch) for _, ch in ref]

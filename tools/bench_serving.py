@@ -1,0 +1,351 @@
+"""Benchmark of serving, in one run:
+
+1. request/reply latency p50/p99 at fixed rates through Kafka: the worker vs a raw echo
+   service (``tools/echo.py``) with the same client settings; overhead = worker − echo;
+2. ranking 500 candidates batched (one forward pass) vs serially (one pass per candidate),
+   with the same Wide&Deep model;
+3. recall with one slow channel: all channels in parallel (the worker's way) vs one after
+   another;
+4. dynamic batching at saturation: requests/s with ``max_batch=32`` vs ``max_batch=1``, and
+   the p99 time a request's batch takes (its latency cost).
+
+    .venv/bin/python -m tools.bench_serving [--rates 50,200,500] [--duration 10] [--items 20000]
+
+Writes artifacts/bench_serving.json. Needs nothing running (starts a private embedded stack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from freshrec.kafka import consumer_config, producer_config
+from freshrec.progress import ProgressLine
+from freshrec.settings import ConnectionSettings
+from freshrec.stack import free_port
+from freshrec.topics import TopicNames, ensure_topics
+from inference.client import RecommendClient, RecommendTimeout
+from inference.degrade import LadderConfig
+from inference.features import FeatureEncoder
+from inference.modelfile import ModelWatcher
+from inference.ranking import score
+from inference.recall import RecallQuery
+from inference.serving import Inbound
+from inference.settings import LearningSettings, WorkerSettings
+from inference.train import TrainConfig, train
+from inference.worker import Worker
+from schemas.codec import decode_reply, encode_request
+from schemas.records import RecommendRequest, RequestContext
+from tools.benchlib import bench_connection, save, service_process
+from tools.seed import seed_world
+from tools.world import World, WorldConfig
+
+DIM = 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="50,200,500")
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--items", type=int, default=20_000)
+    ap.add_argument("--saturation-requests", type=int, default=3000)
+    args = ap.parse_args()
+    progress = ProgressLine()
+    world = World(WorldConfig(seed=5, n_users=200_000, n_items=args.items))
+    results: dict = {"items": args.items, "dim": DIM, "torch_threads": 1}
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
+        models = Path(tmp)
+        progress.done("training models for the benchmark world")
+        train(world, TrainConfig(impressions=200_000, dim=DIM), models, progress.update)
+        with bench_connection("bs.") as conn:
+            seed_world(conn.redis_url, conn.topic_prefix, world, models)
+            results["ranking"] = bench_ranking(conn, models, world, progress)
+            results["recall"] = bench_recall(conn, models, progress)
+            results["batching"] = bench_batching(
+                conn, models, world, args.saturation_requests, progress
+            )
+            rates = [float(r) for r in args.rates.split(",")]
+            results["latency"] = bench_latency(conn, models, world, rates, args.duration, progress)
+    path = save("bench_serving", results)
+    progress.done(f"results written to {path}")
+    print(summary(results))
+
+
+def _worker(conn, models, **overrides) -> Worker:
+    s = WorkerSettings(conn, LearningSettings(dim=DIM), model_dir=models, worker_id="bench")
+    return Worker(replace(s, **overrides))
+
+
+def _inbound(world: World, n: int, seed: int = 0) -> list[Inbound]:
+    rng = np.random.default_rng(seed)
+    now = int(time.time() * 1000)
+    users = world.sample_users(rng, n)
+    ctx = RequestContext("pc", "north", now)
+    return [
+        Inbound(RecommendRequest(f"b{seed}-{j}", World.user_id(int(u)), 20, ctx,
+                                 deadline_ms=now + 600_000), "x", None, now)
+        for j, u in enumerate(users.tolist())
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------- ranking
+def bench_ranking(conn, models: Path, world: World, progress: ProgressLine) -> dict:
+    """500 candidates of one request: one forward pass vs 500 single-row passes."""
+    progress.done("ranking: 500 candidates, batched vs serial")
+    cpu = torch.device("cpu")
+    ms = ModelWatcher(models, cpu, DIM).load_now()
+    rng = np.random.default_rng(0)
+    n = 500
+    enc = FeatureEncoder()
+    x = enc.encode(
+        rng.standard_normal((n, DIM + 1)).astype(np.float32) * 0.1,
+        rng.standard_normal((n, DIM + 1)).astype(np.float32) * 0.1,
+        rng.random((n, 4)).astype(np.float32), rng.integers(0, 128, n),
+        enc.context(["pc"] * n, ["north"] * n, [int(time.time() * 1000)] * n),
+        rng.random(n).astype(np.float32),
+    )  # fmt: skip
+    rows = [type(x)(x.user[i : i + 1], x.item[i : i + 1], x.dense[i : i + 1],
+                    x.sparse[i : i + 1], x.cross[i : i + 1]) for i in range(n)]  # fmt: skip
+    out = {}
+    for label, model in (("wide_deep", ms.full), ("light", ms.light)):
+        score(model, x, cpu)
+        reps = 50
+        t = time.perf_counter()
+        for _ in range(reps):
+            batched = score(model, x, cpu)
+        batched_ms = (time.perf_counter() - t) / reps * 1000
+        t = time.perf_counter()
+        serial = np.concatenate([score(model, r, cpu) for r in rows])
+        serial_ms = (time.perf_counter() - t) * 1000
+        assert np.allclose(serial, batched, atol=1e-5)
+        out[label] = {
+            "batched_ms": round(batched_ms, 3), "serial_ms": round(serial_ms, 2),
+            "speedup": round(serial_ms / batched_ms, 1),
+        }  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------- recall
+def bench_recall(conn, models: Path, progress: ProgressLine) -> dict:
+    """All channels for a batch of 32 with i2i made slow (30 ms): parallel vs serial."""
+    progress.done("recall: parallel vs serial with one slow channel (i2i +30 ms)")
+    w = _worker(conn, models, recall_delays_ms={"i2i": 30.0})
+    w.start()
+    try:
+        rec = w.recommender
+        runner = rec.runner
+        queries = [
+            RecallQuery(f"u{j}", np.asarray(w.user_row(f"u{j}")), "north") for j in range(32)
+        ]
+        for _ in range(3):
+            runner.run(queries)
+        reps = 20
+        t = time.perf_counter()
+        for _ in range(reps):
+            result = runner.run(queries, budget_ms=1000)
+        parallel = (time.perf_counter() - t) / reps * 1000
+        assert not result.timed_out, result.timed_out
+        t = time.perf_counter()
+        for _ in range(reps):
+            for name in runner.configs:
+                runner._call(name, queries)
+        serial = (time.perf_counter() - t) / reps * 1000
+    finally:
+        w.close()
+    return {"batch": 32, "slow_channel": "i2i", "slow_ms": 30, "parallel_ms": round(parallel, 2),
+            "serial_ms": round(serial, 2), "speedup": round(serial / parallel, 2)}  # fmt: skip
+
+
+# -------------------------------------------------------------------------------- batching
+def bench_batching(conn, models: Path, world: World, n: int, progress: ProgressLine) -> dict:
+    """Preloaded requests answered by one in-process worker: throughput and batch time."""
+    out = {}
+    for max_batch in (32, 1):
+        progress.done(f"dynamic batching: {n:,} queued requests, max_batch={max_batch}")
+        prefix = f"bb{max_batch}."
+        c2 = ConnectionSettings(conn.kafka_bootstrap_servers, conn.redis_url, prefix)
+        from confluent_kafka.admin import AdminClient
+
+        from freshrec.kafka import admin_config
+
+        ensure_topics(AdminClient(admin_config(c2)), prefix)
+        seed_world(conn.redis_url, prefix, world, models)
+        names = TopicNames(prefix)
+        p = Producer(producer_config(c2))
+        for b in _inbound(world, n, seed=max_batch):
+            p.produce(names.recommend_requests, encode_request(b.request),
+                      key=b.request.user_id.encode(),
+                      headers=[("reply-to", names.recommend_replies.encode()),
+                               ("correlation-id", b.request.request_id.encode())])  # fmt: skip
+        p.flush(30)
+        w = _worker(c2, models, max_batch=max_batch,
+                    serving=replace(WorkerSettings(c2).serving,
+                                    ladder=LadderConfig(queue_depth_limit=10**9)))  # fmt: skip
+        w.start()
+        served = 0
+        first = last = None
+        from freshrec import metrics as m
+
+        base = m.REQUESTS.labels("served")._value.get()
+        deadline = time.monotonic() + 600
+        while served < n and time.monotonic() < deadline:
+            before = time.monotonic()
+            w.poll_once()
+            served = int(m.REQUESTS.labels("served")._value.get() - base)
+            if served and first is None:
+                first = before  # the poll that served the first requests started here
+            last = time.monotonic()
+        elapsed = (last or 0.0) - (first or 0.0)
+        w.close()
+        timings = _reply_timings(c2, names.recommend_replies, n)
+        service = np.asarray([t["total"] - t["queue"] for t in timings])
+        out[f"max_batch_{max_batch}"] = {
+            "requests": served, "seconds": round(elapsed, 2),
+            "requests_per_s": round(served / max(elapsed, 1e-9), 1),
+            "batch_time_p50_ms": round(float(np.percentile(service, 50)), 2),
+            "batch_time_p99_ms": round(float(np.percentile(service, 99)), 2),
+        }  # fmt: skip
+    b, s = out["max_batch_32"], out["max_batch_1"]
+    out["throughput_ratio"] = round(b["requests_per_s"] / max(s["requests_per_s"], 1e-9), 2)
+    out["p99_cost_ms"] = round(b["batch_time_p99_ms"] - s["batch_time_p99_ms"], 2)
+    return out
+
+
+def _reply_timings(conn, topic: str, n: int) -> list[dict]:
+    c = Consumer(consumer_config(conn, None))
+    c.assign([TopicPartition(topic, p, 0) for p in range(8)])
+    out: list[dict] = []
+    deadline = time.monotonic() + 60
+    while len(out) < n and time.monotonic() < deadline:
+        for msg in c.consume(1000, 0.5):
+            if not msg.error():
+                out.append(decode_reply(msg.value(), int(time.time() * 1000)).timings_ms)
+    c.close()
+    return out
+
+
+# --------------------------------------------------------------------------------- latency
+def bench_latency(conn, models, world, rates, duration, progress) -> dict:
+    out: dict = {"rates": {}}
+    for kind in ("echo", "worker"):
+        prefix = f"bl{kind}."
+        c2 = ConnectionSettings(conn.kafka_bootstrap_servers, conn.redis_url, prefix)
+        from confluent_kafka.admin import AdminClient
+
+        from freshrec.kafka import admin_config
+
+        ensure_topics(AdminClient(admin_config(c2)), prefix)
+        if kind == "worker":
+            seed_world(conn.redis_url, prefix, world, models)
+            ctx = service_process(c2, "worker", free_port(), {
+                "FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM)})  # fmt: skip
+        else:
+            ctx = _echo_process(c2)
+        with ctx:
+            for rate in rates:
+                progress.done(f"latency: {kind} at {rate:.0f} req/s for {duration:.0f}s")
+                stats = asyncio.run(_paced(c2, world, rate, duration))
+                out["rates"].setdefault(str(int(rate)), {})[kind] = stats
+    for row in out["rates"].values():
+        if "echo" in row and "worker" in row:
+            row["overhead_p50_ms"] = round(row["worker"]["p50_ms"] - row["echo"]["p50_ms"], 2)
+            row["overhead_p99_ms"] = round(row["worker"]["p99_ms"] - row["echo"]["p99_ms"], 2)
+    return out
+
+
+@contextlib.contextmanager
+def _echo_process(conn):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers,
+               FRESHREC_TOPIC_PREFIX=conn.topic_prefix)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "tools.echo"], env=env)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+async def _paced(conn, world: World, rate: float, duration: float) -> dict:
+    rng = np.random.default_rng(int(rate))
+    async with RecommendClient(conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix,
+                               timeout_s=5.0, keep_latencies=True) as client:  # fmt: skip
+        # warm up: the first request waits for the group join
+        for _ in range(60):
+            try:
+                await client.recommend("u0", 10, timeout_s=1.0)
+                break
+            except RecommendTimeout:
+                continue
+        client.stats.latencies_ms.clear()
+        tasks = set()
+        start = time.monotonic()
+        sent = 0
+        timeouts = 0
+
+        async def one(user: str) -> None:
+            nonlocal timeouts
+            try:
+                await client.recommend(user, 20, context={"device": "pc", "region": "north"})
+            except RecommendTimeout:
+                timeouts += 1
+
+        while time.monotonic() - start < duration:
+            due = int((time.monotonic() - start) * rate) - sent
+            for u in world.sample_users(rng, max(due, 0)).tolist():
+                t = asyncio.create_task(one(World.user_id(int(u))))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+                sent += 1
+            await asyncio.sleep(0.002)
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        lat = np.asarray(client.stats.latencies_ms)
+    return {
+        "sent": sent, "answered": len(lat), "timeouts": timeouts,
+        "achieved_per_s": round(len(lat) / duration, 1),
+        "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
+        "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
+    }  # fmt: skip
+
+
+def summary(r: dict) -> str:
+    lines = []
+    for label, v in r["ranking"].items():
+        lines.append(f"ranking {label}: 500 candidates batched {v['batched_ms']} ms vs serial "
+                     f"{v['serial_ms']} ms = {v['speedup']}x")  # fmt: skip
+    rc = r["recall"]
+    lines.append(f"recall (i2i +30 ms): parallel {rc['parallel_ms']} ms vs serial "
+                 f"{rc['serial_ms']} ms = {rc['speedup']}x")  # fmt: skip
+    b = r["batching"]
+    lines.append(
+        f"dynamic batching: {b['max_batch_32']['requests_per_s']} req/s (max_batch 32) vs "
+        f"{b['max_batch_1']['requests_per_s']} (max_batch 1) = {b['throughput_ratio']}x; "
+        f"batch time p99 {b['max_batch_32']['batch_time_p99_ms']} vs "
+        f"{b['max_batch_1']['batch_time_p99_ms']} ms"
+    )
+    for rate, row in r["latency"]["rates"].items():
+        e, w = row.get("echo", {}), row.get("worker", {})
+        lines.append(
+            f"{rate} req/s: worker p50 {w.get('p50_ms')} p99 {w.get('p99_ms')} ms "
+            f"({w.get('timeouts')} timeouts) vs echo p50 {e.get('p50_ms')} p99 {e.get('p99_ms')} ms"
+            f" -> overhead p99 {row.get('overhead_p99_ms')} ms"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Write a trained world into Redis without the streams app: the catalogue hashes, a global
+hot list (the world's most popular items) and the trained starting rows. For benchmarks and
+tests that exercise the worker alone; in `freshrec run` the streams app writes the first two
+from the topics."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import redis as redis_lib
+
+from freshrec.rediskeys import RedisKeys
+from inference.modelfile import load_tensors, read_manifest
+from param_server.rows import TABLE_ITEM, TABLE_USER
+from param_server.store import seed_rows
+from streams.hotlist import HotEntry, HotList
+from tools.traffic import catalogue
+from tools.world import World
+
+
+def seed_world(redis_url: str, prefix: str, world: World, model_dir: Path, hot: int = 50) -> None:
+    r = redis_lib.Redis.from_url(redis_url)
+    k = RedisKeys(prefix)
+    try:
+        items = list(catalogue(world))
+        pipe = r.pipeline(transaction=False)
+        pipe.hset(k.item_category, mapping={i.item_id: i.category for i in items})
+        pipe.hset(k.item_price, mapping={i.item_id: i.price for i in items})
+        regional = {i.item_id: i.region for i in items if i.region}
+        if regional:
+            pipe.hset(k.item_region, mapping=regional)
+        popular = world.sample_popular_items(np.random.default_rng(1), 20 * hot)
+        top = list(dict.fromkeys(World.item_id(int(i)) for i in popular))[:hot]
+        now = int(time.time() * 1000)
+        entries = [HotEntry(i, float(hot - n), 0.05, 0.5) for n, i in enumerate(top)]
+        pipe.hset(k.hot("global"), "0", json.dumps(HotList(now, entries, 0, now).to_json()))
+        pipe.sadd(k.hot_scopes(), "global")
+        pipe.execute()
+        manifest = read_manifest(model_dir)
+        t = load_tensors(model_dir, manifest["files"]["two_tower"])
+        seed_rows(r, k, TABLE_ITEM, t["item_ids"].numpy(), t["item_rows"].numpy(), 1, 1)
+        seed_rows(r, k, TABLE_USER, t["user_ids"].numpy(), t["user_rows"].numpy(), 1, 1)
+    finally:
+        r.close()
