@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                      envvar="FRESHREC_REQUEST_RATE", default=20.0,
                      help="closed-loop recommendation requests per second")  # fmt: skip
     run.add_argument("--workers", type=int, default=1, help="inference workers to start")
+    run.add_argument("--dashboard-port", type=int, default=8050,
+                     help="port of the built-in dashboard (0: any free port)")  # fmt: skip
     run.add_argument("--train-impressions", type=int, default=None,
                      help="impressions for offline training when no models are cached "
                           "(default: 10 per item, 50k to 1M)")  # fmt: skip
@@ -120,6 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=commands.cmd_worker)
     ps = sub.add_parser("param-server", help="aggregate gradients, Adagrad, persist, broadcast")
     ps.set_defaults(func=commands.cmd_param_server)
+    for name, helptext in (
+        ("dashboard", "a live web page of freshness, lag, throughput, latency and tiers"),
+        ("top", "the same headline figures as a live table in the terminal"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--targets", default=None,
+                       help="name=host:port,... of /metrics endpoints "
+                            "(default: the services of the running `freshrec run`)")  # fmt: skip
+        if name == "dashboard":
+            p.add_argument("--host", default="127.0.0.1")
+            p.add_argument("--port", type=int, default=8050)
+            p.add_argument("--duration", type=float, default=None, help="seconds to serve")
+            p.set_defaults(func=commands.cmd_dashboard)
+        else:
+            p.add_argument("--interval", type=float, default=1.0)
+            p.add_argument("--once", action="store_true", help="print one table (after 2 samples)")
+            p.set_defaults(func=commands.cmd_top)
+
     train = sub.add_parser(
         "train", help="offline training: starting embeddings and both ranking models"
     )

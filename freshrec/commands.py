@@ -149,6 +149,60 @@ def cmd_produce_events(args: argparse.Namespace) -> int:
     return 0 if stats.failed == 0 else 1
 
 
+# ---------------------------------------------------------------------- dashboard, top
+
+
+def _observer_targets(spec: str | None) -> dict[str, str]:
+    from freshrec.observe import parse_targets, read_targets
+
+    targets = parse_targets(spec) if spec else read_targets(state_dir())
+    if not targets:
+        raise StackError(
+            "no services to watch: start `freshrec run`, or pass --targets "
+            "worker=localhost:9101,streams=localhost:9100,param-server=localhost:9102"
+        )
+    return targets
+
+
+def start_dashboard(targets: dict[str, str], host: str, port: int):
+    """The dashboard on ``port``, or on a free port when that one is taken."""
+    from freshrec.dashboard import DashboardServer
+    from freshrec.observe import Observer
+
+    try:
+        return DashboardServer(Observer(targets), host, port).start()
+    except OSError:
+        log.info("port %d is taken: the dashboard takes a free one", port)
+        return DashboardServer(Observer(targets), host, 0).start()
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    server = start_dashboard(_observer_targets(args.targets), args.host, args.port)
+    print(f"dashboard: {server.url} (Ctrl-C stops)", flush=True)
+    try:
+        if args.duration is not None:
+            time.sleep(args.duration)
+        else:
+            threading.Event().wait()
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from freshrec.observe import Observer
+    from freshrec.top import run_top
+
+    observer = Observer(_observer_targets(args.targets))
+    if args.once:
+        observer.sample()
+        time.sleep(args.interval)
+        run_top(observer, args.interval, iterations=1)
+    else:
+        run_top(observer, args.interval)
+    return 0
+
+
 # ------------------------------------------------------------------------- train, recommend
 
 
@@ -374,6 +428,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                 progress.update(f"waiting for {', '.join(names)} to join")
 
             wait_until_assigned(ports, 120, waiting)
+            from freshrec.observe import targets_file, write_targets
+
+            targets = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
+            write_targets(state_dir(), targets)
+            dashboard = start_dashboard(targets, "127.0.0.1", args.dashboard_port)
+            progress.done(f"dashboard: {dashboard.url}  (terminal: freshrec top)")
             stop = threading.Event()
             watcher = threading.Thread(
                 target=_watch_services, args=(services, stop), daemon=True, name="watch"
@@ -396,6 +456,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     final = summary(ports)
             finally:
                 stop.set()
+                dashboard.stop()
+                targets_file(state_dir()).unlink(missing_ok=True)
             if services.failure:
                 raise services.failure
         finally:

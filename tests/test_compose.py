@@ -78,3 +78,55 @@ def test_only_user_facing_ports_are_published():
         name: svc.get("ports", []) for name, svc in COMPOSE["services"].items() if svc.get("ports")
     }
     assert set(published) <= {"kafka", "grafana", "prometheus"}
+
+
+# ----------------------------------------------------------------------------- grafana
+def _exported_series() -> set[str]:
+    """Every series name the code exports (counters with _total, histograms' parts)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from freshrec import metrics
+
+    names: set[str] = set()
+    for obj in vars(metrics).values():
+        if isinstance(obj, Counter):
+            names.add(obj._name + "_total")
+        elif isinstance(obj, Histogram):
+            names |= {obj._name + s for s in ("_bucket", "_sum", "_count")}
+        elif isinstance(obj, Gauge):
+            names.add(obj._name)
+    return names
+
+
+def test_every_metric_a_grafana_panel_queries_is_exported():
+    import json
+    import re
+
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/freshrec.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    queried = {m for e in exprs for m in re.findall(r"freshrec_[a-z0-9_]+", e)}
+    assert queried, "the dashboard queries nothing"
+    missing = queried - _exported_series()
+    assert not missing, f"panels query series the code does not export: {sorted(missing)}"
+    # freshness first, as operators look at it first
+    titles = [p["title"] for p in dashboard["panels"]]
+    assert titles[0] == "Freshness" and "Freshness lag" in titles[1]
+
+
+def test_dashboard_json_is_generated_from_tools_grafana_dashboard():
+    from tools.grafana_dashboard import render
+
+    committed = (ROOT / "deploy/grafana/dashboards/freshrec.json").read_text()
+    assert committed == render(), "run `python -m tools.grafana_dashboard` and commit the result"
+
+
+def test_grafana_provisions_the_dashboard_and_its_data_source():
+    grafana = COMPOSE["services"]["grafana"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    assert mounts["/var/lib/grafana/dashboards"] == "./deploy/grafana/dashboards"
+    provider = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/dashboards/freshrec.yml").read_text()
+    )
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert ds["datasources"][0]["uid"] == "prometheus"

@@ -1,0 +1,192 @@
+"""Headline figures of a running FreshRec, from its services' own /metrics endpoints — what
+``freshrec dashboard`` charts and ``freshrec top`` prints, computed one way for both.
+
+``Observer.sample()`` scrapes every target and keeps a short history of scrapes; figures over
+a window (quantiles, rates) are differences between the newest scrape and one ``window_s``
+older, as Prometheus' ``rate``/``histogram_quantile`` would compute them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.promtext import Samples, histogram_quantile, merge, scrape, subtract, total
+
+STAGES = ("local", "global_applied", "served")
+LAG = "freshrec_freshness_lag_seconds"
+
+
+def targets_file(state: Path) -> Path:
+    return state / "run" / "services.json"
+
+
+def write_targets(state: Path, targets: Mapping[str, str]) -> None:
+    path = targets_file(state)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(targets), indent=2))
+
+
+def read_targets(state: Path) -> dict[str, str]:
+    try:
+        return json.loads(targets_file(state).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def parse_targets(spec: str) -> dict[str, str]:
+    """``"worker=localhost:9101,streams=localhost:9100"`` → {name: metrics URL}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, where = part.partition("=")
+        if not sep:
+            raise ValueError(f"expected name=host:port, got {part!r}")
+        out[name] = where if where.startswith("http") else f"http://{where}/metrics"
+    return out
+
+
+def _ms(v: float) -> float | None:
+    return None if math.isnan(v) else round(v * 1000, 1)
+
+
+@dataclass
+class Headline:
+    t: float
+    freshness_p50_ms: dict[str, float | None] = field(default_factory=dict)
+    freshness_p99_ms: dict[str, float | None] = field(default_factory=dict)
+    consumer_lag: dict[str, float] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)
+    latency_ms: dict[str, float | None] = field(default_factory=dict)
+    tiers: dict[str, float] = field(default_factory=dict)
+    breakers: dict[str, str] = field(default_factory=dict)
+    cache_hit: float | None = None
+    up: dict[str, bool] = field(default_factory=dict)
+    model: str | None = None
+
+
+class Observer:
+    def __init__(self, targets: Mapping[str, str], window_s: float = 10.0, keep: int = 600):
+        self.targets = dict(targets)
+        self.window_s = window_s
+        self._scrapes: deque[tuple[float, Samples, dict[str, bool]]] = deque()
+        self.history: deque[Headline] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+
+    def sample(self) -> Headline:
+        up, parts = {}, []
+        for name, url in self.targets.items():
+            try:
+                parts.append(scrape(url, timeout_s=1.0))
+                up[name] = True
+            except OSError:
+                up[name] = False
+        now = time.time()
+        samples = merge(*parts)
+        self._scrapes.append((now, samples, up))
+        while len(self._scrapes) > 2 and now - self._scrapes[1][0] >= self.window_s:
+            self._scrapes.popleft()
+        h = headline(self._scrapes[0], (now, samples, up))
+        with self._lock:
+            self.history.append(h)
+        return h
+
+    def series(self) -> dict:
+        with self._lock:
+            hist = list(self.history)
+        return {"targets": self.targets, "points": [h.__dict__ for h in hist]}
+
+
+def headline(before: tuple[float, Samples, dict], after: tuple[float, Samples, dict]) -> Headline:
+    t0, s0, _ = before
+    t1, s1, up = after
+    dt = max(t1 - t0, 1e-9)
+    h = Headline(t=round(t1, 3), up=up)
+    window = (
+        subtract(s1, s0, LAG + "_bucket")
+        if t1 > t0
+        else {LAG + "_bucket": s1.get(LAG + "_bucket", [])}
+    )
+    hot_name = "freshrec_hot_list_lag_seconds_bucket"
+    hot = subtract(s1, s0, hot_name) if t1 > t0 else {hot_name: s1.get(hot_name, [])}
+    for stage in STAGES:
+        h.freshness_p50_ms[stage] = _ms(histogram_quantile(window, LAG, 0.5, stage=stage))
+        h.freshness_p99_ms[stage] = _ms(histogram_quantile(window, LAG, 0.99, stage=stage))
+    h.freshness_p50_ms["hot_list"] = _ms(
+        histogram_quantile(hot, "freshrec_hot_list_lag_seconds", 0.5)
+    )
+    h.freshness_p99_ms["hot_list"] = _ms(
+        histogram_quantile(hot, "freshrec_hot_list_lag_seconds", 0.99)
+    )
+    for labels, v in s1.get("freshrec_consumer_lag_messages", []):
+        key = f"{labels.get('group', '?')}/{labels.get('topic', '?')}"
+        h.consumer_lag[key] = h.consumer_lag.get(key, 0.0) + v
+
+    def rate(name: str, **match: str) -> float:
+        return round(max(total(s1, name, **match) - total(s0, name, **match), 0.0) / dt, 1)
+
+    h.rates = {
+        "events_counted": rate("freshrec_streams_counted_events_total"),
+        "events_learnt": rate("freshrec_worker_events_total", outcome="valid"),
+        "dead_letters": rate("freshrec_dead_letters_total"),
+        "requests_served": rate("freshrec_requests_total", outcome="served"),
+        "requests_expired": rate("freshrec_requests_total", outcome="expired"),
+        "gradient_rows": rate("freshrec_gradient_rows_total", outcome="sent"),
+        "rows_applied": rate("freshrec_ps_rows_applied_total"),
+        "updates_installed": rate("freshrec_updates_installed_total", outcome="installed"),
+    }
+    req = "freshrec_request_seconds"
+    rw = (
+        subtract(s1, s0, req + "_bucket")
+        if t1 > t0
+        else {req + "_bucket": s1.get(req + "_bucket", [])}
+    )
+    for stage in ("queue", "recall", "rank", "rerank", "total"):
+        h.latency_ms[f"{stage}_p99"] = _ms(histogram_quantile(rw, req, 0.99, stage=stage))
+    h.latency_ms["total_p50"] = _ms(histogram_quantile(rw, req, 0.5, stage="total"))
+    for labels, _ in s1.get("freshrec_replies_total", []):
+        tier = labels.get("tier", "?")
+        h.tiers[tier] = rate("freshrec_replies_total", tier=tier)
+    names = {0.0: "closed", 1.0: "half_open", 2.0: "open"}
+    for labels, v in s1.get("freshrec_breaker_state", []):
+        h.breakers[labels.get("channel", "?")] = names.get(v, str(v))
+    lookups = {
+        tier: total(s1, "freshrec_cache_lookups_total", tier=tier)
+        - total(s0, "freshrec_cache_lookups_total", tier=tier)
+        for tier in ("device", "redis", "new")
+    }
+    n = sum(lookups.values())
+    h.cache_hit = round(lookups["device"] / n, 4) if n > 0 else None
+    for labels, v in s1.get("freshrec_model_info", []):
+        if v:
+            h.model = labels.get("version")
+    return h
+
+
+class Poller:
+    """Samples an ``Observer`` every ``interval_s`` on a daemon thread."""
+
+    def __init__(self, observer: Observer, interval_s: float = 1.0) -> None:
+        self.observer = observer
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="observer")
+
+    def start(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.observer.sample()
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -1,0 +1,66 @@
+"""``freshrec top``: the dashboard's headline figures as a compact table in the terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from freshrec.observe import Headline, Observer
+
+
+def _f(v, unit: str = "") -> str:
+    if v is None:
+        return "–"
+    return f"{v:,.0f}{unit}" if abs(v) >= 100 else f"{v:,.1f}{unit}"
+
+
+def render(h: Headline) -> str:
+    lines = [time.strftime("freshrec top — %H:%M:%S", time.localtime(h.t))]
+    lines.append(
+        "services   " + "  ".join(f"{n}:{'up' if ok else 'DOWN'}" for n, ok in h.up.items())
+    )
+    lines.append(f"{'freshness':<11}{'p50':>10}{'p99':>10}")
+    for stage in ("local", "global_applied", "served", "hot_list"):
+        lines.append(
+            f"  {stage:<9}{_f(h.freshness_p50_ms.get(stage), 'ms'):>10}"
+            f"{_f(h.freshness_p99_ms.get(stage), 'ms'):>10}"
+        )
+    r = h.rates
+    lines.append(
+        f"events/s   counted {_f(r.get('events_counted'))}  learnt {_f(r.get('events_learnt'))}"
+        f"  dead letters {_f(r.get('dead_letters'))}"
+    )
+    lines.append(
+        f"rows/s     gradients {_f(r.get('gradient_rows'))}  applied {_f(r.get('rows_applied'))}"
+        f"  installed {_f(r.get('updates_installed'))}"
+    )
+    lat = h.latency_ms
+    lines.append(
+        f"requests/s {_f(r.get('requests_served'))}  latency p50 {_f(lat.get('total_p50'), 'ms')}"
+        f" p99 {_f(lat.get('total_p99'), 'ms')}  expired/s {_f(r.get('requests_expired'))}"
+    )
+    if h.tiers:
+        lines.append("tiers/s    " + "  ".join(f"{t} {_f(v)}" for t, v in sorted(h.tiers.items())))
+    if h.breakers:
+        lines.append("breakers   " + "  ".join(f"{c}:{s}" for c, s in sorted(h.breakers.items())))
+    lag = "  ".join(f"{k} {_f(v)}" for k, v in sorted(h.consumer_lag.items()))
+    lines.append(f"lag        {lag or '–'}")
+    hit = "–" if h.cache_hit is None else f"{100 * h.cache_hit:.1f}%"
+    lines.append(f"cache hit  {hit}   model {h.model or '–'}")
+    return "\n".join(lines)
+
+
+def run_top(observer: Observer, interval_s: float = 1.0, iterations: int | None = None) -> None:
+    tty = sys.stdout.isatty()
+    n = 0
+    while iterations is None or n < iterations:
+        started = time.monotonic()
+        text = render(observer.sample())
+        if tty:
+            sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
+        else:
+            sys.stdout.write(text + "\n\n")
+        sys.stdout.flush()
+        n += 1
+        if iterations is None or n < iterations:
+            time.sleep(max(0.0, interval_s - (time.monotonic() - started)))

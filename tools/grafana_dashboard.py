@@ -1,0 +1,290 @@
+"""Generates the Grafana dashboard (``deploy/grafana/dashboards/freshrec.json``) from one list
+of panels, so every query is in one reviewable place and a test can check each metric it
+names against what the code exports.
+
+    .venv/bin/python -m tools.grafana_dashboard      # rewrites the JSON
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).parents[1] / "deploy" / "grafana" / "dashboards" / "freshrec.json"
+DS = {"type": "prometheus", "uid": "prometheus"}
+
+
+def q(quantile: float, metric: str, by: str, where: str = "") -> str:
+    sel = f"{{{where}}}" if where else ""
+    return f"histogram_quantile({quantile}, sum by (le, {by}) (rate({metric}_bucket{sel}[1m])))"
+
+
+# (title, unit, [(expr, legend)], width)
+ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
+    (
+        "Freshness",
+        [
+            (
+                "Freshness lag p99 per stage",
+                "s",
+                [
+                    (q(0.99, "freshrec_freshness_lag_seconds", "stage"), "p99 {{stage}}"),
+                    (q(0.99, "freshrec_hot_list_lag_seconds", "job"), "p99 hot list"),
+                ],
+                12,
+            ),
+            (
+                "Freshness lag p50 per stage",
+                "s",
+                [
+                    (q(0.5, "freshrec_freshness_lag_seconds", "stage"), "p50 {{stage}}"),
+                    (q(0.5, "freshrec_hot_list_lag_seconds", "job"), "p50 hot list"),
+                ],
+                12,
+            ),
+            (
+                "Consumer lag (from the consumers' fetch responses)",
+                "short",
+                [
+                    (
+                        "sum by (group, topic) (freshrec_consumer_lag_messages)",
+                        "{{group}} {{topic}}",
+                    ),
+                ],
+                12,
+            ),
+            (
+                "Pending local steps / event backlog",
+                "short",
+                [
+                    ("sum(freshrec_pending_local_steps)", "pending local steps"),
+                    ("sum(freshrec_worker_event_backlog)", "worker event backlog"),
+                ],
+                12,
+            ),
+        ],
+    ),
+    (
+        "Throughput",
+        [
+            (
+                "Events",
+                "ops",
+                [
+                    (
+                        "sum by (outcome) (rate(freshrec_streams_events_total[1m]))",
+                        "streams {{outcome}}",
+                    ),
+                    ("sum(rate(freshrec_streams_counted_events_total[1m]))", "streams counted"),
+                    (
+                        "sum by (outcome) (rate(freshrec_worker_events_total[1m]))",
+                        "worker {{outcome}}",
+                    ),
+                ],
+                8,
+            ),
+            (
+                "Dead letters by reason",
+                "ops",
+                [
+                    ("sum by (reason) (rate(freshrec_dead_letters_total[1m]))", "{{reason}}"),
+                    ("sum(rate(freshrec_streams_late_events_total[1m]))", "late events"),
+                    ("sum(rate(freshrec_streams_replayed_events_total[1m]))", "replayed (skipped)"),
+                ],
+                8,
+            ),
+            (
+                "Gradients, rows applied, updates installed",
+                "ops",
+                [
+                    (
+                        "sum by (outcome) (rate(freshrec_gradient_rows_total[1m]))",
+                        "gradient rows {{outcome}}",
+                    ),
+                    (
+                        "sum by (table) (rate(freshrec_ps_rows_applied_total[1m]))",
+                        "applied {{table}}",
+                    ),
+                    (
+                        "sum by (outcome) (rate(freshrec_updates_installed_total[1m]))",
+                        "updates {{outcome}}",
+                    ),
+                ],
+                8,
+            ),
+        ],
+    ),
+    (
+        "Serving",
+        [
+            (
+                "Request latency p99 per stage",
+                "s",
+                [
+                    (q(0.99, "freshrec_request_seconds", "stage"), "p99 {{stage}}"),
+                ],
+                8,
+            ),
+            (
+                "Request latency p99 per tier",
+                "s",
+                [
+                    (q(0.99, "freshrec_request_seconds", "tier", 'stage="total"'), "p99 {{tier}}"),
+                ],
+                8,
+            ),
+            (
+                "Requests",
+                "ops",
+                [
+                    ("sum by (outcome) (rate(freshrec_requests_total[1m]))", "{{outcome}}"),
+                    ("sum by (tier) (rate(freshrec_replies_total[1m]))", "reply tier {{tier}}"),
+                ],
+                8,
+            ),
+            (
+                "Degraded replies by reason",
+                "ops",
+                [
+                    (
+                        "sum by (tier, reason) (rate(freshrec_degraded_replies_total[1m]))",
+                        "{{tier}} {{reason}}",
+                    ),
+                ],
+                8,
+            ),
+            (
+                "Recall channel calls (timeouts, breaker skips)",
+                "ops",
+                [
+                    (
+                        "sum by (channel, outcome) (rate(freshrec_recall_calls_total[1m]))",
+                        "{{channel}} {{outcome}}",
+                    ),
+                ],
+                8,
+            ),
+            (
+                "Breaker state (0 closed, 1 half-open, 2 open)",
+                "short",
+                [
+                    ("max by (channel) (freshrec_breaker_state)", "{{channel}}"),
+                ],
+                8,
+            ),
+            (
+                "Batch size",
+                "short",
+                [
+                    (
+                        "sum(rate(freshrec_request_batch_size_sum[1m])) / sum(rate(freshrec_request_batch_size_count[1m]))",
+                        "mean requests per batch",
+                    ),
+                ],
+                8,
+            ),
+            (
+                "Cache lookups by tier",
+                "ops",
+                [
+                    (
+                        "sum by (table, tier) (rate(freshrec_cache_lookups_total[1m]))",
+                        "{{table}} {{tier}}",
+                    ),
+                ],
+                8,
+            ),
+            (
+                "Model in use",
+                "short",
+                [
+                    ("max by (version) (freshrec_model_info)", "{{version}}"),
+                    (
+                        "sum by (outcome) (increase(freshrec_model_reloads_total[5m]))",
+                        "reloads {{outcome}}",
+                    ),
+                ],
+                8,
+            ),
+        ],
+    ),
+    (
+        "Internals",
+        [
+            (
+                "Parameter server flush time",
+                "s",
+                [
+                    (q(0.99, "freshrec_ps_flush_seconds", "job"), "p99 flush"),
+                    (
+                        "sum by (outcome) (rate(freshrec_ps_flushes_total[1m]))",
+                        "flushes {{outcome}}",
+                    ),
+                ],
+                8,
+            ),
+            (
+                "Streams batches",
+                "s",
+                [
+                    (q(0.99, "freshrec_streams_batch_seconds", "stage"), "p99 {{stage}}"),
+                ],
+                8,
+            ),
+            (
+                "Resident rows, catalogue, partitions",
+                "short",
+                [
+                    ("sum by (table) (freshrec_cache_rows)", "rows {{table}}"),
+                    ("max(freshrec_catalogue_items)", "catalogue items"),
+                    ("sum by (service) (freshrec_assigned_partitions)", "partitions {{service}}"),
+                    ("sum(freshrec_streams_item_partitions)", "streams item partitions"),
+                ],
+                8,
+            ),
+        ],
+    ),
+]
+
+
+def build() -> dict:
+    panels = []
+    y = 0
+    pid = 1
+    for row_title, row in ROWS:
+        panels.append({"type": "row", "title": row_title, "id": pid, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})  # fmt: skip
+        pid += 1
+        y += 1
+        x = 0
+        for title, unit, targets, width in row:
+            if x + width > 24:
+                x, y = 0, y + 8
+            panels.append({
+                "type": "timeseries", "title": title, "id": pid, "datasource": DS,
+                "gridPos": {"h": 8, "w": width, "x": x, "y": y},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                "targets": [
+                    {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(65 + i)}
+                    for i, (expr, legend) in enumerate(targets)
+                ],
+            })  # fmt: skip
+            pid += 1
+            x += width
+        y += 8
+    return {
+        "uid": "freshrec", "title": "FreshRec", "schemaVersion": 39, "version": 1,
+        "refresh": "5s", "time": {"from": "now-15m", "to": "now"}, "tags": ["freshrec"],
+        "panels": panels, "templating": {"list": []}, "annotations": {"list": []},
+    }  # fmt: skip
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(render())
+    print(f"wrote {OUT}")
