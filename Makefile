@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: run test lint format clean stack-down
+.PHONY: run test lint format clean stack-down chromium
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,8 +15,18 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/freshrec run $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The dashboard test renders the page in Debian's headless Chromium. Installed with apt when
+# missing and this user may (root, or sudo without a password); otherwise the test says how.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else \
+	    echo "chromium missing and apt needs root: the dashboard test will fail (apt-get install chromium)"; exit 0; fi; \
+	  echo "installing Debian's chromium for the dashboard test"; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

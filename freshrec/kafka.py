@@ -136,3 +136,31 @@ def aiokafka_consumer_kwargs(conn: ConnectionSettings) -> dict[str, Any]:
         "heartbeat_interval_ms": p.heartbeat_interval_ms,
         "fetch_max_wait_ms": p.fetch_wait_max_ms,
     }
+
+
+def lag_statistics(group: str) -> dict[str, Any]:
+    """Consumer settings that export consumer lag per partition to
+    ``freshrec_consumer_lag_messages``, computed by librdkafka from its own fetch responses
+    (the embedded broker's ListOffsets answers are wrong, so lag is never asked for)."""
+    import json
+
+    from freshrec import metrics as m
+
+    def on_stats(raw: str) -> None:
+        try:
+            stats = json.loads(raw)
+        except ValueError:
+            return
+        for topic, t in stats.get("topics", {}).items():
+            for pid, p in t.get("partitions", {}).items():
+                if pid == "-1":
+                    continue
+                # what the application has been handed vs the partition end the last fetch
+                # saw; librdkafka's own consumer_lag needs Kafka-committed offsets, which
+                # services keeping their offsets in Redis never write
+                hi, app = p.get("hi_offset", -1), p.get("app_offset", -1)
+                lag = hi - app if hi >= 0 and app >= 0 else p.get("consumer_lag", -1)
+                if lag is not None and lag >= 0:
+                    m.CONSUMER_LAG.labels(group, topic, pid).set(lag)
+
+    return {"statistics.interval.ms": 1000, "stats_cb": on_stats}

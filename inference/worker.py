@@ -21,7 +21,6 @@ local steps are remembered (``pending.py``) until a broadcast update includes th
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
@@ -40,7 +39,7 @@ from confluent_kafka import (
 )
 
 from freshrec import metrics as m
-from freshrec.kafka import consumer_config, producer_config
+from freshrec.kafka import consumer_config, lag_statistics, producer_config
 from freshrec.lifecycle import run_until_signalled
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
@@ -107,11 +106,7 @@ class Worker:
         self.pending = PendingSteps()
         self.producer = Producer(producer_config(conn))
         self.group = f"{conn.topic_prefix}freshrec-workers"
-        self.events = Consumer(
-            consumer_config(
-                conn, self.group, **{"statistics.interval.ms": 1000, "stats_cb": self._stats}
-            )
-        )
+        self.events = Consumer(consumer_config(conn, self.group, **lag_statistics("workers")))
         self.updates = Consumer(consumer_config(conn, None, background=True))
         self.tokens = itertools.count(1)
         self.rng = np.random.default_rng(abs(hash(settings.worker_id)) % (2**32))
@@ -454,18 +449,6 @@ class Worker:
         self.paused = []
         self.assigned = 0
         m.ASSIGNED_PARTITIONS.labels("worker").set(0)
-
-    def _stats(self, raw: str) -> None:
-        """librdkafka statistics: consumer lag per partition from the fetch responses."""
-        try:
-            stats = json.loads(raw)
-        except ValueError:
-            return
-        for topic, t in stats.get("topics", {}).items():
-            for pid, p in t.get("partitions", {}).items():
-                lag = p.get("consumer_lag", -1)
-                if pid != "-1" and lag is not None and lag >= 0:
-                    m.CONSUMER_LAG.labels("workers", topic, pid).set(lag)
 
     @staticmethod
     def _ok(msg) -> bool:

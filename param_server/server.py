@@ -25,7 +25,7 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import consumer_config, producer_config
+from freshrec.kafka import consumer_config, lag_statistics, producer_config
 from freshrec.lifecycle import run_until_signalled
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -56,7 +56,12 @@ class ParameterServer:
         self.redis = redis.Redis.from_url(conn.redis_url, socket_timeout=5)
         self.w = settings.dim + 1
         self.consumer = Consumer(
-            consumer_config(conn, f"{conn.topic_prefix}freshrec-param-server", background=True)
+            consumer_config(
+                conn,
+                f"{conn.topic_prefix}freshrec-param-server",
+                background=True,
+                **lag_statistics("param-server"),
+            )
         )
         self.producer = Producer(producer_config(conn))
         self.rows: dict[tuple[int, int], RowState] = {}

@@ -25,7 +25,7 @@ import redis
 from confluent_kafka import Consumer, KafkaError, Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import consumer_config, producer_config
+from freshrec.kafka import consumer_config, lag_statistics, producer_config
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -63,7 +63,12 @@ class ValidateStage:
         self.keys = RedisKeys(conn.topic_prefix)
         self.partitions = by_item_partitions
         self.consumer = Consumer(
-            consumer_config(conn, f"{conn.topic_prefix}freshrec-streams-validate", background=True)
+            consumer_config(
+                conn,
+                f"{conn.topic_prefix}freshrec-streams-validate",
+                background=True,
+                **lag_statistics("streams-validate"),
+            )
         )
         self.producer = Producer(producer_config(conn))
         self.redis = redis.Redis.from_url(conn.redis_url)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 from freshrec.stack import pid_alive
 
 PIDS = re.compile(r"pid (\d+)")
+DASHBOARD = re.compile(r"dashboard: (http://\S+)")
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
 def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
@@ -26,10 +32,30 @@ def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
 
 def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
     """`freshrec run --duration 30`: trains (small world), serves simulated users who click,
-    and prints served requests, a nonzero CTR and freshness figures; nothing left behind."""
+    and prints served requests, a nonzero CTR and freshness figures; nothing left behind.
+    While it runs: every service's /metrics has the named series with plausible values, the
+    dashboard renders with data in headless Chromium (screenshot saved), `freshrec top` prints."""
     proc = freshrec(tmp_path, "run", "--duration", "30", "--items", "2000", "--users", "10000",
-                    "--rate", "100", "--requests", "20")  # fmt: skip
-    out, _ = proc.communicate(timeout=300)
+                    "--rate", "100", "--requests", "20", "--dashboard-port", "0")  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    url = None
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        url = next((m.group(1) for x in list(lines) if (m := DASHBOARD.search(x))), None)
+        time.sleep(0.5)
+    assert url, "".join(lines)
+    time.sleep(10)  # a burst of closed-loop traffic
+    targets = json.loads((tmp_path / "run" / "services.json").read_text())
+    top = freshrec(tmp_path, "top", "--once")
+    top_out, _ = top.communicate(timeout=60)
+    assert top.returncode == 0 and "freshness" in top_out and "requests/s" in top_out, top_out
+    check_service_metrics(targets)
+    check_dashboard_in_chromium(url)
+    proc.wait(timeout=240)
+    reader.join(10)
+    out = "".join(lines)
     assert proc.returncode == 0, out
     m = re.search(r"run finished: ([\d,]+) background events delivered", out)
     assert m and int(m.group(1).replace(",", "")) > 2000, out
@@ -41,9 +67,66 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
     fresh = re.search(r"p99 local ([\d,]+)ms global ([\d,]+)ms served ([\d,]+)ms", out)
     assert fresh, out
     assert (tmp_path / "models" / "manifest.json").exists()  # cached for the next run
+    assert not (tmp_path / "run" / "services.json").exists()
     pids = [int(p) for p in PIDS.findall(out.split("embedded stack stopped")[1])]
-    assert len(pids) == 2
-    assert not any(pid_alive(p) for p in pids)
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+    children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", out)]
+    assert len(children) == 3 and not any(pid_alive(p) for p in children)
+
+
+def check_service_metrics(targets: dict[str, str]) -> None:
+    from tools.promtext import histogram_quantile, scrape, total
+
+    first = {name: scrape(url) for name, url in targets.items()}
+    time.sleep(3)
+    second = {name: scrape(url) for name, url in targets.items()}
+    w0, w1 = first["worker"], second["worker"]
+    for stage in ("local", "served"):
+        p99 = histogram_quantile(w1, "freshrec_freshness_lag_seconds", 0.99, stage=stage)
+        assert 0 < p99 < 60, (stage, p99)
+    p99 = histogram_quantile(second["param-server"], "freshrec_freshness_lag_seconds", 0.99,
+                             stage="global_applied")  # fmt: skip
+    assert 0 < p99 < 60
+    assert histogram_quantile(second["streams"], "freshrec_hot_list_lag_seconds", 0.99) > 0
+    for name, group in (("worker", "workers"), ("param-server", "param-server"),
+                        ("streams", "streams-validate")):  # fmt: skip
+        lags = [v for labels, v in second[name].get("freshrec_consumer_lag_messages", [])
+                if labels["group"] == group]  # fmt: skip
+        assert lags and all(0 <= v < 1e6 for v in lags), (name, lags)
+    rising = [
+        ("worker", "freshrec_worker_events_total"), ("worker", "freshrec_requests_total"),
+        ("worker", "freshrec_replies_total"), ("worker", "freshrec_recall_calls_total"),
+        ("worker", "freshrec_cache_lookups_total"), ("worker", "freshrec_updates_installed_total"),
+        ("param-server", "freshrec_ps_rows_applied_total"),
+        ("streams", "freshrec_streams_counted_events_total"),
+    ]  # fmt: skip
+    for name, metric in rising:
+        assert total(second[name], metric) > total(first[name], metric), (name, metric)
+    assert histogram_quantile(w1, "freshrec_request_seconds", 0.99, stage="total") > 0
+    assert total(w1, "freshrec_model_info") == 1
+    assert {labels["channel"] for labels, _ in w1["freshrec_breaker_state"]} >= {"vector", "hot"}
+    assert total(w1, "freshrec_requests_total") > total(w0, "freshrec_requests_total")
+
+
+def check_dashboard_in_chromium(url: str) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, (
+        "Debian's chromium is needed: `make test` installs it (apt-get install chromium)"
+    )
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu",
+             "--disable-background-networking", "--virtual-time-budget=5000"]  # fmt: skip
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=90)
+    points = dict(re.findall(r'id="(\w+)" data-points="(\d+)"', dom.stdout))
+    assert set(points) >= {"fresh99", "fresh50", "lag", "rates", "latency", "tiers"}, dom.stdout[
+        -2000:
+    ]
+    for chart in ("fresh99", "rates", "latency", "lag"):
+        assert int(points[chart]) > 0, points
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard.png"
+    subprocess.run([*flags, "--window-size=1400,1150", f"--screenshot={shot}", url],
+                   capture_output=True, timeout=90)  # fmt: skip
+    assert shot.exists() and shot.stat().st_size > 10_000
 
 
 def test_ctrl_c_stops_the_run_and_its_stack(tmp_path):

@@ -128,5 +128,7 @@ def test_grafana_provisions_the_dashboard_and_its_data_source():
         (ROOT / "deploy/grafana/provisioning/dashboards/freshrec.yml").read_text()
     )
     assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
-    ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    ds = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
     assert ds["datasources"][0]["uid"] == "prometheus"
