@@ -11,6 +11,7 @@ online learning writes: a user's click is in their next recommendation.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 
 from freshrec import metrics as m
 from freshrec.rediskeys import RedisKeys
+from inference.ann import IVFIndex
 from inference.cache import EmbeddingCache
 from inference.degrade import CACHED, FULL, HOT, LIGHT, Ladder, LadderConfig, Situation
 from inference.features import RECENT, FeatureEncoder, recent_category_share
@@ -53,6 +55,11 @@ class ServingSettings:
     result_cache_entries: int = 100_000
     mmr_pool_factor: int = 10
     """MMR re-ranks the best ``factor × k`` candidates (diversity among the relevant ones)."""
+    ann_min_items: int = 200_000
+    """Catalogues at least this large use the IVF index (``ann.py``) for the vector channels;
+    smaller ones are searched exactly."""
+    ann_nprobe: int = 16
+    ann_refresh_s: float = 300.0
     recall_share: float = 0.5
     """At most this share of the tightest budget in a batch is spent waiting for recall."""
 
@@ -106,6 +113,9 @@ class Recommender:
         self.named = torch.zeros(0, dtype=torch.bool)
         self.slot_category = torch.zeros(0, dtype=torch.int64)
         self.named_count = 0
+        self.ann: IVFIndex | None = None
+        self._ann_built_at = 0.0
+        self._ann_building = False
         self.list_slots: dict[str, np.ndarray] = {}
         """Hot lists (per scope) and new items as cache slots, per snapshot."""
         self.cat_index = np.empty(0, np.int64)  # slot -> catalogue index (-1: unknown)
@@ -167,11 +177,48 @@ class Recommender:
         if size == 0 or n <= 0:
             return [np.empty(0, np.int64) for _ in range(len(queries_rows))]
         q = torch.as_tensor(queries_rows, device=items.device)
+        index = self.ann
+        if index is not None:
+            newer = torch.arange(index.size, size, device=items.device)
+            newer = newer[named[index.size : size]]
+            return index.search(q, items, n, self.settings.ann_nprobe, extra=newer)
         scores = q @ items[:size].T
         scores = scores.masked_fill(~named[:size], float("-inf"))
         k = min(n, self.named_count)
         idx = torch.topk(scores, k, dim=1).indices.cpu().numpy()
         return list(idx)
+
+    def maybe_rebuild_index(self) -> None:
+        """Start a background IVF build when the catalogue is large and the index is missing
+        or older than ``ann_refresh_s`` (called from the worker loop; cheap)."""
+        s = self.settings
+        if self.named_count < s.ann_min_items or self._ann_building:
+            return
+        if self.ann is not None and time.monotonic() - self._ann_built_at < s.ann_refresh_s:
+            return
+        size = min(len(self.named), len(self.cache.items.rows))
+        rows = self.cache.items.rows[:size].detach().clone().cpu()
+        eligible = self.named[:size].clone().cpu()
+        cells = int(max(16, min(4096, 4 * np.sqrt(int(eligible.sum())))))
+        self._ann_building = True
+
+        def build() -> None:
+            try:
+                started = time.monotonic()
+                index = IVFIndex.build(rows, eligible, cells)
+                if self.cache.device.type != "cpu":
+                    index.centroids = index.centroids.to(self.cache.device)
+                    index.order = index.order.to(self.cache.device)
+                self.ann = index
+                self._ann_built_at = time.monotonic()
+                log.info("IVF index: %d items in %d cells, built in %.1fs",
+                         int(eligible.sum()), cells, time.monotonic() - started)  # fmt: skip
+            except Exception as exc:  # exact search goes on
+                log.error("IVF index build failed: %s", exc)
+            finally:
+                self._ann_building = False
+
+        threading.Thread(target=build, daemon=True, name="ann-build").start()
 
     def _vector(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
         return self._topk_slots(np.stack([q.user_row for q in queries]), n)

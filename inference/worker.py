@@ -232,6 +232,7 @@ class Worker:
         if now - self._housekeeping_at > 1.0:
             self._housekeeping_at = now
             self.models.poll()
+            self.recommender.maybe_rebuild_index()
             for name, state in self.recommender.runner.breaker_states().items():
                 m.BREAKER_STATE.labels(name).set(
                     0 if state == CLOSED else 1 if state == HALF_OPEN else 2

@@ -329,3 +329,15 @@ def test_kafkajs_asks_for_recommendations_with_the_documented_protocol(seeded, m
     reply = json.loads(out.stdout.strip().splitlines()[-1])
     assert reply["user_id"] == "u0" and len(reply["items"]) == 7 and reply["tier"] == "full"
     assert reply["request_id"].startswith("js-")
+
+
+def test_large_catalogues_use_the_ivf_index_for_vector_recall(seeded, model_dir):
+    from dataclasses import replace
+
+    conn = seeded
+    base = worker_settings(conn, model_dir)
+    settings = replace(base, serving=replace(base.serving, ann_min_items=100, ann_nprobe=4))
+    with running_worker(settings) as w, client_for(conn) as client:
+        wait_for(lambda: w.recommender.ann is not None, 20, "the background index build")
+        reply = client.recommend("u0", 10, context={"device": "pc"}, timeout_s=10)
+        assert reply.tier == "full" and any("vector" in i.channels for i in reply.items)

@@ -301,3 +301,34 @@ def test_vectorised_slot_merge_selects_like_the_reference():
         assert [str(x) for x in got] == [item for item, _ in ref]
         # the same channels per item (their order is not part of the contract)
         assert [set(c) for c in found_by(got, results)] == [set(ch) for _, ch in ref]
+
+
+def test_ivf_index_finds_most_of_the_exact_top_k_and_scores_with_fresh_rows():
+    import torch
+
+    from inference.ann import IVFIndex
+
+    g = torch.Generator().manual_seed(1)
+    centres = torch.randn(40, 16, generator=g)
+    rows = centres[torch.randint(0, 40, (5000,), generator=g)] + 0.3 * torch.randn(
+        5000, 16, generator=g
+    )
+    eligible = torch.ones(5000, dtype=torch.bool)
+    eligible[:10] = False  # e.g. items without a catalogue entry
+    index = IVFIndex.build(rows, eligible, cells=64, seed=0)
+    queries = torch.randn(20, 16, generator=g)
+    found = index.search(queries, rows, k=20, nprobe=16)
+    scores = (queries @ rows.T).masked_fill(~eligible, float("-inf"))
+    exact = torch.topk(scores, 20, dim=1).indices.numpy()
+    recall = np.mean([len(set(f) & set(e)) / 20 for f, e in zip(found, exact, strict=True)])
+    assert recall >= 0.9, recall
+    assert not any(set(f) & set(range(10)) for f in found)  # never an ineligible slot
+    # the index is stale, the rows are not: a row moved after the build is scored as it is now
+    target = int(found[0][-1])
+    fresh = rows.clone()
+    fresh[target] = queries[0] * 100
+    assert int(index.search(queries[:1], fresh, k=1, nprobe=16)[0][0]) == target
+    # slots added after the build are searched through ``extra``
+    grown = torch.cat([rows, queries[:1] * 100])
+    hit = index.search(queries[:1], grown, k=1, nprobe=1, extra=torch.tensor([5000]))
+    assert int(hit[0][0]) == 5000
