@@ -41,11 +41,11 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def add_world_options(p: argparse.ArgumentParser) -> None:
+def add_world_options(p: argparse.ArgumentParser, items: int = 100_000) -> None:
     p.add_argument("--users", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_USERS",
                    default=1_000_000, help="users in the synthetic world")  # fmt: skip
     p.add_argument("--items", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_ITEMS",
-                   default=100_000, help="items in the synthetic world")  # fmt: skip
+                   default=items, help="items in the synthetic world")  # fmt: skip
     p.add_argument("--seed", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_SEED",
                    default=7, help="seed of the synthetic world")  # fmt: skip
 
@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--train-impressions", type=int, default=None,
                      help="impressions for offline training when no models are cached "
                           "(default: 10 per item, 50k to 1M)")  # fmt: skip
-    add_world_options(run)
+    # 20k items: with 100k the streams app's count stage stalls on this 2-core machine
+    # (see docs/benchmarks.md); `--items 100000` runs the larger world
+    add_world_options(run, items=20_000)
     run.set_defaults(func=commands.cmd_run)
 
     stack = sub.add_parser("stack", help="the embedded Kafka broker and Redis server")

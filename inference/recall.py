@@ -41,8 +41,8 @@ class ChannelConfig:
 
 
 DEFAULT_CHANNELS: dict[str, ChannelConfig] = {
-    "vector": ChannelConfig(250, 40.0),
-    "i2i": ChannelConfig(100, 40.0),
+    "vector": ChannelConfig(250, 80.0),
+    "i2i": ChannelConfig(100, 60.0),
     "hot": ChannelConfig(80, 20.0),
     "region": ChannelConfig(40, 20.0),
     "new": ChannelConfig(30, 20.0),

@@ -55,7 +55,7 @@ class ServingSettings:
     result_cache_entries: int = 100_000
     mmr_pool_factor: int = 10
     """MMR re-ranks the best ``factor × k`` candidates (diversity among the relevant ones)."""
-    ann_min_items: int = 200_000
+    ann_min_items: int = 50_000
     """Catalogues at least this large use the IVF index (``ann.py``) for the vector channels;
     smaller ones are searched exactly."""
     ann_nprobe: int = 16

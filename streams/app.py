@@ -85,6 +85,7 @@ class StreamsApp:
         self.restoring: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.lag_samples: dict[int, list[int]] = defaultdict(list)
         self.dirty: set[int] = set()
+        self._publish_not_before = 0.0
         self.persist_lock = asyncio.Lock()
         self.price_checked: dict[int, float] = defaultdict(float)
         self.redis: Redis | None = None
@@ -254,6 +255,19 @@ class StreamsApp:
                     state.set_prices(known)
 
     async def _publish(self) -> None:
+        # At most half of the event loop for publishing: when a round took longer than half
+        # the interval, the next waits as long as that round took, so counting is never starved.
+        if time.monotonic() < self._publish_not_before:
+            return
+        started = time.monotonic()
+        try:
+            await self._publish_round()
+        finally:
+            took = time.monotonic() - started
+            if took > self.settings.publish_interval_ms / 2000:
+                self._publish_not_before = time.monotonic() + took
+
+    async def _publish_round(self) -> None:
         sink = await self._redis()
         # Items first seen before their catalogue record: retry their prices (1/s); any
         # price found changes hot scores, so the partition is persisted and republished.

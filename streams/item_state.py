@@ -182,7 +182,10 @@ class ItemPartitionState:
         out: dict[str, HotList] = {}
         for scope, s in self.scopes.items():
             clicks = dec[:, s, CLICK]
-            active = np.flatnonzero(dec[:, s, :].sum(axis=1) > 0) if s else np.arange(n)
+            # items with activity in this scope: items never seen in events would all tie
+            # on their priors, and ranking thousands of ties by name is what made hot lists
+            # of a large catalogue slow
+            active = np.flatnonzero(dec[:, s, :].sum(axis=1) > 0)
             scores = hot_scores(clicks[active], cvr[active, s], pn[active], self.config.weights)
             best = active[top_k_indices(scores, k, names[active])]
             ids = [self.item_ids[i] for i in best.tolist()]
