@@ -21,31 +21,21 @@ def merge_channels(
 ) -> list[tuple[str, tuple[str, ...]]]:  # fmt: skip
     found_by: dict[str, list[str]] = {}
     order: list[str] = []
-    for channel, items in results.items():
-        quota = quotas.get(channel, budget)
-        used = 0
-        for item in items:
-            if item in exclude:
-                continue
-            channels = found_by.get(item)
-            if channels is not None:
-                if channel not in channels:
-                    channels.append(channel)
-            elif used < quota and len(order) < budget:
-                found_by[item] = [channel]
-                order.append(item)
-                used += 1
-    for channel, items in results.items():  # fill what quotas left unused, in priority order
-        for item in items:
-            if item in exclude:
-                continue
-            channels = found_by.get(item)
-            if channels is not None:
-                if channel not in channels:
-                    channels.append(channel)
-            elif len(order) < budget:
-                found_by[item] = [channel]
-                order.append(item)
+    for with_quotas in (True, False):  # quotas first, then fill what they left, by priority
+        for channel, items in results.items():
+            quota = quotas.get(channel, budget) if with_quotas else budget
+            used = 0
+            for item in items:
+                if item in exclude:
+                    continue
+                channels = found_by.get(item)
+                if channels is not None:
+                    if channel not in channels:
+                        channels.append(channel)
+                elif used < quota and len(order) < budget:
+                    found_by[item] = [channel]
+                    order.append(item)
+                    used += 1
     return [(item, tuple(found_by[item])) for item in order]
 
 

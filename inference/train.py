@@ -112,6 +112,17 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
+def _step(opt, loss, step: int, progress: Progress, what: str, steps: int) -> int:
+    """One optimiser step; the progress line every 20."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    step += 1
+    if step % 20 == 0:
+        progress(f"{what}, step {step}/{steps}, loss {loss.item():.4f}")
+    return step
+
+
 def _batches(n: int, size: int, rng: np.random.Generator):
     order = rng.permutation(n)
     for lo in range(0, n, size):
@@ -143,14 +154,9 @@ def train_two_tower(
             logit = (u * v[:, :d]).sum(1) + v[:, d]
             loss = nn.functional.binary_cross_entropy_with_logits(logit, y[idx], weight=w[idx])
             loss = loss + cfg.l2 * ((u * u).sum(1).mean() + (v * v).sum(1).mean())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            step += 1
-            if step % 20 == 0:
-                progress(
-                    f"two-tower: epoch {epoch + 1}/{cfg.tower_epochs}, step {step}/{steps}, loss {loss.item():.4f}"
-                )
+            step = _step(
+                opt, loss, step, progress, f"two-tower: epoch {epoch + 1}/{cfg.tower_epochs}", steps
+            )
     users = np.concatenate([u_emb.detach().numpy(), np.ones((len(uniq_users), 1), np.float32)], 1)
     return uniq_users, users, v_emb.detach().numpy()
 
@@ -220,14 +226,9 @@ def _fit(model, inputs, targets, weights, cfg, rng, progress, label, distil=None
             loss = nn.functional.binary_cross_entropy_with_logits(logit, y[bt], weight=w[bt])
             if soft is not None:
                 loss = 0.5 * loss + 0.5 * nn.functional.mse_loss(logit, soft[bt])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            step += 1
-            if step % 20 == 0:
-                progress(
-                    f"{label}: epoch {epoch + 1}/{cfg.rank_epochs}, step {step}/{steps}, loss {loss.item():.4f}"
-                )
+            step = _step(
+                opt, loss, step, progress, f"{label}: epoch {epoch + 1}/{cfg.rank_epochs}", steps
+            )
     model.eval()
 
 

@@ -112,3 +112,32 @@ def wait_for(condition, timeout_s=60.0, what="condition"):
 
 def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+@contextlib.contextmanager
+def private_redis(conn) -> Iterator[tuple]:
+    """A Redis server of the test's own (to freeze with SIGSTOP): (connection settings that
+    use it, its process). Always resumed and stopped on exit."""
+    import redis as redis_lib
+
+    from freshrec.stack import free_port, redis_binary
+
+    port = free_port()
+    proc = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def pings() -> bool:
+        try:
+            return bool(redis_lib.Redis.from_url(url, socket_timeout=1).ping())
+        except redis_lib.RedisError:
+            return False
+
+    try:
+        wait_for(pings, 20, "private redis")
+        yield conn.__class__(conn.kafka_bootstrap_servers, url, conn.topic_prefix), proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(10)

@@ -22,7 +22,7 @@ from schemas.ids import row_id
 from schemas.records import Event
 from schemas.rowbatch import KIND_GRADIENTS, RowBatch
 
-from .streams_harness import produce, service, stop, wait_for
+from .streams_harness import private_redis, produce, service, stop, wait_for
 
 DIM = 8
 W = DIM + 1
@@ -285,18 +285,8 @@ def test_parameter_server_pauses_while_redis_is_unavailable_and_resumes(
 ):
     """A private Redis frozen (SIGSTOP) mid-stream: the server waits, loses nothing, finishes."""
     import os
-    import subprocess
 
-    from freshrec.stack import free_port, redis_binary
-
-    port = free_port()
-    rproc = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    private = conn.__class__(
-        conn.kafka_bootstrap_servers, f"redis://127.0.0.1:{port}/0", conn.topic_prefix
-    )
-    try:
-        wait_for(lambda: _pings(private.redis_url), 20, "private redis")
+    with private_redis(conn) as (private, rproc):
         messages = gradient_messages(N_MESSAGES)
         env = {**ENV, "REDIS_URL": private.redis_url}
         with service(conn, "param-server", tmp_path / "ps.log", **env):
@@ -312,14 +302,3 @@ def test_parameter_server_pauses_while_redis_is_unavailable_and_resumes(
         log = (tmp_path / "ps.log").read_text()
         assert "Redis unavailable" in log and "Redis is back" in log
         assert_same_tables(tables(private), reference_tables)
-    finally:
-        os.kill(rproc.pid, signal.SIGCONT)
-        rproc.terminate()
-        rproc.wait(10)
-
-
-def _pings(url: str) -> bool:
-    try:
-        return bool(redis_lib.Redis.from_url(url, socket_timeout=1).ping())
-    except redis_lib.exceptions.ConnectionError:
-        return False

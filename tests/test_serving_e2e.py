@@ -14,7 +14,6 @@ import uuid
 
 import numpy as np
 import pytest
-import redis as redis_lib
 from confluent_kafka import Consumer, Producer
 
 from freshrec import metrics as m
@@ -27,7 +26,7 @@ from schemas.records import Event, RecommendRequest
 from tools.world import World
 
 from .serving_harness import WORLD, running_worker, seed_redis, train_models, worker_settings
-from .streams_harness import produce, service, stop, wait_for
+from .streams_harness import private_redis, produce, service, stop, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -213,16 +212,7 @@ def test_a_slow_channel_is_dropped_its_breaker_opens_and_closes_after_recovery(s
 
 
 def test_redis_stopped_mid_traffic_replies_continue_degraded_then_recover(conn, model_dir):
-    from freshrec.stack import free_port, redis_binary
-
-    port = free_port()
-    rproc = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-    private = conn.__class__(conn.kafka_bootstrap_servers, url, conn.topic_prefix)
-    try:
-        wait_for(lambda: _pings(url), 20, "private redis")
+    with private_redis(conn) as (private, rproc):
         seed_redis(private, model_dir)
         with running_worker(worker_settings(private, model_dir)), client_for(conn) as client:
             assert not client.recommend("u1", 5, timeout_s=10).degraded
@@ -240,17 +230,6 @@ def test_redis_stopped_mid_traffic_replies_continue_degraded_then_recover(conn, 
                 return not client.recommend("u300", 5, timeout_s=5).degraded
 
             wait_for(recovered, 20, "normal replies after Redis returns")
-    finally:
-        os.kill(rproc.pid, signal.SIGCONT)
-        rproc.terminate()
-        rproc.wait(10)
-
-
-def _pings(url: str) -> bool:
-    try:
-        return bool(redis_lib.Redis.from_url(url, socket_timeout=1).ping())
-    except redis_lib.RedisError:
-        return False
 
 
 def test_hot_model_reload_changes_the_version_without_losing_requests(seeded, model_dir, tmp_path):
