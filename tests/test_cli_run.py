@@ -31,11 +31,11 @@ def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
 
 
 def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
-    """`freshrec run --duration 30`: trains (small world), serves simulated users who click,
+    """`freshrec run --duration 40`: trains (small world), serves simulated users who click,
     and prints served requests, a nonzero CTR and freshness figures; nothing left behind.
     While it runs: every service's /metrics has the named series with plausible values, the
     dashboard renders with data in headless Chromium (screenshot saved), `freshrec top` prints."""
-    proc = freshrec(tmp_path, "run", "--duration", "30", "--items", "2000", "--users", "10000",
+    proc = freshrec(tmp_path, "run", "--duration", "40", "--items", "2000", "--users", "10000",
                     "--rate", "100", "--requests", "20", "--dashboard-port", "0")  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -48,11 +48,11 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
     assert url, "".join(lines)
     time.sleep(10)  # a burst of closed-loop traffic
     targets = json.loads((tmp_path / "run" / "services.json").read_text())
+    check_dashboard_in_chromium(url)  # the slowest check first: the run ends on its own
+    check_service_metrics(targets)
     top = freshrec(tmp_path, "top", "--once")
     top_out, _ = top.communicate(timeout=60)
     assert top.returncode == 0 and "freshness" in top_out and "requests/s" in top_out, top_out
-    check_service_metrics(targets)
-    check_dashboard_in_chromium(url)
     proc.wait(timeout=240)
     reader.join(10)
     out = "".join(lines)

@@ -294,7 +294,12 @@ def test_parameter_server_pauses_while_redis_is_unavailable_and_resumes(
             wait_for(lambda: applied_total(private) > 0, 60, "some progress")
             os.kill(rproc.pid, signal.SIGSTOP)
             send(conn, messages[100:])
-            time.sleep(7)  # longer than the client's 5 s socket timeout
+            # frozen until the server has noticed (its 5 s socket timeout, after its next flush
+            # started: on a loaded machine that is not at a fixed time)
+            log_path = tmp_path / "ps.log"
+            wait_for(
+                lambda: "Redis unavailable" in log_path.read_text(), 60, "the server to notice"
+            )
             os.kill(rproc.pid, signal.SIGCONT)
             wait_for(
                 lambda: applied_total(private) == N_MESSAGES, 90, "the server to resume and finish"
