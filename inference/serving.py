@@ -319,6 +319,7 @@ class Recommender:
         if features_note:
             degraded.append(features_note)
         t_rank = time.monotonic()
+        item_table_version = int(self.cache.items.version.max(initial=0))  # once per batch
         replies = []
         for j, (b, r) in enumerate(zip(batch, reqs, strict=True)):
             tier, reason = choices[j].tier, choices[j].reason
@@ -349,7 +350,7 @@ class Recommender:
                     served_at_ms=int(time.time() * 1000),
                     model_version=models.version if models else None,
                     user_embedding_version=int(versions[j]), user_embedding_age_ms=ages[j],
-                    item_table_version=int(self.cache.items.version.max(initial=0)),
+                    item_table_version=item_table_version,
                     timings_ms={k: round(v, 3) for k, v in timings.items()},
                     worker=self.worker_id,
                 )
