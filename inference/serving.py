@@ -335,7 +335,7 @@ class Recommender:
                 items = self._hot_items(r)
             done = time.monotonic()
             timings = {
-                "queue": max(0.0, start * 1000 - _mono_of(b.enqueued_ms, now_ms, start)),
+                "queue": float(max(0, now_ms - b.enqueued_ms)),
                 "recall": (t_recall - start) * 1000,
                 "rank": (t_rank - t_recall) * 1000 if j in ranked else 0.0,
                 "rerank": (done - t_rank) * 1000,
@@ -543,11 +543,6 @@ class Recommender:
 
 def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
     return new if old is None else (1 - alpha) * old + alpha * new
-
-
-def _mono_of(enqueued_ms: int, now_ms: int, start: float) -> float:
-    """An epoch-ms timestamp expressed on the monotonic clock (ms), relative to ``start``."""
-    return start * 1000 - (now_ms - enqueued_ms)
 
 
 def _reason_label(reason: str, degraded: list[str]) -> str:

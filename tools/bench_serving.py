@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
-from freshrec.kafka import consumer_config, producer_config
+from freshrec.kafka import admin_config, consumer_config, producer_config
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
 from freshrec.stack import free_port
@@ -79,6 +80,13 @@ def main() -> None:
     path = save("bench_serving", results)
     progress.done(f"results written to {path}")
     print(summary(results))
+
+
+def _with_prefix(conn: ConnectionSettings, prefix: str) -> ConnectionSettings:
+    """The same stack under another topic prefix (own topics and Redis keys), provisioned."""
+    c2 = ConnectionSettings(conn.kafka_bootstrap_servers, conn.redis_url, prefix)
+    ensure_topics(AdminClient(admin_config(c2)), prefix)
+    return c2
 
 
 def _worker(conn, models, **overrides) -> Worker:
@@ -173,12 +181,7 @@ def bench_batching(conn, models: Path, world: World, n: int, progress: ProgressL
     for max_batch in (32, 1):
         progress.done(f"dynamic batching: {n:,} queued requests, max_batch={max_batch}")
         prefix = f"bb{max_batch}."
-        c2 = ConnectionSettings(conn.kafka_bootstrap_servers, conn.redis_url, prefix)
-        from confluent_kafka.admin import AdminClient
-
-        from freshrec.kafka import admin_config
-
-        ensure_topics(AdminClient(admin_config(c2)), prefix)
+        c2 = _with_prefix(conn, prefix)
         seed_world(conn.redis_url, prefix, world, models)
         names = TopicNames(prefix)
         p = Producer(producer_config(c2))
@@ -239,12 +242,7 @@ def bench_latency(conn, models, world, rates, duration, progress) -> dict:
     out: dict = {"rates": {}}
     for kind in ("echo", "worker"):
         prefix = f"bl{kind}."
-        c2 = ConnectionSettings(conn.kafka_bootstrap_servers, conn.redis_url, prefix)
-        from confluent_kafka.admin import AdminClient
-
-        from freshrec.kafka import admin_config
-
-        ensure_topics(AdminClient(admin_config(c2)), prefix)
+        c2 = _with_prefix(conn, prefix)
         if kind == "worker":
             seed_world(conn.redis_url, prefix, world, models)
             ctx = service_process(c2, "worker", free_port(), {
