@@ -47,16 +47,28 @@ def bucket(value: str | None, buckets: int) -> int:
 
 @dataclass(frozen=True)
 class RankInputs:
-    """One row per (request, candidate) pair, ready for a model's ``forward``."""
+    """One row per (request, candidate) pair, ready for a model's ``forward``.
 
-    user: np.ndarray  # (n, dim + 1) float32
+    Grouped form (serving): with ``owner`` set, ``user`` holds one row per request and
+    ``owner[i]`` is the request of pair ``i`` (pairs of one request contiguous, requests in
+    order), so the user's part of the model is computed once per request, not per candidate.
+    """
+
+    user: np.ndarray  # (n, dim + 1) float32; grouped: (requests, dim + 1)
     item: np.ndarray  # (n, dim + 1) float32
     dense: np.ndarray  # (n, len(DENSE)) float32
     sparse: np.ndarray  # (n, 4) int64: category, device, hour, region
     cross: np.ndarray  # (n, 3) int64: category × device, × hour, × region, hashed
+    owner: np.ndarray | None = None  # (n,) int64, grouped form only
 
     def __len__(self) -> int:
         return len(self.dense)
+
+    def expanded(self) -> RankInputs:
+        """The same pairs with one user row per pair."""
+        if self.owner is None:
+            return self
+        return RankInputs(self.user[self.owner], self.item, self.dense, self.sparse, self.cross)
 
 
 class FeatureEncoder:
@@ -79,11 +91,14 @@ class FeatureEncoder:
         item_category: np.ndarray,
         context: np.ndarray,
         recent_share: np.ndarray | None = None,
+        owner: np.ndarray | None = None,
     ) -> RankInputs:
         """Aligned rows: ``item_dense`` is (n, 4) [price, ctr, cvr, hot]; ``item_category``
         (n,) category buckets; ``context`` (n, 3) from ``context`` repeated per pair;
-        ``recent_share`` (n,) from ``recent_category_share``."""
-        uv = np.einsum("ij,ij->i", user, item).astype(np.float32)
+        ``recent_share`` (n,) from ``recent_category_share``. With ``owner`` (n,), ``user``
+        is one row per request and the result is in the grouped form."""
+        pair_user = user if owner is None else user[owner]
+        uv = np.einsum("ij,ij->i", pair_user, item).astype(np.float32)
         dense = np.empty((len(uv), len(DENSE)), np.float32)
         dense[:, 0] = np.clip(uv, -20, 20)
         dense[:, 1] = np.log1p(np.maximum(item_dense[:, 0], 0.0))
@@ -100,7 +115,10 @@ class FeatureEncoder:
                 (cat * 131 + context[:, 2] + 40_000) % CROSS_BUCKETS,
             ]
         ).astype(np.int64)
-        return RankInputs(user.astype(np.float32), item.astype(np.float32), dense, sparse, cross)
+        return RankInputs(
+            user.astype(np.float32), item.astype(np.float32), dense, sparse, cross,
+            None if owner is None else np.asarray(owner, np.int64),
+        )  # fmt: skip
 
 
 def recent_category_share(recent_categories: list[int], item_categories: np.ndarray) -> np.ndarray:

@@ -73,13 +73,14 @@ def merge_slot_arrays(
 
 
 def found_by(items: np.ndarray, results: Mapping[str, np.ndarray]) -> list[tuple[str, ...]]:
-    """For each item, the channels (in priority order) whose lists contain it."""
+    """For each item, the channels (in priority order) whose lists contain it.
+
+    >>> found_by(np.array([2, 9]), {"v": np.array([1, 2]), "h": np.array([2, 9])})
+    [('v', 'h'), ('h',)]
+    """
     items = np.asarray(items, np.int64)
-    hits = {}
-    for c, a in results.items():
-        a = np.asarray(a, np.int64)
-        size = 1 + max(int(a.max()) if len(a) else 0, int(items.max()) if len(items) else 0)
-        mask = np.zeros(size, bool)
-        mask[a] = True
-        hits[c] = mask[items]
-    return [tuple(c for c in results if hits[c][j]) for j in range(len(items))]
+    hits = [
+        (c, (np.asarray(a, np.int64)[None, :] == items[:, None]).any(axis=1))
+        for c, a in results.items()
+    ]
+    return [tuple(c for c, hit in hits if hit[j]) for j in range(len(items))]

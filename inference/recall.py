@@ -12,7 +12,11 @@ Channels (all answer a list of item ids per query, best first):
 - ``new``: items created within the new-item window (from the snapshot).
 
 A channel that misses its deadline is dropped from that batch (its thread finishes in the
-background; its result is discarded) and counted; its breaker sees a failure. An open breaker
+background; its result is discarded) and counted; its breaker sees a failure. Channels that
+only read memory the worker holds (``inline``: the hot, regional and new lists, microseconds
+each) run in the calling thread while the others work: a thread hand-off would cost more than
+they do. Their deadline is checked when they return; one with an injected delay goes to the
+pool like the rest. An open breaker
 skips the channel until its cool-down has passed. A ``delay`` per channel can be injected for
 fault drills (``FRESHREC_RECALL_INJECT_DELAY_MS``).
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +78,7 @@ class RecallRunner:
     def __init__(
         self, channels: Mapping[str, Channel], configs: Mapping[str, ChannelConfig],
         breaker: BreakerConfig | None = None, delays_ms: Mapping[str, float] | None = None,
+        inline: Collection[str] = (),
     ) -> None:  # fmt: skip
         unknown = set(configs) - set(channels)
         if unknown:
@@ -82,6 +87,7 @@ class RecallRunner:
         self.configs = dict(configs)
         self.breakers = {name: CircuitBreaker(breaker) for name in self.channels}
         self.delays_ms = dict(delays_ms or {})
+        self.inline = {name for name in inline if not self.delays_ms.get(name)}
         self.pool = cf.ThreadPoolExecutor(
             max_workers=2 * len(self.channels), thread_name_prefix="recall"
         )
@@ -108,13 +114,24 @@ class RecallRunner:
                 result.skipped.append(name)
                 m.RECALL_CALLS.labels(name, "breaker_open").inc()
                 continue
-            futures[name] = self.pool.submit(self._call, name, queries)
+            if name in self.inline:
+                futures[name] = cf.Future()
+            else:
+                futures[name] = self.pool.submit(self._call, name, queries)
+        for name, fut in futures.items():  # the inline ones, while the pool works
+            if name in self.inline:
+                try:
+                    fut.set_result(self._call(name, queries))
+                except Exception as exc:
+                    fut.set_exception(exc)
         for name, fut in futures.items():
             limit = self.configs[name].deadline_ms
             if budget_ms is not None:
                 limit = min(limit, max(budget_ms, 0.0))
             remaining = limit / 1000 - (time.monotonic() - start)
             try:
+                if name in self.inline and remaining < 0:
+                    raise cf.TimeoutError  # it returned, but after its deadline
                 lists = fut.result(timeout=max(remaining, 0.0))
             except cf.TimeoutError:
                 fut.cancel()

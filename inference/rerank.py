@@ -8,6 +8,8 @@ what is already picked; similarity is the cosine of item embeddings.
 >>> vecs = np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]])
 >>> mmr(np.array([1.0, 0.95, 0.6]), vecs, k=2, lam=0.5)
 [0, 2]
+>>> mmr_batch(np.array([[1.0, 0.95, 0.6]]), vecs[None], k=2, lam=0.5).tolist()
+[[0, 2]]
 >>> space_categories(["a", "a", "b", "a", "c"], min_gap=2)
 [0, 2, 1, 4, 3]
 """
@@ -38,6 +40,40 @@ def mmr(relevance: np.ndarray, vectors: np.ndarray, k: int, lam: float = 0.7) ->
         available[best] = False
         max_sim = np.maximum(max_sim, unit @ unit[best])
     return picked
+
+
+def mmr_batch(relevance: np.ndarray, vectors: np.ndarray, k: int, lam: float = 0.7) -> np.ndarray:
+    """``mmr`` for a batch of requests at once: ``relevance`` (B, P) with ``-inf`` where a
+    request has fewer than P candidates (padding), ``vectors`` (B, P, d). Returns (B, k)
+    indices in MMR order, ``-1`` past a request's candidates. Picks are those of ``mmr`` run
+    per request (same scores, same first-index tie-break), in k vectorised steps instead of
+    B × k small ones.
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    b, n = relevance.shape
+    k = min(k, n)
+    out = np.full((b, max(k, 0)), -1, np.int64)
+    if k <= 0 or b == 0:
+        return out
+    norms = np.linalg.norm(vectors, axis=2, keepdims=True)
+    unit = vectors / np.maximum(norms, 1e-12)
+    valid = np.isfinite(relevance)
+    base = lam * np.where(valid, relevance, 0.0)
+    max_sim = np.full((b, n), -np.inf)
+    available = valid.copy()
+    rows = np.arange(b)
+    for step in range(k):
+        penalty = np.where(np.isinf(max_sim), 0.0, max_sim)
+        score = base - (1.0 - lam) * penalty
+        score[~available] = -np.inf
+        best = score.argmax(axis=1)
+        live = available[rows, best]  # False once a request has run out of candidates
+        out[live, step] = best[live]
+        available[rows, best] = False
+        sim = np.matmul(unit, unit[rows, best][:, :, None])[:, :, 0]
+        max_sim = np.maximum(max_sim, sim)
+    return out
 
 
 def space_categories(categories: list[str], min_gap: int) -> list[int]:

@@ -30,7 +30,7 @@ from inference.merge import found_by, merge_slot_arrays
 from inference.modelfile import ModelWatcher
 from inference.ranking import score
 from inference.recall import DEFAULT_CHANNELS, ChannelConfig, RecallQuery, RecallRunner
-from inference.rerank import mmr, space_categories
+from inference.rerank import mmr_batch, space_categories
 from inference.resultcache import ResultCache
 from inference.snapshot import Snapshot, SnapshotRefresher
 from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows
@@ -40,6 +40,8 @@ from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 log = logging.getLogger("freshrec.serving")
 _NONE = np.empty(0, np.int64)
 _NEW = "\0new"  # the new-items list among the per-scope lists
+IN_MEMORY_CHANNELS = ("hot", "region", "new")
+"""Recall channels that only slice lists the worker holds (run inline by the runner)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class Recommender:
         self.slot_of: dict[str, int] = {}
         self.name_of_slot = np.empty(0, object)
         self.named = torch.zeros(0, dtype=torch.bool)
+        self.unnamed_bias = torch.zeros(0)
+        """0 for catalogue items, -inf for rows not (yet) in the catalogue, per slot."""
         self.slot_category = torch.zeros(0, dtype=torch.int64)
         self.named_count = 0
         self.ann: IVFIndex | None = None
@@ -156,6 +160,9 @@ class Recommender:
                 cat.category, device=self.cache.device
             )
             self.slot_category = slot_category
+            self.unnamed_bias = torch.zeros(n, device=self.cache.device).masked_fill(
+                ~named, float("-inf")
+            )
             self.slot_of = dict(zip(cat.names, slots.tolist(), strict=True))
             self.name_of_slot, self.cat_index, self.named = names, cat_index, named
             self.named_count = len(cat.names)
@@ -182,11 +189,13 @@ class Recommender:
             newer = torch.arange(index.size, size, device=items.device)
             newer = newer[named[index.size : size]]
             return index.search(q, items, n, self.settings.ann_nprobe, extra=newer)
-        scores = q @ items[:size].T
-        scores = scores.masked_fill(~named[:size], float("-inf"))
-        k = min(n, self.named_count)
-        idx = torch.topk(scores, k, dim=1).indices.cpu().numpy()
-        return list(idx)
+        if len(self.unnamed_bias) < size:
+            self.unnamed_bias = torch.zeros(len(named), device=items.device).masked_fill(
+                ~named, float("-inf")
+            )
+        # one fused op: scores of every item, -inf where the item is not in the catalogue
+        scores = torch.addmm(self.unnamed_bias[:size], q, items[:size].T)
+        return list(top_k_rows(scores, min(n, self.named_count)))
 
     def maybe_rebuild_index(self) -> None:
         """Start a background IVF build when the catalogue is large and the index is missing
@@ -237,27 +246,41 @@ class Recommender:
                 recents[j] = [r.decode().partition("|")[0] for r in raw]
                 self.fetched_recent[queries[j].user_id] = recents[j]
         dim = self.cache.dim
-        out: list[np.ndarray] = [np.empty(0, np.int64) for _ in queries]
+        out: list[np.ndarray] = [_NONE for _ in queries]
         items = self.cache.items.rows
         size = min(len(self.named), len(items), len(self.slot_category))
-        for j, recent in enumerate(recents):
-            slots = [self.slot_of[name] for name in recent[:10] if name in self.slot_of]
-            if not slots or size == 0:
-                continue
-            # similar items: the clicked items' categories, nearest to their recency-weighted
-            # mean embedding
-            vecs = self.cache.gather(TABLE_ITEM, np.asarray(slots))
-            weights = 0.8 ** np.arange(len(slots), dtype=np.float32)  # newest first
-            q = np.zeros(self.cache.w, np.float32)
-            q[:dim] = (weights[:, None] * vecs[:, :dim]).sum(0) / weights.sum()
-            cats = torch.as_tensor(np.unique(self.slot_category[slots].cpu().numpy()))
-            mask = self.named[:size] & torch.isin(self.slot_category[:size], cats.to(items.device))
-            count = int(mask.sum())
-            if count == 0:
-                continue
-            scores = items[:size] @ torch.as_tensor(q, device=items.device)
-            scores = scores.masked_fill(~mask, float("-inf"))
-            out[j] = torch.topk(scores, min(n, count)).indices.cpu().numpy()
+        users = [j for j, r in enumerate(recents) if r]
+        if not users or size == 0:
+            return out
+        # one query row per user: the clicked items' recency-weighted mean embedding (newest
+        # first), searched within the clicked items' categories only
+        get = self.slot_of.get
+        clicked = [[x for x in (get(name) for name in recents[j][:10]) if x is not None]
+                   for j in users]  # fmt: skip
+        keep = [row for row, c in enumerate(clicked) if c]
+        if not keep:
+            return out
+        users, clicked = [users[r] for r in keep], [clicked[r] for r in keep]
+        flat = np.concatenate([np.asarray(c, np.int64) for c in clicked])
+        vecs = self.cache.gather(TABLE_ITEM, flat)[:, :dim]
+        slot_cat = self.slot_category[:size].cpu().numpy()
+        q = np.zeros((len(users), self.cache.w), np.float32)
+        n_cats = int(slot_cat.max(initial=-1)) + 2  # categories shifted by one: -1 is unknown
+        allowed = np.zeros((len(users), n_cats), bool)
+        lo = 0
+        for row, c in enumerate(clicked):
+            weights = 0.8 ** np.arange(len(c), dtype=np.float32)
+            q[row, :dim] = (weights[:, None] * vecs[lo : lo + len(c)]).sum(0) / weights.sum()
+            allowed[row, slot_cat[c] + 1] = True
+            lo += len(c)
+        allowed[:, 0] = False  # items of unknown category are never similar
+        mask = allowed[:, slot_cat + 1] & self.named[:size].cpu().numpy()[None, :]
+        scores = torch.as_tensor(q, device=items.device) @ items[:size].T
+        scores = scores.masked_fill(~torch.as_tensor(mask, device=items.device), float("-inf"))
+        top = top_k_rows(scores, min(n, size))
+        counts = mask.sum(axis=1)
+        for row, j in enumerate(users):
+            out[j] = top[row, : min(n, int(counts[row]))]
         return out
 
     def _hot(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
@@ -320,11 +343,12 @@ class Recommender:
             degraded.append(features_note)
         t_rank = time.monotonic()
         item_table_version = int(self.cache.items.version.max(initial=0))  # once per batch
+        reranked = self._rerank(merged, ranked, reqs)
         replies = []
         for j, (b, r) in enumerate(zip(batch, reqs, strict=True)):
             tier, reason = choices[j].tier, choices[j].reason
             if j in ranked:
-                items = self._rerank(merged[j], ranked[j], r.k)
+                items = reranked[j]
                 if tier == FULL:
                     self.results.put(self._cache_key(r), versions[j], items, now_ms)
             elif tier == CACHED:
@@ -345,7 +369,7 @@ class Recommender:
             replies.append(
                 RecommendReply(
                     request_id=r.request_id, user_id=r.user_id,
-                    items=tuple(ReplyItem(i, round(float(sc), 6), ch) for i, sc, ch in items),
+                    items=tuple(ReplyItem(i, sc, ch) for i, sc, ch in items),
                     tier=tier, tier_reason=reason_text[:256], degraded=bool(degraded),
                     served_at_ms=int(time.time() * 1000),
                     model_version=models.version if models else None,
@@ -466,7 +490,10 @@ class Recommender:
                     recent_cats, categories[lo : lo + size]
                 )
             lo += size
-        inputs = self.encoder.encode(user_rows[owner], items, dense, categories, ctx[owner], shares)
+        local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
+        inputs = self.encoder.encode(
+            user_rows[group], items, dense, categories, ctx[owner], shares, owner=local
+        )
         return inputs, note
 
     def _realtime_features(self, merged, group, lens, realtime, dense: np.ndarray) -> str | None:
@@ -496,19 +523,36 @@ class Recommender:
                     dense[base + k, 1:4] = got
         return None
 
-    def _rerank(self, cands: Candidates, probs: np.ndarray, k: int):
-        """MMR over the head of the ranking, then category spacing."""
-        pool = max(self.settings.mmr_pool_factor * k, 50)
-        head = np.argsort(-probs, kind="stable")[:pool]
-        slots = cands.slots[head]
-        vecs = self.cache.gather(TABLE_ITEM, slots)[:, : self.cache.dim]
-        picked = mmr(probs[head].astype(np.float64), vecs, k, self.settings.mmr_lambda)
-        cats = [self._category_name(int(slots[i])) for i in picked]
-        order = space_categories(cats, self.settings.category_gap)
-        final = head[[picked[i] for i in order]]
-        channels = found_by(cands.slots[final], cands.per_channel)
-        names = self.name_of_slot[cands.slots[final]]
-        return [(names[i], float(probs[c]), channels[i]) for i, c in enumerate(final.tolist())]
+    def _rerank(self, merged: list[Candidates], ranked: dict[int, np.ndarray], reqs):
+        """MMR over the head of each ranking (all requests of the batch in one ``mmr_batch``),
+        then category spacing. Returns, per ranked request, [(item, score, channels)]."""
+        if not ranked:
+            return {}
+        js = list(ranked)
+        k = max(reqs[j].k for j in js)
+        factor = self.settings.mmr_pool_factor
+        heads = [np.argsort(-ranked[j], kind="stable")[: max(factor * reqs[j].k, 50)] for j in js]
+        width = max(len(h) for h in heads)
+        rel = np.full((len(js), width), -np.inf)
+        head_slots = np.zeros((len(js), width), np.int64)
+        for row, (j, head) in enumerate(zip(js, heads, strict=True)):
+            rel[row, : len(head)] = ranked[j][head]
+            head_slots[row, : len(head)] = merged[j].slots[head]
+        vecs = self.cache.gather(TABLE_ITEM, head_slots.ravel())[:, : self.cache.dim]
+        picks = mmr_batch(rel, vecs.reshape(len(js), width, -1), k, self.settings.mmr_lambda)
+        out = {}
+        for row, j in enumerate(js):
+            picked = picks[row, : reqs[j].k]
+            picked = picked[picked >= 0]
+            slots = head_slots[row, picked]
+            cats = [self._category_name(slot) for slot in slots.tolist()]
+            order = space_categories(cats, self.settings.category_gap)
+            final = slots[order]
+            scores = np.round(rel[row, picked[order]], 6).tolist()
+            channels = found_by(final, merged[j].per_channel)
+            names = self.name_of_slot[final].tolist()
+            out[j] = list(zip(names, scores, channels, strict=True))
+        return out
 
     def _category_name(self, slot: int) -> str:
         ci = self.cat_index[slot] if slot < len(self.cat_index) else -1
@@ -539,6 +583,24 @@ class Recommender:
                 if len(out) == r.k:
                     break
         return out
+
+
+def top_k_rows(scores: torch.Tensor, k: int) -> np.ndarray:
+    """Indices of each row's ``k`` largest scores, best first. On the CPU a partial sort
+    (``argpartition``) and a sort of the k, about twice as fast as ``torch.topk`` for 250 of
+    20,000; on an accelerator ``torch.topk``.
+
+    >>> top_k_rows(torch.tensor([[0.1, 0.9, 0.5], [3.0, 1.0, 2.0]]), 2).tolist()
+    [[1, 2], [0, 2]]
+    """
+    if scores.device.type != "cpu":
+        return torch.topk(scores, k, dim=1).indices.cpu().numpy()
+    s = scores.numpy()
+    if k >= s.shape[1]:
+        return np.argsort(-s, axis=1, kind="stable")[:, :k]
+    idx = np.argpartition(s, -k, axis=1)[:, -k:]
+    order = np.argsort(-np.take_along_axis(s, idx, 1), axis=1, kind="stable")
+    return np.take_along_axis(idx, order, 1)
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:

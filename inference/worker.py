@@ -51,7 +51,7 @@ from inference.learning import aggregate, examples_from_events, logistic_gradien
 from inference.modelfile import ModelWatcher
 from inference.pending import PendingSteps
 from inference.recall import RecallRunner
-from inference.serving import Inbound, Recommender
+from inference.serving import IN_MEMORY_CHANNELS, Inbound, Recommender
 from inference.settings import WorkerSettings
 from inference.snapshot import SnapshotRefresher
 from param_server.adagrad import clip_rows, finite_rows
@@ -138,7 +138,8 @@ class Worker:
         self.recommender = Recommender(
             sv, self.cache, self.redis, self.keys, self.snapshots, self.models,
             lambda channels: RecallRunner(
-                channels, sv.channels, settings.breaker, settings.recall_delays_ms
+                channels, sv.channels, settings.breaker, settings.recall_delays_ms,
+                inline=IN_MEMORY_CHANNELS,
             ),
             settings.worker_id,
         )  # fmt: skip

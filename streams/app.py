@@ -39,6 +39,7 @@ from redis.asyncio import Redis
 from freshrec import metrics as m
 from freshrec.kafka import admin_config, profile
 from freshrec.rediskeys import RedisKeys
+from freshrec.settings import state_dir
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_item, encode_dead_letter
 from schemas.contract import Rejected
@@ -101,6 +102,8 @@ class StreamsApp:
             f"{conn.topic_prefix}freshrec-streams",
             broker=brokers,
             store="memory://",
+            # All state lives in Redis; faust still wants a data directory for its tables.
+            datadir=str(state_dir() / "faust" / "{conf.id}"),
             autodiscover=False,
             web_enabled=False,
             topic_allow_declare=False,

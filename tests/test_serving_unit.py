@@ -9,7 +9,7 @@ import pytest
 from inference.batching import BatchPolicy, Decision, split_expired
 from inference.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
 from inference.merge import merge_channels
-from inference.rerank import mmr, space_categories
+from inference.rerank import mmr, mmr_batch, space_categories
 
 
 def test_batching_flushes_on_size_or_on_the_oldest_requests_wait():
@@ -77,6 +77,24 @@ def test_mmr_does_not_mutate_its_inputs():
     rel0, vecs0 = rel.copy(), vecs.copy()
     mmr(rel, vecs, 3, 0.5)
     assert (rel == rel0).all() and (vecs == vecs0).all()
+
+
+def test_batched_mmr_picks_what_mmr_picks_per_request():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        b, p, k, lam = rng.integers(1, 8), rng.integers(1, 60), rng.integers(0, 25), rng.random()
+        rel = rng.random((b, p))
+        vecs = rng.standard_normal((b, p, 8)).astype(np.float32)
+        lens = rng.integers(0, p + 1, b)  # shorter requests are padded with -inf
+        for j in range(b):
+            rel[j, lens[j] :] = -np.inf
+        got = mmr_batch(rel, vecs, k, lam)
+        assert got.shape == (b, min(k, p))
+        for j in range(b):
+            picked = [x for x in got[j].tolist() if x >= 0]
+            assert picked == mmr(rel[j, : lens[j]], vecs[j, : lens[j]], k, lam)
+    with pytest.raises(ValueError):
+        mmr_batch(np.zeros((1, 3)), np.zeros((1, 3, 2)), 2, lam=-0.1)
 
 
 def test_category_spacing_keeps_a_gap_where_possible():
@@ -270,6 +288,87 @@ def test_recall_runner_drops_late_channels_and_opens_their_breaker():
     assert parse_delays("i2i=300, hot=5") == {"i2i": 300.0, "hot": 5.0}
     with pytest.raises(ValueError):
         parse_delays("nope=1")
+
+
+def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
+    import threading
+    import time
+
+    from inference.recall import ChannelConfig, RecallQuery, RecallRunner
+
+    seen = {}
+
+    def where(name, pause=0.0):
+        def channel(queries, n):
+            seen[name] = threading.current_thread().name
+            time.sleep(pause)
+            return [[name] for _ in queries]
+
+        return channel
+
+    runner = RecallRunner(
+        {"vector": where("vector"), "hot": where("hot"), "new": where("new", pause=0.05)},
+        {"vector": ChannelConfig(2, 500), "hot": ChannelConfig(2, 500), "new": ChannelConfig(2, 20)},
+        inline=("hot", "new"),
+    )  # fmt: skip
+    result = runner.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
+    me = threading.current_thread().name
+    assert seen["hot"] == me and seen["new"] == me and seen["vector"] != me
+    assert result.per_query == [{"vector": ["vector"], "hot": ["hot"]}]
+    assert result.timed_out == ["new"]  # returned after its 20 ms deadline: dropped, counted
+    runner.close()
+    # an injected delay sends an inline channel to the pool, where its deadline can be enforced
+    delayed = RecallRunner(
+        {"hot": where("hot")}, {"hot": ChannelConfig(2, 500)}, delays_ms={"hot": 1.0},
+        inline=("hot",),
+    )  # fmt: skip
+    assert delayed.inline == set()
+    delayed.close()
+
+
+def test_top_k_rows_matches_torch_topk():
+    import torch
+
+    from inference.serving import top_k_rows
+
+    rng = np.random.default_rng(3)
+    scores = torch.as_tensor(rng.standard_normal((7, 300)).astype(np.float32))
+    scores[:, ::5] = float("-inf")
+    for k in (1, 25, 240, 300):
+        expected = torch.topk(scores, k, dim=1)
+        got = top_k_rows(scores, k)
+        assert got.shape == (7, k)
+        finite = torch.isfinite(expected.values).numpy()
+        assert (got[finite] == expected.indices.numpy()[finite]).all()
+
+
+def test_grouped_wide_deep_equals_the_per_pair_forward():
+    import torch
+
+    from inference.features import FeatureEncoder
+    from inference.ranking import WideDeep, score
+
+    torch.manual_seed(0)
+    model = WideDeep(16).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    rng = np.random.default_rng(1)
+    enc = FeatureEncoder()
+    for lens in ([5], [3, 9, 1], [4, 4, 7, 2, 11]):
+        b, owner = len(lens), np.repeat(np.arange(len(lens)), lens)
+        n = len(owner)
+        users = rng.standard_normal((b, 17)).astype(np.float32)
+        items = rng.standard_normal((n, 17)).astype(np.float32)
+        ctx = enc.context(["pc", "low_end", "high_end", None, "pc"][:b],
+                          ["north", None, "south", "east", "west"][:b],
+                          [1_767_225_600_000 + j * 3_600_000 for j in range(b)])  # fmt: skip
+        args = (items, rng.random((n, 4)).astype(np.float32), rng.integers(0, 128, n),
+                ctx[owner], rng.random(n).astype(np.float32))  # fmt: skip
+        grouped = enc.encode(users, *args, owner=owner)
+        per_pair = enc.encode(users[owner], *args)
+        cpu = torch.device("cpu")
+        np.testing.assert_allclose(score(model, grouped, cpu), score(model, per_pair, cpu),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
 def test_lru_discard_frees_the_slot_for_reuse():
