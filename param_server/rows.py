@@ -55,14 +55,40 @@ def encode_row(row: np.ndarray, version: int, event_ms: int) -> bytes:
     return np.ascontiguousarray(row, "<f4").tobytes() + struct.pack("<Qq", version, event_ms)
 
 
+def _blob_dtype(w: int) -> np.dtype:
+    return np.dtype([("row", "<f4", (w,)), ("version", "<u8"), ("event_ms", "<i8")])
+
+
+def encode_rows_matrix(rows: np.ndarray, versions: np.ndarray, event_ms: np.ndarray) -> np.ndarray:
+    """``encode_row`` for many rows at once: (n, 4·w + 16) ``uint8``, one blob per line."""
+    n, w = rows.shape
+    packed = np.empty(n, _blob_dtype(w))
+    packed["row"], packed["version"], packed["event_ms"] = rows, versions, event_ms
+    return packed.view(np.uint8).reshape(n, -1)
+
+
 def encode_rows(rows: np.ndarray, versions: np.ndarray, event_ms: np.ndarray) -> list[bytes]:
     """``encode_row`` for many rows at once (one structured array, then one slice per row)."""
-    n, w = rows.shape
-    packed = np.empty(n, np.dtype([("row", "<f4", (w,)), ("version", "<u8"), ("event_ms", "<i8")]))
-    packed["row"], packed["version"], packed["event_ms"] = rows, versions, event_ms
-    raw = packed.tobytes()
-    size = packed.dtype.itemsize
-    return [raw[k * size : (k + 1) * size] for k in range(n)]
+    return [line.tobytes() for line in encode_rows_matrix(rows, versions, event_ms)]
+
+
+def key_matrix(ids: np.ndarray) -> np.ndarray:
+    """``row_key`` for many ids: (n, 8) ``uint8``."""
+    return np.ascontiguousarray(ids, "<i8").view(np.uint8).reshape(len(ids), 8)
+
+
+def decode_rows(blobs: list[bytes | None], w: int):
+    """``decode_row`` for many blobs, ``None`` for absent ones: (found mask, rows, versions,
+    newest event times) for the found ones, in order."""
+    found = np.fromiter((b is not None for b in blobs), bool, len(blobs))
+    present = [b for b in blobs if b is not None]
+    size = 4 * w + 16
+    if any(len(b) != size for b in present):
+        bad = next(len(b) for b in present if len(b) != size)
+        raise ValueError(f"row blob of {bad} bytes does not fit width {w}")
+    packed = np.frombuffer(b"".join(present), _blob_dtype(w))
+    return (found, packed["row"].copy(), packed["version"].astype(np.uint64),
+            packed["event_ms"].astype(np.int64))  # fmt: skip
 
 
 def decode_row(blob: bytes, w: int) -> tuple[np.ndarray, int, int]:

@@ -10,6 +10,9 @@ in one MULTI/EXEC; then the new rows are broadcast on ``embeddings.updates`` wit
 offset in Redis, so after a crash nothing is lost and nothing is applied twice. While Redis is
 unreachable the server pauses its partitions, keeps what it has in memory, commits nothing,
 and resumes when Redis answers.
+
+Rows are held in dense per-table slabs (``table.py``), applied a message at a time with
+vectorised operations, and persisted with commands packed by numpy (``freshrec/resp.py``).
 """
 
 from __future__ import annotations
@@ -29,22 +32,15 @@ from freshrec.kafka import consumer_config, lag_statistics, producer_config
 from freshrec.lifecycle import run_until_signalled
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
-from param_server.adagrad import adagrad_step
-from param_server.rows import encode_rows, initial_rows, row_key
+from param_server.rows import initial_rows
 from param_server.settings import ParamServerSettings
-from param_server.store import applied_offsets, fetch_rows_and_accumulators
+from param_server.store import applied_offsets, fetch_rows_and_accumulators, persist
+from param_server.table import ParamTable
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
 
 log = logging.getLogger("freshrec.param_server")
 MAX_ROWS_PER_MESSAGE = 1000
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-
-
-class RowState:
-    __slots__ = ("accum", "event_ms", "row", "version")
-
-    def __init__(self, row: np.ndarray, accum: np.ndarray, version: int, event_ms: int) -> None:
-        self.row, self.accum, self.version, self.event_ms = row, accum, version, event_ms
 
 
 class ParameterServer:
@@ -64,9 +60,11 @@ class ParameterServer:
             )
         )
         self.producer = Producer(producer_config(conn))
-        self.rows: dict[tuple[int, int], RowState] = {}
+        self.tables = {t: ParamTable(self.w) for t in TABLE_NAMES}
         self.applied: dict[int, int] = {}
-        self.dirty: dict[int, set[tuple[int, int]]] = defaultdict(set)
+        self.dirty: dict[int, dict[int, list[np.ndarray]]] = {}
+        """partition -> table -> slots applied since the last flush (arrays, may repeat)."""
+        self.dirty_rows = 0
         self.owned: set[int] = set()
         self.update_partitions = 1
         self._last_flush = time.monotonic()
@@ -93,7 +91,8 @@ class ParameterServer:
         for tp in partitions:
             self.owned.discard(tp.partition)
             self.applied.pop(tp.partition, None)
-        self.rows.clear()  # reloaded from Redis on demand; another owner may change them
+        for table in self.tables.values():  # reloaded from Redis on demand; another owner
+            table.clear()  # may change them meanwhile
         log.info("revoked gradients partitions %s", sorted(tp.partition for tp in partitions))
 
     # ------------------------------------------------------------------------------ loop
@@ -121,78 +120,82 @@ class ParameterServer:
                     log.warning("consumer error: %s", err)
                 continue
             batch = self._decode(msg.partition(), msg.offset(), msg.value())
-            if batch is not None:
+            if batch is not False:
                 decoded.append((msg.partition(), msg.offset(), batch))
-        # one Redis round trip for every row this poll needs that is not in memory yet
-        missing: dict[int, set[int]] = defaultdict(set)
-        for _, _, batch in decoded:
-            for i in batch.ids.tolist():
-                if (batch.table, i) not in self.rows:
-                    missing[batch.table].add(i)
-        self._ensure_loaded_many(missing)
-        for partition, offset, batch in decoded:
-            self.apply_batch(partition, offset, batch)
-        waiting = sum(len(d) for d in self.dirty.values())
+        self.apply_messages(decoded)
         due = (time.monotonic() - self._last_flush) * 1000 >= self.settings.flush_interval_ms
-        if waiting and (due or waiting >= self.settings.max_dirty_rows):
+        if self.dirty_rows and (due or self.dirty_rows >= self.settings.max_dirty_rows):
             self.flush()
         self.producer.poll(0)
 
     # ----------------------------------------------------------------------------- apply
-    def apply_message(self, partition: int, offset: int, value: bytes) -> None:
-        """Apply one gradient message (decode, load its rows, Adagrad)."""
-        batch = self._decode(partition, offset, value)
-        if batch is not None:
-            self._ensure_loaded_many({batch.table: set(batch.ids.tolist())})
-            self.apply_batch(partition, offset, batch)
-
-    def _decode(self, partition: int, offset: int, value: bytes) -> RowBatch | None:
-        """The message's batch, or None (already applied, corrupt or foreign: skipped, and
-        a skipped offset counts as applied)."""
+    def _decode(self, partition: int, offset: int, value: bytes) -> RowBatch | bool:
+        """The message's batch; ``False`` if it was applied before (skipped); ``True`` if it
+        is corrupt or foreign: skipped, and its offset counts as applied in its turn."""
         if offset <= self.applied.get(partition, -1):
             m.PS_SKIPPED.labels("already_applied").inc()
-            return None
+            return False
         try:
             batch = RowBatch.decode(value)
         except CorruptBatch as exc:
             m.PS_SKIPPED.labels("corrupt").inc()
             log.warning("gradients %d@%d corrupt, skipped: %s", partition, offset, exc)
-            self.applied[partition] = offset
-            return None
+            return True
         if batch.kind != KIND_GRADIENTS or batch.dim != self.w:
             m.PS_SKIPPED.labels("wrong_layout").inc()
-            self.applied[partition] = offset
-            return None
+            return True
         return batch
 
-    def apply_batch(self, partition: int, offset: int, batch: RowBatch) -> None:
-        if offset <= self.applied.get(partition, -1):
+    def apply_messages(self, decoded: list[tuple[int, int, RowBatch | bool]]) -> None:
+        """Apply decoded gradient messages (in log order per partition; ``True`` for one that
+        is skipped but counts as applied), all of one poll together: one Redis round trip loads the rows not held, then each table applies its
+        messages with ``ParamTable.apply_log`` — the result of applying them one by one."""
+        per_table: dict[int, list[tuple[int, int, RowBatch]]] = defaultdict(list)
+        for seq, (partition, offset, batch) in enumerate(decoded):
+            if offset <= self.applied.get(partition, -1):
+                continue
+            self.applied[partition] = offset
+            if batch is not True:
+                per_table[batch.table].append((seq, partition, batch))
+        if not per_table:
             return
-        self.applied[partition] = offset
-        refs = [(batch.table, i) for i in batch.ids.tolist()]
-        states = [self.rows[r] for r in refs]
-        rows = np.stack([s.row for s in states])
-        accum = np.stack([s.accum for s in states])
-        ok = adagrad_step(rows, accum, np.asarray(batch.rows, np.float32), self.settings.adagrad)
-        name = TABLE_NAMES[batch.table]
-        rejected = int((~ok).sum())
-        if rejected:
-            m.GRADIENT_ROWS.labels(name, "rejected_non_finite").inc(rejected)
-        for j in np.flatnonzero(ok).tolist():
-            s = states[j]
-            s.row, s.accum = rows[j], accum[j]
-            s.version += 1
-            s.event_ms = max(s.event_ms, int(batch.event_ms[j]))
-            self.dirty[partition].add(refs[j])
-        m.PS_ROWS_APPLIED.labels(name).inc(int(ok.sum()))
-        m.GRADIENT_MESSAGES.labels("applied").inc()
+        log_of: dict[int, tuple[np.ndarray, ...]] = {}
+        missing: dict[int, np.ndarray] = {}
+        for t, items in per_table.items():
+            ids = np.concatenate([np.asarray(b.ids, np.int64) for _, _, b in items])
+            distinct, inverse = np.unique(ids, return_inverse=True)
+            held = self.tables[t].lookup(distinct)
+            missing[t] = distinct[held < 0]
+            log_of[t] = (ids, distinct, inverse)
+        self._ensure_loaded_many(missing)
+        for t, items in per_table.items():
+            table, name = self.tables[t], TABLE_NAMES[t]
+            ids, distinct, inverse = log_of[t]
+            slots = table.lookup(distinct)[inverse]
+            grads = np.concatenate([b.rows for _, _, b in items])
+            event_ms = np.concatenate([b.event_ms for _, _, b in items])
+            sizes = [len(b) for _, _, b in items]
+            message = np.repeat([seq for seq, _, _ in items], sizes)
+            part = np.repeat([p for _, p, _ in items], sizes)
+            applied, pairs, rejected = table.apply_log(
+                slots, grads, event_ms, message, self.settings.adagrad
+            )
+            # a row lives in one partition: the update carries that partition's offset
+            first = np.unique(slots, return_index=True)[1]
+            row_part = dict(zip(slots[first].tolist(), part[first].tolist(), strict=True))
+            owner = np.fromiter((row_part[x] for x in applied.tolist()), np.int64, len(applied))
+            for p in np.unique(owner).tolist():
+                self.dirty.setdefault(p, {}).setdefault(t, []).append(applied[owner == p])
+            self.dirty_rows += len(applied)
+            if rejected:
+                m.GRADIENT_ROWS.labels(name, "rejected_non_finite").inc(rejected)
+            m.PS_ROWS_APPLIED.labels(name).inc(pairs)
+            m.GRADIENT_MESSAGES.labels("applied").inc(len(items))
 
-    def _ensure_loaded_many(self, missing: dict[int, set[int]]) -> None:
-        """Load rows and accumulators not in memory: one pipelined round trip for all."""
-        wanted = {
-            t: sorted(i for i in ids if (t, i) not in self.rows) for t, ids in missing.items()
-        }
-        wanted = {t: ids for t, ids in wanted.items() if ids}
+    def _ensure_loaded_many(self, missing: dict[int, np.ndarray]) -> None:
+        """Load rows and accumulators not held (distinct ids per table): one round trip;
+        a row Redis does not have starts from its deterministic initial row."""
+        wanted = {t: ids for t, ids in missing.items() if len(ids)}
         if not wanted:
             return
         found = self._redis_retry(
@@ -200,77 +203,72 @@ class ParameterServer:
         )
         init_acc = self.settings.adagrad.initial_accumulator
         for table, ids in wanted.items():
-            fresh = initial_rows(np.asarray(ids, np.int64), table, self.settings.dim)
-            rows, accums = found[table]
-            for j, i in enumerate(ids):
-                row, version, event_ms = rows.get(i, (fresh[j], 0, 0))
-                acc = accums.get(i)
-                if acc is None:
-                    acc = np.full(self.w, init_acc, np.float32)
-                self.rows[(table, i)] = RowState(row, acc, version, event_ms)
+            got = found[table]
+            n = len(ids)
+            rows = np.empty((n, self.w), np.float32)
+            versions = np.zeros(n, np.uint64)
+            event_ms = np.zeros(n, np.int64)
+            rows[got.found], versions[got.found], event_ms[got.found] = (
+                got.rows, got.versions, got.event_ms
+            )  # fmt: skip
+            if not got.found.all():
+                absent = ~got.found
+                rows[absent] = initial_rows(ids[absent], table, self.settings.dim)
+            accum = np.full((n, self.w), init_acc, np.float32)
+            accum[got.has_accum] = got.accum
+            self.tables[table].add(ids, rows, accum, versions, event_ms)
 
     # ----------------------------------------------------------------------------- flush
     def flush(self) -> None:
         """Persist dirty rows with the applied offsets (one transaction), then broadcast."""
         self._last_flush = time.monotonic()
-        if not any(self.dirty.values()):
+        if not self.dirty_rows:
+            self.dirty.clear()
             return
         started = time.perf_counter()
-        dirty = {p: refs for p, refs in self.dirty.items() if refs}
+        dirty = {
+            p: {t: np.unique(np.concatenate(parts)) for t, parts in tables.items()}
+            for p, tables in self.dirty.items()
+        }
         self._redis_retry(lambda: self._persist(dirty))
         persisted = time.time()
-        for refs in dirty.values():
-            for ref in list(refs)[:256]:
-                ev = self.rows[ref].event_ms
-                if ev:
+        for tables in dirty.values():
+            for t, slots in tables.items():
+                times = self.tables[t].event_ms[slots[:256]]
+                for ev in times[times > 0].tolist():
                     m.FRESHNESS_LAG.labels("global_applied").observe(
                         max(persisted - ev / 1000, 0.0)
                     )
         self._broadcast(dirty)
         self.dirty.clear()
+        self.dirty_rows = 0
         m.PS_FLUSHES.labels("ok").inc()
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - started)
 
-    def _persist(self, dirty: dict[int, set[tuple[int, int]]]) -> None:
-        by_table: dict[int, list[int]] = defaultdict(list)
-        for refs in dirty.values():
-            for table, i in refs:
-                by_table[table].append(i)
-        pipe = self.redis.pipeline(transaction=True)
-        for table, ids in by_table.items():
-            states = [self.rows[(table, i)] for i in ids]
-            fields = [row_key(i) for i in ids]
-            name = TABLE_NAMES[table]
-            pipe.hset(self.keys.embeddings(name), mapping=dict(zip(fields, encode_rows(
-                np.stack([s.row for s in states]),
-                np.fromiter((s.version for s in states), np.uint64, len(states)),
-                np.fromiter((s.event_ms for s in states), np.int64, len(states)),
-            ), strict=True)))  # fmt: skip
-            accs = np.ascontiguousarray(np.stack([s.accum for s in states]), "<f4")
-            pipe.hset(
-                self.keys.optimizer(name),
-                mapping=dict(zip(fields, (a.tobytes() for a in accs), strict=True)),
-            )
-        pipe.hset(self.keys.ps_applied, mapping={p: self.applied[p] for p in dirty})
-        pipe.execute()
+    def _persist(self, dirty: dict[int, dict[int, np.ndarray]]) -> None:
+        by_table: dict[int, list[np.ndarray]] = defaultdict(list)
+        for tables in dirty.values():
+            for t, slots in tables.items():
+                by_table[t].append(slots)
+        out = {}
+        for t, parts in by_table.items():
+            slots, tab = np.concatenate(parts), self.tables[t]
+            out[t] = (tab.ids[slots], tab.rows[slots], tab.accum[slots], tab.version[slots],
+                      tab.event_ms[slots])  # fmt: skip
+        persist(self.redis, self.keys, out, {p: self.applied[p] for p in dirty})
 
-    def _broadcast(self, dirty: dict[int, set[tuple[int, int]]]) -> None:
+    def _broadcast(self, dirty: dict[int, dict[int, np.ndarray]]) -> None:
         created = int(time.time() * 1000)
-        for p, refs in dirty.items():
-            by_table: dict[int, list[int]] = defaultdict(list)
-            for table, i in refs:
-                by_table[table].append(i)
-            for table, all_ids in by_table.items():
+        for p, tables in dirty.items():
+            for t, all_slots in tables.items():
+                tab = self.tables[t]
                 # chunks stay far below Kafka's default 1 MB message limit
-                for lo in range(0, len(all_ids), MAX_ROWS_PER_MESSAGE):
-                    ids = all_ids[lo : lo + MAX_ROWS_PER_MESSAGE]
-                    states = [self.rows[(table, i)] for i in ids]
+                for lo in range(0, len(all_slots), MAX_ROWS_PER_MESSAGE):
+                    slots = all_slots[lo : lo + MAX_ROWS_PER_MESSAGE]
                     batch = RowBatch(
-                        KIND_UPDATES, table, np.asarray(ids, np.int64),
-                        np.stack([s.row for s in states]),
-                        np.asarray([s.version for s in states], np.uint64),
-                        np.asarray([s.event_ms for s in states], np.int64),
-                        partition=p, offset=self.applied[p], created_ms=created,
+                        KIND_UPDATES, t, tab.ids[slots], tab.rows[slots], tab.version[slots],
+                        tab.event_ms[slots], partition=p, offset=self.applied[p],
+                        created_ms=created,
                     )  # fmt: skip
                     self._produce(
                         self.names.embeddings_updates, batch.encode(),

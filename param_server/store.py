@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import redis
 
 from freshrec.rediskeys import RedisKeys
-from param_server.rows import decode_row, encode_rows, key_to_id, row_key
+from freshrec.resp import execute, pack, pack_fixed
+from param_server.rows import (
+    decode_row,
+    decode_rows,
+    encode_rows,
+    encode_rows_matrix,
+    key_matrix,
+    key_to_id,
+    row_key,
+)
 from schemas.rowbatch import TABLE_NAMES
 
 Row = tuple[np.ndarray, int, int]
@@ -15,34 +26,70 @@ Row = tuple[np.ndarray, int, int]
 def fetch_rows(
     r: redis.Redis, keys: RedisKeys, table: int, ids: list[int], w: int
 ) -> dict[int, Row]:
-    """One HMGET for many rows; absent rows are absent from the result."""
+    """One HMGET for many rows (packed with numpy); absent rows are absent from the result."""
     if not ids:
         return {}
-    blobs = r.hmget(keys.embeddings(TABLE_NAMES[table]), [row_key(i) for i in ids])
-    return {i: decode_row(b, w) for i, b in zip(ids, blobs, strict=True) if b is not None}
+    key = keys.embeddings(TABLE_NAMES[table]).encode()
+    fields = key_matrix(np.asarray(ids, np.int64))
+    (blobs,) = execute(r, pack_fixed(b"HMGET", key, fields), 1)
+    found, rows, versions, event_ms = decode_rows(blobs, w)
+    present = [i for i, hit in zip(ids, found.tolist(), strict=True) if hit]
+    return {i: (rows[j], int(versions[j]), int(event_ms[j])) for j, i in enumerate(present)}
+
+
+@dataclass
+class StoredRows:
+    """What Redis holds for some ids of one table: rows where ``found``, accumulators where
+    ``has_accum`` (both compacted to the found ones, in id order)."""
+
+    found: np.ndarray
+    rows: np.ndarray
+    versions: np.ndarray
+    event_ms: np.ndarray
+    has_accum: np.ndarray
+    accum: np.ndarray
 
 
 def fetch_rows_and_accumulators(
-    r: redis.Redis, keys: RedisKeys, wanted: dict[int, list[int]], w: int
-) -> dict[int, tuple[dict[int, Row], dict[int, np.ndarray]]]:
-    """Rows and Adagrad accumulators of several tables in one pipelined round trip."""
-    pipe = r.pipeline(transaction=False)
+    r: redis.Redis, keys: RedisKeys, wanted: dict[int, np.ndarray], w: int
+) -> dict[int, StoredRows]:
+    """Rows and Adagrad accumulators of several tables in one round trip (HMGETs packed
+    with numpy, decoded in one pass)."""
+    payload = []
     for table, ids in wanted.items():
-        fields = [row_key(i) for i in ids]
-        pipe.hmget(keys.embeddings(TABLE_NAMES[table]), fields)
-        pipe.hmget(keys.optimizer(TABLE_NAMES[table]), fields)
-    replies = pipe.execute()
+        fields = key_matrix(np.asarray(ids, np.int64))
+        name = TABLE_NAMES[table]
+        payload.append(pack_fixed(b"HMGET", keys.embeddings(name).encode(), fields))
+        payload.append(pack_fixed(b"HMGET", keys.optimizer(name).encode(), fields))
+    replies = execute(r, b"".join(payload), len(payload))
     out = {}
-    for n, (table, ids) in enumerate(wanted.items()):
-        rows_raw, acc_raw = replies[2 * n], replies[2 * n + 1]
-        rows = {i: decode_row(b, w) for i, b in zip(ids, rows_raw, strict=True) if b is not None}
-        accs = {
-            i: np.frombuffer(b, "<f4", w).copy()
-            for i, b in zip(ids, acc_raw, strict=True)
-            if b is not None
-        }
-        out[table] = (rows, accs)
+    for n, table in enumerate(wanted):
+        found, rows, versions, event_ms = decode_rows(replies[2 * n], w)
+        acc_raw = replies[2 * n + 1]
+        has_accum = np.fromiter((b is not None for b in acc_raw), bool, len(acc_raw))
+        accum = np.frombuffer(b"".join(b for b in acc_raw if b is not None), "<f4")
+        out[table] = StoredRows(found, rows, versions, event_ms, has_accum, accum.reshape(-1, w))
     return out
+
+
+def persist(
+    r: redis.Redis, keys: RedisKeys, tables: dict[int, tuple[np.ndarray, ...]],
+    applied: dict[int, int],
+) -> None:  # fmt: skip
+    """One MULTI/EXEC: for each table (ids, rows, accumulators, versions, event times) the
+    rows and accumulators, and the applied offset of each partition."""
+    commands = [pack(b"MULTI")]
+    for table, (ids, rows, accum, versions, event_ms) in tables.items():
+        name = TABLE_NAMES[table]
+        fields = key_matrix(ids)
+        blobs = encode_rows_matrix(rows, versions, event_ms)
+        accs = np.ascontiguousarray(accum, "<f4").view(np.uint8).reshape(len(ids), -1)
+        commands.append(pack_fixed(b"HSET", keys.embeddings(name).encode(), fields, blobs))
+        commands.append(pack_fixed(b"HSET", keys.optimizer(name).encode(), fields, accs))
+    flat = [b"%d" % x for p, o in applied.items() for x in (p, o)]
+    commands.append(pack(b"HSET", keys.ps_applied.encode(), *flat))
+    commands.append(pack(b"EXEC"))
+    execute(r, b"".join(commands), len(commands))
 
 
 def load_table(r: redis.Redis, keys: RedisKeys, table: int, w: int) -> dict[int, Row]:

@@ -162,3 +162,51 @@ def test_steps_included_before_their_delivery_report_are_dropped_on_the_report()
     assert p.on_install(("user", 1), 0, 10).tolist() == [1.0]  # offset unknown yet: kept
     assert [d.tolist() for _, d in p.delivered(1, 0, 10)] == [[1.0]]  # it was included
     assert len(p) == 0
+
+
+def test_parameter_table_applies_a_log_at_once_exactly_as_message_by_message():
+    from param_server.table import ParamTable
+
+    cfg = AdagradConfig(lr=0.1, max_norm=1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        w, n_rows = 4, int(rng.integers(1, 30))
+        one_by_one, at_once = ParamTable(w, 2), ParamTable(w, 2)  # tiny: forces growth
+        start = rng.standard_normal((n_rows, w)).astype(np.float32)
+        for t in (one_by_one, at_once):
+            t.add(np.arange(n_rows) * 7, start, np.zeros((n_rows, w), np.float32),
+                  np.zeros(n_rows, np.uint64), np.zeros(n_rows, np.int64))  # fmt: skip
+        messages = []
+        for _ in range(int(rng.integers(1, 12))):
+            size = int(rng.integers(1, 10))  # rows may repeat within a message
+            slots = rng.integers(0, n_rows, size)
+            grads = (rng.standard_normal((size, w)) * rng.choice([0.1, 5.0])).astype(np.float32)
+            if rng.random() < 0.2:
+                grads[rng.integers(0, size)] = np.nan
+            messages.append((slots, grads, rng.integers(1, 1000, size)))
+        for slots, grads, times in messages:
+            one_by_one.apply(slots, grads, times, cfg)
+        seq = np.concatenate([np.full(len(s), k) for k, (s, _, _) in enumerate(messages)])
+        at_once.apply_log(*(np.concatenate(parts) for parts in zip(*messages, strict=True)),
+                          seq, cfg)  # fmt: skip
+        for field in ("rows", "accum", "version", "event_ms"):
+            assert np.array_equal(getattr(one_by_one, field)[:n_rows],
+                                  getattr(at_once, field)[:n_rows]), field  # fmt: skip
+        assert np.isfinite(at_once.rows[:n_rows]).all()
+
+
+def test_packed_redis_commands_equal_redis_py_packing():
+    from redis.connection import PythonRespSerializer
+
+    from freshrec.resp import pack, pack_fixed
+    from param_server.rows import encode_rows, encode_rows_matrix, key_matrix, row_key
+
+    ids = np.array([5, -3, 2**62], np.int64)
+    rows = np.arange(3 * 5, dtype=np.float32).reshape(3, 5)
+    versions, times = np.array([1, 2, 3], np.uint64), np.array([10, 20, 30], np.int64)
+    blobs = encode_rows(rows, versions, times)
+    assert blobs == [line.tobytes() for line in encode_rows_matrix(rows, versions, times)]
+    args = [x for i, b in zip(ids.tolist(), blobs, strict=True) for x in (row_key(i), b)]
+    reference = b"".join(PythonRespSerializer(10**9, lambda a: a).pack(b"HSET", b"key", *args))
+    fixed = pack_fixed(b"HSET", b"key", key_matrix(ids), encode_rows_matrix(rows, versions, times))
+    assert fixed == reference == pack(b"HSET", b"key", *args)

@@ -1,0 +1,153 @@
+"""The rows a parameter server holds for one table: dense slabs, one slot per row id. Pure.
+
+Rows, Adagrad accumulators, versions and newest event times live in four arrays that grow by
+doubling; a dict maps row ids to slots. A gradient message is applied with a handful of
+vectorised operations (gather, Adagrad, scatter) whatever its size, instead of per-row Python
+objects. Gradients of one row repeated within a message are summed first, so the message is
+still applied as one unit and each row's version rises by one per message that touches it.
+
+>>> import numpy as np
+>>> from param_server.adagrad import AdagradConfig
+>>> t = ParamTable(w=2)
+>>> slots = t.add(np.array([7, 9]), np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32),
+...               np.zeros(2, np.uint64), np.zeros(2, np.int64))
+>>> t.lookup(np.array([9, 8])).tolist()
+[1, -1]
+>>> g = np.array([[3.0, 4.0], [0.0, np.nan]], np.float32)
+>>> ok = t.apply(slots, g, np.array([5, 6]), AdagradConfig(lr=0.1, max_norm=1.0))
+>>> ok.tolist(), t.version[:2].tolist(), t.event_ms[:2].tolist()
+([True, False], [1, 0], [5, 0])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from param_server.adagrad import AdagradConfig, adagrad_step
+
+
+class ParamTable:
+    def __init__(self, w: int, capacity: int = 1024) -> None:
+        self.w = w
+        self.size = 0
+        self.slot_of: dict[int, int] = {}
+        self.ids = np.zeros(capacity, np.int64)
+        self.rows = np.zeros((capacity, w), np.float32)
+        self.accum = np.zeros((capacity, w), np.float32)
+        self.version = np.zeros(capacity, np.uint64)
+        self.event_ms = np.zeros(capacity, np.int64)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id, -1 where the row is not held."""
+        get = self.slot_of.get
+        return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+
+    def add(
+        self, ids: np.ndarray, rows: np.ndarray, accum: np.ndarray, versions: np.ndarray,
+        event_ms: np.ndarray,
+    ) -> np.ndarray:  # fmt: skip
+        """Hold new rows (ids not held yet, distinct); returns their slots."""
+        n = len(ids)
+        self._reserve(self.size + n)
+        slots = np.arange(self.size, self.size + n, dtype=np.int64)
+        self.ids[slots] = ids
+        self.rows[slots] = rows
+        self.accum[slots] = accum
+        self.version[slots] = versions
+        self.event_ms[slots] = event_ms
+        self.slot_of.update(zip(np.asarray(ids).tolist(), slots.tolist(), strict=True))
+        self.size += n
+        return slots
+
+    def apply(
+        self, slots: np.ndarray, grads: np.ndarray, event_ms: np.ndarray, cfg: AdagradConfig
+    ) -> np.ndarray:
+        """One gradient message: sum repeated rows, clip, reject non-finite rows, Adagrad;
+        applied rows get version + 1 and the newest event time. Returns, per distinct slot in
+        ascending order, whether it was applied (``np.unique(slots)`` gives the slots)."""
+        uniq, inverse = np.unique(slots, return_inverse=True)
+        if len(uniq) == len(slots):
+            order = np.argsort(slots, kind="stable")
+            g = np.asarray(grads, np.float32)[order]
+            newest = np.asarray(event_ms, np.int64)[order]
+        else:
+            g = np.zeros((len(uniq), grads.shape[1]), np.float64)
+            np.add.at(g, inverse, np.asarray(grads, np.float64))
+            g = g.astype(np.float32)
+            newest = np.full(len(uniq), np.iinfo(np.int64).min, np.int64)
+            np.maximum.at(newest, inverse, np.asarray(event_ms, np.int64))
+        rows, accum = self.rows[uniq], self.accum[uniq]
+        ok = adagrad_step(rows, accum, g, cfg)
+        done = uniq[ok]
+        self.rows[done] = rows[ok]
+        self.accum[done] = accum[ok]
+        self.version[done] += np.uint64(1)
+        self.event_ms[done] = np.maximum(self.event_ms[done], newest[ok])
+        return ok
+
+    def apply_log(
+        self, slots: np.ndarray, grads: np.ndarray, event_ms: np.ndarray, message: np.ndarray,
+        cfg: AdagradConfig,
+    ) -> tuple[np.ndarray, int, int]:  # fmt: skip
+        """Several gradient messages at once, with exactly the result of ``apply`` on each in
+        turn: ``message`` numbers the entries' messages in log order. A row's updates do not
+        depend on other rows, so the k-th message touching each row is applied to all those
+        rows together, in rounds k = 0, 1, ... (one round for rows that only one message
+        touches). Returns (distinct slots applied at least once, (message, row) pairs
+        applied, pairs rejected as non-finite)."""
+        slots = np.asarray(slots, np.int64)
+        message = np.asarray(message, np.int64)
+        order = np.lexsort((message, slots))  # by row, then log order
+        s, msg = slots[order], message[order]
+        head = np.ones(len(s), bool)
+        head[1:] = (s[1:] != s[:-1]) | (msg[1:] != msg[:-1])
+        if head.all():
+            g = np.asarray(grads, np.float32)[order]
+            newest = np.asarray(event_ms, np.int64)[order]
+        else:  # one message repeats a row: sum its gradients as ``apply`` does
+            group = np.cumsum(head) - 1
+            g = np.zeros((int(head.sum()), grads.shape[1]), np.float64)
+            np.add.at(g, group, np.asarray(grads, np.float64)[order])
+            g = g.astype(np.float32)
+            newest = np.full(len(g), np.iinfo(np.int64).min, np.int64)
+            np.maximum.at(newest, group, np.asarray(event_ms, np.int64)[order])
+            s = s[head]
+        first = np.ones(len(s), bool)
+        first[1:] = s[1:] != s[:-1]
+        position = np.arange(len(s))
+        rank = position - np.maximum.accumulate(np.where(first, position, 0))
+        applied, pairs, rejected = [], 0, 0
+        for k in range(int(rank.max(initial=-1)) + 1):
+            sel = rank == k
+            sl = s[sel]
+            rows, accum = self.rows[sl], self.accum[sl]
+            ok = adagrad_step(rows, accum, g[sel], cfg)
+            done = sl[ok]
+            self.rows[done] = rows[ok]
+            self.accum[done] = accum[ok]
+            self.version[done] += np.uint64(1)
+            self.event_ms[done] = np.maximum(self.event_ms[done], newest[sel][ok])
+            applied.append(done)
+            pairs += len(done)
+            rejected += int((~ok).sum())
+        done = np.unique(np.concatenate(applied)) if applied else np.empty(0, np.int64)
+        return done, pairs, rejected
+
+    def clear(self) -> None:
+        self.size = 0
+        self.slot_of.clear()
+
+    def _reserve(self, needed: int) -> None:
+        capacity = len(self.ids)
+        if needed <= capacity:
+            return
+        while capacity < needed:
+            capacity *= 2
+        for name in ("ids", "rows", "accum", "version", "event_ms"):
+            old = getattr(self, name)
+            new = np.zeros((capacity, *old.shape[1:]), old.dtype)
+            new[: self.size] = old[: self.size]
+            setattr(self, name, new)
