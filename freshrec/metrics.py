@@ -8,9 +8,31 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
+
+def observe_many(histogram, values) -> None:
+    """``histogram.observe(v)`` for every value, in one pass: the values are binned with
+    numpy and each bucket and the sum are incremented once (a labelled child or an
+    unlabelled histogram; prometheus_client keeps per-bucket counts internally).
+
+    >>> h = Histogram("doc_observe_many_seconds", "doc", buckets=(0.1, 1.0), registry=None)
+    >>> observe_many(h, [0.05, 0.1, 0.5, 7.0])
+    >>> [b.get() for b in h._buckets], h._sum.get()
+    ([2.0, 1.0, 1.0], 7.65)
+    """
+    values = np.asarray(values, np.float64)
+    if not len(values):
+        return
+    bounds = np.asarray(histogram._upper_bounds, np.float64)
+    counts = np.bincount(np.searchsorted(bounds, values, side="left"), minlength=len(bounds))
+    for bucket, count in zip(histogram._buckets, counts.tolist(), strict=False):
+        if count:
+            bucket.inc(count)
+    histogram._sum.inc(float(values.sum()))
+
 
 LAG_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,

@@ -41,7 +41,7 @@ from confluent_kafka import (
 from freshrec import metrics as m
 from freshrec.kafka import consumer_config, lag_statistics, producer_config
 from freshrec.lifecycle import run_until_signalled
-from freshrec.partitioner import kafka_partition
+from freshrec.partitioner import row_partitions
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.batching import BatchPolicy, split_expired
@@ -114,7 +114,6 @@ class Worker:
         self.unsent: dict[tuple[int, int], list] = {}  # row -> [grad sum, count, event_ms]
         self.item_pool: list[str] = []
         self.grad_partitions = self._partitions(self.names.gradients)
-        self._partition_cache: dict[int, int] = {}
         self.stats = defaultdict(int)
         self._last_commit = time.monotonic()
         # ---- serving
@@ -486,8 +485,8 @@ class Worker:
         self.item_pool = (self.item_pool + ex.items)[-10_000:]
         self.learn(ex)
         done = time.time()
-        for ts in ex.event_ms[:LAG_SAMPLES].tolist():
-            m.FRESHNESS_LAG.labels("local").observe(max(done - ts / 1000, 0.0))
+        lag = np.maximum(done - ex.event_ms[:LAG_SAMPLES] / 1000, 0.0)
+        m.observe_many(m.FRESHNESS_LAG.labels("local"), lag)
 
     def _remember_clicks(self, events) -> None:
         """The last clicks per user (bounded), for the i2i channel of this worker."""
@@ -536,6 +535,9 @@ class Worker:
 
     def _queue(self, table, keys, sums, counts, newest, deltas, outgoing) -> None:
         threshold = self.settings.learning.admission_touches
+        held_back = 0
+        parts = dict(zip(keys.tolist(), row_partitions(keys, self.grad_partitions).tolist(),
+                         strict=True))  # fmt: skip
         for k, g, c, t, d in zip(
             keys.tolist(), sums, counts.tolist(), newest.tolist(), deltas, strict=True
         ):
@@ -551,19 +553,11 @@ class Worker:
                 held[2] = max(held[2], t)
             if self.touches[ref] >= threshold:
                 del self.unsent[ref]
-                part = self._partition_of(k)
-                outgoing[(table, part)].append((k, *held))
+                outgoing[(table, parts[k])].append((k, *held))
             else:
-                m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "held_for_admission").inc()
-
-    def _partition_of(self, row: int) -> int:
-        """The ``gradients`` partition of a row (murmur2 in Python: cached per row)."""
-        part = self._partition_cache.get(row)
-        if part is None:
-            if len(self._partition_cache) > 1_000_000:
-                self._partition_cache.clear()
-            part = self._partition_cache[row] = kafka_partition(row_key(row), self.grad_partitions)
-        return part
+                held_back += 1
+        if held_back:
+            m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "held_for_admission").inc(held_back)
 
     def _send(self, outgoing) -> None:
         created = int(time.time() * 1000)
