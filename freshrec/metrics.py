@@ -13,6 +13,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
 
+
 def observe_many(histogram, values) -> None:
     """``histogram.observe(v)`` for every value, in one pass: the values are binned with
     numpy and each bucket and the sum are incremented once (a labelled child or an
@@ -53,6 +54,9 @@ STREAMS_BATCH_SIZE = Histogram(
     "freshrec_streams_batch_messages", "Messages per agent batch", ["stage"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
 )  # fmt: skip
+CATALOGUE_RECORDS = Counter(
+    "freshrec_streams_catalogue_records_total", "Item records written to the catalogue in Redis"
+)
 STREAMS_BATCH_SECONDS = Histogram(
     "freshrec_streams_batch_seconds", "Time to process one agent batch", ["stage"],
     buckets=LAG_BUCKETS_S,

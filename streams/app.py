@@ -15,8 +15,10 @@ Two stages in one process (several instances split the partitions):
    A timer publishes each partition's top-K hot lists to Redis; readers merge them
    (``hotlist.merge_hot_lists``).
 
-The catalogue (``items``) is written to Redis by a third agent; items created within the
-new-item window go into a sorted set for the new-items recall channel.
+The catalogue (``items``) is written to Redis by a third stage (``streams/catalogue.py``,
+confluent-kafka batches on another thread: as a faust agent it stalled counting while a large
+catalogue loaded); items created within the new-item window go into a sorted set for the
+new-items recall channel, and prices reach the count stage's hot scores through a queue.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections import defaultdict
@@ -41,8 +44,7 @@ from freshrec.kafka import admin_config, profile
 from freshrec.rediskeys import RedisKeys
 from freshrec.settings import state_dir
 from freshrec.topics import TopicNames
-from schemas.codec import dead_letter, decode_item, encode_dead_letter
-from schemas.contract import Rejected
+from streams.catalogue import CatalogueStage
 from streams.item_state import ItemPartitionState
 from streams.settings import StreamsSettings
 from streams.sink import StreamsSink
@@ -89,6 +91,7 @@ class StreamsApp:
         self._publish_not_before = 0.0
         self.persist_lock = asyncio.Lock()
         self.price_checked: dict[int, float] = defaultdict(float)
+        self.price_updates: queue.SimpleQueue = queue.SimpleQueue()
         self.redis: Redis | None = None
         self.sink: StreamsSink | None = None
         self.app = self._build()
@@ -98,12 +101,14 @@ class StreamsApp:
         s, conn = self.settings, self.settings.conn
         p = profile(conn)
         brokers = ";".join(f"kafka://{h}" for h in conn.kafka_bootstrap_servers.split(","))
+        datadir = state_dir() / "faust"
+        datadir.mkdir(parents=True, exist_ok=True)  # faust creates only the last level
         app = FetchTunedApp(
             f"{conn.topic_prefix}freshrec-streams",
             broker=brokers,
             store="memory://",
             # All state lives in Redis; faust still wants a data directory for its tables.
-            datadir=str(state_dir() / "faust" / "{conf.id}"),
+            datadir=str(datadir / "{conf.id}"),
             autodiscover=False,
             web_enabled=False,
             topic_allow_declare=False,
@@ -122,8 +127,6 @@ class StreamsApp:
         app.fetch_wait_max_ms = s.fetch_wait_max_ms or p.background_fetch_wait_ms
         raw = {"key_serializer": "raw", "value_serializer": "raw"}
         by_item = app.topic(self.names.events_by_item, **raw)
-        items = app.topic(self.names.items, **raw)
-        dlq = app.topic(self.names.events_dlq, **raw)
         within = s.batch_within_ms / 1000
 
         @app.agent(by_item, name="count")
@@ -131,11 +134,6 @@ class StreamsApp:
             async for batch in stream.take_events(s.batch_max, within=within):
                 with timed("count", batch):
                     await self._count_batch(batch)
-
-        @app.agent(items, name="catalogue")
-        async def catalogue(stream):
-            async for batch in stream.take_events(s.batch_max, within=within):
-                await self._catalogue_batch(batch, dlq)
 
         @app.timer(interval=s.publish_interval_ms / 1000)
         async def publish():
@@ -191,7 +189,7 @@ class StreamsApp:
 
     async def _count_batch(self, batch) -> None:
         sink = await self._redis()
-        await self._redis()
+        self._apply_prices()
         touched: set[int] = set()
         for ev in batch:
             q = ev.message.partition
@@ -233,25 +231,13 @@ class StreamsApp:
                 sink = await self._redis()
                 await sink.persist(states)
 
-    async def _catalogue_batch(self, batch, dlq) -> None:
-        sink = await self._redis()
-        now = _now_ms()
-        good = []
-        for ev in batch:
+    def _apply_prices(self) -> None:
+        """Prices from the catalogue stage (another thread) into the partitions' states."""
+        while True:
             try:
-                good.append(decode_item(ev.message.value, now, self.settings.limits))
-            except Rejected as rej:
-                m.DEAD_LETTERS.labels(str(rej.reason)).inc()
-                msg = ev.message
-                letter = dead_letter(
-                    rej, topic=msg.topic, partition=msg.partition, offset=msg.offset,
-                    key=msg.key, value=msg.value, now_ms=now, service=SERVICE,
-                )  # fmt: skip
-                await dlq.send(value=encode_dead_letter(letter))
-        if good:
-            await sink.write_catalogue(good, now - self.settings.new_item_window_ms)
-            # prices may arrive after the first events of an item
-            prices = {i.item_id: i.price for i in good}
+                prices = self.price_updates.get_nowait()
+            except queue.Empty:
+                return
             for state in self.states.values():
                 known = {k: v for k, v in prices.items() if k in state.slots}
                 if known:
@@ -272,6 +258,7 @@ class StreamsApp:
 
     async def _publish_round(self) -> None:
         sink = await self._redis()
+        self._apply_prices()
         # Items first seen before their catalogue record: retry their prices (1/s); any
         # price found changes hot scores, so the partition is persisted and republished.
         for q, state in list(self.states.items()):
@@ -293,13 +280,13 @@ class StreamsApp:
                 m.HOT_LIST_PUBLISHES.labels(scope).inc()
 
 
-def _crash_on_error(loop, stop: threading.Event) -> None:
-    """A validate stage that fails must take the process down, not leave faust running
-    without input: state is in Redis and a restart resumes from committed offsets."""
+def _crash_on_error(loop, stop: threading.Event, name: str) -> None:
+    """A stage that fails must take the process down, not leave faust running without
+    input: state is in Redis and a restart resumes from committed offsets."""
     try:
         loop(stop)
     except BaseException:
-        log.exception("the validate stage failed; exiting")
+        log.exception("the %s stage failed; exiting", name)
         logging.shutdown()
         os._exit(1)
 
@@ -316,13 +303,16 @@ def run_streams(settings: StreamsSettings) -> int:
         streams.by_item_partitions,
         streams.app.fetch_wait_max_ms,
     )
-    # The validate stage runs on confluent-kafka batches in a thread of this process; it
-    # dies with the process (offsets it did not commit are replayed and skipped by offset).
+    # The validate and catalogue stages run on confluent-kafka batches in threads of this
+    # process; they die with the process (offsets not committed are replayed: the count stage
+    # skips replayed events by offset, catalogue writes are idempotent).
     stop = threading.Event()
     validate = ValidateStage(settings, streams.by_item_partitions)
-    threading.Thread(
-        target=_crash_on_error, args=(validate.run, stop), daemon=True, name="validate"
-    ).start()
+    catalogue = CatalogueStage(settings, streams.price_updates)
+    for name, stage in (("validate", validate), ("catalogue", catalogue)):
+        threading.Thread(
+            target=_crash_on_error, args=(stage.run, stop, name), daemon=True, name=name
+        ).start()
     worker = Worker(streams.app, loglevel="INFO", quiet=True, redirect_stdouts=False)
     worker.execute_from_commandline()
     return 0

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
 import numpy as np
 from redis.asyncio import Redis
 
 from freshrec.rediskeys import RedisKeys
-from schemas.records import Item
 from streams.hotlist import HotList, hot_scores, price_norm
 from streams.item_state import ItemPartitionState
 
@@ -18,21 +16,6 @@ class StreamsSink:
     def __init__(self, redis: Redis, keys: RedisKeys) -> None:
         self.redis = redis
         self.keys = keys
-
-    async def write_catalogue(self, items: Sequence[Item], new_since_ms: int) -> None:
-        k = self.keys
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(k.item_price, mapping={i.item_id: i.price for i in items})
-        pipe.hset(k.item_category, mapping={i.item_id: i.category for i in items})
-        pipe.hset(k.item_created_ms, mapping={i.item_id: i.created_at_ms for i in items})
-        regional = {i.item_id: i.region for i in items if i.region}
-        if regional:
-            pipe.hset(k.item_region, mapping=regional)
-        fresh = {i.item_id: i.created_at_ms for i in items if i.created_at_ms >= new_since_ms}
-        if fresh:
-            pipe.zadd(k.new_items, fresh)
-        pipe.zremrangebyscore(k.new_items, "-inf", f"({new_since_ms}")
-        await pipe.execute()
 
     async def prices(self, item_ids: list[str]) -> dict[str, float]:
         if not item_ids:

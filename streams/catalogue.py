@@ -1,0 +1,116 @@
+"""The catalogue stage of ``freshrec streams``, on confluent-kafka batches.
+
+Item records (``items``) are decoded with the ``schemas/`` codec; rejects go to
+``events.dlq``; good ones are written to Redis (price, category, creation time, region, the
+new-items index) and their prices handed to the count stage. It runs as a confluent-kafka batch
+consumer (group ``{prefix}freshrec-streams-catalogue``) on a thread of the streams process, not
+as a faust agent: faust's agents share one consumer, and an agent that lags stops delivery to
+the others, so loading a 100k-item catalogue through faust (a few thousand records per second)
+held the count stage still for tens of seconds. Offsets are committed after the Redis write
+(at-least-once; writing an item twice is harmless).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+from confluent_kafka import Consumer, KafkaError, Producer
+
+from freshrec import metrics as m
+from freshrec.kafka import consumer_config, lag_statistics, producer_config
+from freshrec.rediskeys import RedisKeys
+from freshrec.topics import TopicNames
+from schemas.codec import dead_letter, decode_item, encode_dead_letter
+from schemas.contract import Rejected
+from schemas.records import Item
+from streams.settings import StreamsSettings
+
+log = logging.getLogger("freshrec.streams")
+SERVICE = "streams"
+
+
+def queue_catalogue(pipe, keys: RedisKeys, items: Sequence[Item], new_since_ms: int) -> None:
+    """The Redis writes for some catalogue records, queued on ``pipe`` (sync or asyncio)."""
+    pipe.hset(keys.item_price, mapping={i.item_id: i.price for i in items})
+    pipe.hset(keys.item_category, mapping={i.item_id: i.category for i in items})
+    pipe.hset(keys.item_created_ms, mapping={i.item_id: i.created_at_ms for i in items})
+    regional = {i.item_id: i.region for i in items if i.region}
+    if regional:
+        pipe.hset(keys.item_region, mapping=regional)
+    fresh = {i.item_id: i.created_at_ms for i in items if i.created_at_ms >= new_since_ms}
+    if fresh:
+        pipe.zadd(keys.new_items, fresh)
+    pipe.zremrangebyscore(keys.new_items, "-inf", f"({new_since_ms}")
+
+
+class CatalogueStage:
+    def __init__(self, settings: StreamsSettings, prices: queue.SimpleQueue) -> None:
+        self.settings = settings
+        conn = settings.conn
+        self.names = TopicNames(conn.topic_prefix)
+        self.keys = RedisKeys(conn.topic_prefix)
+        self.prices = prices
+        """Where each batch's {item: price} goes, for the count stage's hot scores."""
+        self.consumer = Consumer(
+            consumer_config(
+                conn,
+                f"{conn.topic_prefix}freshrec-streams-catalogue",
+                background=True,
+                **lag_statistics("streams-catalogue"),
+            )
+        )
+        self.producer = Producer(producer_config(conn))
+        self.redis = redis.Redis.from_url(conn.redis_url)
+
+    def run(self, stop: threading.Event) -> None:
+        self.consumer.subscribe([self.names.items])
+        try:
+            while not stop.is_set():
+                msgs = self.consumer.consume(self.settings.batch_max, 0.05)
+                good = []
+                for msg in msgs:
+                    err = msg.error()
+                    if err is None:
+                        good.append(msg)
+                    elif err.code() != KafkaError._PARTITION_EOF:
+                        log.warning("items consumer error: %s", err)
+                if good:
+                    with m.STREAMS_BATCH_SECONDS.labels("catalogue").time():
+                        self.process(good)
+                    self.producer.flush(30)  # dead letters out before the offsets move
+                    self._commit()
+                self.producer.poll(0)
+        finally:
+            self.consumer.close()
+
+    def process(self, msgs) -> None:
+        now = int(time.time() * 1000)
+        items = []
+        for msg in msgs:
+            try:
+                items.append(decode_item(msg.value(), now, self.settings.limits))
+            except Rejected as rej:
+                m.DEAD_LETTERS.labels(str(rej.reason)).inc()
+                letter = dead_letter(
+                    rej, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+                    key=msg.key(), value=msg.value(), now_ms=now, service=SERVICE,
+                )  # fmt: skip
+                self.producer.produce(self.names.events_dlq, encode_dead_letter(letter))
+        if not items:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        queue_catalogue(pipe, self.keys, items, now - self.settings.new_item_window_ms)
+        pipe.execute()
+        self.prices.put({i.item_id: i.price for i in items})
+        m.CATALOGUE_RECORDS.inc(len(items))
+
+    def _commit(self) -> None:
+        try:
+            self.consumer.commit(asynchronous=False)
+        except Exception as exc:  # a rebalance in flight: the next commit catches up
+            log.info("catalogue commit skipped: %s", exc)
