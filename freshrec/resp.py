@@ -16,6 +16,8 @@ b'*3\\r\\n$4\\r\\nHGET\\r\\n$1\\r\\nk\\r\\n$1\\r\\nf\\r\\n'
 True
 >>> pack_fixed(b"HMGET", b"k", f) == pack(b"HMGET", b"k", b"a", b"b")
 True
+>>> pack_pairs(b"HSET", b"k", [b"a", b"b"], [b"xy", b"zw"]) == pack_fixed(b"HSET", b"k", f, v)
+True
 """
 
 from __future__ import annotations
@@ -31,6 +33,19 @@ def pack(*args: bytes) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for a in args:
         out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def pack_pairs(command: bytes, key: bytes, fields: list[bytes], values: list[bytes]) -> bytes:
+    """``command key f1 v1 f2 v2 ...`` for fields and values of any length."""
+    if len(fields) != len(values):
+        raise ValueError(f"{len(fields)} fields but {len(values)} values")
+    out = [b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+        2 + 2 * len(fields), len(command), command, len(key), key)]  # fmt: skip
+    out += [
+        b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(f), f, len(v), v)
+        for f, v in zip(fields, values, strict=True)
+    ]
     return b"".join(out)
 
 
@@ -73,3 +88,17 @@ def execute(client: redis.Redis, payload: bytes, replies: int) -> list:
         raise
     finally:
         pool.release(conn)
+
+
+async def execute_async(client, payload: bytes, replies: int) -> list:
+    """``execute`` for a ``redis.asyncio`` client."""
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+    try:
+        await conn.send_packed_command([payload])
+        return [await conn.read_response() for _ in range(replies)]
+    except BaseException:
+        await conn.disconnect()
+        raise
+    finally:
+        await pool.release(conn)

@@ -15,7 +15,6 @@ snapshot between batches (``take``), so serving never sees one half-replaced.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -23,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 import redis
 
 from freshrec import metrics as m
@@ -214,7 +214,10 @@ class SnapshotRefresher:
                 out[scope] = cached[1]
                 continue
             merged = merge_raw_hot_lists(
-                [json.loads(v) for v in raw.values()], self.hot_k, self.weights, self.rate_per_hour
+                [orjson.loads(v) for v in raw.values()],
+                self.hot_k,
+                self.weights,
+                self.rate_per_hour,
             )
             self._hot_cache[scope] = (fingerprint, merged)
             out[scope] = merged

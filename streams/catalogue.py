@@ -32,6 +32,7 @@ from streams.settings import StreamsSettings
 
 log = logging.getLogger("freshrec.streams")
 SERVICE = "streams"
+CATALOGUE_FETCH_WAIT_MS = 500
 
 
 def queue_catalogue(pipe, keys: RedisKeys, items: Sequence[Item], new_since_ms: int) -> None:
@@ -61,6 +62,9 @@ class CatalogueStage:
                 conn,
                 f"{conn.topic_prefix}freshrec-streams-catalogue",
                 background=True,
+                # Catalogue records are rare next to events; a long fetch wait keeps this
+                # consumer from costing the broker a fetch every few milliseconds.
+                **{"fetch.wait.max.ms": CATALOGUE_FETCH_WAIT_MS},
                 **lag_statistics("streams-catalogue"),
             )
         )

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from streams.decay import ForwardDecay
 from streams.hotlist import (
@@ -169,8 +170,9 @@ class ItemPartitionState:
         )
         return ctr, cvr
 
-    def hot_lists(self, k: int, partition: int, published_ms: int) -> dict[str, HotList]:
-        """This partition's top-K per scope at its watermark, with the score's components."""
+    def hot_top(self, k: int) -> dict[str, tuple[list[str], list[float], list[float], list[float]]]:
+        """This partition's top-K per scope at its watermark: (item ids, decayed clicks, CVR,
+        normalised price), best first."""
         t = self.watermark_ms
         n = self.n_items
         dec = self.decayed(t)
@@ -179,7 +181,7 @@ class ItemPartitionState:
         if len(self._names) != n:
             self._names = np.array(self.item_ids, dtype=object)
         names = self._names
-        out: dict[str, HotList] = {}
+        out = {}
         for scope, s in self.scopes.items():
             clicks = dec[:, s, CLICK]
             # items with activity in this scope: items never seen in events would all tie
@@ -188,12 +190,27 @@ class ItemPartitionState:
             active = np.flatnonzero(dec[:, s, :].sum(axis=1) > 0)
             scores = hot_scores(clicks[active], cvr[active, s], pn[active], self.config.weights)
             best = active[top_k_indices(scores, k, names[active])]
-            ids = [self.item_ids[i] for i in best.tolist()]
-            entries = list(
-                map(HotEntry, ids, clicks[best].tolist(), cvr[best, s].tolist(), pn[best].tolist())
-            )
-            out[scope] = HotList(t, entries, partition, published_ms)
+            out[scope] = (
+                names[best].tolist(), clicks[best].tolist(), cvr[best, s].tolist(),
+                pn[best].tolist(),
+            )  # fmt: skip
         return out
+
+    def hot_lists(self, k: int, partition: int, published_ms: int) -> dict[str, HotList]:
+        """``hot_top`` as ``HotList`` objects."""
+        return {
+            scope: HotList(self.watermark_ms, list(map(HotEntry, *cols)), partition, published_ms)
+            for scope, cols in self.hot_top(k).items()
+        }
+
+    def hot_payloads(self, k: int, partition: int, published_ms: int) -> dict[str, bytes]:
+        """``hot_top`` as the published JSON per scope (``HotList.to_json``'s layout),
+        encoded straight from the columns: no objects per entry."""
+        head = {"as_of_ms": self.watermark_ms, "partition": partition, "published_ms": published_ms}
+        return {
+            scope: orjson.dumps({**head, "entries": list(zip(*cols, strict=True))})
+            for scope, cols in self.hot_top(k).items()
+        }
 
     def take_touched(self) -> list[int]:
         touched = sorted(self.touched)
@@ -205,14 +222,15 @@ class ItemPartitionState:
 
     def snapshot_rows(self, slots: list[int]) -> dict[str, bytes]:
         """Per-item snapshot values for ``slots``: price then forward counts, float64."""
-        n_scopes = self.counts.shape[1]
-        out: dict[str, bytes] = {}
-        for i in slots:
-            row = np.empty(1 + n_scopes * 3)
-            row[0] = self.price[i]
-            row[1:] = self.counts[i].ravel()
-            out[self.item_ids[i]] = row.tobytes()
-        return out
+        return dict(zip((self.item_ids[i] for i in slots), self.snapshot_blobs(slots), strict=True))
+
+    def snapshot_blobs(self, slots: list[int]) -> list[bytes]:
+        """``snapshot_rows``' values, in the order of ``slots``."""
+        idx = np.asarray(slots, np.int64)
+        rows = np.empty((len(idx), 1 + self.counts.shape[1] * 3), np.float64)
+        rows[:, 0] = self.price[idx]
+        rows[:, 1:] = self.counts[idx].reshape(len(idx), -1)
+        return [line.tobytes() for line in rows]
 
     def snapshot_meta(self) -> dict[str, str]:
         import json

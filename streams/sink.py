@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
+import orjson
 from redis.asyncio import Redis
 
 from freshrec.rediskeys import RedisKeys
+from freshrec.resp import execute_async, pack, pack_pairs
 from streams.hotlist import HotList, hot_scores, price_norm
 from streams.item_state import ItemPartitionState
 
@@ -26,28 +26,34 @@ class StreamsSink:
     async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> None:
         """Per partition: state rows of touched items, the meta (with applied offsets) and
         serving features — all partitions in one MULTI/EXEC, so a crash leaves either all of
-        a flush or none of it."""
-        pipe = self.redis.pipeline(transaction=True)
-        queued = False
+        a flush or none of it. Commands are packed here (``freshrec/resp.py``): redis-py's
+        asyncio packer was most of a count batch's time."""
+        commands = []
         for partition, state in states:
-            queued |= self._queue_persist(pipe, partition, state)
-        if queued:
-            await pipe.execute()
+            commands += self._persist_commands(partition, state)
+        if commands:
+            payload = b"".join([pack(b"MULTI"), *commands, pack(b"EXEC")])
+            await execute_async(self.redis, payload, len(commands) + 2)
 
-    def _queue_persist(self, pipe, partition: int, state: ItemPartitionState) -> bool:
+    def _persist_commands(self, partition: int, state: ItemPartitionState) -> list[bytes]:
         touched = state.take_touched()
         if not touched:
-            return False
+            return []
         k = self.keys
         t = state.watermark_ms
         idx = np.asarray(touched)
-        dec = state.decayed(t)[idx, 0, :]
+        dec = state.decay.value_at(state.counts[idx, 0, :], t)
         ctr, cvr = state.rates(dec)
         pn = price_norm(state.price[idx], state.config.price_cap)
         hot = hot_scores(dec[:, 1], cvr, pn, state.config.weights)
-        ids = [state.item_ids[i] for i in touched]
-        pipe.hset(k.streams_rows(partition), mapping=state.snapshot_rows(touched))
-        pipe.hset(k.streams_meta(partition), mapping=state.snapshot_meta())
+        ids = [state.item_ids[i].encode() for i in touched]
+        meta = state.snapshot_meta()
+        out = [
+            pack_pairs(b"HSET", k.streams_rows(partition).encode(), ids,
+                       state.snapshot_blobs(touched)),
+            pack_pairs(b"HSET", k.streams_meta(partition).encode(),
+                       [f.encode() for f in meta], [v.encode() for v in meta.values()]),
+        ]  # fmt: skip
         for name, values in (
             ("impressions", dec[:, 0]),
             ("clicks", dec[:, 1]),
@@ -56,13 +62,12 @@ class StreamsSink:
             ("cvr", cvr),
             ("hot", hot),
         ):
-            pipe.hset(
-                k.item_feature[name],
-                mapping=dict(zip(ids, np.round(values, 9).tolist(), strict=True)),
-            )
+            # the text redis-py writes for a float: repr
+            text = [repr(v).encode() for v in np.round(values, 9).tolist()]
+            out.append(pack_pairs(b"HSET", k.item_feature[name].encode(), ids, text))
         # the event time these counts are decayed to; items untouched since keep older ones
-        pipe.hset(k.item_features_as_of, mapping=dict.fromkeys(ids, t))
-        return True
+        out.append(pack_pairs(b"HSET", k.item_features_as_of.encode(), ids, [b"%d" % t] * len(ids)))
+        return out
 
     async def restore(self, partition: int, config) -> ItemPartitionState:
         pipe = self.redis.pipeline(transaction=True)
@@ -73,15 +78,19 @@ class StreamsSink:
         rows = {a.decode(): b for a, b in rows_raw.items()}
         return ItemPartitionState.restore(config, meta, rows)
 
-    async def publish_hot(self, lists_by_scope: dict[str, HotList]) -> None:
+    async def publish_hot(self, payloads: dict[int, dict[str, bytes]]) -> None:
+        """Partitions' hot lists (``ItemPartitionState.hot_payloads``), one round trip."""
         pipe = self.redis.pipeline(transaction=False)
-        for scope, hl in lists_by_scope.items():
-            pipe.hset(self.keys.hot(scope), str(hl.partition), json.dumps(hl.to_json()))
-        pipe.sadd(self.keys.hot_scopes(), *lists_by_scope)
+        scopes = set()
+        for partition, lists in payloads.items():
+            for scope, payload in lists.items():
+                pipe.hset(self.keys.hot(scope), str(partition), payload)
+            scopes.update(lists)
+        pipe.sadd(self.keys.hot_scopes(), *sorted(scopes))
         await pipe.execute()
 
 
 async def read_hot_lists(redis: Redis, keys: RedisKeys, scope: str) -> list[HotList]:
     """Every partition's current list for ``scope``: one round trip."""
     raw = await redis.hgetall(keys.hot(scope))
-    return [HotList.from_json(json.loads(v)) for v in raw.values()]
+    return [HotList.from_json(orjson.loads(v)) for v in raw.values()]

@@ -98,6 +98,16 @@ def main() -> None:
             time.sleep(2)
             after = scrape(f"http://127.0.0.1:{port}/metrics")
         delta = subtract(after, before, name + "_bucket")
+        stages = subtract(after, before, "freshrec_streams_batch_seconds_bucket")
+        stage_ms = {
+            stage: {
+                "p50_ms": round(1000 * histogram_quantile(
+                    stages, "freshrec_streams_batch_seconds", 0.50, stage=stage), 1),
+                "p99_ms": round(1000 * histogram_quantile(
+                    stages, "freshrec_streams_batch_seconds", 0.99, stage=stage), 1),
+            }
+            for stage in ("validate", "count", "publish")
+        }  # fmt: skip
         results["hot_list_lag"] = {
             "rate_events_per_s": args.rate,
             "duration_s": args.duration,
@@ -105,6 +115,7 @@ def main() -> None:
             "observations": total(delta, name + "_bucket", le="+Inf"),
             "p50_ms": round(1000 * histogram_quantile(delta, name, 0.50), 1),
             "p99_ms": round(1000 * histogram_quantile(delta, name, 0.99), 1),
+            "stage_seconds": stage_ms,
             "note": "after warm-up; quantiles interpolated in Prometheus histogram buckets",
         }
     save("bench_streams", results)
