@@ -118,20 +118,24 @@ class RecallRunner:
                 futures[name] = cf.Future()
             else:
                 futures[name] = self.pool.submit(self._call, name, queries)
+        finished: dict[str, float] = {}  # inline channel -> seconds after start it returned
         for name, fut in futures.items():  # the inline ones, while the pool works
             if name in self.inline:
                 try:
                     fut.set_result(self._call(name, queries))
                 except Exception as exc:
                     fut.set_exception(exc)
+                finished[name] = time.monotonic() - start
         for name, fut in futures.items():
             limit = self.configs[name].deadline_ms
             if budget_ms is not None:
                 limit = min(limit, max(budget_ms, 0.0))
             remaining = limit / 1000 - (time.monotonic() - start)
             try:
-                if name in self.inline and remaining < 0:
-                    raise cf.TimeoutError  # it returned, but after its deadline
+                if name in finished:
+                    if finished[name] > limit / 1000:
+                        raise cf.TimeoutError  # it returned, but after its deadline
+                    remaining = 0.0  # done: waiting on other channels does not count
                 lists = fut.result(timeout=max(remaining, 0.0))
             except cf.TimeoutError:
                 fut.cancel()

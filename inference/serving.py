@@ -573,7 +573,7 @@ class Recommender:
             for channel, names in lists:
                 for pos, name in enumerate(names):
                     if name not in best:
-                        best[name] = (name, 1.0 / (1 + pos), (channel,))
+                        best[name] = (name, round(1.0 / (1 + pos), 6), (channel,))
             ranked = self._hot_ranked[region] = sorted(best.values(), key=lambda x: -x[1])
         excluded = set(r.exclude)
         out = []

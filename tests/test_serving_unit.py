@@ -324,6 +324,16 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
     )  # fmt: skip
     assert delayed.inline == set()
     delayed.close()
+    # an inline channel that returned in time is kept however long a pooled one then takes:
+    # its deadline is measured to when it returned, not to when the runner looked at it
+    slow_pool = RecallRunner(
+        {"vector": where("vector", pause=0.08), "hot": where("hot")},
+        {"vector": ChannelConfig(2, 500), "hot": ChannelConfig(2, 20)},
+        inline=("hot",),
+    )  # fmt: skip
+    result = slow_pool.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
+    assert result.timed_out == [] and result.per_query == [{"vector": ["vector"], "hot": ["hot"]}]
+    slow_pool.close()
 
 
 def test_top_k_rows_matches_torch_topk():

@@ -5,7 +5,7 @@
 2. ranking 500 candidates batched (one forward pass) vs serially (one pass per candidate),
    with the same Wide&Deep model;
 3. recall with one slow channel: all channels in parallel (the worker's way) vs one after
-   another;
+   another; ``Recommender.serve`` in-process for batches of 1, 4 and 32;
 4. dynamic batching at saturation: requests/s with ``max_batch=32`` vs ``max_batch=1``, and
    the p99 time a request's batch takes (its latency cost).
 
@@ -72,6 +72,7 @@ def main() -> None:
             seed_world(conn.redis_url, conn.topic_prefix, world, models)
             results["ranking"] = bench_ranking(conn, models, world, progress)
             results["recall"] = bench_recall(conn, models, progress)
+            results["serve"] = bench_serve(conn, models, world, progress)
             results["batching"] = bench_batching(
                 conn, models, world, args.saturation_requests, progress
             )
@@ -172,6 +173,38 @@ def bench_recall(conn, models: Path, progress: ProgressLine) -> dict:
         w.close()
     return {"batch": 32, "slow_channel": "i2i", "slow_ms": 30, "parallel_ms": round(parallel, 2),
             "serial_ms": round(serial, 2), "speedup": round(serial / parallel, 2)}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- serve
+def bench_serve(conn, models: Path, world: World, progress: ProgressLine) -> dict:
+    """``Recommender.serve`` in-process (no Kafka): median time of a batch of 1, 4 and 32
+    requests of users not seen before, and its recall / rank / rerank split."""
+    progress.done("serve in-process: batches of 1, 4 and 32")
+    w = _worker(conn, models)
+    w.start()
+    out = {}
+    try:
+        time.sleep(2)
+        w.poll_once()
+        rec = w.recommender
+        for size in (1, 4, 32):
+            batches = [_inbound(world, size, seed=1000 * size + i) for i in range(35)]
+            for b in batches[:5]:
+                rec.serve(b)
+            total, stages = [], {"recall": [], "rank": [], "rerank": []}
+            for b in batches[5:]:
+                t = time.perf_counter()
+                replies = rec.serve(b)
+                total.append((time.perf_counter() - t) * 1000)
+                for stage, values in stages.items():
+                    values.append(replies[0].timings_ms[stage])
+            out[f"batch_{size}"] = {
+                "median_ms": round(float(np.median(total)), 2),
+                **{f"{k}_ms": round(float(np.median(v)), 2) for k, v in stages.items()},
+            }
+    finally:
+        w.close()
+    return out
 
 
 # -------------------------------------------------------------------------------- batching
@@ -328,6 +361,9 @@ def summary(r: dict) -> str:
     rc = r["recall"]
     lines.append(f"recall (i2i +30 ms): parallel {rc['parallel_ms']} ms vs serial "
                  f"{rc['serial_ms']} ms = {rc['speedup']}x")  # fmt: skip
+    for label, v in r["serve"].items():
+        lines.append(f"serve in-process, {label}: {v['median_ms']} ms (recall {v['recall_ms']}, "
+                     f"rank {v['rank_ms']}, rerank {v['rerank_ms']})")  # fmt: skip
     b = r["batching"]
     lines.append(
         f"dynamic batching: {b['max_batch_32']['requests_per_s']} req/s (max_batch 32) vs "
