@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--train-impressions", type=int, default=None,
                      help="impressions for offline training when no models are cached "
                           "(default: 10 per item, 50k to 1M)")  # fmt: skip
-    # 20k items: with 100k the streams app's count stage stalls on this 2-core machine
-    # (see docs/benchmarks.md); `--items 100000` runs the larger world
+    # 20k items: with 100k everything still runs on two cores, but most replies come from
+    # the hot tier (see docs/benchmarks.md); `--items 100000` runs the larger world
     add_world_options(run, items=20_000)
     run.set_defaults(func=commands.cmd_run)
 
