@@ -19,8 +19,11 @@ and kafkajs would choose: ``events`` and ``recommend.requests`` must agree on a 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+from confluent_kafka import KafkaError
 
 from freshrec.settings import ConnectionSettings, SettingsError
 
@@ -164,3 +167,26 @@ def lag_statistics(group: str) -> dict[str, Any]:
                     m.CONSUMER_LAG.labels(group, topic, pid).set(lag)
 
     return {"statistics.interval.ms": 1000, "stats_cb": on_stats}
+
+
+def consume_batch(consumer, batch_max: int, timeout_s: float, what: str) -> list:
+    """One ``consume`` of up to ``batch_max`` messages, without the error events: a partition
+    EOF is dropped silently, any other error logged with ``what`` (the topic's role)."""
+    good = []
+    for msg in consumer.consume(batch_max, timeout_s):
+        err = msg.error()
+        if err is None:
+            good.append(msg)
+        elif err.code() != KafkaError._PARTITION_EOF:
+            logging.getLogger("freshrec.kafka").warning("%s consumer error: %s", what, err)
+    return good
+
+
+def background_consumer(conn: ConnectionSettings, group: str, role: str, **overrides: Any):
+    """A group consumer off the request path (``{prefix}{group}``, the profile's background
+    fetch wait) that reports its lag as ``role`` (``lag_statistics``)."""
+    from confluent_kafka import Consumer
+
+    group_id = f"{conn.topic_prefix}{group}"
+    cfg = consumer_config(conn, group_id, background=True, **overrides, **lag_statistics(role))
+    return Consumer(cfg)

@@ -99,6 +99,11 @@ CACHE_LOOKUPS = Counter(
 CACHE_ROWS = Gauge("freshrec_cache_rows", "Rows resident on the device", ["table"])
 PENDING_STEPS = Gauge("freshrec_pending_local_steps", "Local steps not yet in a global row")
 PS_ROWS_APPLIED = Counter("freshrec_ps_rows_applied_total", "Rows updated by Adagrad", ["table"])
+PS_ROWS_EVICTED = Counter(
+    "freshrec_ps_rows_evicted_total",
+    "Rows not updated for the row TTL, dropped from memory",
+    ["table"],
+)
 PS_FLUSHES = Counter("freshrec_ps_flushes_total", "Persist+broadcast rounds", ["outcome"])
 PS_FLUSH_SECONDS = Histogram(
     "freshrec_ps_flush_seconds", "Time to persist and broadcast one flush", buckets=LAG_BUCKETS_S

@@ -50,10 +50,17 @@ def pack_pairs(command: bytes, key: bytes, fields: list[bytes], values: list[byt
 
 
 def pack_fixed(
-    command: bytes, key: bytes, fields: np.ndarray, values: np.ndarray | None = None
-) -> bytes:
-    """``command key f1 [v1] f2 [v2] ...`` with ``fields`` (n, a) and ``values`` (n, b) as
-    ``uint8`` matrices: every field is ``a`` bytes, every value ``b``."""
+    command: bytes, key: bytes, fields: np.ndarray, values: np.ndarray | None = None,
+    prefix: tuple[bytes, ...] = (),
+) -> bytes:  # fmt: skip
+    """``command key [prefix...] f1 [v1] f2 [v2] ...`` with ``fields`` (n, a) and ``values``
+    (n, b) as ``uint8`` matrices: every field is ``a`` bytes, every value ``b``.
+
+    >>> f = np.frombuffer(b"ab", np.uint8).reshape(2, 1)
+    >>> pack_fixed(b"HPEXPIRE", b"k", f, prefix=(b"500", b"FIELDS", b"2")) == pack(
+    ...     b"HPEXPIRE", b"k", b"500", b"FIELDS", b"2", b"a", b"b")
+    True
+    """
     blocks = [fields] if values is None else [fields, values]
     n = len(fields)
     parts: list[np.ndarray] = []
@@ -69,8 +76,9 @@ def pack_fixed(
     for p in parts:
         out[:, col : col + p.shape[-1]] = p
         col += p.shape[-1]
-    head = b"*%d\r\n" % (2 + n * len(blocks)) + b"$%d\r\n%s\r\n" % (len(command), command)
-    return head + b"$%d\r\n%s\r\n" % (len(key), key) + out.tobytes()
+    head = b"*%d\r\n" % (2 + len(prefix) + n * len(blocks))
+    head += b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (command, key, *prefix))
+    return head + out.tobytes()
 
 
 def execute(client: redis.Redis, payload: bytes, replies: int) -> list:

@@ -27,6 +27,8 @@ class LearningSettings:
     admission_touches: int = 1
     """A row's gradients go to the parameter server from its Nth touch on (Monolith's
     occurrence filter); before that its steps stay local and are sent on admission."""
+    admission_window_s: int = 3600
+    """Touch counts of rows unseen for this long are forgotten (``inference/admission.py``)."""
     labels: LabelConfig = field(default_factory=LabelConfig)
 
 
@@ -75,6 +77,7 @@ class WorkerSettings:
             lr=env_float(env, "FRESHREC_LOCAL_LR", 0.05),
             max_grad_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0),
             admission_touches=env_int(env, "FRESHREC_ADMISSION_TOUCHES", 1, minimum=1),
+            admission_window_s=env_int(env, "FRESHREC_ADMISSION_WINDOW_S", 3600, minimum=1),
         )
         channels = dict(DEFAULT_CHANNELS)
         enabled = env.get("FRESHREC_RECALL_CHANNELS")

@@ -44,6 +44,7 @@ from freshrec.lifecycle import run_until_signalled
 from freshrec.partitioner import row_partitions
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
+from inference.admission import AdmissionFilter
 from inference.batching import BatchPolicy, split_expired
 from inference.breaker import CLOSED, HALF_OPEN
 from inference.cache import EmbeddingCache, pick_device
@@ -110,7 +111,10 @@ class Worker:
         self.updates = Consumer(consumer_config(conn, None, background=True))
         self.tokens = itertools.count(1)
         self.rng = np.random.default_rng(abs(hash(settings.worker_id)) % (2**32))
-        self.touches: dict[tuple[int, int], int] = defaultdict(int)
+        learning = settings.learning
+        self.admission = AdmissionFilter(
+            learning.admission_touches, learning.admission_window_s * 1000
+        )
         self.unsent: dict[tuple[int, int], list] = {}  # row -> [grad sum, count, event_ms]
         self.item_pool: list[str] = []
         self.grad_partitions = self._partitions(self.names.gradients)
@@ -231,6 +235,8 @@ class Worker:
             self._last_commit = now
         if now - self._housekeeping_at > 1.0:
             self._housekeeping_at = now
+            for ref in self.admission.rotate(_now_ms()):  # unseen for a window: forgotten
+                self.unsent.pop(ref, None)
             self.models.poll()
             self.recommender.maybe_rebuild_index()
             for name, state in self.recommender.runner.breaker_states().items():
@@ -534,7 +540,7 @@ class Worker:
         self._send(outgoing)
 
     def _queue(self, table, keys, sums, counts, newest, deltas, outgoing) -> None:
-        threshold = self.settings.learning.admission_touches
+        now_ms = _now_ms()
         held_back = 0
         parts = dict(zip(keys.tolist(), row_partitions(keys, self.grad_partitions).tolist(),
                          strict=True))  # fmt: skip
@@ -543,7 +549,7 @@ class Worker:
         ):
             ref = (table, k)
             self.pending.record(ref, d, None)
-            self.touches[ref] += 1
+            admitted = self.admission.touch(ref, now_ms)
             held = self.unsent.get(ref)
             if held is None:
                 held = self.unsent[ref] = [g.copy(), c, t]
@@ -551,7 +557,7 @@ class Worker:
                 held[0] += g
                 held[1] += c
                 held[2] = max(held[2], t)
-            if self.touches[ref] >= threshold:
+            if admitted:
                 del self.unsent[ref]
                 outgoing[(table, parts[k])].append((k, *held))
             else:

@@ -41,6 +41,30 @@ def initial_rows(ids: np.ndarray, table: int, dim: int, init_std: float = 0.1) -
     return rows
 
 
+VERSION_UPDATE_BITS = 20
+
+
+def version_floor(event_ms: np.ndarray) -> np.ndarray:
+    """The version a row starts from when the parameter server creates it (new, or expired
+    and back): the creating gradient's event time in seconds, shifted left by 20 bits. A row
+    re-created after expiry is therefore newer than anything its earlier life reached (unless
+    that life saw 2^20 updates per second), so workers holding the old row install the new
+    one; the low 20 bits count updates since creation.
+
+    >>> int(version_floor(np.array([1_000_999]))[0]) == 1000 << VERSION_UPDATE_BITS
+    True
+    >>> int(updates_since_creation(version_floor(np.array([5_000]))[0] + 3))
+    3
+    """
+    seconds = np.maximum(np.asarray(event_ms, np.int64), 0) // 1000
+    return seconds.astype(np.uint64) << np.uint64(VERSION_UPDATE_BITS)
+
+
+def updates_since_creation(version):
+    """The update count in a version (mod 2^20); seeded rows (version 1) count from 0."""
+    return np.asarray(version, np.uint64) & np.uint64((1 << VERSION_UPDATE_BITS) - 1)
+
+
 def row_key(row_id: int) -> bytes:
     """The Redis hash field and Kafka partitioning key of a row: 8 bytes, little-endian."""
     return _KEY.pack(row_id)

@@ -25,21 +25,27 @@ from collections import defaultdict
 
 import numpy as np
 import redis
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer
+from confluent_kafka import OFFSET_BEGINNING, Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import consumer_config, lag_statistics, producer_config
+from freshrec.kafka import background_consumer, consume_batch, producer_config
 from freshrec.lifecycle import run_until_signalled
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
-from param_server.rows import initial_rows
+from param_server.rows import initial_rows, version_floor
 from param_server.settings import ParamServerSettings
-from param_server.store import applied_offsets, fetch_rows_and_accumulators, persist
+from param_server.store import (
+    applied_offsets,
+    fetch_rows_and_accumulators,
+    persist,
+    supports_field_expiry,
+)
 from param_server.table import ParamTable
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
 
 log = logging.getLogger("freshrec.param_server")
 MAX_ROWS_PER_MESSAGE = 1000
+EVICT_EVERY_S = 60.0
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
@@ -51,14 +57,7 @@ class ParameterServer:
         self.keys = RedisKeys(conn.topic_prefix)
         self.redis = redis.Redis.from_url(conn.redis_url, socket_timeout=5)
         self.w = settings.dim + 1
-        self.consumer = Consumer(
-            consumer_config(
-                conn,
-                f"{conn.topic_prefix}freshrec-param-server",
-                background=True,
-                **lag_statistics("param-server"),
-            )
-        )
+        self.consumer = background_consumer(conn, "freshrec-param-server", "param-server")
         self.producer = Producer(producer_config(conn))
         self.tables = {t: ParamTable(self.w) for t in TABLE_NAMES}
         self.applied: dict[int, int] = {}
@@ -68,7 +67,9 @@ class ParameterServer:
         self.owned: set[int] = set()
         self.update_partitions = 1
         self._last_flush = time.monotonic()
+        self._evicted_at = time.monotonic()
         self._paused = False
+        self._redis_expires_fields = False
 
     # ------------------------------------------------------------------------ assignment
     def _on_assign(self, consumer, partitions) -> None:
@@ -100,6 +101,13 @@ class ParameterServer:
         topic = self.names.gradients
         md = self.producer.list_topics(self.names.embeddings_updates, timeout=15)
         self.update_partitions = len(md.topics[self.names.embeddings_updates].partitions) or 1
+        if self.settings.row_ttl_s > 0:
+            self._redis_expires_fields = self._redis_retry(
+                lambda: supports_field_expiry(self.redis, self.keys)
+            )
+            if not self._redis_expires_fields:
+                log.warning("this Redis has no HPEXPIRE (Redis < 7.4, Valkey < 9): rows in "
+                            "Redis will not expire; they still leave this server's memory")  # fmt: skip
         self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         log.info("parameter server on %s (dim %d)", topic, self.settings.dim)
         try:
@@ -111,14 +119,8 @@ class ParameterServer:
             self.consumer.close()
 
     def poll_once(self) -> None:
-        msgs = self.consumer.consume(500, 0.02)
         decoded = []
-        for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                if err.code() != KafkaError._PARTITION_EOF:
-                    log.warning("consumer error: %s", err)
-                continue
+        for msg in consume_batch(self.consumer, 500, 0.02, "gradients"):
             batch = self._decode(msg.partition(), msg.offset(), msg.value())
             if batch is not False:
                 decoded.append((msg.partition(), msg.offset(), batch))
@@ -160,20 +162,21 @@ class ParameterServer:
         if not per_table:
             return
         log_of: dict[int, tuple[np.ndarray, ...]] = {}
-        missing: dict[int, np.ndarray] = {}
+        missing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for t, items in per_table.items():
             ids = np.concatenate([np.asarray(b.ids, np.int64) for _, _, b in items])
-            distinct, inverse = np.unique(ids, return_inverse=True)
-            held = self.tables[t].lookup(distinct)
-            missing[t] = distinct[held < 0]
-            log_of[t] = (ids, distinct, inverse)
+            event_ms = np.concatenate([np.asarray(b.event_ms, np.int64) for _, _, b in items])
+            distinct, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+            held = self.tables[t].lookup(distinct) >= 0
+            # a row Redis lacks is created by the first of these entries (log order)
+            missing[t] = (distinct[~held], event_ms[first[~held]])
+            log_of[t] = (distinct, inverse, event_ms)
         self._ensure_loaded_many(missing)
         for t, items in per_table.items():
             table, name = self.tables[t], TABLE_NAMES[t]
-            ids, distinct, inverse = log_of[t]
+            distinct, inverse, event_ms = log_of[t]
             slots = table.lookup(distinct)[inverse]
             grads = np.concatenate([b.rows for _, _, b in items])
-            event_ms = np.concatenate([b.event_ms for _, _, b in items])
             sizes = [len(b) for _, _, b in items]
             message = np.repeat([seq for seq, _, _ in items], sizes)
             part = np.repeat([p for _, p, _ in items], sizes)
@@ -192,10 +195,12 @@ class ParameterServer:
             m.PS_ROWS_APPLIED.labels(name).inc(pairs)
             m.GRADIENT_MESSAGES.labels("applied").inc(len(items))
 
-    def _ensure_loaded_many(self, missing: dict[int, np.ndarray]) -> None:
-        """Load rows and accumulators not held (distinct ids per table): one round trip;
-        a row Redis does not have starts from its deterministic initial row."""
-        wanted = {t: ids for t, ids in missing.items() if len(ids)}
+    def _ensure_loaded_many(self, missing: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Load rows and accumulators not held (per table: distinct ids, and the event time
+        of the gradient that would create each): one round trip. A row Redis does not have
+        starts from its deterministic initial row, at ``version_floor`` of that time."""
+        created = {t: first for t, (ids, first) in missing.items() if len(ids)}
+        wanted = {t: ids for t, (ids, _) in missing.items() if len(ids)}
         if not wanted:
             return
         found = self._redis_retry(
@@ -214,6 +219,7 @@ class ParameterServer:
             if not got.found.all():
                 absent = ~got.found
                 rows[absent] = initial_rows(ids[absent], table, self.settings.dim)
+                versions[absent] = version_floor(created[table][absent])
             accum = np.full((n, self.w), init_acc, np.float32)
             accum[got.has_accum] = got.accum
             self.tables[table].add(ids, rows, accum, versions, event_ms)
@@ -244,6 +250,22 @@ class ParameterServer:
         self.dirty_rows = 0
         m.PS_FLUSHES.labels("ok").inc()
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - started)
+        self._maybe_evict()
+
+    def _maybe_evict(self) -> None:
+        """Rows not updated for ``row_ttl_s`` leave memory (checked once a minute; nothing
+        is unpersisted right after a flush)."""
+        ttl = self.settings.row_ttl_s
+        now = time.monotonic()
+        if ttl <= 0 or now - self._evicted_at < EVICT_EVERY_S:
+            return
+        self._evicted_at = now
+        cutoff = int(time.time() * 1000) - ttl * 1000
+        for t, table in self.tables.items():
+            gone = table.evict_older_than(cutoff)
+            if gone:
+                m.PS_ROWS_EVICTED.labels(TABLE_NAMES[t]).inc(gone)
+                log.info("%d %s rows not updated for %d s left memory", gone, TABLE_NAMES[t], ttl)
 
     def _persist(self, dirty: dict[int, dict[int, np.ndarray]]) -> None:
         by_table: dict[int, list[np.ndarray]] = defaultdict(list)
@@ -255,7 +277,10 @@ class ParameterServer:
             slots, tab = np.concatenate(parts), self.tables[t]
             out[t] = (tab.ids[slots], tab.rows[slots], tab.accum[slots], tab.version[slots],
                       tab.event_ms[slots])  # fmt: skip
-        persist(self.redis, self.keys, out, {p: self.applied[p] for p in dirty})
+        persist(
+            self.redis, self.keys, out, {p: self.applied[p] for p in dirty},
+            ttl_ms=self.settings.row_ttl_s * 1000 if self._redis_expires_fields else 0,
+        )  # fmt: skip
 
     def _broadcast(self, dirty: dict[int, dict[int, np.ndarray]]) -> None:
         created = int(time.time() * 1000)

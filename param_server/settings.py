@@ -19,6 +19,9 @@ class ParamServerSettings:
     max_dirty_rows: int = 50_000
     """Flush early when this many rows wait."""
     metrics_port: int = 0
+    row_ttl_s: int = 30 * 86_400
+    """Rows not updated for this long leave the server's memory, and Redis drops them (hash
+    field expiry, Redis 7.4+ / Valkey 9+); 0 keeps every row forever."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ParamServerSettings:
@@ -32,4 +35,5 @@ class ParamServerSettings:
             flush_interval_ms=env_int(env, "FRESHREC_FLUSH_INTERVAL_MS", 100, minimum=1),
             max_dirty_rows=env_int(env, "FRESHREC_MAX_DIRTY_ROWS", 50_000, minimum=1),
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
+            row_ttl_s=env_int(env, "FRESHREC_ROW_TTL_S", 30 * 86_400, minimum=0),
         )

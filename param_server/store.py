@@ -74,22 +74,35 @@ def fetch_rows_and_accumulators(
 
 def persist(
     r: redis.Redis, keys: RedisKeys, tables: dict[int, tuple[np.ndarray, ...]],
-    applied: dict[int, int],
+    applied: dict[int, int], ttl_ms: int = 0,
 ) -> None:  # fmt: skip
     """One MULTI/EXEC: for each table (ids, rows, accumulators, versions, event times) the
-    rows and accumulators, and the applied offset of each partition."""
+    rows and accumulators — with ``ttl_ms``, each field expires that long after this write
+    (HPEXPIRE) — and the applied offset of each partition."""
     commands = [pack(b"MULTI")]
     for table, (ids, rows, accum, versions, event_ms) in tables.items():
         name = TABLE_NAMES[table]
         fields = key_matrix(ids)
         blobs = encode_rows_matrix(rows, versions, event_ms)
         accs = np.ascontiguousarray(accum, "<f4").view(np.uint8).reshape(len(ids), -1)
-        commands.append(pack_fixed(b"HSET", keys.embeddings(name).encode(), fields, blobs))
-        commands.append(pack_fixed(b"HSET", keys.optimizer(name).encode(), fields, accs))
+        for key, values in ((keys.embeddings(name), blobs), (keys.optimizer(name), accs)):
+            commands.append(pack_fixed(b"HSET", key.encode(), fields, values))
+            if ttl_ms > 0:
+                prefix = (b"%d" % ttl_ms, b"FIELDS", b"%d" % len(ids))
+                commands.append(pack_fixed(b"HPEXPIRE", key.encode(), fields, prefix=prefix))
     flat = [b"%d" % x for p, o in applied.items() for x in (p, o)]
     commands.append(pack(b"HSET", keys.ps_applied.encode(), *flat))
     commands.append(pack(b"EXEC"))
     execute(r, b"".join(commands), len(commands))
+
+
+def supports_field_expiry(r: redis.Redis, keys: RedisKeys) -> bool:
+    """Whether this server has hash field expiry (HPEXPIRE: Redis 7.4+, Valkey 9+)."""
+    try:
+        r.execute_command("HPEXPIRE", keys.ps_applied + ":probe", 1000, "FIELDS", 1, "x")
+    except redis.ResponseError:
+        return False
+    return True
 
 
 def load_table(r: redis.Redis, keys: RedisKeys, table: int, w: int) -> dict[int, Row]:

@@ -136,6 +136,21 @@ class ParamTable:
         done = np.unique(np.concatenate(applied)) if applied else np.empty(0, np.int64)
         return done, pairs, rejected
 
+    def evict_older_than(self, cutoff_ms: int) -> int:
+        """Forget rows whose newest event time is before ``cutoff_ms`` (they are in Redis,
+        and reloaded if touched again); returns how many. Call with nothing unpersisted."""
+        n = self.size
+        keep = self.event_ms[:n] >= cutoff_ms
+        gone = n - int(keep.sum())
+        if gone == 0:
+            return 0
+        for name in ("ids", "rows", "accum", "version", "event_ms"):
+            arr = getattr(self, name)
+            arr[: n - gone] = arr[:n][keep]
+        self.size = n - gone
+        self.slot_of = dict(zip(self.ids[: self.size].tolist(), range(self.size), strict=True))
+        return gone
+
     def clear(self) -> None:
         self.size = 0
         self.slot_of.clear()

@@ -19,10 +19,10 @@ import time
 from collections.abc import Sequence
 
 import redis
-from confluent_kafka import Consumer, KafkaError, Producer
+from confluent_kafka import Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import consumer_config, lag_statistics, producer_config
+from freshrec.kafka import background_consumer, consume_batch, producer_config
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_item, encode_dead_letter
@@ -57,17 +57,12 @@ class CatalogueStage:
         self.keys = RedisKeys(conn.topic_prefix)
         self.prices = prices
         """Where each batch's {item: price} goes, for the count stage's hot scores."""
-        self.consumer = Consumer(
-            consumer_config(
-                conn,
-                f"{conn.topic_prefix}freshrec-streams-catalogue",
-                background=True,
-                # Catalogue records are rare next to events; a long fetch wait keeps this
-                # consumer from costing the broker a fetch every few milliseconds.
-                **{"fetch.wait.max.ms": CATALOGUE_FETCH_WAIT_MS},
-                **lag_statistics("streams-catalogue"),
-            )
-        )
+        # Catalogue records are rare next to events; a long fetch wait keeps this consumer
+        # from costing the broker a fetch every few milliseconds.
+        self.consumer = background_consumer(
+            conn, "freshrec-streams-catalogue", "streams-catalogue",
+            **{"fetch.wait.max.ms": CATALOGUE_FETCH_WAIT_MS},
+        )  # fmt: skip
         self.producer = Producer(producer_config(conn))
         self.redis = redis.Redis.from_url(conn.redis_url)
 
@@ -75,14 +70,7 @@ class CatalogueStage:
         self.consumer.subscribe([self.names.items])
         try:
             while not stop.is_set():
-                msgs = self.consumer.consume(self.settings.batch_max, 0.05)
-                good = []
-                for msg in msgs:
-                    err = msg.error()
-                    if err is None:
-                        good.append(msg)
-                    elif err.code() != KafkaError._PARTITION_EOF:
-                        log.warning("items consumer error: %s", err)
+                good = consume_batch(self.consumer, self.settings.batch_max, 0.05, "items")
                 if good:
                     with m.STREAMS_BATCH_SECONDS.labels("catalogue").time():
                         self.process(good)

@@ -22,10 +22,10 @@ import time
 from collections import defaultdict
 
 import redis
-from confluent_kafka import Consumer, KafkaError, Producer
+from confluent_kafka import Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import consumer_config, lag_statistics, producer_config
+from freshrec.kafka import background_consumer, consume_batch, producer_config
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -62,14 +62,7 @@ class ValidateStage:
         self.names = TopicNames(conn.topic_prefix)
         self.keys = RedisKeys(conn.topic_prefix)
         self.partitions = by_item_partitions
-        self.consumer = Consumer(
-            consumer_config(
-                conn,
-                f"{conn.topic_prefix}freshrec-streams-validate",
-                background=True,
-                **lag_statistics("streams-validate"),
-            )
-        )
+        self.consumer = background_consumer(conn, "freshrec-streams-validate", "streams-validate")
         self.producer = Producer(producer_config(conn))
         self.redis = redis.Redis.from_url(conn.redis_url)
         self.dedupe: dict[int, DedupeWindow] = {}
@@ -85,14 +78,7 @@ class ValidateStage:
         self.consumer.subscribe([self.names.events], on_revoke=self._on_revoke)
         try:
             while not stop.is_set():
-                msgs = self.consumer.consume(self.settings.batch_max, 0.05)
-                good = []
-                for msg in msgs:
-                    err = msg.error()
-                    if err is None:
-                        good.append(msg)
-                    elif err.code() != KafkaError._PARTITION_EOF:
-                        log.warning("events consumer error: %s", err)
+                good = consume_batch(self.consumer, self.settings.batch_max, 0.05, "events")
                 if good:
                     with m.STREAMS_BATCH_SECONDS.labels("validate").time():
                         self.process(good)

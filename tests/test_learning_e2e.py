@@ -17,7 +17,14 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import Worker
-from param_server.rows import TABLE_ITEM, TABLE_USER, decode_row, row_key
+from param_server.rows import (
+    TABLE_ITEM,
+    TABLE_USER,
+    decode_row,
+    row_key,
+    updates_since_creation,
+    version_floor,
+)
 from schemas.ids import row_id
 from schemas.records import Event
 from schemas.rowbatch import KIND_GRADIENTS, RowBatch
@@ -256,7 +263,45 @@ def test_non_finite_and_exploding_gradients_never_reach_a_table(conn, tmp_path):
     for row, version in rows.values():
         assert np.isfinite(row).all()
         # Adagrad moves each element by at most lr per step; initial rows have norm ~0.3
-        assert np.linalg.norm(row) <= 1.0 + lr * np.sqrt(W) * version
+        steps = int(updates_since_creation(version))
+        assert 0 < steps <= 100
+        assert np.linalg.norm(row) <= 1.0 + lr * np.sqrt(W) * steps
+
+
+def test_rows_not_updated_for_the_ttl_expire_and_come_back_at_a_newer_version(conn, tmp_path):
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    t0 = int(time.time() * 1000)
+    row = 7
+    part = kafka_partition(row_key(row), 4)
+
+    def one(t_ms: int) -> list[tuple[int, bytes]]:
+        g = np.full((1, W), 0.1, np.float32)
+        batch = RowBatch(KIND_GRADIENTS, TABLE_USER, np.array([row], np.int64), g,
+                         np.ones(1, np.uint64), np.array([t_ms]))  # fmt: skip
+        return [(part, batch.encode())]
+
+    env = {**ENV, "FRESHREC_ROW_TTL_S": "2"}
+    with service(conn, "param-server", tmp_path / "ps1.log", **env):
+        send(conn, one(t0) + one(t0 + 1))
+        wait_for(lambda: applied_total(conn) == 2, 60, "two updates")
+        # read at once: the row lives two seconds after its last write
+        stored = redis_row(conn, "user", row)
+        ttl = [
+            r.execute_command("HPTTL", key, "FIELDS", 1, row_key(row))[0]
+            for key in (keys.embeddings("user"), keys.optimizer("user"))
+        ]
+    assert stored is not None, "the row expired before it could be read"
+    assert stored[1] == int(version_floor(np.array([t0]))[0]) + 2  # created, then two updates
+    assert all(0 < t <= 2000 for t in ttl), ttl
+    wait_for(lambda: redis_row(conn, "user", row) is None, 10, "the row to expire")
+    # a later gradient creates it anew: from its initial row, at a version above the old one
+    send(conn, one(t0 + 5_000))  # a later second: a higher floor
+    with service(conn, "param-server", tmp_path / "ps2.log", **env):
+        wait_for(lambda: applied_total(conn) == 3, 60, "the third update")
+        again = redis_row(conn, "user", row)
+    assert again is not None, "the row expired before it could be read"
+    assert again[1] > stored[1] and int(updates_since_creation(again[1])) == 1
 
 
 def test_a_restarted_worker_reloads_rows_from_redis_and_continues(conn, tmp_path):

@@ -210,3 +210,42 @@ def test_packed_redis_commands_equal_redis_py_packing():
     reference = b"".join(PythonRespSerializer(10**9, lambda a: a).pack(b"HSET", b"key", *args))
     fixed = pack_fixed(b"HSET", b"key", key_matrix(ids), encode_rows_matrix(rows, versions, times))
     assert fixed == reference == pack(b"HSET", b"key", *args)
+
+
+def test_parameter_table_forgets_rows_not_updated_since_a_cutoff():
+    from param_server.table import ParamTable
+
+    t = ParamTable(2, capacity=2)
+    ids = np.array([10, 20, 30, 40])
+    rows = np.arange(8, dtype=np.float32).reshape(4, 2)
+    t.add(ids, rows, rows * 2, np.array([1, 2, 3, 4], np.uint64), np.array([5, 50, 7, 70]))
+    assert t.evict_older_than(40) == 2
+    assert len(t) == 2 and t.lookup(np.array([10, 20, 30, 40])).tolist() == [-1, 0, -1, 1]
+    assert t.rows[:2].tolist() == [[2, 3], [6, 7]] and t.accum[:2].tolist() == [[4, 6], [12, 14]]
+    assert t.version[:2].tolist() == [2, 4] and t.event_ms[:2].tolist() == [50, 70]
+    assert t.evict_older_than(40) == 0
+    t.add(np.array([10]), rows[:1], rows[:1], np.array([9], np.uint64), np.array([99]))
+    assert t.lookup(np.array([10, 40])).tolist() == [2, 1]
+
+
+def test_a_row_created_again_after_expiry_is_newer_than_its_earlier_life():
+    from param_server.rows import updates_since_creation, version_floor
+
+    first = int(version_floor(np.array([1_767_225_600_000]))[0])
+    old_life = first + 500_000  # half a million updates within the first second
+    again = int(version_floor(np.array([1_767_225_601_000]))[0])  # re-created a second later
+    assert again > old_life and int(updates_since_creation(again + 3)) == 3
+
+
+def test_admission_filter_forgets_rows_unseen_for_a_window():
+    from inference.admission import AdmissionFilter
+
+    f = AdmissionFilter(threshold=3, window_ms=100)
+    assert [f.touch("a", t) for t in (0, 1, 2, 3)] == [False, False, True, True]
+    f.touch("b", 50)
+    assert f.rotate(99) == [] and f.rotate(100) == []  # a and b move to the older generation
+    f.touch("a", 150)  # seen again: kept, still admitted
+    assert sorted(f.rotate(200)) == ["b"] and len(f) == 1 and f.touch("a", 210)
+    assert AdmissionFilter(1, 100).touch("x", 0) and len(AdmissionFilter(1, 100)) == 0
+    with pytest.raises(ValueError):
+        AdmissionFilter(0, 100)
