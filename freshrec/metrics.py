@@ -70,6 +70,12 @@ HOT_LIST_LAG = Histogram(
     "Event time to the hot list that includes the event being published",
     buckets=LAG_BUCKETS_S,
 )
+STREAMS_STAGE_LAG = Histogram(
+    "freshrec_streams_stage_lag_seconds",
+    "Event time to a point in the streams app: repartitioned (the events.by_item record's "
+    "timestamp) or counted (persisted); the hot-list lag adds publishing",
+    ["stage"], buckets=LAG_BUCKETS_S,
+)  # fmt: skip
 HOT_LIST_PUBLISHES = Counter("freshrec_hot_list_publishes_total", "Hot lists published", ["scope"])
 STREAMS_PARTITIONS = Gauge(
     "freshrec_streams_item_partitions", "events.by_item partitions owned by this instance"

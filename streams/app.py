@@ -55,6 +55,8 @@ from streams.validate import ValidateStage
 log = logging.getLogger("freshrec.streams")
 SERVICE = "streams"
 LAG_SAMPLES_PER_PUBLISH = 256
+PRICE_RETRY_S = 5.0
+PRICE_RETRY_MAX_S = 300.0
 
 
 @contextlib.contextmanager
@@ -91,7 +93,8 @@ class StreamsApp:
         self.dirty: set[int] = set()
         self._publish_not_before = 0.0
         self.persist_lock = asyncio.Lock()
-        self.price_checked: dict[int, float] = defaultdict(float)
+        self.price_retry_at: dict[int, float] = defaultdict(float)
+        self.price_retry_wait: dict[int, float] = defaultdict(lambda: PRICE_RETRY_S / 2)
         self.price_updates: queue.SimpleQueue = queue.SimpleQueue()
         self.redis: Redis | None = None
         self.sink: StreamsSink | None = None
@@ -192,6 +195,8 @@ class StreamsApp:
         sink = await self._redis()
         self._apply_prices()
         touched: set[int] = set()
+        repartitioned: list[float] = []  # seconds from event time to the by_item record
+        sampled: list[int] = []
         for ev in batch:
             q = ev.message.partition
             state = await self._state(q)
@@ -202,7 +207,11 @@ class StreamsApp:
             m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
             samples = self.lag_samples[q]
             if len(samples) < LAG_SAMPLES_PER_PUBLISH:
-                samples.extend(r[4] for r in records[: LAG_SAMPLES_PER_PUBLISH - len(samples)])
+                taken = [r[4] for r in records[: LAG_SAMPLES_PER_PUBLISH - len(samples)]]
+                samples.extend(taken)
+                sampled.extend(taken)
+                stamp = ev.message.timestamp  # seconds, set when the validate stage produced
+                repartitioned.extend(stamp - ts / 1000 for ts in taken)
             touched.add(q)
         new = {q: self.states[q].take_new_items() for q in touched}
         prices = await sink.prices([i for items in new.values() for i in items])
@@ -211,17 +220,32 @@ class StreamsApp:
                 self.states[q].set_prices({i: prices[i] for i in items if i in prices})
         await self._persist(sorted(touched))
         self.dirty.update(touched)
+        if sampled:
+            counted = time.time() - np.asarray(sampled) / 1000
+            m.observe_many(
+                m.STREAMS_STAGE_LAG.labels("repartitioned"), np.maximum(repartitioned, 0)
+            )
+            m.observe_many(m.STREAMS_STAGE_LAG.labels("counted"), np.maximum(counted, 0))
 
     async def _refresh_prices(self, q: int, state: ItemPartitionState) -> None:
-        """Fetch prices of items seen before their catalogue record (retried every 5 s)."""
+        """Fetch prices of items seen before their catalogue record. Retried after 5 s, and
+        twice as late each time a retry finds none (up to 5 min): events for items that have
+        no catalogue record cost a few round trips an hour, not one every 5 s."""
         now = time.monotonic()
-        if now - self.price_checked[q] < 5.0:
+        if now < self.price_retry_at[q]:
             return
-        self.price_checked[q] = now
         missing = state.items_without_price()[:5000]
+        found: dict[str, float] = {}
         if missing:
             sink = await self._redis()
-            state.set_prices(await sink.prices(missing))
+            found = await sink.prices(missing)
+            state.set_prices(found)
+        if found or not missing:
+            wait = PRICE_RETRY_S
+        else:
+            wait = min(2 * self.price_retry_wait[q], PRICE_RETRY_MAX_S)
+        self.price_retry_wait[q] = wait
+        self.price_retry_at[q] = now + wait
 
     async def _persist(self, partitions: list[int]) -> None:
         # One flush at a time: two in flight could land out of order and leave an older
@@ -261,8 +285,8 @@ class StreamsApp:
     async def _publish_round(self) -> None:
         sink = await self._redis()
         self._apply_prices()
-        # Items first seen before their catalogue record: retry their prices (1/s); any
-        # price found changes hot scores, so the partition is persisted and republished.
+        # Items first seen before their catalogue record: retry their prices (with backoff);
+        # any price found changes hot scores, so the partition is persisted and republished.
         for q, state in list(self.states.items()):
             await self._refresh_prices(q, state)
             if state.touched:

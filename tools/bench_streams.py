@@ -106,8 +106,16 @@ def main() -> None:
                 "p99_ms": round(1000 * histogram_quantile(
                     stages, "freshrec_streams_batch_seconds", 0.99, stage=stage), 1),
             }
-            for stage in ("validate", "count", "publish")
+            for stage in ("validate", "validate_commit", "count", "publish")
         }  # fmt: skip
+        lags = subtract(after, before, "freshrec_streams_stage_lag_seconds_bucket")
+        for stage in ("repartitioned", "counted"):
+            stage_ms[f"event_to_{stage}"] = {
+                "p50_ms": round(1000 * histogram_quantile(
+                    lags, "freshrec_streams_stage_lag_seconds", 0.50, stage=stage), 1),
+                "p99_ms": round(1000 * histogram_quantile(
+                    lags, "freshrec_streams_stage_lag_seconds", 0.99, stage=stage), 1),
+            }  # fmt: skip
         results["hot_list_lag"] = {
             "rate_events_per_s": args.rate,
             "duration_s": args.duration,
