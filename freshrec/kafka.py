@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaError
+from confluent_kafka import Consumer, KafkaError
 
 from freshrec.settings import ConnectionSettings, SettingsError
 
@@ -185,8 +185,6 @@ def consume_batch(consumer, batch_max: int, timeout_s: float, what: str) -> list
 def background_consumer(conn: ConnectionSettings, group: str, role: str, **overrides: Any):
     """A group consumer off the request path (``{prefix}{group}``, the profile's background
     fetch wait) that reports its lag as ``role`` (``lag_statistics``)."""
-    from confluent_kafka import Consumer
-
     group_id = f"{conn.topic_prefix}{group}"
     cfg = consumer_config(conn, group_id, background=True, **overrides, **lag_statistics(role))
     return Consumer(cfg)

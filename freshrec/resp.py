@@ -40,13 +40,7 @@ def pack_pairs(command: bytes, key: bytes, fields: list[bytes], values: list[byt
     """``command key f1 v1 f2 v2 ...`` for fields and values of any length."""
     if len(fields) != len(values):
         raise ValueError(f"{len(fields)} fields but {len(values)} values")
-    out = [b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-        2 + 2 * len(fields), len(command), command, len(key), key)]  # fmt: skip
-    out += [
-        b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(f), f, len(v), v)
-        for f, v in zip(fields, values, strict=True)
-    ]
-    return b"".join(out)
+    return pack(command, key, *(x for pair in zip(fields, values, strict=True) for x in pair))
 
 
 def pack_fixed(

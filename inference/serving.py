@@ -189,10 +189,6 @@ class Recommender:
             newer = torch.arange(index.size, size, device=items.device)
             newer = newer[named[index.size : size]]
             return index.search(q, items, n, self.settings.ann_nprobe, extra=newer)
-        if len(self.unnamed_bias) < size:
-            self.unnamed_bias = torch.zeros(len(named), device=items.device).masked_fill(
-                ~named, float("-inf")
-            )
         # one fused op: scores of every item, -inf where the item is not in the catalogue
         scores = torch.addmm(self.unnamed_bias[:size], q, items[:size].T)
         return list(top_k_rows(scores, min(n, self.named_count)))

@@ -542,10 +542,9 @@ class Worker:
     def _queue(self, table, keys, sums, counts, newest, deltas, outgoing) -> None:
         now_ms = _now_ms()
         held_back = 0
-        parts = dict(zip(keys.tolist(), row_partitions(keys, self.grad_partitions).tolist(),
-                         strict=True))  # fmt: skip
-        for k, g, c, t, d in zip(
-            keys.tolist(), sums, counts.tolist(), newest.tolist(), deltas, strict=True
+        parts = row_partitions(keys, self.grad_partitions).tolist()
+        for k, part, g, c, t, d in zip(
+            keys.tolist(), parts, sums, counts.tolist(), newest.tolist(), deltas, strict=True
         ):
             ref = (table, k)
             self.pending.record(ref, d, None)
@@ -559,7 +558,7 @@ class Worker:
                 held[2] = max(held[2], t)
             if admitted:
                 del self.unsent[ref]
-                outgoing[(table, parts[k])].append((k, *held))
+                outgoing[(table, part)].append((k, *held))
             else:
                 held_back += 1
         if held_back:

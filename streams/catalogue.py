@@ -12,7 +12,6 @@ held the count stage still for tens of seconds. Offsets are committed after the 
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -29,9 +28,8 @@ from schemas.codec import dead_letter, decode_item, encode_dead_letter
 from schemas.contract import Rejected
 from schemas.records import Item
 from streams.settings import StreamsSettings
+from streams.validate import SERVICE, log
 
-log = logging.getLogger("freshrec.streams")
-SERVICE = "streams"
 CATALOGUE_FETCH_WAIT_MS = 500
 
 
