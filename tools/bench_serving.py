@@ -10,6 +10,7 @@
    the p99 time a request's batch takes (its latency cost).
 
     .venv/bin/python -m tools.bench_serving [--rates 50,200,500] [--duration 10] [--items 20000]
+                                            [--max-waits 0,2,5]
 
 Writes artifacts/bench_serving.json. Needs nothing running (starts a private embedded stack).
 """
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--items", type=int, default=20_000)
     ap.add_argument("--saturation-requests", type=int, default=3000)
+    ap.add_argument("--max-waits", default="5",
+                    help="dynamic-batching waits (ms) to run the latency test with, e.g. 0,2,5")  # fmt: skip
     args = ap.parse_args()
     progress = ProgressLine()
     world = World(WorldConfig(seed=5, n_users=200_000, n_items=args.items))
@@ -77,7 +80,10 @@ def main() -> None:
                 conn, models, world, args.saturation_requests, progress
             )
             rates = [float(r) for r in args.rates.split(",")]
-            results["latency"] = bench_latency(conn, models, world, rates, args.duration, progress)
+            waits = [int(w) for w in args.max_waits.split(",")]
+            results["latency"] = bench_latency(
+                conn, models, world, rates, args.duration, progress, waits
+            )
     path = save("bench_serving", results)
     progress.done(f"results written to {path}")
     print(summary(results))
@@ -271,15 +277,21 @@ def _reply_timings(conn, topic: str, n: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------- latency
-def bench_latency(conn, models, world, rates, duration, progress) -> dict:
+def bench_latency(conn, models, world, rates, duration, progress, max_waits=(5,)) -> dict:
+    """Echo, then a worker per ``max_waits`` value (the dynamic batcher's wait); the one with
+    the default wait (5 ms) is ``worker``, others ``worker_max_wait_<ms>``."""
     out: dict = {"rates": {}}
-    for kind in ("echo", "worker"):
-        prefix = f"bl{kind}."
+    kinds = [("echo", None)] + [
+        ("worker" if w == 5 else f"worker_max_wait_{w}", w) for w in max_waits
+    ]
+    for kind, wait in kinds:
+        prefix = f"bl{kind.replace('_', '')}."
         c2 = _with_prefix(conn, prefix)
-        if kind == "worker":
+        if wait is not None:
             seed_world(conn.redis_url, prefix, world, models)
             ctx = service_process(c2, "worker", free_port(), {
-                "FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM)})  # fmt: skip
+                "FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM),
+                "FRESHREC_MAX_WAIT_MS": str(wait)})  # fmt: skip
         else:
             ctx = _echo_process(c2)
         with ctx:
@@ -372,6 +384,9 @@ def summary(r: dict) -> str:
         f"{b['max_batch_1']['batch_time_p99_ms']} ms"
     )
     for rate, row in r["latency"]["rates"].items():
+        for kind, v in row.items():
+            if kind.startswith("worker_max_wait_"):
+                lines.append(f"{rate} req/s, {kind}: p50 {v['p50_ms']} p99 {v['p99_ms']} ms")
         e, w = row.get("echo", {}), row.get("worker", {})
         lines.append(
             f"{rate} req/s: worker p50 {w.get('p50_ms')} p99 {w.get('p99_ms')} ms "
