@@ -202,6 +202,107 @@ def compile_schema(schema: dict[str, Any], path: str = "$") -> Checker:
     return check
 
 
+Acceptor = Callable[[Any, int], bool]
+"""``accept(value, max_ts_ms)``: True only if the checker would pass ``value``; False means
+"not sure", and the caller asks the checker, whose ``Rejected`` carries the reason."""
+
+_FLOAT_EXACT = 2.0**63
+"""orjson parses an integer literal beyond 64 bits as a float where ``json`` gives an int: a
+float at least this large may have been such a literal, so the fast path leaves it to the
+checker (which sees what ``json`` makes of it)."""
+
+
+def compile_accept(schema: dict[str, Any]) -> Acceptor:
+    """A fast yes/no twin of ``compile_schema`` for a flat object schema, generated as one
+    Python function with every property check inline (the checker's nested closures cost
+    more than the JSON parse). It may say False where the checker would pass; it never says
+    True where the checker would reject (tested on mutated records). Properties that are
+    not plain scalars are delegated to their compiled checkers.
+
+    >>> accept = compile_accept({"type": "object", "additionalProperties": False,
+    ...     "required": ["a"], "properties": {"a": {"type": "integer", "minimum": 0}}})
+    >>> accept({"a": 1}, 0), accept({"a": -1}, 0), accept({"a": 1, "b": 2}, 0)
+    (True, False, False)
+    """
+    if schema.get("type") != "object":
+        raise ValueError("compile_accept takes an object schema")
+    env: dict[str, Any] = {"MISSING": object(), "Rejected": Rejected, "B": _FLOAT_EXACT}
+    props = schema.get("properties", {})
+    required = set(schema.get("required", ()))
+    env["REQUIRED"] = frozenset(required)
+    env["ALLOWED"] = frozenset(props)
+    lines = [
+        "def accept(v, M):",
+        "    if type(v) is not dict or not REQUIRED <= v.keys() or not v.keys() <= ALLOWED:",
+        "        return False",
+    ]
+    for i, (name, sub) in enumerate(props.items()):
+        cond = _scalar_condition(sub, env, f"p{i}")
+        if cond is None:  # not a plain scalar: ask its checker
+            env[f"check{i}"] = compile_schema(sub, f"$.{name}")
+            lines += [
+                f"    x = v.get({name!r}, MISSING)",
+                "    if x is not MISSING:",
+                "        try:",
+                f"            check{i}(x, M)",
+                "        except Rejected:",
+                "            return False",
+            ]
+            continue
+        if name in required:
+            lines += [f"    x = v[{name!r}]", f"    if not ({cond}):", "        return False"]
+        else:
+            lines += [
+                f"    x = v.get({name!r}, MISSING)",
+                f"    if x is not MISSING and not ({cond}):",
+                "        return False",
+            ]
+    lines.append("    return True")
+    exec(compile("\n".join(lines), f"<accept {schema.get('$id', 'schema')}>", "exec"), env)
+    return env["accept"]
+
+
+def _scalar_condition(schema: dict[str, Any], env: dict[str, Any], tag: str) -> str | None:
+    """A Python expression over ``x`` (and ``M``, the timestamp bound) that holds only if
+    ``schema`` accepts ``x``; None when the schema is not one this fast path covers."""
+    known = {"type", "const", "enum", "minLength", "maxLength", "minimum", "maximum",
+             "description", "x-freshrec-id", "x-freshrec-timestamp", "x-freshrec-reason"}  # fmt: skip
+    if not schema.keys() <= known:
+        return None
+    terms: list[str] = []
+    if "const" in schema:
+        env[tag + "c"] = schema["const"]
+        terms.append(f"type(x) is type({tag}c) and x == {tag}c")
+    if "enum" in schema:
+        if not all(type(e) is str for e in schema["enum"]):
+            return None
+        env[tag + "e"] = frozenset(schema["enum"])
+        terms.append(f"type(x) is str and x in {tag}e")
+    kind = schema.get("type")
+    if kind == "string":
+        terms.append("type(x) is str")
+        if "minLength" in schema:
+            terms.append(f"len(x) >= {int(schema['minLength'])}")
+        if "maxLength" in schema:
+            terms.append(f"len(x) <= {int(schema['maxLength'])}")
+    elif kind in ("integer", "number"):
+        terms.append(
+            "type(x) is int" if kind == "integer"
+            else "(type(x) is int or (type(x) is float and -B < x < B))"
+        )  # fmt: skip
+        for key, op in (("minimum", ">="), ("maximum", "<=")):
+            if key in schema:
+                env[f"{tag}{key}"] = schema[key]
+                terms.append(f"x {op} {tag}{key}")
+        if schema.get("x-freshrec-timestamp"):
+            terms.append("x <= M")
+    elif kind == "boolean":
+        terms.append("type(x) is bool")
+    elif kind is not None:
+        return None
+    return " and ".join(f"({t})" for t in terms) if terms else None
+
+
 @cache
 def load_schema(name: str) -> dict[str, Any]:
     """A schema file of this package by name, e.g. ``load_schema("event")``."""

@@ -8,6 +8,8 @@ import types
 import typing
 
 import jsonschema
+import numpy as np
+import orjson
 import pytest
 
 from schemas import records
@@ -251,3 +253,61 @@ def test_reply_encoder_writes_every_field():
     encoded = json.loads(encode_reply(reply))
     assert set(encoded) == {f.name for f in dataclasses.fields(RecommendReply)}
     assert decode_reply(encode_reply(reply), 1_767_225_600_000) == reply
+
+
+def _mutations(rng, obj: dict) -> dict:
+    """``obj`` with one field swapped for an edge value of some JSON type (or removed/added)."""
+    edge = [
+        None, True, False, 0, -1, 1, 1.0, -0.0, 1.5, 2**63, -(2**63), 2**64, 10**30, 1e308,
+        "", "x", "x" * 65, "x" * 129, "click", "impression", "high_end", [], {}, [1], {"a": 1},
+        946_684_800_000, 946_684_799_999, NOW + 600_000, NOW + 600_001,
+    ]  # fmt: skip
+    out = dict(obj)
+    key = rng.choice([*out, "extra"])
+    roll = rng.random()
+    if roll < 0.1:
+        out.pop(key, None)
+    else:
+        out[key] = edge[rng.integers(len(edge))]
+    return out
+
+
+@pytest.mark.parametrize("name", ["event", "item", "request"])
+def test_fast_path_accepts_only_what_the_strict_path_accepts_with_equal_values(name):
+    """The orjson + generated-acceptor fast path never passes a record the strict path
+    rejects, and what it passes decodes to the same values (JSON-level edge cases included:
+    big integers, NaN, lone surrogates, duplicate keys)."""
+    from schemas.codec import _acceptor, _checker, parse_json
+
+    event = records.Event("e1", "click", "u1", "i1", NOW, "r", "pc", "q", 3, 2.5)
+    item = records.Item("i1", "c1", 9.5, NOW, "r", "t")
+    context = records.RequestContext("pc", "r", NOW)
+    request = records.RecommendRequest("q1", "u1", 10, context, ("i1",), NOW + 50)
+    encoded = {"event": encode_event(event), "item": encode_item(item),
+               "request": encode_request(request)}  # fmt: skip
+    base = json.loads(encoded[name])
+    check = _checker(name)
+    accept = _acceptor(name)
+    raw_cases = [
+        b'{"a":NaN}', b'[1e400]', b'{"ts_ms":123456789012345678901234567890}',
+        b'"\\ud800"', b"\xef\xbb\xbf{}",
+    ]  # fmt: skip
+    rng = np.random.default_rng(7)
+    cases = [json.dumps(_mutations(rng, base)).encode() for _ in range(3000)]
+    cases += [json.dumps(base).encode(), *raw_cases]
+    cases += [c.replace(b'"u1"', b'"u1","user_id":"u2"', 1) for c in cases[:50]]  # dup keys
+    fast_passed = 0
+    for data in cases:
+        try:
+            fast = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if not accept(fast, NOW + 600_000):
+            continue
+        fast_passed += 1
+        strict = parse_json(data)  # must not raise
+        check(strict, NOW + 600_000)  # must not raise
+        assert fast == strict and [type(v) for v in fast.values()] == [
+            type(v) for v in strict.values()
+        ], data
+    assert fast_passed > 100  # the fast path is exercised, not just skipped
