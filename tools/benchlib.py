@@ -10,11 +10,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
 from freshrec.kafka import admin_config, consumer_config, producer_config
@@ -103,14 +104,61 @@ def raw_consume_rate(conn: ConnectionSettings, topic: str, expected: int) -> flo
     deadline = time.monotonic() + 120
     while n < expected and time.monotonic() < deadline:
         msgs = c.consume(10_000, 0.1)
-        if msgs and first is None:
-            first = time.perf_counter()
         n += sum(1 for m in msgs if not m.error())
-    elapsed = time.perf_counter() - (first or time.perf_counter())
+        if msgs and first is None:
+            # the clock starts once the first batch is in hand (the group join is not
+            # consumption), so that batch is not counted either
+            first = (time.perf_counter(), n)
+    end = time.perf_counter()
     c.close()
-    if n < expected:
+    if n < expected or first is None:
         raise RuntimeError(f"raw consumer read {n} of {expected}")
-    return n / elapsed
+    return (n - first[1]) / (end - first[0])
+
+
+def raw_lag(conn: ConnectionSettings, records: list, rate_per_s: float) -> dict[str, float]:
+    """The floor under any pipeline's lag: event time -> a plain confluent-kafka consumer
+    (group-less, every partition, the profile's fetch wait), with ``records`` from
+    ``tools.produce.prepare_events`` sent at ``rate_per_s`` as in the measured phase. Give it
+    a connection of its own: it reads ``events`` from the beginning."""
+    import numpy as np
+    import orjson
+    from confluent_kafka import TopicPartition
+
+    from freshrec.topics import TopicNames
+    from tools.produce import produce_prepared
+
+    topic = TopicNames(conn.topic_prefix).events
+    c = Consumer(consumer_config(conn, None))
+    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+    lags: list[float] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set() or len(lags) < len(records):
+            for m in c.consume(10_000, 0.05):
+                if m.error() is None:
+                    lags.append(time.time() * 1000 - orjson.loads(m.value())["ts_ms"])
+            if stop.is_set() and time.monotonic() > give_up:
+                return
+
+    give_up = float("inf")
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    produce_prepared(conn, records, rate_per_s=rate_per_s)
+    give_up = time.monotonic() + 10
+    stop.set()
+    reader.join()
+    c.close()
+    if len(lags) < len(records):
+        raise RuntimeError(f"raw lag consumer read {len(lags)} of {len(records)}")
+    a = np.asarray(lags)
+    return {
+        "p50_ms": round(float(np.percentile(a, 50)), 1),
+        "p99_ms": round(float(np.percentile(a, 99)), 1),
+        "events": len(a),
+    }
 
 
 def save(name: str, results: dict, out_dir: Path = Path("artifacts")) -> Path:
