@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -36,6 +35,7 @@ from collections.abc import Iterator
 
 import faust
 import numpy as np
+import orjson
 from confluent_kafka.admin import AdminClient
 from mode.supervisors import CrashingSupervisor
 from redis.asyncio import Redis
@@ -200,7 +200,7 @@ class StreamsApp:
         for ev in batch:
             q = ev.message.partition
             state = await self._state(q)
-            records = json.loads(ev.message.value)
+            records = orjson.loads(ev.message.value)
             late_before, skipped_before = state.late, state.skipped
             m.STREAMS_COUNTED.inc(state.apply(records))
             m.STREAMS_LATE.inc(state.late - late_before)

@@ -15,12 +15,12 @@ them by source offset (exactly-once counts). Dead letters and recent clicks are 
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import defaultdict
 
+import orjson
 import redis
 from confluent_kafka import Producer
 
@@ -28,6 +28,7 @@ from freshrec import metrics as m
 from freshrec.kafka import background_consumer, consume_batch, producer_config
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
+from freshrec.resp import execute, pack
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_event, encode_dead_letter
 from schemas.contract import Rejected
@@ -41,18 +42,42 @@ COMMIT_INTERVAL_S = 1.0
 
 
 def push_recent(r: redis.Redis, keys: RedisKeys, clicks, keep: int) -> None:
-    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim."""
-    per_user: dict[str, list[str]] = defaultdict(list)
+    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim;
+    all users' commands packed by hand and sent in one round trip."""
+    per_user: dict[str, list[bytes]] = defaultdict(list)
     for user_id, item_id, ts in clicks:
-        per_user[user_id].append(f"{item_id}|{ts}")
+        per_user[user_id].append(b"%s|%d" % (item_id.encode(), ts))
     if not per_user:
         return
-    pipe = r.pipeline(transaction=False)
-    for user_id, entries in per_user.items():
-        key = keys.user_recent(user_id)
-        pipe.lpush(key, *entries)
-        pipe.ltrim(key, 0, keep - 1)
-    pipe.execute()
+    stop = b"%d" % (keep - 1)
+    payload = b"".join(
+        pack(b"LPUSH", key, *entries) + pack(b"LTRIM", key, b"0", stop)
+        for key, entries in ((keys.user_recent(u).encode(), e) for u, e in per_user.items())
+    )
+    execute(r, payload, 2 * len(per_user))
+
+
+class PartitionMemo:
+    """``kafka_partition`` of item ids, remembered: murmur2 in Python costs more than the
+    rest of routing an event, and a catalogue's ids repeat. Bounded: cleared when full.
+
+    >>> memo = PartitionMemo(8, capacity=2)
+    >>> memo("i1") == kafka_partition(b"i1", 8), len(memo.known)
+    (True, 1)
+    """
+
+    def __init__(self, partitions: int, capacity: int = 1_000_000) -> None:
+        self.partitions = partitions
+        self.capacity = capacity
+        self.known: dict[str, int] = {}
+
+    def __call__(self, item_id: str) -> int:
+        q = self.known.get(item_id)
+        if q is None:
+            if len(self.known) >= self.capacity:
+                self.known.clear()
+            q = self.known[item_id] = kafka_partition(item_id.encode(), self.partitions)
+        return q
 
 
 class ValidateStage:
@@ -61,7 +86,7 @@ class ValidateStage:
         conn = settings.conn
         self.names = TopicNames(conn.topic_prefix)
         self.keys = RedisKeys(conn.topic_prefix)
-        self.partitions = by_item_partitions
+        self.partition_of = PartitionMemo(by_item_partitions)
         self.consumer = background_consumer(conn, "freshrec-streams-validate", "streams-validate")
         self.producer = Producer(producer_config(conn))
         self.redis = redis.Redis.from_url(conn.redis_url)
@@ -131,7 +156,7 @@ class ValidateStage:
                 n_dup += 1
                 continue
             n_ok += 1
-            q = kafka_partition(e.item_id.encode(), self.partitions)
+            q = self.partition_of(e.item_id)
             routed[q].append(
                 [msg.partition(), msg.offset(), e.item_id, EVENT_CODES[e.event_type], e.ts_ms,
                  e.region, e.value or 0.0]
@@ -139,9 +164,7 @@ class ValidateStage:
             if e.event_type == "click":
                 clicks.append((e.user_id, e.item_id, e.ts_ms))
         for q, records in routed.items():
-            self._produce(
-                self.names.events_by_item, json.dumps(records, separators=(",", ":")).encode(), q
-            )
+            self._produce(self.names.events_by_item, orjson.dumps(records), q)
         if clicks:
             push_recent(self.redis, self.keys, clicks, self.settings.recent_clicks)
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
