@@ -75,13 +75,7 @@ class EmbeddingCache:
         missing = sorted({int(i) for i, s in zip(ids.tolist(), out.tolist(), strict=True) if s < 0})
         m.CACHE_LOOKUPS.labels("item", "device").inc(len(ids) - int((out < 0).sum()))
         if missing:
-            need = len(self.item_ids) + len(missing)
-            if need > len(self.items.rows):
-                self.items.grow(max(need, 2 * len(self.items.rows)))
-            new_slots = list(range(len(self.item_ids), need))
-            for i, s in zip(missing, new_slots, strict=True):
-                self.item_slot[i] = s
-            self.item_ids.extend(missing)
+            new_slots = self._allocate_items(missing)
             try:
                 self._fill(TABLE_ITEM, self.items, missing, new_slots)
             except BaseException:  # the store failed: leave no half-loaded rows behind
@@ -92,6 +86,17 @@ class EmbeddingCache:
             out = np.fromiter((self.item_slot[i] for i in ids.tolist()), np.int64, len(ids))
         m.CACHE_ROWS.labels("item").set(len(self.item_ids))
         return out
+
+    def _allocate_items(self, missing: list[int]) -> list[int]:
+        """Slots for item ids not resident yet (rows zero, version 0: fill them next)."""
+        need = len(self.item_ids) + len(missing)
+        if need > len(self.items.rows):
+            self.items.grow(max(need, 2 * len(self.items.rows)))
+        new_slots = list(range(len(self.item_ids), need))
+        for i, s in zip(missing, new_slots, strict=True):
+            self.item_slot[i] = s
+        self.item_ids.extend(missing)
+        return new_slots
 
     def _user_slots(self, ids: np.ndarray) -> np.ndarray:
         out = np.empty(len(ids), np.int64)
@@ -158,6 +163,26 @@ class EmbeddingCache:
         if table == TABLE_ITEM:
             return self.item_slot.get(row_id)
         return self.user_lru.peek(row_id)
+
+    def slots_for_install(self, table: int, ids: list[int]) -> np.ndarray:
+        """Slots for rows about to be installed from the broadcast, -1 for a user not
+        resident (users are fetched when they are used). An item not resident gets a slot
+        without a store round trip (version 0, so the broadcast row installs; any newer
+        version in the store reaches this worker through the broadcast too). The caller
+        installs every item row it is given a new slot for."""
+        if table == TABLE_ITEM:
+            get = self.item_slot.get
+            out = [get(i, -1) for i in ids]
+            missing = sorted({i for i, s in zip(ids, out, strict=True) if s < 0})
+            if missing:
+                self._allocate_items(missing)
+                out = [self.item_slot[i] for i in ids]
+                m.CACHE_ROWS.labels("item").set(len(self.item_ids))
+        else:
+            peek = self.user_lru.peek
+            out = [peek(i) for i in ids]
+            out = [-1 if s is None else s for s in out]
+        return np.asarray(out, np.int64)
 
     def install(self, table: int, slot: int, row: np.ndarray, version: int, event_ms: int) -> None:
         t = self.table(table)

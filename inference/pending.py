@@ -108,6 +108,13 @@ class PendingSteps:
             return None
         return np.sum([s[1] for s in remaining], axis=0)
 
+    def among(self, table: int, ids: list[int]) -> list[int]:
+        """Indices of the rows ``(table, id)`` that have local steps: only they need
+        ``on_install``. A row without steps needs no bookkeeping on install: a step recorded
+        later travels in a message produced later, at an offset the update cannot cover."""
+        steps = self._steps
+        return [j for j, i in enumerate(ids) if (table, i) in steps]
+
     def has_undelivered(self, row: RowRef) -> bool:
         """True if a step of ``row`` travels in a message whose offset is not known yet."""
         return any(

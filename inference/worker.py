@@ -614,39 +614,35 @@ class Worker:
             return
         if batch.kind != KIND_UPDATES:
             return
-        name = TABLE_NAMES[batch.table]
-        if any(self.pending.has_undelivered((batch.table, rid)) for rid in batch.ids.tolist()):
+        table, name = batch.table, TABLE_NAMES[batch.table]
+        ids = batch.ids.tolist()
+        # rows with local steps need the read-your-writes merge; the rest install as they are
+        with_steps = self.pending.among(table, ids)
+        if any(self.pending.has_undelivered((table, ids[j])) for j in with_steps):
             # the update may include a message whose delivery report has not been read yet
             self.producer.flush(1.0)
-        now = time.time()
-        slots, rows, versions, times = [], [], [], []
-        held_versions = self.cache.table(batch.table).version
-        for j, rid in enumerate(batch.ids.tolist()):
-            slot = self.cache.held(batch.table, rid)
-            if slot is None:
-                if batch.table != TABLE_ITEM:
-                    m.UPDATES_INSTALLED.labels(name, "not_cached").inc()
+        slots = self.cache.slots_for_install(table, ids)
+        resident = slots >= 0
+        m.UPDATES_INSTALLED.labels(name, "not_cached").inc(int((~resident).sum()))
+        held_versions = self.cache.table(table).version
+        newer = resident & (batch.versions > held_versions[np.where(resident, slots, 0)])
+        m.UPDATES_INSTALLED.labels(name, "stale").inc(int((resident & ~newer).sum()))
+        if not newer.any():
+            return
+        rows = batch.rows[newer]
+        if with_steps:
+            position = np.cumsum(newer) - 1  # index of each installed row within ``rows``
+            for j in with_steps:
+                if not newer[j]:
                     continue
-                slot = int(self.cache.slots(TABLE_ITEM, np.array([rid]))[0])
-                held_versions = self.cache.table(batch.table).version  # may have grown
-            version = int(batch.versions[j])
-            if version <= int(held_versions[slot]):
-                m.UPDATES_INSTALLED.labels(name, "stale").inc()
-                continue
-            row = batch.rows[j]
-            rest = self.pending.on_install((batch.table, rid), batch.partition, batch.offset)
-            if rest is not None:
-                row = row + rest
-            slots.append(slot)
-            rows.append(row)
-            versions.append(version)
-            times.append(int(batch.event_ms[j]))
-        if slots:
-            self.cache.install_many(batch.table, np.asarray(slots), np.stack(rows),
-                                    np.asarray(versions, np.uint64), np.asarray(times, np.int64))  # fmt: skip
-            for t in times[:LAG_SAMPLES]:
-                m.FRESHNESS_LAG.labels("served").observe(max(now - t / 1000, 0.0))
-        m.UPDATES_INSTALLED.labels(name, "installed").inc(len(slots))
+                rest = self.pending.on_install((table, ids[j]), batch.partition, batch.offset)
+                if rest is not None:
+                    rows[position[j]] += rest
+        times = batch.event_ms[newer]
+        self.cache.install_many(table, slots[newer], rows, batch.versions[newer], times)
+        lag = np.maximum(time.time() - times[:LAG_SAMPLES] / 1000, 0.0)
+        m.observe_many(m.FRESHNESS_LAG.labels("served"), lag)
+        m.UPDATES_INSTALLED.labels(name, "installed").inc(len(rows))
 
     # ------------------------------------------------------------------------ inspection
     def user_row(self, user_id: str) -> np.ndarray:
