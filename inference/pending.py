@@ -61,6 +61,19 @@ class PendingSteps:
         if token is not None:
             self._rows_of.setdefault(token, set()).add(row)
 
+    def record_many(self, table: int, ids: list[int], deltas: np.ndarray, token: int) -> None:
+        """``record`` of one step for each row ``(table, id)``, all in message ``token``."""
+        steps = self._steps
+        for i, delta in zip(ids, deltas, strict=True):
+            row = (table, i)
+            held = steps.get(row)
+            if held is None:
+                steps[row] = [[token, delta]]
+            else:
+                held.append([token, delta])
+        self._count += len(ids)
+        self._rows_of.setdefault(token, set()).update((table, i) for i in ids)
+
     def assign(self, row: RowRef, token: int) -> None:
         """Steps of ``row`` held back (admission) now travel in message ``token``."""
         for step in self._steps.get(row, ()):

@@ -524,19 +524,24 @@ class Worker:
             (TABLE_ITEM, item_ids, i_slots, gv),
         ):
             keys, sums, counts = aggregate(ids, grads)
+            at = np.searchsorted(keys, ids)  # each example's row among ``keys`` (sorted)
             newest = np.zeros(len(keys), np.int64)
-            np.maximum.at(newest, np.searchsorted(keys, ids), ex.event_ms)
+            np.maximum.at(newest, at, ex.event_ms)
+            key_slots = np.empty(len(keys), np.int64)
+            key_slots[at] = slots  # one id, one slot
             ok = finite_rows(sums)
             rejected = int((~ok).sum())
             if rejected:
                 m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "non_finite").inc(rejected)
             keys, sums, counts, newest = keys[ok], sums[ok], counts[ok], newest[ok]
+            key_slots = key_slots[ok]
             sums = clip_rows(sums, self.settings.learning.max_grad_norm)
             deltas = -self.settings.learning.lr * sums
-            slot_of = dict(zip(ids.tolist(), slots.tolist(), strict=True))
-            key_slots = np.fromiter((slot_of[k] for k in keys.tolist()), np.int64, len(keys))
             self.cache.add(table, key_slots, deltas)
-            self._queue(table, keys, sums, counts, newest, deltas, outgoing)
+            if self.admission.threshold == 1:  # every row admitted: straight to messages
+                self._send_admitted(table, keys, sums, counts, newest, deltas)
+            else:
+                self._queue(table, keys, sums, counts, newest, deltas, outgoing)
         self._send(outgoing)
 
     def _queue(self, table, keys, sums, counts, newest, deltas, outgoing) -> None:
@@ -564,32 +569,54 @@ class Worker:
         if held_back:
             m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "held_for_admission").inc(held_back)
 
+    def _send_admitted(self, table, keys, sums, counts, newest, deltas) -> None:
+        """All rows of a table at once, one message per ``gradients`` partition (and per
+        ``MAX_ROWS_PER_MESSAGE``), each step recorded with the message that carries it."""
+        created = _now_ms()
+        parts = row_partitions(keys, self.grad_partitions)
+        order = np.argsort(parts, kind="stable")
+        bounds = np.flatnonzero(np.diff(parts[order])) + 1
+        for group in np.split(order, bounds):
+            for lo in range(0, len(group), MAX_ROWS_PER_MESSAGE):
+                take = group[lo : lo + MAX_ROWS_PER_MESSAGE]
+                token = next(self.tokens)
+                self.pending.record_many(table, keys[take].tolist(), deltas[take], token)
+                self._produce_gradients(
+                    token, int(parts[take[0]]),
+                    RowBatch(KIND_GRADIENTS, table, keys[take], sums[take].astype(np.float32),
+                             counts[take].astype(np.uint64), newest[take], created_ms=created),
+                )  # fmt: skip
+
     def _send(self, outgoing) -> None:
-        created = int(time.time() * 1000)
+        created = _now_ms()
         for (table, part), all_rows in outgoing.items():
             for lo in range(0, len(all_rows), MAX_ROWS_PER_MESSAGE):
-                self._send_one(table, part, all_rows[lo : lo + MAX_ROWS_PER_MESSAGE], created)
+                rows = all_rows[lo : lo + MAX_ROWS_PER_MESSAGE]
+                token = next(self.tokens)
+                ids = np.array([r[0] for r in rows], np.int64)
+                for k in ids.tolist():
+                    self.pending.assign((table, k), token)
+                self._produce_gradients(
+                    token, part,
+                    RowBatch(KIND_GRADIENTS, table, ids,
+                             np.stack([r[1] for r in rows]).astype(np.float32),
+                             np.array([r[2] for r in rows], np.uint64),
+                             np.array([r[3] for r in rows], np.int64), created_ms=created),
+                )  # fmt: skip
 
-    def _send_one(self, table: int, part: int, rows: list, created: int) -> None:
-        token = next(self.tokens)
-        ids = np.array([r[0] for r in rows], np.int64)
-        batch = RowBatch(
-            KIND_GRADIENTS, table, ids, np.stack([r[1] for r in rows]).astype(np.float32),
-            np.array([r[2] for r in rows], np.uint64), np.array([r[3] for r in rows], np.int64),
-            created_ms=created,
-        )  # fmt: skip
-        for k in ids.tolist():
-            self.pending.assign((table, k), token)
+    def _produce_gradients(self, token: int, part: int, batch: RowBatch) -> None:
+        value, key = batch.encode(), row_key(int(batch.ids[0]))
         while True:
             try:
                 self.producer.produce(
-                    self.names.gradients, value=batch.encode(), key=row_key(int(ids[0])),
-                    partition=part, on_delivery=self._delivered(token),
+                    self.names.gradients, value=value, key=key, partition=part,
+                    on_delivery=self._delivered(token),
                 )  # fmt: skip
                 break
             except BufferError:
                 self.producer.poll(0.05)
-        m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "sent").inc(len(ids))
+        name = TABLE_NAMES[batch.table]
+        m.GRADIENT_ROWS.labels(name, "sent").inc(len(batch.ids))
         m.GRADIENT_MESSAGES.labels("sent").inc()
 
     def _delivered(self, token: int):

@@ -79,6 +79,53 @@ def test_a_click_moves_the_users_row_towards_the_item_before_the_parameter_serve
     w.close()
 
 
+def gradient_rows(conn, table: int) -> dict[int, list[int]]:
+    """Row id -> example counts (a gradient batch's ``versions``) of every gradient row so far."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    from freshrec.kafka import consumer_config
+
+    topic = TopicNames(conn.topic_prefix).gradients
+    c = Consumer(consumer_config(conn, None))
+    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+    out: dict[int, list[int]] = {}
+    idle = 0
+    while idle < 3:
+        msgs = c.consume(1000, 0.5)
+        idle = 0 if msgs else idle + 1
+        for m in msgs:
+            if m.error() is None:
+                b = RowBatch.decode(m.value())
+                if b.kind == KIND_GRADIENTS and b.table == table:
+                    for rid, n in zip(b.ids.tolist(), b.versions.tolist(), strict=True):
+                        out.setdefault(rid, []).append(n)
+    c.close()
+    return out
+
+
+def test_admission_holds_a_rows_gradients_until_its_second_touch_then_sends_their_sum(conn):
+    w = learner(conn, admission_touches=2)
+    before = score(w, "u7", "i7")
+    produce(conn, clicks("u7", "i7", 1, prefix="first"))
+    pump([w], lambda: w.pending.rows() > 0, what="the first click")
+    assert score(w, "u7", "i7") > before  # learnt locally at once
+    w.producer.flush(10)
+    assert row_id("u7") not in gradient_rows(conn, TABLE_USER)  # held back
+    produce(conn, clicks("u7", "i7", 1, prefix="second"))
+    sent = {}
+
+    def u7_sent() -> bool:
+        w.producer.flush(10)
+        sent.update(gradient_rows(conn, TABLE_USER))
+        return row_id("u7") in sent
+
+    pump([w], u7_sent, what="u7's gradients after its second touch")
+    counts = sent[row_id("u7")]
+    assert len(counts) == 1 and counts[0] >= 2  # both touches' examples in one row
+    w.close()
+
+
 def test_parameter_server_applies_persists_and_broadcasts_with_rising_versions(conn, tmp_path):
     a = learner(conn)
     with service(conn, "param-server", tmp_path / "ps.log", **ENV):
