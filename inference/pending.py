@@ -63,16 +63,17 @@ class PendingSteps:
 
     def record_many(self, table: int, ids: list[int], deltas: np.ndarray, token: int) -> None:
         """``record`` of one step for each row ``(table, id)``, all in message ``token``."""
+        rows = [(table, i) for i in ids]
         steps = self._steps
-        for i, delta in zip(ids, deltas, strict=True):
-            row = (table, i)
-            held = steps.get(row)
+        get = steps.get
+        for row, delta in zip(rows, list(deltas), strict=True):
+            held = get(row)
             if held is None:
                 steps[row] = [[token, delta]]
             else:
                 held.append([token, delta])
-        self._count += len(ids)
-        self._rows_of.setdefault(token, set()).update((table, i) for i in ids)
+        self._count += len(rows)
+        self._rows_of.setdefault(token, set()).update(rows)
 
     def assign(self, row: RowRef, token: int) -> None:
         """Steps of ``row`` held back (admission) now travel in message ``token``."""

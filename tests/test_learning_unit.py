@@ -255,3 +255,16 @@ def test_admission_filter_forgets_rows_unseen_for_a_window():
     assert AdmissionFilter(1, 100).touch("x", 0) and len(AdmissionFilter(1, 100)) == 0
     with pytest.raises(ValueError):
         AdmissionFilter(0, 100)
+
+
+def test_record_many_books_steps_as_record_does():
+    deltas = np.arange(6.0).reshape(3, 2)
+    one, many = PendingSteps(), PendingSteps()
+    for i, d in zip([5, 6, 5], deltas, strict=True):
+        one.record(("user", i), d, token=9)
+    many.record_many("user", [5, 6, 5], deltas, token=9)
+    assert len(one) == len(many) == 3 and one.rows() == many.rows() == 2
+    assert one.delivered(9, 0, 4) == many.delivered(9, 0, 4) == []
+    for i in (5, 6):
+        a, b = one.on_install(("user", i), 0, 3), many.on_install(("user", i), 0, 3)
+        np.testing.assert_array_equal(a, b)
