@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
 from collections.abc import Callable
 
 from freshrec.metrics import serve_metrics
+
+
+def settle_heap() -> int:
+    """Collect once, then take every surviving object out of the cyclic collector's reach;
+    returns how many. A service holds ~10^5 long-lived objects once started (torch, faust,
+    loaded tables), and a full collection walks them all: 250 ms measured in the worker, its
+    worst event-lag stall. Frozen objects are still freed by reference counting; only a
+    cycle among them would outlive its use, and start-up state lives as long as the process.
+    Call it once, when the service has started."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def run_until_signalled(

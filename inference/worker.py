@@ -40,7 +40,7 @@ from confluent_kafka import (
 
 from freshrec import metrics as m
 from freshrec.kafka import consumer_config, lag_statistics, producer_config
-from freshrec.lifecycle import run_until_signalled
+from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.partitioner import row_partitions
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -116,6 +116,7 @@ class Worker:
             learning.admission_touches, learning.admission_window_s * 1000
         )
         self.unsent: dict[tuple[int, int], list] = {}  # row -> [grad sum, count, event_ms]
+        self.deferred: list[tuple[RowBatch, np.ndarray]] = []  # update rows awaiting reports
         self.item_pool: list[str] = []
         self.grad_partitions = self._partitions(self.names.gradients)
         self.stats = defaultdict(int)
@@ -188,9 +189,11 @@ class Worker:
             [self.names.events, self.names.recommend_requests],
             on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke,
         )  # fmt: skip
+        del items
         log.info(
-            "worker %s: %d item rows from Redis, device %s, broadcast from %s",
-            self.settings.worker_id, len(items), self.cache.device, positions or "the beginning",
+            "worker %s: %d item rows, device %s, broadcast from %s, %d objects settled",
+            self.settings.worker_id, len(self.cache.item_ids), self.cache.device,
+            positions or "the beginning", settle_heap(),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -227,6 +230,8 @@ class Worker:
             if self._ok(msg):
                 self.on_update(msg.value())
         self.producer.poll(0)
+        if self.deferred:
+            self._install_deferred()
         self._flow_control()
         self._save_answered()  # right away: it narrows the window for a duplicate answer
         now = time.monotonic()
@@ -639,24 +644,40 @@ class Worker:
         except CorruptBatch as exc:
             log.warning("corrupt update batch skipped: %s", exc)
             return
-        if batch.kind != KIND_UPDATES:
-            return
+        if batch.kind == KIND_UPDATES:
+            self._install(batch, np.arange(len(batch.ids)))
+
+    def _install(self, batch: RowBatch, take: np.ndarray) -> None:
+        """Install rows ``take`` of an update batch that are newer than the cache's. Rows with
+        local steps take the read-your-writes merge; the rest install in one vectorised step."""
         table, name = batch.table, TABLE_NAMES[batch.table]
-        ids = batch.ids.tolist()
-        # rows with local steps need the read-your-writes merge; the rest install as they are
+        ids = batch.ids[take].tolist()
         with_steps = self.pending.among(table, ids)
-        if any(self.pending.has_undelivered((table, ids[j])) for j in with_steps):
-            # the update may include a message whose delivery report has not been read yet
-            self.producer.flush(1.0)
+        waiting = self._undelivered(table, ids, with_steps)
+        if waiting:
+            # the update may include a message whose delivery report is not read yet (the
+            # parameter server only applies acknowledged messages): serve the reports that
+            # are in, and leave the rest of those rows for a later round, not to block here
+            self.producer.poll(0)
+            waiting = self._undelivered(table, ids, waiting)
+        if waiting:
+            self.deferred.append((batch, take[waiting]))
+            m.UPDATES_INSTALLED.labels(name, "deferred").inc(len(waiting))
+            keep = np.ones(len(take), bool)
+            keep[waiting] = False
+            take = take[keep]
+            ids = batch.ids[take].tolist()
+            with_steps = self.pending.among(table, ids)
         slots = self.cache.slots_for_install(table, ids)
         resident = slots >= 0
         m.UPDATES_INSTALLED.labels(name, "not_cached").inc(int((~resident).sum()))
+        versions = batch.versions[take]
         held_versions = self.cache.table(table).version
-        newer = resident & (batch.versions > held_versions[np.where(resident, slots, 0)])
+        newer = resident & (versions > held_versions[np.where(resident, slots, 0)])
         m.UPDATES_INSTALLED.labels(name, "stale").inc(int((resident & ~newer).sum()))
         if not newer.any():
             return
-        rows = batch.rows[newer]
+        rows = batch.rows[take[newer]]
         if with_steps:
             position = np.cumsum(newer) - 1  # index of each installed row within ``rows``
             for j in with_steps:
@@ -665,11 +686,20 @@ class Worker:
                 rest = self.pending.on_install((table, ids[j]), batch.partition, batch.offset)
                 if rest is not None:
                     rows[position[j]] += rest
-        times = batch.event_ms[newer]
-        self.cache.install_many(table, slots[newer], rows, batch.versions[newer], times)
+        times = batch.event_ms[take[newer]]
+        self.cache.install_many(table, slots[newer], rows, versions[newer], times)
         lag = np.maximum(time.time() - times[:LAG_SAMPLES] / 1000, 0.0)
         m.observe_many(m.FRESHNESS_LAG.labels("served"), lag)
         m.UPDATES_INSTALLED.labels(name, "installed").inc(len(rows))
+
+    def _install_deferred(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for batch, take in deferred:
+            self._install(batch, take)
+
+    def _undelivered(self, table: int, ids: list[int], among: list[int]) -> list[int]:
+        """Those of ``among`` whose row has a step in a message of unknown offset."""
+        return [j for j in among if self.pending.has_undelivered((table, ids[j]))]
 
     # ------------------------------------------------------------------------ inspection
     def user_row(self, user_id: str) -> np.ndarray:

@@ -29,7 +29,7 @@ from confluent_kafka import OFFSET_BEGINNING, Producer
 
 from freshrec import metrics as m
 from freshrec.kafka import background_consumer, consume_batch, producer_config
-from freshrec.lifecycle import run_until_signalled
+from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from param_server.rows import initial_rows, version_floor
@@ -109,7 +109,8 @@ class ParameterServer:
                 log.warning("this Redis has no HPEXPIRE (Redis < 7.4, Valkey < 9): rows in "
                             "Redis will not expire; they still leave this server's memory")  # fmt: skip
         self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
-        log.info("parameter server on %s (dim %d)", topic, self.settings.dim)
+        log.info("parameter server on %s (dim %d), %d objects settled", topic,
+                 self.settings.dim, settle_heap())  # fmt: skip
         try:
             while not stop.is_set():
                 self.poll_once()

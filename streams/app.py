@@ -42,6 +42,7 @@ from redis.asyncio import Redis
 
 from freshrec import metrics as m
 from freshrec.kafka import admin_config, profile
+from freshrec.lifecycle import settle_heap
 from freshrec.rediskeys import RedisKeys
 from freshrec.settings import state_dir
 from freshrec.topics import TopicNames
@@ -345,5 +346,6 @@ def run_streams(settings: StreamsSettings) -> int:
             target=_crash_on_error, args=(stage.run, stop, name), daemon=True, name=name
         ).start()
     worker = Worker(streams.app, loglevel="INFO", quiet=True, redirect_stdouts=False)
+    log.info("%d objects settled", settle_heap())
     worker.execute_from_commandline()
     return 0

@@ -126,6 +126,34 @@ def test_admission_holds_a_rows_gradients_until_its_second_touch_then_sends_thei
     w.close()
 
 
+def test_an_update_for_a_row_with_an_unacknowledged_step_waits_without_blocking(conn):
+    """The update might include that step (its offset is unknown): the row is installed only
+    once the delivery report is in, in a later round; the rest of the batch at once."""
+    from schemas.rowbatch import KIND_UPDATES
+
+    w = learner(conn)
+    produce(conn, clicks("u8", "i8", 1, prefix="ack"))
+    pump([w], lambda: w.pending.rows() > 0, what="the click")
+    u8, other = row_id("u8"), row_id("u9")
+    w.user_row("u9")  # resident, no steps
+    acked = {"now": False}
+    real = w.pending.has_undelivered
+    w.pending.has_undelivered = lambda row: not acked["now"] or real(row)
+    rows = np.ones((2, W), np.float32)
+    update = RowBatch(KIND_UPDATES, TABLE_USER, np.array([u8, other]), rows,
+                      np.array([7, 7], np.uint64), np.array([1, 1], np.int64),
+                      partition=0, offset=0)  # fmt: skip
+    w.on_update(update.encode())
+    users = w.cache.users
+    assert users.version[w.cache.held(TABLE_USER, other)] == 7  # installed at once
+    assert users.version[w.cache.held(TABLE_USER, u8)] != 7  # waits for its report
+    assert len(w.deferred) == 1
+    acked["now"] = True
+    w.poll_once()
+    assert users.version[w.cache.held(TABLE_USER, u8)] == 7 and not w.deferred
+    w.close()
+
+
 def test_parameter_server_applies_persists_and_broadcasts_with_rising_versions(conn, tmp_path):
     a = learner(conn)
     with service(conn, "param-server", tmp_path / "ps.log", **ENV):
