@@ -54,3 +54,36 @@ def hash_normal(seed: int, stream: int, idx: np.ndarray, dim: int) -> np.ndarray
         z = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
         out[lo : lo + step] = z.reshape(len(part), dim)
     return out
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def hash_uniform_rows(seed: int, stream: int, idx: np.ndarray, dim: int) -> np.ndarray:
+    """Uniform [0, 1) float32s of shape (len(idx), dim), a pure function of (seed, stream,
+    idx): one splitmix64 per row for a row key, then one per two columns (its two 32-bit
+    halves). About 6x cheaper than ``hash_normal`` per value: no transcendentals and a
+    quarter of the hashing; for initialising rows, where a parameter server creates tens of
+    thousands per second.
+
+    >>> u = hash_uniform_rows(1, 2, np.arange(2000), 64)
+    >>> u.shape, bool((u >= 0).all() and (u < 1).all()), round(float(u.mean()), 2)
+    ((2000, 64), True, 0.5)
+    >>> bool((hash_uniform_rows(1, 2, np.array([7]), 64)[0] == u[7]).all())
+    True
+    """
+    idx = np.asarray(idx).astype(np.int64).view(np.uint64)
+    half = (dim + 1) // 2
+    with np.errstate(over="ignore"):
+        base = idx * np.uint64(0x100000001B3) + np.uint64(stream & 0xFFFFFFFFFFFFFFFF)
+        base = splitmix64(base ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF))
+        cols = np.arange(1, half + 1, dtype=np.uint64) * _GOLDEN
+        out = np.empty((len(idx), 2 * half), np.float32)
+        step = max(1, 16384 // half)
+        for lo in range(0, len(idx), step):
+            h = splitmix64((base[lo : lo + step, None] + cols[None, :]).ravel())
+            words = h.view(np.uint32).reshape(-1, 2 * half)  # both halves, side by side
+            out[lo : lo + step] = words
+    out *= np.float32(1.0 / 4294967296.0)
+    np.minimum(out, np.float32(1.0 - 2.0**-24), out=out)  # float32 rounding must not reach 1
+    return out[:, :dim]
