@@ -104,3 +104,17 @@ def test_pacer_keeps_a_steady_rate_and_caps_catch_up():
     assert p.to_send(0.1, 0) == 100
     assert p.to_send(0.1, 100) == 0
     assert p.to_send(10.0, 100) == 501
+
+
+def test_prepared_events_are_stamped_with_the_time_they_are_sent():
+    from schemas.codec import decode_event
+    from tools.produce import prepare_events
+
+    world = World(WorldConfig(seed=2, n_users=1000, n_items=200))
+    records = prepare_events(world, 300, seed=1)
+    assert len(records) == 300 and len({k + h for k, h, _ in records}) > 1
+    stamp = 1_800_000_000_123
+    events = [decode_event(h + str(stamp).encode() + t, stamp) for _, h, t in records]
+    assert {e.ts_ms for e in events} == {stamp}
+    assert len({e.event_id for e in events}) == 300  # ids intact and distinct
+    assert all(k == e.user_id.encode() for (k, _, _), e in zip(records, events, strict=True))

@@ -68,6 +68,18 @@ def _flush(producer: Producer, counter: DeliveryCounter, produced: int, timeout_
         )
 
 
+def _finish(producer, counter, sent, start, progress, label) -> ProduceStats:
+    """Deliver what is queued (or raise), report, and sum up a steady-rate run."""
+    _flush(producer, counter, sent, 30)
+    elapsed = time.monotonic() - start
+    if progress:
+        progress.done(
+            f"{label}: {sent:,} produced and delivered in {elapsed:.1f}s "
+            f"({counter.delivered / max(elapsed, 1e-9):,.0f}/s)"
+        )
+    return ProduceStats(sent, counter.delivered, counter.failed, elapsed)
+
+
 def produce_items(
     conn: ConnectionSettings, world: World, progress: ProgressLine | None = None
 ) -> ProduceStats:
@@ -141,14 +153,7 @@ def produce_prepared(
                 f"({counter.delivered / max(now - start, 1e-9):,.0f}/s)"
             )
         time.sleep(0.01)
-    _flush(producer, counter, sent, 30)
-    elapsed = time.monotonic() - start
-    if progress:
-        progress.done(
-            f"{label}: {sent:,} produced and delivered in {elapsed:.1f}s "
-            f"({counter.delivered / max(elapsed, 1e-9):,.0f}/s)"
-        )
-    return ProduceStats(sent, counter.delivered, counter.failed, elapsed)
+    return _finish(producer, counter, sent, start, progress, label)
 
 
 def produce_events(
@@ -197,11 +202,4 @@ def produce_events(
                 + (f" | {extra}" if extra else "")
             )
         stop.wait(0.01)
-    _flush(producer, counter, sent, 30)
-    elapsed = time.monotonic() - start
-    if progress:
-        progress.done(
-            f"{label}: {sent:,} produced and delivered in {elapsed:.1f}s "
-            f"({counter.delivered / max(elapsed, 1e-9):,.0f}/s)"
-        )
-    return ProduceStats(sent, counter.delivered, counter.failed, elapsed)
+    return _finish(producer, counter, sent, start, progress, label)
