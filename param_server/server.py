@@ -70,6 +70,7 @@ class ParameterServer:
         self._evicted_at = time.monotonic()
         self._paused = False
         self._redis_expires_fields = False
+        self._broadcast_positions: dict[int, int] = {}  # delivered, not yet recorded
 
     # ------------------------------------------------------------------------ assignment
     def _on_assign(self, consumer, partitions) -> None:
@@ -117,6 +118,7 @@ class ParameterServer:
             self.flush()
         finally:
             self.producer.flush(10)
+            self._save_broadcast_positions()
             self.consumer.close()
 
     def poll_once(self) -> None:
@@ -130,6 +132,7 @@ class ParameterServer:
         if self.dirty_rows and (due or self.dirty_rows >= self.settings.max_dirty_rows):
             self.flush()
         self.producer.poll(0)
+        self._save_broadcast_positions()
 
     # ----------------------------------------------------------------------------- apply
     def _decode(self, partition: int, offset: int, value: bytes) -> RowBatch | bool:
@@ -314,9 +317,19 @@ class ParameterServer:
         if err is not None:
             log.warning("update broadcast failed: %s", err)
             return
-        # only a start position for new workers; the next broadcast records it again
-        with contextlib.suppress(*REDIS_DOWN):
-            self.redis.hset(self.keys.ps_broadcast, str(msg.partition()), msg.offset())
+        p = msg.partition()
+        self._broadcast_positions[p] = max(self._broadcast_positions.get(p, -1), msg.offset())
+
+    def _save_broadcast_positions(self) -> None:
+        """Where a starting worker may begin to follow the broadcast: the offset of an update
+        already delivered (so persisted), per partition, in one write per loop round. Only
+        a start position: one written late or lost makes a new worker replay more updates,
+        which it installs only where they are newer."""
+        if not self._broadcast_positions:
+            return
+        positions, self._broadcast_positions = self._broadcast_positions, {}
+        with contextlib.suppress(*REDIS_DOWN):  # the next broadcast records them again
+            self.redis.hset(self.keys.ps_broadcast, mapping=positions)
 
     # ----------------------------------------------------------------------------- redis
     def _redis_retry(self, op):
