@@ -61,8 +61,11 @@ class PendingSteps:
         if token is not None:
             self._rows_of.setdefault(token, set()).add(row)
 
-    def record_many(self, table: int, ids: list[int], deltas: np.ndarray, token: int) -> None:
-        """``record`` of one step for each row ``(table, id)``, all in message ``token``."""
+    def record_many(
+        self, table: int, ids: list[int], deltas: np.ndarray, token: int | None
+    ) -> None:
+        """``record`` of one step for each row ``(table, id)``, all in message ``token``
+        (None: not sent yet, ``assign_many`` names the message later)."""
         rows = [(table, i) for i in ids]
         steps = self._steps
         get = steps.get
@@ -73,7 +76,21 @@ class PendingSteps:
             else:
                 held.append([token, delta])
         self._count += len(rows)
-        self._rows_of.setdefault(token, set()).update(rows)
+        if token is not None:
+            self._rows_of.setdefault(token, set()).update(rows)
+
+    def assign_many(self, table: int, ids: list[int], token: int) -> None:
+        """``assign`` for each row ``(table, id)``: its unsent steps travel in ``token``."""
+        carried = self._rows_of.setdefault(token, set())
+        steps = self._steps
+        for i in ids:
+            row = (table, i)
+            for step in steps.get(row, ()):
+                if step[0] is None:
+                    step[0] = token
+                    carried.add(row)
+        if not carried:
+            del self._rows_of[token]
 
     def assign(self, row: RowRef, token: int) -> None:
         """Steps of ``row`` held back (admission) now travel in message ``token``."""

@@ -81,6 +81,7 @@ from schemas.rowbatch import (
 log = logging.getLogger("freshrec.worker")
 LAG_SAMPLES = 256
 MAX_ROWS_PER_MESSAGE = 1000
+OUTBOX_MAX_ROWS = 20_000  # sent before the linger runs out past this many waiting rows
 
 
 class Worker:
@@ -117,6 +118,10 @@ class Worker:
         )
         self.unsent: dict[tuple[int, int], list] = {}  # row -> [grad sum, count, event_ms]
         self.deferred: list[tuple[RowBatch, np.ndarray]] = []  # update rows awaiting reports
+        self.outbox: dict[int, list[tuple]] = {TABLE_USER: [], TABLE_ITEM: []}
+        """Admitted gradients not sent yet: per table, (keys, sums, counts, newest) chunks."""
+        self._outbox_rows = 0
+        self._outbox_since: float | None = None
         self.item_pool: list[str] = []
         self.grad_partitions = self._partitions(self.names.gradients)
         self.stats = defaultdict(int)
@@ -199,6 +204,7 @@ class Worker:
     def close(self) -> None:
         self.snapshots.stop()
         self.recommender.runner.close()
+        self._send_outbox()
         self.producer.flush(10)
         self._save_answered()
         self._commit(sync=True)
@@ -226,6 +232,9 @@ class Worker:
                 self.backlog.append(msg)
         self._serve_ready()
         self._learn_slice()
+        linger_s = self.settings.learning.gradient_linger_ms / 1000
+        if self._outbox_since is not None and time.monotonic() - self._outbox_since >= linger_s:
+            self._send_outbox()
         for msg in self.updates.consume(1000, 0):
             if self._ok(msg):
                 self.on_update(msg.value())
@@ -423,6 +432,8 @@ class Worker:
             self.paused = []
 
     def _commit(self, sync: bool = False) -> None:
+        if self._outbox_rows:  # no offset is committed before its events' gradients left
+            self._send_outbox()
         changed = [
             TopicPartition(t, p, o)
             for (t, p), o in self.processed.items()
@@ -445,7 +456,8 @@ class Worker:
 
     def _on_revoke(self, consumer, parts) -> None:
         gone = {(tp.topic, tp.partition) for tp in parts}
-        self.producer.flush(5)  # deliver replies (and their offsets) before letting go
+        self._send_outbox()
+        self.producer.flush(5)  # deliver replies and gradients (and offsets) before letting go
         self._commit(sync=True)
         self.backlog = deque(m_ for m_ in self.backlog if (m_.topic(), m_.partition()) not in gone)
         kept = deque()
@@ -543,11 +555,17 @@ class Worker:
             sums = clip_rows(sums, self.settings.learning.max_grad_norm)
             deltas = -self.settings.learning.lr * sums
             self.cache.add(table, key_slots, deltas)
-            if self.admission.threshold == 1:  # every row admitted: straight to messages
-                self._send_admitted(table, keys, sums, counts, newest, deltas)
+            if self.admission.threshold == 1:  # every row admitted: to the outbox
+                self.pending.record_many(table, keys.tolist(), deltas, None)
+                self.outbox[table].append((keys, sums, counts, newest))
+                self._outbox_rows += len(keys)
+                if self._outbox_since is None:
+                    self._outbox_since = time.monotonic()
             else:
                 self._queue(table, keys, sums, counts, newest, deltas, outgoing)
         self._send(outgoing)
+        if self._outbox_rows >= OUTBOX_MAX_ROWS or not self.settings.learning.gradient_linger_ms:
+            self._send_outbox()
 
     def _queue(self, table, keys, sums, counts, newest, deltas, outgoing) -> None:
         now_ms = _now_ms()
@@ -574,23 +592,41 @@ class Worker:
         if held_back:
             m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "held_for_admission").inc(held_back)
 
-    def _send_admitted(self, table, keys, sums, counts, newest, deltas) -> None:
-        """All rows of a table at once, one message per ``gradients`` partition (and per
-        ``MAX_ROWS_PER_MESSAGE``), each step recorded with the message that carries it."""
+    def _send_outbox(self) -> None:
+        """The admitted gradients of the last ``gradient_linger_ms``, summed per row: one
+        message per table and ``gradients`` partition (and per ``MAX_ROWS_PER_MESSAGE``); the
+        rows' waiting local steps are assigned to the message that carries them."""
         created = _now_ms()
-        parts = row_partitions(keys, self.grad_partitions)
-        order = np.argsort(parts, kind="stable")
-        bounds = np.flatnonzero(np.diff(parts[order])) + 1
-        for group in np.split(order, bounds):
-            for lo in range(0, len(group), MAX_ROWS_PER_MESSAGE):
-                take = group[lo : lo + MAX_ROWS_PER_MESSAGE]
-                token = next(self.tokens)
-                self.pending.record_many(table, keys[take].tolist(), deltas[take], token)
-                self._produce_gradients(
-                    token, int(parts[take[0]]),
-                    RowBatch(KIND_GRADIENTS, table, keys[take], sums[take].astype(np.float32),
-                             counts[take].astype(np.uint64), newest[take], created_ms=created),
-                )  # fmt: skip
+        for table, chunks in self.outbox.items():
+            if not chunks:
+                continue
+            keys, sums, counts, newest = (np.concatenate(c) for c in zip(*chunks, strict=True))
+            if len(chunks) > 1:  # a row may be in several chunks (each chunk's keys differ)
+                keys, inverse = np.unique(keys, return_inverse=True)
+                summed = np.zeros((len(keys), sums.shape[1]), np.float64)
+                np.add.at(summed, inverse, sums)
+                sums = summed.astype(np.float32)
+                total = np.zeros(len(keys), np.int64)
+                np.add.at(total, inverse, counts)
+                latest = np.full(len(keys), np.iinfo(np.int64).min, np.int64)
+                np.maximum.at(latest, inverse, newest)
+                counts, newest = total, latest
+            chunks.clear()
+            parts = row_partitions(keys, self.grad_partitions)
+            order = np.argsort(parts, kind="stable")
+            bounds = np.flatnonzero(np.diff(parts[order])) + 1
+            for group in np.split(order, bounds):
+                for lo in range(0, len(group), MAX_ROWS_PER_MESSAGE):
+                    take = group[lo : lo + MAX_ROWS_PER_MESSAGE]
+                    token = next(self.tokens)
+                    self.pending.assign_many(table, keys[take].tolist(), token)
+                    self._produce_gradients(
+                        token, int(parts[take[0]]),
+                        RowBatch(KIND_GRADIENTS, table, keys[take],
+                                 sums[take].astype(np.float32), counts[take].astype(np.uint64),
+                                 newest[take], created_ms=created),
+                    )  # fmt: skip
+        self._outbox_rows, self._outbox_since = 0, None
 
     def _send(self, outgoing) -> None:
         created = _now_ms()

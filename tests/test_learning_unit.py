@@ -268,3 +268,21 @@ def test_record_many_books_steps_as_record_does():
     for i in (5, 6):
         a, b = one.on_install(("user", i), 0, 3), many.on_install(("user", i), 0, 3)
         np.testing.assert_array_equal(a, b)
+
+
+def test_steps_recorded_unsent_then_assigned_in_bulk_book_as_one_by_one():
+    deltas = np.arange(6.0).reshape(3, 2)
+    one, many = PendingSteps(), PendingSteps()
+    for i, d in zip([5, 6, 5], deltas, strict=True):
+        one.record(("user", i), d, token=None)
+    many.record_many("user", [5, 6, 5], deltas, token=None)
+    assert not many.has_undelivered(("user", 5))  # not sent: nothing to wait for
+    for i in (5, 6):
+        one.assign(("user", i), 3)
+    many.assign_many("user", [5, 6], 3)
+    assert many.has_undelivered(("user", 5))
+    assert one.delivered(3, 0, 9) == many.delivered(3, 0, 9) == []
+    for i in (5, 6):
+        a, b = one.on_install(("user", i), 0, 8), many.on_install(("user", i), 0, 8)
+        np.testing.assert_array_equal(a, b)  # offset 9 not covered: the steps remain
+    assert many.on_install(("user", 5), 0, 9) is None and len(many) == 1

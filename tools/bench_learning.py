@@ -71,15 +71,14 @@ def main() -> None:
                 first = (time.perf_counter(), n)
             if n >= args.events:
                 break
-        w.producer.flush(30)
         elapsed = time.perf_counter() - first[0]
         worker_rate = (args.events - first[1]) / elapsed
+        w.close()  # the last gradients (the outbox's linger) leave, and are delivered
         grad_msgs = counter("freshrec_gradient_messages_total", side="sent")
         grad_rows = sum(
             counter("freshrec_gradient_rows_total", table=t, outcome="sent")
             for t in ("user", "item")
         )
-        w.close()
         progress.done(
             f"worker event path: {worker_rate:,.0f} events/s ({worker_rate / raw:.1%} of raw)"
         )
