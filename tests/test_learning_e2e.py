@@ -126,6 +126,23 @@ def test_admission_holds_a_rows_gradients_until_its_second_touch_then_sends_thei
     w.close()
 
 
+def test_gradients_of_one_linger_window_leave_summed_per_row_in_one_message(conn):
+    s = WorkerSettings(conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000),
+                       user_capacity_rows=1000, commit_interval_s=3600.0)  # fmt: skip
+    w = Worker(s)
+    w.start()
+    u = row_id("u10")
+    produce(conn, clicks("u10", "i10", 1, prefix="one"))
+    pump([w], lambda: w.pending.rows() > 0, what="the first click")
+    produce(conn, clicks("u10", "i10", 1, prefix="two"))
+    pump([w], lambda: len(w.pending._steps.get((TABLE_USER, u), ())) >= 2, what="the second")
+    w.producer.flush(10)
+    assert u not in gradient_rows(conn, TABLE_USER)  # both wait in the outbox
+    w.close()  # sends the outbox
+    counts = gradient_rows(conn, TABLE_USER)[u]
+    assert len(counts) == 1 and counts[0] >= 2  # one row carrying both slices' examples
+
+
 def test_an_update_for_a_row_with_an_unacknowledged_step_waits_without_blocking(conn):
     """The update might include that step (its offset is unknown): the row is installed only
     once the delivery report is in, in a later round; the rest of the batch at once."""
