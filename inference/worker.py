@@ -616,34 +616,31 @@ class Worker:
             order = np.argsort(parts, kind="stable")
             bounds = np.flatnonzero(np.diff(parts[order])) + 1
             for group in np.split(order, bounds):
-                for lo in range(0, len(group), MAX_ROWS_PER_MESSAGE):
-                    take = group[lo : lo + MAX_ROWS_PER_MESSAGE]
-                    token = next(self.tokens)
-                    self.pending.assign_many(table, keys[take].tolist(), token)
-                    self._produce_gradients(
-                        token, int(parts[take[0]]),
-                        RowBatch(KIND_GRADIENTS, table, keys[take],
-                                 sums[take].astype(np.float32), counts[take].astype(np.uint64),
-                                 newest[take], created_ms=created),
-                    )  # fmt: skip
+                self._emit(table, int(parts[group[0]]), keys[group], sums[group],
+                           counts[group], newest[group], created)  # fmt: skip
         self._outbox_rows, self._outbox_since = 0, None
 
     def _send(self, outgoing) -> None:
+        """Rows admitted in this slice (admission threshold above 1), per table and partition."""
         created = _now_ms()
-        for (table, part), all_rows in outgoing.items():
-            for lo in range(0, len(all_rows), MAX_ROWS_PER_MESSAGE):
-                rows = all_rows[lo : lo + MAX_ROWS_PER_MESSAGE]
-                token = next(self.tokens)
-                ids = np.array([r[0] for r in rows], np.int64)
-                for k in ids.tolist():
-                    self.pending.assign((table, k), token)
-                self._produce_gradients(
-                    token, part,
-                    RowBatch(KIND_GRADIENTS, table, ids,
-                             np.stack([r[1] for r in rows]).astype(np.float32),
-                             np.array([r[2] for r in rows], np.uint64),
-                             np.array([r[3] for r in rows], np.int64), created_ms=created),
-                )  # fmt: skip
+        for (table, part), rows in outgoing.items():
+            self._emit(
+                table, part, np.array([r[0] for r in rows], np.int64), np.stack([r[1] for r in rows]),
+                np.array([r[2] for r in rows]), np.array([r[3] for r in rows], np.int64), created,
+            )  # fmt: skip
+
+    def _emit(self, table, part, ids, sums, counts, newest, created) -> None:
+        """Gradient messages for rows of one table and ``gradients`` partition (at most
+        ``MAX_ROWS_PER_MESSAGE`` each); the rows' unsent local steps travel in them."""
+        for lo in range(0, len(ids), MAX_ROWS_PER_MESSAGE):
+            take = slice(lo, lo + MAX_ROWS_PER_MESSAGE)
+            token = next(self.tokens)
+            self.pending.assign_many(table, ids[take].tolist(), token)
+            self._produce_gradients(
+                token, part,
+                RowBatch(KIND_GRADIENTS, table, ids[take], sums[take].astype(np.float32),
+                         counts[take].astype(np.uint64), newest[take], created_ms=created),
+            )  # fmt: skip
 
     def _produce_gradients(self, token: int, part: int, batch: RowBatch) -> None:
         value, key = batch.encode(), row_key(int(batch.ids[0]))
