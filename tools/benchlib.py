@@ -18,7 +18,7 @@ from pathlib import Path
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
-from freshrec.kafka import admin_config, consumer_config, producer_config
+from freshrec.kafka import admin_config, consumer_config, producer_config, profile
 from freshrec.settings import ConnectionSettings
 from freshrec.stack import EmbeddedStack, external_services
 from freshrec.topics import ensure_topics
@@ -135,9 +135,13 @@ def raw_lag(conn: ConnectionSettings, records: list, rate_per_s: float) -> dict[
     lags: list[float] = []
     stop = threading.Event()
 
+    # consume(n, timeout) returns when n messages are in or the timeout ran out: at 5k/s a
+    # batch of 10,000 never fills, so the timeout is the wait. The worker polls with 5 ms.
+    poll_s = profile(conn).fetch_wait_max_ms / 1000
+
     def read() -> None:
         while not stop.is_set() or len(lags) < len(records):
-            for m in c.consume(10_000, 0.05):
+            for m in c.consume(10_000, poll_s):
                 if m.error() is None:
                     lags.append(time.time() * 1000 - orjson.loads(m.value())["ts_ms"])
             if stop.is_set() and time.monotonic() > give_up:
