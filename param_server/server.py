@@ -37,8 +37,8 @@ from param_server.settings import ParamServerSettings
 from param_server.store import (
     applied_offsets,
     fetch_rows_and_accumulators,
+    field_expiry,
     persist,
-    supports_field_expiry,
 )
 from param_server.table import ParamTable
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
@@ -69,7 +69,8 @@ class ParameterServer:
         self._last_flush = time.monotonic()
         self._evicted_at = time.monotonic()
         self._paused = False
-        self._redis_expires_fields = False
+        self._field_expiry: str | None = None
+        """HSETEX or HPEXPIRE where this Redis expires hash fields (probed at start)."""
         self._broadcast_positions: dict[int, int] = {}  # delivered, not yet recorded
 
     # ------------------------------------------------------------------------ assignment
@@ -103,11 +104,9 @@ class ParameterServer:
         md = self.producer.list_topics(self.names.embeddings_updates, timeout=15)
         self.update_partitions = len(md.topics[self.names.embeddings_updates].partitions) or 1
         if self.settings.row_ttl_s > 0:
-            self._redis_expires_fields = self._redis_retry(
-                lambda: supports_field_expiry(self.redis, self.keys)
-            )
-            if not self._redis_expires_fields:
-                log.warning("this Redis has no HPEXPIRE (Redis < 7.4, Valkey < 9): rows in "
+            self._field_expiry = self._redis_retry(lambda: field_expiry(self.redis, self.keys))
+            if self._field_expiry is None:
+                log.warning("this Redis has no hash field expiry (Redis < 7.4, Valkey < 9): rows in "
                             "Redis will not expire; they still leave this server's memory")  # fmt: skip
         self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         log.info("parameter server on %s (dim %d), %d objects settled", topic,
@@ -171,15 +170,18 @@ class ParameterServer:
             ids = np.concatenate([np.asarray(b.ids, np.int64) for _, _, b in items])
             event_ms = np.concatenate([np.asarray(b.event_ms, np.int64) for _, _, b in items])
             distinct, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-            held = self.tables[t].lookup(distinct) >= 0
+            at = self.tables[t].lookup(distinct)
+            held = at >= 0
             # a row Redis lacks is created by the first of these entries (log order)
             missing[t] = (distinct[~held], event_ms[first[~held]])
-            log_of[t] = (distinct, inverse, event_ms)
-        self._ensure_loaded_many(missing)
+            log_of[t] = (at, held, inverse, event_ms)
+        loaded = self._ensure_loaded_many(missing)
         for t, items in per_table.items():
             table, name = self.tables[t], TABLE_NAMES[t]
-            distinct, inverse, event_ms = log_of[t]
-            slots = table.lookup(distinct)[inverse]
+            at, held, inverse, event_ms = log_of[t]
+            if t in loaded:
+                at[~held] = loaded[t]
+            slots = at[inverse]
             grads = np.concatenate([b.rows for _, _, b in items])
             sizes = [len(b) for _, _, b in items]
             message = np.repeat([seq for seq, _, _ in items], sizes)
@@ -188,9 +190,8 @@ class ParameterServer:
                 slots, grads, event_ms, message, self.settings.adagrad
             )
             # a row lives in one partition: the update carries that partition's offset
-            first = np.unique(slots, return_index=True)[1]
-            row_part = dict(zip(slots[first].tolist(), part[first].tolist(), strict=True))
-            owner = np.fromiter((row_part[x] for x in applied.tolist()), np.int64, len(applied))
+            held, first = np.unique(slots, return_index=True)
+            owner = part[first][np.searchsorted(held, applied)]  # applied ⊆ held, both sorted
             for p in np.unique(owner).tolist():
                 self.dirty.setdefault(p, {}).setdefault(t, []).append(applied[owner == p])
             self.dirty_rows += len(applied)
@@ -199,18 +200,22 @@ class ParameterServer:
             m.PS_ROWS_APPLIED.labels(name).inc(pairs)
             m.GRADIENT_MESSAGES.labels("applied").inc(len(items))
 
-    def _ensure_loaded_many(self, missing: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+    def _ensure_loaded_many(
+        self, missing: dict[int, tuple[np.ndarray, np.ndarray]]
+    ) -> dict[int, np.ndarray]:
         """Load rows and accumulators not held (per table: distinct ids, and the event time
         of the gradient that would create each): one round trip. A row Redis does not have
-        starts from its deterministic initial row, at ``version_floor`` of that time."""
+        starts from its deterministic initial row, at ``version_floor`` of that time.
+        Returns the new slots of each table's ids, in their order."""
         created = {t: first for t, (ids, first) in missing.items() if len(ids)}
         wanted = {t: ids for t, (ids, _) in missing.items() if len(ids)}
         if not wanted:
-            return
+            return {}
         found = self._redis_retry(
             lambda: fetch_rows_and_accumulators(self.redis, self.keys, wanted, self.w)
         )
         init_acc = self.settings.adagrad.initial_accumulator
+        slots: dict[int, np.ndarray] = {}
         for table, ids in wanted.items():
             got = found[table]
             n = len(ids)
@@ -226,7 +231,8 @@ class ParameterServer:
                 versions[absent] = version_floor(created[table][absent])
             accum = np.full((n, self.w), init_acc, np.float32)
             accum[got.has_accum] = got.accum
-            self.tables[table].add(ids, rows, accum, versions, event_ms)
+            slots[table] = self.tables[table].add(ids, rows, accum, versions, event_ms)
+        return slots
 
     # ----------------------------------------------------------------------------- flush
     def flush(self) -> None:
@@ -241,14 +247,17 @@ class ParameterServer:
             for p, tables in self.dirty.items()
         }
         self._redis_retry(lambda: self._persist(dirty))
-        persisted = time.time()
-        for tables in dirty.values():
-            for t, slots in tables.items():
-                times = self.tables[t].event_ms[slots[:256]]
-                for ev in times[times > 0].tolist():
-                    m.FRESHNESS_LAG.labels("global_applied").observe(
-                        max(persisted - ev / 1000, 0.0)
-                    )
+        persisted_ms = time.time() * 1000
+        lags = [
+            self.tables[t].event_ms[slots] for tables in dirty.values()
+            for t, slots in tables.items()
+        ]  # fmt: skip
+        times = np.concatenate(lags)
+        times = times[times > 0]
+        m.observe_many(
+            m.FRESHNESS_LAG.labels("global_applied"),
+            np.maximum(persisted_ms - times, 0.0) / 1000,
+        )
         self._broadcast(dirty)
         self.dirty.clear()
         self.dirty_rows = 0
@@ -283,7 +292,7 @@ class ParameterServer:
                       tab.event_ms[slots])  # fmt: skip
         persist(
             self.redis, self.keys, out, {p: self.applied[p] for p in dirty},
-            ttl_ms=self.settings.row_ttl_s * 1000 if self._redis_expires_fields else 0,
+            ttl_ms=self.settings.row_ttl_s * 1000, expiry=self._field_expiry,
         )  # fmt: skip
 
     def _broadcast(self, dirty: dict[int, dict[int, np.ndarray]]) -> None:

@@ -25,6 +25,14 @@ from param_server.rows import (
     updates_since_creation,
     version_floor,
 )
+from param_server.store import (
+    HPEXPIRE,
+    HSETEX,
+    applied_offsets,
+    fetch_rows_and_accumulators,
+    field_expiry,
+    persist,
+)
 from schemas.ids import row_id
 from schemas.records import Event
 from schemas.rowbatch import KIND_GRADIENTS, RowBatch
@@ -394,6 +402,33 @@ def test_rows_not_updated_for_the_ttl_expire_and_come_back_at_a_newer_version(co
         again = redis_row(conn, "user", row)
     assert again is not None, "the row expired before it could be read"
     assert again[1] > stored[1] and int(updates_since_creation(again[1])) == 1
+
+
+@pytest.mark.parametrize("expiry", [HSETEX, HPEXPIRE, None])
+def test_persist_sets_each_fields_ttl_with_either_expiry_command(conn, expiry):
+    """HSETEX (Redis 8, Valkey 9) and HSET + HPEXPIRE (Redis 7.4) write the same rows with
+    the same time-to-live; without an expiry command the fields stay forever."""
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(f"{conn.topic_prefix}{expiry}.")
+    if expiry == HSETEX and field_expiry(r, keys) != HSETEX:
+        pytest.skip("this Redis has no HSETEX (Redis 7.4: the parameter server uses HPEXPIRE)")
+    ids = np.array([3, 11], np.int64)
+    rows = np.arange(2 * W, dtype=np.float32).reshape(2, W)
+    accum = rows + 0.5
+    versions, times = np.array([4, 9], np.uint64), np.array([1_000, 2_000], np.int64)
+    persist(r, keys, {TABLE_USER: (ids, rows, accum, versions, times)}, {0: 41},
+            ttl_ms=60_000, expiry=expiry)  # fmt: skip
+    got = fetch_rows_and_accumulators(r, keys, {TABLE_USER: ids}, W)[TABLE_USER]
+    assert got.found.all() and got.has_accum.all()
+    assert np.array_equal(got.rows, rows) and np.array_equal(got.accum, accum)
+    assert got.versions.tolist() == [4, 9] and got.event_ms.tolist() == [1_000, 2_000]
+    assert applied_offsets(r, keys) == {0: 41}
+    for key in (keys.embeddings("user"), keys.optimizer("user")):
+        ttl = r.execute_command("HPTTL", key, "FIELDS", 2, *(row_key(i) for i in ids))
+        if expiry is None:
+            assert ttl == [-1, -1]  # no expiry on the fields
+        else:
+            assert all(59_000 < t <= 60_000 for t in ttl), ttl
 
 
 def test_a_restarted_worker_reloads_rows_from_redis_and_continues(conn, tmp_path):
