@@ -43,6 +43,11 @@ def adagrad_step(
 ) -> np.ndarray:
     """Update ``rows`` and ``accum`` in place; returns the mask of rows that were applied."""
     ok = finite_rows(grads)
+    if ok.all():  # the usual case: the same arithmetic, without gathers and scatters
+        g = clip_rows(grads, cfg.max_norm)
+        accum += g * g
+        rows -= cfg.lr * g / (np.sqrt(accum) + cfg.eps)
+        return ok
     if not ok.any():
         return ok
     g = clip_rows(grads[ok], cfg.max_norm)

@@ -6,7 +6,9 @@ applied as one unit, in offset order (rows clipped, non-finite rows rejected, Ad
 tables are a deterministic function of the input log. Every ``flush_interval_ms`` the touched
 rows, their Adagrad accumulators and each partition's last applied offset are written to Redis
 in one MULTI/EXEC; then the new rows are broadcast on ``embeddings.updates`` with the
-(partition, offset) they include. On assignment a partition resumes right after its applied
+(partition, offset) they include. The transaction is a snapshot sent by a persister thread
+while the next messages are applied; its rows are broadcast once Redis has answered, and
+the next transaction starts only after that. On assignment a partition resumes right after its applied
 offset in Redis, so after a crash nothing is lost and nothing is applied twice. While Redis is
 unreachable the server pauses its partitions, keeps what it has in memory, commits nothing,
 and resumes when Redis answers.
@@ -22,6 +24,8 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import redis
@@ -31,6 +35,7 @@ from freshrec import metrics as m
 from freshrec.kafka import background_consumer, consume_batch, producer_config
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
+from freshrec.resp import execute
 from freshrec.topics import TopicNames
 from param_server.rows import initial_rows, version_floor
 from param_server.settings import ParamServerSettings
@@ -38,7 +43,7 @@ from param_server.store import (
     applied_offsets,
     fetch_rows_and_accumulators,
     field_expiry,
-    persist,
+    pack_persist,
 )
 from param_server.table import ParamTable
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
@@ -47,6 +52,20 @@ log = logging.getLogger("freshrec.param_server")
 MAX_ROWS_PER_MESSAGE = 1000
 EVICT_EVERY_S = 60.0
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+@dataclass
+class _Persist:
+    """A transaction handed to the persister thread, and what to broadcast once it is in."""
+
+    future: Future
+    payload: bytes
+    replies: int
+    snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]]
+    """partition -> table -> (ids, rows, accumulators, versions, event times), copies."""
+    offsets: dict[int, int]
+    rows: int
+    started: float
 
 
 class ParameterServer:
@@ -72,6 +91,8 @@ class ParameterServer:
         self._field_expiry: str | None = None
         """HSETEX or HPEXPIRE where this Redis expires hash fields (probed at start)."""
         self._broadcast_positions: dict[int, int] = {}  # delivered, not yet recorded
+        self._persister = ThreadPoolExecutor(1, thread_name_prefix="ps-persist")
+        self._inflight: _Persist | None = None
 
     # ------------------------------------------------------------------------ assignment
     def _on_assign(self, consumer, partitions) -> None:
@@ -90,7 +111,7 @@ class ParameterServer:
         )
 
     def _on_revoke(self, consumer, partitions) -> None:
-        self.flush()
+        self.flush(sync=True)  # in Redis before the next owner reads it
         for tp in partitions:
             self.owned.discard(tp.partition)
             self.applied.pop(tp.partition, None)
@@ -114,8 +135,9 @@ class ParameterServer:
         try:
             while not stop.is_set():
                 self.poll_once()
-            self.flush()
+            self.flush(sync=True)
         finally:
+            self._persister.shutdown(wait=True)
             self.producer.flush(10)
             self._save_broadcast_positions()
             self.consumer.close()
@@ -127,6 +149,7 @@ class ParameterServer:
             if batch is not False:
                 decoded.append((msg.partition(), msg.offset(), batch))
         self.apply_messages(decoded)
+        self._finish_persist(wait=False)  # broadcast as soon as Redis has the rows
         due = (time.monotonic() - self._last_flush) * 1000 >= self.settings.flush_interval_ms
         if self.dirty_rows and (due or self.dirty_rows >= self.settings.max_dirty_rows):
             self.flush()
@@ -235,44 +258,86 @@ class ParameterServer:
         return slots
 
     # ----------------------------------------------------------------------------- flush
-    def flush(self) -> None:
-        """Persist dirty rows with the applied offsets (one transaction), then broadcast."""
+    def flush(self, sync: bool = False) -> None:
+        """Persist the dirty rows with the applied offsets (one transaction), then broadcast
+        them. Pipelined: the transaction is a snapshot sent by the persister thread while
+        this one applies the next messages; it is finished (broadcast) as soon as Redis
+        answers, and always before the next one starts. ``sync`` waits for it here."""
         self._last_flush = time.monotonic()
-        if not self.dirty_rows:
-            self.dirty.clear()
+        self._finish_persist()
+        sync = sync or self._evict_due()
+        if self.dirty_rows:
+            self._start_persist()
+        if sync:
+            self._finish_persist()
+            self._maybe_evict()  # nothing unpersisted, nothing in flight
+
+    @property
+    def unpersisted_rows(self) -> int:
+        """Rows applied that Redis may not have yet (dirty, or in the transaction in flight)."""
+        return self.dirty_rows + (self._inflight.rows if self._inflight else 0)
+
+    def _start_persist(self) -> None:
+        snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]] = {}
+        by_table: dict[int, list[tuple[np.ndarray, ...]]] = defaultdict(list)
+        for p, tables in self.dirty.items():
+            for t, parts in tables.items():
+                slots, tab = np.unique(np.concatenate(parts)), self.tables[t]
+                rows = (tab.ids[slots], tab.rows[slots], tab.accum[slots], tab.version[slots],
+                        tab.event_ms[slots])  # fmt: skip
+                snapshot.setdefault(p, {})[t] = rows
+                by_table[t].append(rows)
+        out = {t: tuple(np.concatenate(col) for col in zip(*parts, strict=True))
+               for t, parts in by_table.items()}  # fmt: skip
+        offsets = {p: self.applied[p] for p in self.dirty}
+        payload, replies = pack_persist(
+            self.keys, out, offsets, ttl_ms=self.settings.row_ttl_s * 1000,
+            expiry=self._field_expiry,
+        )  # fmt: skip
+        self._inflight = _Persist(
+            self._persister.submit(execute, self.redis, payload, replies),
+            payload, replies, snapshot, offsets, self.dirty_rows, time.perf_counter(),
+        )  # fmt: skip
+        self.dirty.clear()
+        self.dirty_rows = 0
+
+    def _finish_persist(self, wait: bool = True) -> None:
+        """Once the transaction in flight is in Redis (sent again while Redis is down: it is
+        a snapshot, so sending it twice writes the same), broadcast its rows."""
+        done = self._inflight
+        if done is None or (not wait and not done.future.done()):
             return
-        started = time.perf_counter()
-        dirty = {
-            p: {t: np.unique(np.concatenate(parts)) for t, parts in tables.items()}
-            for p, tables in self.dirty.items()
-        }
-        self._redis_retry(lambda: self._persist(dirty))
+        try:
+            done.future.result()
+        except REDIS_DOWN:
+            self._redis_retry(lambda: execute(self.redis, done.payload, done.replies))
+        self._inflight = None
         persisted_ms = time.time() * 1000
-        lags = [
-            self.tables[t].event_ms[slots] for tables in dirty.values()
-            for t, slots in tables.items()
-        ]  # fmt: skip
-        times = np.concatenate(lags)
+        times = np.concatenate(
+            [rows[4] for tables in done.snapshot.values() for rows in tables.values()]
+        )
         times = times[times > 0]
         m.observe_many(
             m.FRESHNESS_LAG.labels("global_applied"),
             np.maximum(persisted_ms - times, 0.0) / 1000,
         )
-        self._broadcast(dirty)
-        self.dirty.clear()
-        self.dirty_rows = 0
+        self._broadcast(done.snapshot, done.offsets)
         m.PS_FLUSHES.labels("ok").inc()
-        m.PS_FLUSH_SECONDS.observe(time.perf_counter() - started)
-        self._maybe_evict()
+        m.PS_FLUSH_SECONDS.observe(time.perf_counter() - done.started)
+
+    def _evict_due(self) -> bool:
+        return (
+            self.settings.row_ttl_s > 0
+            and time.monotonic() - self._evicted_at >= EVICT_EVERY_S
+        )  # fmt: skip
 
     def _maybe_evict(self) -> None:
-        """Rows not updated for ``row_ttl_s`` leave memory (checked once a minute; nothing
-        is unpersisted right after a flush)."""
-        ttl = self.settings.row_ttl_s
-        now = time.monotonic()
-        if ttl <= 0 or now - self._evicted_at < EVICT_EVERY_S:
+        """Rows not updated for ``row_ttl_s`` leave memory (checked once a minute, by a
+        synchronous flush: nothing is unpersisted then)."""
+        if not self._evict_due() or self.unpersisted_rows:
             return
-        self._evicted_at = now
+        self._evicted_at = time.monotonic()
+        ttl = self.settings.row_ttl_s
         cutoff = int(time.time() * 1000) - ttl * 1000
         for t, table in self.tables.items():
             gone = table.evict_older_than(cutoff)
@@ -280,33 +345,18 @@ class ParameterServer:
                 m.PS_ROWS_EVICTED.labels(TABLE_NAMES[t]).inc(gone)
                 log.info("%d %s rows not updated for %d s left memory", gone, TABLE_NAMES[t], ttl)
 
-    def _persist(self, dirty: dict[int, dict[int, np.ndarray]]) -> None:
-        by_table: dict[int, list[np.ndarray]] = defaultdict(list)
-        for tables in dirty.values():
-            for t, slots in tables.items():
-                by_table[t].append(slots)
-        out = {}
-        for t, parts in by_table.items():
-            slots, tab = np.concatenate(parts), self.tables[t]
-            out[t] = (tab.ids[slots], tab.rows[slots], tab.accum[slots], tab.version[slots],
-                      tab.event_ms[slots])  # fmt: skip
-        persist(
-            self.redis, self.keys, out, {p: self.applied[p] for p in dirty},
-            ttl_ms=self.settings.row_ttl_s * 1000, expiry=self._field_expiry,
-        )  # fmt: skip
-
-    def _broadcast(self, dirty: dict[int, dict[int, np.ndarray]]) -> None:
+    def _broadcast(
+        self, snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]], offsets: dict[int, int]
+    ) -> None:
         created = int(time.time() * 1000)
-        for p, tables in dirty.items():
-            for t, all_slots in tables.items():
-                tab = self.tables[t]
+        for p, tables in snapshot.items():
+            for t, (ids, rows, _, versions, event_ms) in tables.items():
                 # chunks stay far below Kafka's default 1 MB message limit
-                for lo in range(0, len(all_slots), MAX_ROWS_PER_MESSAGE):
-                    slots = all_slots[lo : lo + MAX_ROWS_PER_MESSAGE]
+                for lo in range(0, len(ids), MAX_ROWS_PER_MESSAGE):
+                    chunk = slice(lo, lo + MAX_ROWS_PER_MESSAGE)
                     batch = RowBatch(
-                        KIND_UPDATES, t, tab.ids[slots], tab.rows[slots], tab.version[slots],
-                        tab.event_ms[slots], partition=p, offset=self.applied[p],
-                        created_ms=created,
+                        KIND_UPDATES, t, ids[chunk], rows[chunk], versions[chunk],
+                        event_ms[chunk], partition=p, offset=offsets[p], created_ms=created,
                     )  # fmt: skip
                     self._produce(
                         self.names.embeddings_updates, batch.encode(),

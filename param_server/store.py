@@ -86,6 +86,15 @@ def persist(
     rows and accumulators — with ``ttl_ms`` and an ``expiry`` command (``HSETEX`` or
     ``HPEXPIRE``, see ``field_expiry``), each field expires that long after this write — and
     the applied offset of each partition."""
+    execute(r, *pack_persist(keys, tables, applied, ttl_ms, expiry))
+
+
+def pack_persist(
+    keys: RedisKeys, tables: dict[int, tuple[np.ndarray, ...]], applied: dict[int, int],
+    ttl_ms: int = 0, expiry: str | None = HSETEX,
+) -> tuple[bytes, int]:  # fmt: skip
+    """``persist``'s transaction as packed commands and the number of replies it gets: a
+    snapshot, to send (again, if a connection broke) whenever."""
     commands = [pack(b"MULTI")]
     for table, (ids, rows, accum, versions, event_ms) in tables.items():
         name = TABLE_NAMES[table]
@@ -105,7 +114,7 @@ def persist(
     flat = [b"%d" % x for p, o in applied.items() for x in (p, o)]
     commands.append(pack(b"HSET", keys.ps_applied.encode(), *flat))
     commands.append(pack(b"EXEC"))
-    execute(r, b"".join(commands), len(commands))
+    return b"".join(commands), len(commands)
 
 
 def field_expiry(r: redis.Redis, keys: RedisKeys) -> str | None:

@@ -119,20 +119,28 @@ class ParamTable:
         first[1:] = s[1:] != s[:-1]
         position = np.arange(len(s))
         rank = position - np.maximum.accumulate(np.where(first, position, 0))
+        # entries by round: each round is one contiguous slice (rows ascending within it)
+        by_round = np.argsort(rank, kind="stable")
+        s, g, newest = s[by_round], g[by_round], newest[by_round]
+        bounds = np.searchsorted(rank[by_round], np.arange(int(rank.max(initial=-1)) + 2))
         applied, pairs, rejected = [], 0, 0
-        for k in range(int(rank.max(initial=-1)) + 1):
-            sel = rank == k
-            sl = s[sel]
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            sl = s[lo:hi]
             rows, accum = self.rows[sl], self.accum[sl]
-            ok = adagrad_step(rows, accum, g[sel], cfg)
-            done = sl[ok]
-            self.rows[done] = rows[ok]
-            self.accum[done] = accum[ok]
+            ok = adagrad_step(rows, accum, g[lo:hi], cfg)
+            if ok.all():
+                done = sl
+                self.rows[done], self.accum[done] = rows, accum
+                self.event_ms[done] = np.maximum(self.event_ms[done], newest[lo:hi])
+            else:
+                done = sl[ok]
+                self.rows[done] = rows[ok]
+                self.accum[done] = accum[ok]
+                self.event_ms[done] = np.maximum(self.event_ms[done], newest[lo:hi][ok])
+                rejected += int((~ok).sum())
             self.version[done] += np.uint64(1)
-            self.event_ms[done] = np.maximum(self.event_ms[done], newest[sel][ok])
             applied.append(done)
             pairs += len(done)
-            rejected += int((~ok).sum())
         done = np.unique(np.concatenate(applied)) if applied else np.empty(0, np.int64)
         return done, pairs, rejected
 

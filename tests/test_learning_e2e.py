@@ -329,6 +329,62 @@ def test_sigkill_mid_stream_and_restart_give_the_uninterrupted_tables(
     assert_same_tables(tables(conn), reference_tables)
 
 
+def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
+    """The persist is pipelined (sent by a thread while the next messages are applied); made
+    slow here, every broadcast row must still be in Redis, at its version or newer, and every
+    broadcast offset applied there, by the time a worker could read the update."""
+    import threading
+
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    import param_server.server as ps_module
+    from freshrec.kafka import consumer_config
+    from param_server.server import ParameterServer
+    from param_server.settings import ParamServerSettings
+    from param_server.store import applied_offsets
+
+    real_execute = ps_module.execute
+
+    def slow_execute(client, payload, replies):
+        time.sleep(0.2)
+        return real_execute(client, payload, replies)
+
+    monkeypatch.setattr(ps_module, "execute", slow_execute)
+    names = TopicNames(conn.topic_prefix)
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    messages = gradient_messages(120, seed=3)
+    ps = ParameterServer(ParamServerSettings(conn, dim=DIM, flush_interval_ms=20))
+    stop_ps = threading.Event()
+    thread = threading.Thread(target=ps.run, args=(stop_ps,), daemon=True)
+    updates = Consumer(consumer_config(conn, None))
+    parts = updates.list_topics(names.embeddings_updates, timeout=10).topics
+    updates.assign([TopicPartition(names.embeddings_updates, q, OFFSET_BEGINNING)
+                    for q in parts[names.embeddings_updates].partitions])  # fmt: skip
+    thread.start()
+    try:
+        send(conn, messages)
+        seen, deadline = 0, time.monotonic() + 60
+        while applied_total(conn) < len(messages) or seen == 0:
+            assert time.monotonic() < deadline, "the parameter server did not finish"
+            for msg in updates.consume(100, 0.05):
+                if msg.error() is not None:
+                    continue
+                batch = RowBatch.decode(msg.value())
+                stored = r.hmget(keys.embeddings("user"), [row_key(i) for i in batch.ids])
+                assert all(b is not None for b in stored), "broadcast before persisted"
+                versions = [decode_row(b, W)[1] for b in stored]
+                assert all(v >= u for v, u in zip(versions, batch.versions.tolist(),
+                                                  strict=True))  # fmt: skip
+                assert applied_offsets(r, keys)[batch.partition] >= batch.offset
+                seen += 1
+    finally:
+        stop_ps.set()
+        thread.join(30)
+        updates.close()
+    assert seen > 0
+
+
 def test_two_instances_share_partitions_and_one_takes_over_when_the_other_dies(
     conn, tmp_path, reference_tables
 ):

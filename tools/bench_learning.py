@@ -103,7 +103,7 @@ def main() -> None:
             if applied >= grad_rows:
                 break
             time.sleep(0.02)
-        while ps.dirty_rows:
+        while ps.unpersisted_rows:
             time.sleep(0.01)
         ps_rate = (grad_rows - start[1]) / (time.perf_counter() - start[0])
         stop.set()
