@@ -29,7 +29,7 @@ from tools.benchlib import (
     service_process,
     synthetic_records,
 )
-from tools.produce import prepare_events, produce_events, produce_prepared
+from tools.produce import events_producer, prepare_events, produce_events, produce_prepared
 from tools.promtext import histogram_quantile, merge, scrape_port, subtract, total
 from tools.world import World, WorldConfig
 
@@ -125,7 +125,7 @@ def main() -> None:
     steady = prepare_events(world, int(args.rate * (args.duration + args.ramp)), seed=2)
     ramp, steady = steady[: int(args.rate * args.ramp)], steady[int(args.rate * args.ramp) :]
     with bench_connection(f"br{int(time.time())}.") as conn:
-        floor = raw_lag(conn, steady, args.rate)
+        floor = raw_lag(conn, steady, args.rate, ramp=ramp)
         progress.done(f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, "
                       f"p99 {floor['p99_ms']} ms")  # fmt: skip
 
@@ -145,10 +145,14 @@ def main() -> None:
                 time.sleep(0.2)
             # the lag is measured at a steady rate: the jump from nothing to the full rate
             # (new users' rows loaded or created at once, tables growing) comes first
-            produce_prepared(conn, ramp, rate_per_s=args.rate, label="ramp", progress=progress)
+            # one producer for the ramp and the measured phase (see events_producer)
+            producer = events_producer(conn)
+            produce_prepared(conn, ramp, rate_per_s=args.rate, label="ramp", progress=progress,
+                             producer=producer)  # fmt: skip
             time.sleep(1)
             base = merge(scrape_port(wport), scrape_port(pport))
-            stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress)
+            stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
+                                     producer=producer)  # fmt: skip
             time.sleep(3)
             after = merge(scrape_port(wport), scrape_port(pport))
         name = "freshrec_freshness_lag_seconds"

@@ -23,7 +23,7 @@ from tools.benchlib import (
     service_process,
     synthetic_records,
 )
-from tools.produce import prepare_events, produce_events, produce_prepared
+from tools.produce import events_producer, prepare_events, produce_prepared
 from tools.promtext import histogram_quantile, scrape, subtract, total
 from tools.world import World, WorldConfig
 
@@ -85,6 +85,7 @@ def main() -> None:
 
     # events encoded ahead of time and stamped as they are sent (see tools.produce)
     steady = prepare_events(world, int(args.rate * args.duration), seed=4)
+    warm = prepare_events(world, 200, seed=99)
     with bench_connection(f"br{int(time.time())}.") as conn:
         floor = raw_lag(conn, steady, args.rate)
         progress.done(f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, "
@@ -94,7 +95,9 @@ def main() -> None:
         port = free_port()
         with service_process(conn, "streams", port):
             # warm up: the group join takes seconds on the embedded broker; measure after it
-            produce_events(conn, world, rate_per_s=200, duration_s=1.0, seed=99)
+            # through the producer of the measured phase (see events_producer)
+            producer = events_producer(conn)
+            produce_prepared(conn, warm, rate_per_s=200, producer=producer)
             deadline = time.monotonic() + 60
             while metric(port, "freshrec_streams_counted_events_total") < 150:
                 if time.monotonic() > deadline:
@@ -103,7 +106,8 @@ def main() -> None:
             time.sleep(1.0)
             name = "freshrec_hot_list_lag_seconds"
             before = scrape(f"http://127.0.0.1:{port}/metrics")
-            stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress)
+            stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
+                                     producer=producer)  # fmt: skip
             time.sleep(2)
             after = scrape(f"http://127.0.0.1:{port}/metrics")
         delta = subtract(after, before, name + "_bucket")

@@ -116,17 +116,20 @@ def raw_consume_rate(conn: ConnectionSettings, topic: str, expected: int) -> flo
     return (n - first[1]) / (end - first[0])
 
 
-def raw_lag(conn: ConnectionSettings, records: list, rate_per_s: float) -> dict[str, float]:
+def raw_lag(
+    conn: ConnectionSettings, records: list, rate_per_s: float, ramp: list = ()
+) -> dict[str, float]:  # fmt: skip
     """The floor under any pipeline's lag: event time -> a plain confluent-kafka consumer
     (group-less, every partition, the profile's fetch wait), with ``records`` from
-    ``tools.produce.prepare_events`` sent at ``rate_per_s`` as in the measured phase. Give it
-    a connection of its own: it reads ``events`` from the beginning."""
+    ``tools.produce.prepare_events`` sent at ``rate_per_s`` as in the measured phase, after
+    the ``ramp`` records (sent first at the same rate, not measured, as in the pipeline's
+    phase). Give it a connection of its own: it reads ``events`` from the beginning."""
     import numpy as np
     import orjson
     from confluent_kafka import TopicPartition
 
     from freshrec.topics import TopicNames
-    from tools.produce import produce_prepared
+    from tools.produce import events_producer, produce_prepared
 
     topic = TopicNames(conn.topic_prefix).events
     c = Consumer(consumer_config(conn, None))
@@ -134,6 +137,8 @@ def raw_lag(conn: ConnectionSettings, records: list, rate_per_s: float) -> dict[
     c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
     lags: list[float] = []
     stop = threading.Event()
+    measured_from = [float("inf")]  # event times from here on are measured
+    sent: list[float] = []
 
     # consume(n, timeout) returns when n messages are in or the timeout ran out: at 5k/s a
     # batch of 10,000 never fills, so the timeout is the wait. The worker polls with 5 ms.
@@ -143,24 +148,36 @@ def raw_lag(conn: ConnectionSettings, records: list, rate_per_s: float) -> dict[
         while not stop.is_set() or len(lags) < len(records):
             for m in c.consume(10_000, poll_s):
                 if m.error() is None:
-                    lags.append(time.time() * 1000 - orjson.loads(m.value())["ts_ms"])
+                    ts = orjson.loads(m.value())["ts_ms"]
+                    if ts >= measured_from[0]:
+                        lags.append(time.time() * 1000 - ts)
+                        sent.append(ts)
             if stop.is_set() and time.monotonic() > give_up:
                 return
 
     give_up = float("inf")
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    produce_prepared(conn, records, rate_per_s=rate_per_s)
+    producer = events_producer(conn)  # one session for both phases, as in the pipeline's
+    if ramp:
+        produce_prepared(conn, list(ramp), rate_per_s=rate_per_s, producer=producer)
+    measured_from[0] = time.time() * 1000
+    produce_prepared(conn, records, rate_per_s=rate_per_s, producer=producer)
     give_up = time.monotonic() + 10
     stop.set()
     reader.join()
     c.close()
     if len(lags) < len(records):
         raise RuntimeError(f"raw lag consumer read {len(lags)} of {len(records)}")
-    a = np.asarray(lags)
+    a, t = np.asarray(lags), np.asarray(sent)
+    # Tansu slows as a partition's record batches pile up (docs/operations.md): the first
+    # and the last 5 s of the phase show how much
+    first, last = a[t < t.min() + 5000], a[t > t.max() - 5000]
     return {
         "p50_ms": round(float(np.percentile(a, 50)), 1),
         "p99_ms": round(float(np.percentile(a, 99)), 1),
+        "first_5s_p50_p99_ms": [round(float(np.percentile(first, q)), 1) for q in (50, 99)],
+        "last_5s_p50_p99_ms": [round(float(np.percentile(last, q)), 1) for q in (50, 99)],
         "events": len(a),
     }
 

@@ -119,6 +119,18 @@ def prepare_events(world: World, n: int, seed: int = 0) -> list[tuple[bytes, byt
     return out[:n]
 
 
+def events_producer(conn: ConnectionSettings, linger_ms: int | None = None) -> Producer:
+    """A producer for ``events`` with its metadata fetched (else its first second waits for
+    it). Reuse it across a ramp and a measured phase: on the embedded broker a new idempotent
+    producer's first messages on a topic that another producer wrote wait ~0.5 s
+    (docs/operations.md), which a lag measurement would count."""
+    topic = TopicNames(conn.topic_prefix).events
+    overrides = {} if linger_ms is None else {"linger.ms": linger_ms}
+    producer = Producer(producer_config(conn, **overrides))
+    producer.list_topics(topic, timeout=10)
+    return producer
+
+
 def produce_prepared(
     conn: ConnectionSettings,
     records: list[tuple[bytes, bytes, bytes]],
@@ -127,13 +139,13 @@ def produce_prepared(
     progress: ProgressLine | None = None,
     label: str = "events",
     linger_ms: int | None = None,
+    producer: Producer | None = None,
 ) -> ProduceStats:
     """Send ``prepare_events`` records at a steady rate, each stamped with the time it is
-    handed to the producer."""
+    handed to the producer: ``producer`` (from ``events_producer``, to continue one producer
+    session across phases) or a new one."""
     topic = TopicNames(conn.topic_prefix).events
-    overrides = {} if linger_ms is None else {"linger.ms": linger_ms}
-    producer = Producer(producer_config(conn, **overrides))
-    producer.list_topics(topic, timeout=10)  # metadata first: else the first second waits
+    producer = producer or events_producer(conn, linger_ms)
     counter = DeliveryCounter()
     start = time.monotonic()
     pacer = Pacer(rate_per_s, start)
