@@ -92,9 +92,52 @@ def logistic_gradients(
     return gu, gv
 
 
-def aggregate(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sum gradients per distinct key: (unique keys, summed rows, example counts)."""
-    uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-    out = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
-    np.add.at(out, inverse, grads)
-    return uniq, out, counts
+@dataclass(frozen=True)
+class Grouped:
+    """Rows grouped by key (``aggregate``): ``keys`` sorted and distinct; ``index`` gives,
+    for each input row, its group's position in ``keys``."""
+
+    keys: np.ndarray
+    sums: np.ndarray
+    counts: np.ndarray
+    newest: np.ndarray
+    index: np.ndarray
+
+
+def aggregate(
+    keys: np.ndarray, grads: np.ndarray, event_ms: np.ndarray | None = None,
+    counts: np.ndarray | None = None,
+) -> Grouped:  # fmt: skip
+    """Per distinct key: the sum of its rows (accumulated in float64, returned in the rows'
+    dtype), the sum of its ``counts`` (one per row by default) and its newest ``event_ms``.
+    A stable sort and ``reduceat``: ``np.add.at`` was an eighth of the worker's event path.
+
+    >>> g = aggregate(np.array([5, 3, 5]), np.array([[1.0], [2.0], [4.0]]), np.array([7, 8, 9]))
+    >>> g.keys.tolist(), g.sums.ravel().tolist(), g.counts.tolist(), g.newest.tolist()
+    ([3, 5], [2.0, 5.0], [1, 2], [8, 9])
+    >>> g.index.tolist()
+    [1, 0, 1]
+    """
+    keys = np.asarray(keys)
+    n = len(keys)
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    head = np.ones(n, bool)
+    head[1:] = ordered[1:] != ordered[:-1]
+    starts = np.flatnonzero(head)
+    index = np.empty(n, np.int64)
+    index[order] = np.cumsum(head) - 1
+    if n == 0:
+        empty = np.zeros(0, np.int64)
+        return Grouped(ordered, np.zeros((0, grads.shape[1]), grads.dtype), empty, empty, index)
+    grads = np.asarray(grads)
+    sums = np.add.reduceat(grads[order].astype(np.float64), starts, axis=0).astype(grads.dtype)
+    if counts is None:
+        group_counts = np.diff(np.append(starts, n))
+    else:
+        group_counts = np.add.reduceat(np.asarray(counts, np.int64)[order], starts)
+    if event_ms is None:
+        newest = np.zeros(len(starts), np.int64)
+    else:
+        newest = np.maximum.reduceat(np.asarray(event_ms, np.int64)[order], starts)
+    return Grouped(ordered[starts], sums, group_counts, newest, index)

@@ -540,12 +540,10 @@ class Worker:
             (TABLE_USER, user_ids, u_slots, gu),
             (TABLE_ITEM, item_ids, i_slots, gv),
         ):
-            keys, sums, counts = aggregate(ids, grads)
-            at = np.searchsorted(keys, ids)  # each example's row among ``keys`` (sorted)
-            newest = np.zeros(len(keys), np.int64)
-            np.maximum.at(newest, at, ex.event_ms)
+            g = aggregate(ids, grads, ex.event_ms)
+            keys, sums, counts, newest = g.keys, g.sums, g.counts, g.newest
             key_slots = np.empty(len(keys), np.int64)
-            key_slots[at] = slots  # one id, one slot
+            key_slots[g.index] = slots  # one id, one slot
             ok = finite_rows(sums)
             rejected = int((~ok).sum())
             if rejected:
@@ -602,15 +600,8 @@ class Worker:
                 continue
             keys, sums, counts, newest = (np.concatenate(c) for c in zip(*chunks, strict=True))
             if len(chunks) > 1:  # a row may be in several chunks (each chunk's keys differ)
-                keys, inverse = np.unique(keys, return_inverse=True)
-                summed = np.zeros((len(keys), sums.shape[1]), np.float64)
-                np.add.at(summed, inverse, sums)
-                sums = summed.astype(np.float32)
-                total = np.zeros(len(keys), np.int64)
-                np.add.at(total, inverse, counts)
-                latest = np.full(len(keys), np.iinfo(np.int64).min, np.int64)
-                np.maximum.at(latest, inverse, newest)
-                counts, newest = total, latest
+                g = aggregate(keys, sums.astype(np.float64), newest, counts)
+                keys, sums, counts, newest = g.keys, g.sums.astype(np.float32), g.counts, g.newest
             chunks.clear()
             parts = row_partitions(keys, self.grad_partitions)
             order = np.argsort(parts, kind="stable")

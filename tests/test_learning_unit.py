@@ -65,12 +65,35 @@ def test_gradients_match_finite_differences():
 
 
 def test_aggregate_sums_per_row():
-    keys, sums, counts = aggregate(np.array([5, 3, 5]), np.array([[1.0], [2.0], [4.0]]))
+    g = aggregate(np.array([5, 3, 5]), np.array([[1.0], [2.0], [4.0]]))
     assert (
-        keys.tolist() == [3, 5]
-        and sums.ravel().tolist() == [2.0, 5.0]
-        and counts.tolist() == [1, 2]
+        g.keys.tolist() == [3, 5]
+        and g.sums.ravel().tolist() == [2.0, 5.0]
+        and g.counts.tolist() == [1, 2]
     )
+
+
+def test_aggregate_equals_adding_row_by_row_in_input_order():
+    """The sort-and-reduceat grouping gives what ``np.add.at`` and ``np.maximum.at`` give
+    (sums to float64 round-off, in the rows' dtype), on random keys with repeats."""
+    rng = np.random.default_rng(4)
+    for n in (0, 1, 2, 7, 100, 1000):
+        keys = rng.integers(-5, 20, n)
+        grads = (rng.standard_normal((n, 3)) * rng.choice([1e-3, 1.0, 1e3])).astype(np.float32)
+        times = rng.integers(0, 10**12, n)
+        counts = rng.integers(1, 5, n)
+        g = aggregate(keys, grads, times, counts)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        sums = np.zeros((len(uniq), 3), np.float64)
+        np.add.at(sums, inverse, grads.astype(np.float64))
+        total = np.zeros(len(uniq), np.int64)
+        np.add.at(total, inverse, counts)
+        newest = np.full(len(uniq), np.iinfo(np.int64).min, np.int64)
+        np.maximum.at(newest, inverse, times)
+        assert np.array_equal(g.keys, uniq) and np.array_equal(g.index, inverse.ravel())
+        assert g.sums.dtype == np.float32
+        np.testing.assert_allclose(g.sums, sums.astype(np.float32), rtol=1e-6, atol=1e-6)
+        assert np.array_equal(g.counts, total) and np.array_equal(g.newest, newest)
 
 
 def test_adagrad_matches_its_formula_and_rejects_non_finite_rows():
