@@ -40,6 +40,12 @@ class RedisKeys:
         return f"{self.prefix}ps:applied"
 
     @property
+    def ps_owner(self) -> str:
+        """Hash: gradients partition -> token of the parameter-server instance that owns it
+        (written on assignment; every transaction checks it under WATCH)."""
+        return f"{self.prefix}ps:owner"
+
+    @property
     def ps_broadcast(self) -> str:
         """Hash: embeddings.updates partition -> last offset produced after a persist."""
         return f"{self.prefix}ps:broadcast"

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,15 +36,16 @@ from freshrec import metrics as m
 from freshrec.kafka import background_consumer, consume_batch, producer_config
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
-from freshrec.resp import execute
 from freshrec.topics import TopicNames
 from param_server.rows import initial_rows, version_floor
 from param_server.settings import ParamServerSettings
 from param_server.store import (
     applied_offsets,
+    claim_partitions,
     fetch_rows_and_accumulators,
     field_expiry,
     pack_persist,
+    persist_fenced,
 )
 from param_server.table import ParamTable
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
@@ -64,8 +66,14 @@ class _Persist:
     snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]]
     """partition -> table -> (ids, rows, accumulators, versions, event times), copies."""
     offsets: dict[int, int]
+    owners: dict[int, str]
     rows: int
     started: float
+
+
+class FencedOff(RuntimeError):
+    """Another instance owns a partition this one still held (it was assigned elsewhere while
+    this one stalled): nothing was written; the process must stop and restart from Redis."""
 
 
 class ParameterServer:
@@ -93,9 +101,20 @@ class ParameterServer:
         self._broadcast_positions: dict[int, int] = {}  # delivered, not yet recorded
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="ps-persist")
         self._inflight: _Persist | None = None
+        self.instance = uuid.uuid4().hex[:12]
+        self._claims = 0
+        self.owner: dict[int, str] = {}
+        """partition -> the token this instance claimed it with (``ps:owner`` in Redis)."""
+        self.fenced = False
 
     # ------------------------------------------------------------------------ assignment
     def _on_assign(self, consumer, partitions) -> None:
+        # claimed before the offsets are read: a former owner's transaction after this fails
+        self._claims += 1
+        token = f"{self.instance}-{self._claims}"
+        claims = {tp.partition: token for tp in partitions}
+        self._redis_retry(lambda: claim_partitions(self.redis, self.keys, claims))
+        self.owner.update(claims)
         applied = self._redis_retry(lambda: applied_offsets(self.redis, self.keys))
         for tp in partitions:
             done = applied.get(tp.partition)
@@ -115,6 +134,7 @@ class ParameterServer:
         for tp in partitions:
             self.owned.discard(tp.partition)
             self.applied.pop(tp.partition, None)
+            self.owner.pop(tp.partition, None)
         for table in self.tables.values():  # reloaded from Redis on demand; another owner
             table.clear()  # may change them meanwhile
         log.info("revoked gradients partitions %s", sorted(tp.partition for tp in partitions))
@@ -264,6 +284,8 @@ class ParameterServer:
         this one applies the next messages; it is finished (broadcast) as soon as Redis
         answers, and always before the next one starts. ``sync`` waits for it here."""
         self._last_flush = time.monotonic()
+        if self.fenced:
+            return
         self._finish_persist()
         sync = sync or self._evict_due()
         if self.dirty_rows:
@@ -290,13 +312,16 @@ class ParameterServer:
         out = {t: tuple(np.concatenate(col) for col in zip(*parts, strict=True))
                for t, parts in by_table.items()}  # fmt: skip
         offsets = {p: self.applied[p] for p in self.dirty}
+        owners = {p: self.owner[p] for p in self.dirty}
         payload, replies = pack_persist(
             self.keys, out, offsets, ttl_ms=self.settings.row_ttl_s * 1000,
             expiry=self._field_expiry,
         )  # fmt: skip
         self._inflight = _Persist(
-            self._persister.submit(execute, self.redis, payload, replies),
-            payload, replies, snapshot, offsets, self.dirty_rows, time.perf_counter(),
+            self._persister.submit(
+                persist_fenced, self.redis, self.keys, payload, replies, owners
+            ),
+            payload, replies, snapshot, offsets, owners, self.dirty_rows, time.perf_counter(),
         )  # fmt: skip
         self.dirty.clear()
         self.dirty_rows = 0
@@ -308,10 +333,19 @@ class ParameterServer:
         if done is None or (not wait and not done.future.done()):
             return
         try:
-            done.future.result()
+            owned = done.future.result()
         except REDIS_DOWN:
-            self._redis_retry(lambda: execute(self.redis, done.payload, done.replies))
+            # the retry serves rebalance callbacks: a revoke's flush may finish this one
+            owned = self._redis_retry(
+                lambda: self._inflight is not done or persist_fenced(
+                    self.redis, self.keys, done.payload, done.replies, done.owners
+                )
+            )  # fmt: skip
+            if self._inflight is not done:  # finished (and broadcast) inside the retry
+                return
         self._inflight = None
+        if not owned:
+            self._fence_off(done.owners)
         persisted_ms = time.time() * 1000
         times = np.concatenate(
             [rows[4] for tables in done.snapshot.values() for rows in tables.values()]
@@ -324,6 +358,20 @@ class ParameterServer:
         self._broadcast(done.snapshot, done.offsets)
         m.PS_FLUSHES.labels("ok").inc()
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - done.started)
+
+    def _fence_off(self, owners: dict[int, str]) -> None:
+        """Another instance claimed one of these partitions: drop everything unpersisted,
+        write nothing more, and stop (``run`` re-raises; a restart resumes from Redis)."""
+        self.fenced = True
+        self.dirty.clear()
+        self.dirty_rows = 0
+        for table in self.tables.values():
+            table.clear()
+        m.PS_FLUSHES.labels("fenced_off").inc()
+        raise FencedOff(
+            f"gradients partitions {sorted(owners)} are owned by another parameter-server "
+            "instance (claimed while this one stalled): nothing written; stopping"
+        )
 
     def _evict_due(self) -> bool:
         return (
@@ -421,4 +469,10 @@ class ParameterServer:
 
 
 def run_param_server(settings: ParamServerSettings) -> int:
-    return run_until_signalled("param_server", ParameterServer(settings).run, settings.metrics_port)
+    try:
+        return run_until_signalled(
+            "param_server", ParameterServer(settings).run, settings.metrics_port
+        )
+    except FencedOff as exc:
+        log.error("%s", exc)
+        return 3

@@ -117,6 +117,52 @@ def pack_persist(
     return b"".join(commands), len(commands)
 
 
+def claim_partitions(r: redis.Redis, keys: RedisKeys, owners: dict[int, str]) -> None:
+    """Record this instance's token as the owner of each partition: from now on an older
+    owner's transaction over them fails (``persist_fenced``)."""
+    if owners:
+        r.hset(keys.ps_owner, mapping={str(p): token for p, token in owners.items()})
+
+
+def persist_fenced(
+    r: redis.Redis, keys: RedisKeys, payload: bytes, replies: int, owners: dict[int, str],
+    attempts: int = 20,
+) -> bool:  # fmt: skip
+    """Run a ``pack_persist`` transaction only while every partition in ``owners`` is still
+    owned by its token: ``WATCH`` the owner hash, check it, then ``MULTI``/``EXEC`` on the same
+    connection. A claim in between (another instance's assignment) aborts the ``EXEC``, and
+    the check runs again. Returns False, having written nothing, if a partition has another
+    owner: a fenced-off instance (it lost the partition while stalled) cannot overwrite what
+    the new owner computes."""
+    parts = sorted(owners)
+    check = pack(b"WATCH", keys.ps_owner.encode()) + pack(
+        b"HMGET", keys.ps_owner.encode(), *(b"%d" % p for p in parts)
+    )
+    pool = r.connection_pool
+    conn = pool.get_connection()
+    try:
+        for _ in range(attempts):
+            conn.send_packed_command([check])
+            conn.read_response()  # WATCH: OK
+            current = conn.read_response()
+            if [c.decode() if c is not None else None for c in current] != [
+                owners[p] for p in parts
+            ]:
+                conn.send_packed_command([pack(b"UNWATCH")])
+                conn.read_response()
+                return False
+            conn.send_packed_command([payload])
+            out = [conn.read_response() for _ in range(replies)]
+            if out[-1] is not None:  # EXEC ran; None: a watched key changed, check again
+                return True
+        raise redis.WatchError(f"{keys.ps_owner} kept changing over {attempts} attempts")
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
 def field_expiry(r: redis.Redis, keys: RedisKeys) -> str | None:
     """How this server expires hash fields: ``HSETEX`` (Redis 8.0+, Valkey 9.0+),
     ``HPEXPIRE`` (Redis 7.4) or ``None`` (older: fields never expire)."""

@@ -343,13 +343,13 @@ def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
     from param_server.settings import ParamServerSettings
     from param_server.store import applied_offsets
 
-    real_execute = ps_module.execute
+    real_persist = ps_module.persist_fenced
 
-    def slow_execute(client, payload, replies):
+    def slow_persist(*args, **kwargs):
         time.sleep(0.2)
-        return real_execute(client, payload, replies)
+        return real_persist(*args, **kwargs)
 
-    monkeypatch.setattr(ps_module, "execute", slow_execute)
+    monkeypatch.setattr(ps_module, "persist_fenced", slow_persist)
     names = TopicNames(conn.topic_prefix)
     r = redis_lib.Redis.from_url(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
@@ -383,6 +383,67 @@ def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
         thread.join(30)
         updates.close()
     assert seen > 0
+
+
+def test_a_transaction_is_written_only_while_its_partitions_are_owned(conn):
+    from param_server.store import claim_partitions, pack_persist, persist_fenced
+
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    ids = np.array([5], np.int64)
+    row = np.ones((1, W), np.float32)
+    table = {TABLE_USER: (ids, row, row, np.ones(1, np.uint64), np.array([1_000]))}
+    payload, replies = pack_persist(keys, table, {2: 10})
+    claim_partitions(r, keys, {2: "a-1"})
+    assert persist_fenced(r, keys, payload, replies, {2: "a-1"})
+    assert applied_offsets(r, keys) == {2: 10}
+    claim_partitions(r, keys, {2: "b-1"})  # another instance took partition 2 over
+    later, replies = pack_persist(keys, table, {2: 11})
+    assert not persist_fenced(r, keys, later, replies, {2: "a-1"})
+    assert applied_offsets(r, keys) == {2: 10}  # the fenced-off write left nothing
+    assert persist_fenced(r, keys, later, replies, {2: "b-1"})
+    assert applied_offsets(r, keys) == {2: 11}
+
+
+def test_a_stalled_instance_whose_partitions_were_claimed_writes_nothing_and_stops(conn):
+    """A parameter server that lost its partitions while stalled (here: another instance's
+    claim written behind its back) must not overwrite the new owner's rows and offsets."""
+    import threading
+
+    from param_server.server import FencedOff, ParameterServer
+    from param_server.settings import ParamServerSettings
+    from param_server.store import applied_offsets, claim_partitions
+
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    messages = gradient_messages(80, seed=5)
+    ps = ParameterServer(ParamServerSettings(conn, dim=DIM, flush_interval_ms=20))
+    stop_ps, failure = threading.Event(), []
+
+    def run() -> None:
+        try:
+            ps.run(stop_ps)
+        except FencedOff as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        send(conn, messages[:40])
+        wait_for(lambda: applied_total(conn) == 40, 60, "the first half")
+        claim_partitions(r, keys, {p: "another-instance" for p in range(4)})
+        before = (applied_offsets(r, keys), tables(conn))
+        send(conn, messages[40:])
+        thread.join(30)
+        assert failure and not thread.is_alive(), "the fenced-off instance kept running"
+        after = (applied_offsets(r, keys), tables(conn))
+        assert after[0] == before[0]  # no offset moved after the claim
+        assert after[1].keys() == before[1].keys()
+        for k, (row, version) in before[1].items():
+            assert after[1][k][1] == version and np.array_equal(after[1][k][0], row)
+    finally:
+        stop_ps.set()
+        thread.join(30)
 
 
 def test_two_instances_share_partitions_and_one_takes_over_when_the_other_dies(
