@@ -157,10 +157,12 @@ class ParameterServer:
                 self.poll_once()
             self.flush(sync=True)
         finally:
-            self._persister.shutdown(wait=True)
-            self.producer.flush(10)
-            self._save_broadcast_positions()
-            self.consumer.close()
+            try:
+                self.consumer.close()  # its revoke flushes (and waits for) what is left
+            finally:
+                self._persister.shutdown(wait=True)
+                self.producer.flush(10)
+                self._save_broadcast_positions()
 
     def poll_once(self) -> None:
         decoded = []
