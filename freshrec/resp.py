@@ -22,6 +22,9 @@ True
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import redis
 
@@ -80,11 +83,19 @@ def execute(client: redis.Redis, payload: bytes, replies: int) -> list:
     An error reply raises (``redis.ResponseError``); the connection is then dropped, so no
     unread reply is left for its next user. Connection errors and timeouts raise as with any
     redis-py call."""
+    with pooled_connection(client) as conn:
+        conn.send_packed_command([payload])
+        return [conn.read_response() for _ in range(replies)]
+
+
+@contextlib.contextmanager
+def pooled_connection(client: redis.Redis) -> Iterator:
+    """A connection of ``client``'s pool for several packed round trips; dropped (not
+    returned for reuse) if anything raises, so no unread reply is left for its next user."""
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
-        conn.send_packed_command([payload])
-        return [conn.read_response() for _ in range(replies)]
+        yield conn
     except BaseException:
         conn.disconnect()
         raise

@@ -8,7 +8,7 @@ import numpy as np
 import redis
 
 from freshrec.rediskeys import RedisKeys
-from freshrec.resp import execute, pack, pack_fixed
+from freshrec.resp import execute, pack, pack_fixed, pooled_connection
 from param_server.rows import (
     decode_row,
     decode_rows,
@@ -78,23 +78,15 @@ HPEXPIRE = "HPEXPIRE"
 """Fields written, then given their time-to-live (Redis 7.4+)."""
 
 
-def persist(
-    r: redis.Redis, keys: RedisKeys, tables: dict[int, tuple[np.ndarray, ...]],
-    applied: dict[int, int], ttl_ms: int = 0, expiry: str | None = HSETEX,
-) -> None:  # fmt: skip
-    """One MULTI/EXEC: for each table (ids, rows, accumulators, versions, event times) the
-    rows and accumulators — with ``ttl_ms`` and an ``expiry`` command (``HSETEX`` or
-    ``HPEXPIRE``, see ``field_expiry``), each field expires that long after this write — and
-    the applied offset of each partition."""
-    execute(r, *pack_persist(keys, tables, applied, ttl_ms, expiry))
-
-
 def pack_persist(
     keys: RedisKeys, tables: dict[int, tuple[np.ndarray, ...]], applied: dict[int, int],
     ttl_ms: int = 0, expiry: str | None = HSETEX,
 ) -> tuple[bytes, int]:  # fmt: skip
-    """``persist``'s transaction as packed commands and the number of replies it gets: a
-    snapshot, to send (again, if a connection broke) whenever."""
+    """One MULTI/EXEC, packed, and the number of replies it gets: for each table (ids, rows,
+    accumulators, versions, event times) the rows and accumulators — with ``ttl_ms`` and an
+    ``expiry`` command (``HSETEX`` or ``HPEXPIRE``, see ``field_expiry``), each field expires
+    that long after this write — and the applied offset of each partition. A snapshot, to
+    send (again, if a connection broke) whenever: see ``persist_fenced``."""
     commands = [pack(b"MULTI")]
     for table, (ids, rows, accum, versions, event_ms) in tables.items():
         name = TABLE_NAMES[table]
@@ -138,9 +130,7 @@ def persist_fenced(
     check = pack(b"WATCH", keys.ps_owner.encode()) + pack(
         b"HMGET", keys.ps_owner.encode(), *(b"%d" % p for p in parts)
     )
-    pool = r.connection_pool
-    conn = pool.get_connection()
-    try:
+    with pooled_connection(r) as conn:
         for _ in range(attempts):
             conn.send_packed_command([check])
             conn.read_response()  # WATCH: OK
@@ -156,11 +146,6 @@ def persist_fenced(
             if out[-1] is not None:  # EXEC ran; None: a watched key changed, check again
                 return True
         raise redis.WatchError(f"{keys.ps_owner} kept changing over {attempts} attempts")
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
 
 
 def field_expiry(r: redis.Redis, keys: RedisKeys) -> str | None:

@@ -14,6 +14,7 @@ from confluent_kafka import Producer
 from freshrec.kafka import producer_config
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
+from freshrec.resp import execute
 from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import Worker
@@ -31,7 +32,7 @@ from param_server.store import (
     applied_offsets,
     fetch_rows_and_accumulators,
     field_expiry,
-    persist,
+    pack_persist,
 )
 from schemas.ids import row_id
 from schemas.records import Event
@@ -533,8 +534,8 @@ def test_persist_sets_each_fields_ttl_with_either_expiry_command(conn, expiry):
     rows = np.arange(2 * W, dtype=np.float32).reshape(2, W)
     accum = rows + 0.5
     versions, times = np.array([4, 9], np.uint64), np.array([1_000, 2_000], np.int64)
-    persist(r, keys, {TABLE_USER: (ids, rows, accum, versions, times)}, {0: 41},
-            ttl_ms=60_000, expiry=expiry)  # fmt: skip
+    table = {TABLE_USER: (ids, rows, accum, versions, times)}
+    execute(r, *pack_persist(keys, table, {0: 41}, ttl_ms=60_000, expiry=expiry))
     got = fetch_rows_and_accumulators(r, keys, {TABLE_USER: ids}, W)[TABLE_USER]
     assert got.found.all() and got.has_accum.all()
     assert np.array_equal(got.rows, rows) and np.array_equal(got.accum, accum)
