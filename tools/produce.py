@@ -182,12 +182,11 @@ def produce_events(
 ) -> ProduceStats:
     """Produce synthetic events at a steady rate until ``duration_s`` or ``stop`` is set."""
     topic = TopicNames(conn.topic_prefix).events
-    producer = Producer(producer_config(conn))
+    producer = events_producer(conn)
     counter = DeliveryCounter()
     synth = EventSynthesizer(world, seed=seed)
     slates_per_tick = max(1, int(rate_per_s / 100 / (synth.slate_size + 1)))
     stop = stop or threading.Event()
-    producer.list_topics(topic, timeout=10)  # metadata first: else the first second waits
     start = time.monotonic()
     pacer = Pacer(rate_per_s, start)
     buffered: deque[tuple[bytes, bytes]] = deque()
