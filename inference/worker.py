@@ -60,7 +60,7 @@ from param_server.rows import row_key
 from param_server.store import broadcast_offsets, fetch_rows, load_table
 from schemas.codec import (
     dead_letter,
-    decode_event,
+    decode_events,
     decode_request,
     encode_dead_letter,
     encode_reply,
@@ -487,13 +487,13 @@ class Worker:
     def on_events(self, msgs) -> None:
         now_ms = int(time.time() * 1000)
         events = []
-        for msg in msgs:
-            try:
-                events.append(decode_event(msg.value(), now_ms))
-            except Rejected as rej:
+        for e in decode_events([msg.value() for msg in msgs], now_ms):
+            if type(e) is Rejected:
                 m.WORKER_EVENTS.labels("invalid").inc()
                 self.stats["invalid"] += 1
-                log.debug("skipping invalid event: %s", rej)
+                log.debug("skipping invalid event: %s", e)
+            else:
+                events.append(e)
         m.WORKER_EVENTS.labels("valid").inc(len(events))
         if not events:
             return

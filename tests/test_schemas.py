@@ -311,3 +311,40 @@ def test_fast_path_accepts_only_what_the_strict_path_accepts_with_equal_values(n
             type(v) for v in strict.values()
         ], data
     assert fast_passed > 100  # the fast path is exercised, not just skipped
+
+
+def test_batch_event_decode_agrees_with_decode_event_on_every_value():
+    """``decode_events`` (the C struct path) gives, value by value, what ``decode_event``
+    gives: the same field values for a record it passes, the same reason for one it
+    rejects — on mutated events, JSON edge cases and explicit nulls (which the struct
+    alone would let through for optional fields)."""
+
+    from schemas.codec import decode_event, decode_events
+
+    event = records.Event("e1", "click", "u1", "i1", NOW, "r", "pc", "q", 3, 2.5)
+    base = json.loads(encode_event(event))
+    rng = np.random.default_rng(11)
+    cases: list = [json.dumps(_mutations(rng, base)).encode() for _ in range(3000)]
+    cases += [
+        encode_event(event), None, b"", b"{}", b"[]", b'{"a":NaN}', b'"\\ud800"', b"\xff{",
+        encode_event(event).replace(b'"u1"', b'"u\\ud800"'), encode_event(event) + b" ",
+        encode_event(event).replace(b'"region":"r"', b'"region":null'),
+        encode_event(event).replace(b"2.5", b"1e400"),
+        encode_event(event).replace(b"2.5", b"123456789012345678901234567890"),
+        encode_event(event).replace(b'"ts_ms":', b'"ts_ms":1.0,"ts_ms":'),
+        b"x" * 20_000,
+    ]  # fmt: skip
+    got = decode_events(cases, NOW)
+    assert len(got) == len(cases)
+    passed = 0
+    for data, fast in zip(cases, got, strict=True):
+        try:
+            want = decode_event(data, NOW)
+        except Rejected as rej:
+            assert isinstance(fast, Rejected) and fast.reason == rej.reason, (data, fast)
+            continue
+        passed += 1
+        assert not isinstance(fast, Rejected), (data, fast)
+        for f in dataclasses.fields(records.Event):
+            assert getattr(fast, f.name) == getattr(want, f.name), (data, f.name)
+    assert passed > 100
