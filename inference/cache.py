@@ -63,11 +63,12 @@ class EmbeddingCache:
 
     # ------------------------------------------------------------------------------ slots
     def slots(self, table: int, ids: np.ndarray) -> np.ndarray:
-        """Slots of ``ids`` (in order), loading misses from the store or creating them."""
-        ids = np.asarray(ids, np.int64)
+        """Slots of ``ids`` (in order), loading misses from the store or creating them. Each
+        distinct id is looked up once (a batch names the same rows many times)."""
+        distinct, back = np.unique(np.asarray(ids, np.int64), return_inverse=True)
         if table == TABLE_ITEM:
-            return self._item_slots(ids)
-        return self._user_slots(ids)
+            return self._item_slots(distinct)[back]
+        return self._user_slots(distinct)[back]
 
     def _item_slots(self, ids: np.ndarray) -> np.ndarray:
         get = self.item_slot.get

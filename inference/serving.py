@@ -34,7 +34,7 @@ from inference.rerank import mmr_batch, space_categories
 from inference.resultcache import ResultCache
 from inference.snapshot import Snapshot, SnapshotRefresher
 from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows
-from schemas.ids import row_id
+from schemas.ids import row_ids
 from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 
 log = logging.getLogger("freshrec.serving")
@@ -383,7 +383,7 @@ class Recommender:
         return replies
 
     def _users(self, reqs: list[RecommendRequest], now_ms: int):
-        ids = np.fromiter((row_id(r.user_id) for r in reqs), np.int64, len(reqs))
+        ids = row_ids([r.user_id for r in reqs])
         note = None
         try:
             slots = self.cache.slots(TABLE_USER, ids)

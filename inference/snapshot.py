@@ -28,7 +28,7 @@ import redis
 from freshrec import metrics as m
 from freshrec.rediskeys import RedisKeys
 from inference.features import CATEGORY_BUCKETS, bucket
-from schemas.ids import row_id
+from schemas.ids import row_ids
 from streams.decay import HOUR_MS
 from streams.hotlist import HotWeights, top_k_indices
 
@@ -173,7 +173,7 @@ class SnapshotRefresher:
         price = np.fromiter((float(prices.get(n, 0.0)) for n in names), np.float32, len(names))
         return Catalogue(
             names=names,
-            row_ids=np.fromiter((row_id(n) for n in names), np.int64, len(names)),
+            row_ids=row_ids(names),
             category=category,
             category_names=[cats[n] for n in names],
             price=price,

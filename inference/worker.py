@@ -66,7 +66,7 @@ from schemas.codec import (
     encode_reply,
 )
 from schemas.contract import Rejected
-from schemas.ids import row_id
+from schemas.ids import row_id, row_ids
 from schemas.records import RecommendReply
 from schemas.rowbatch import (
     KIND_GRADIENTS,
@@ -528,8 +528,7 @@ class Worker:
             q.appendleft(e.item_id)
 
     def learn(self, ex) -> None:
-        user_ids = np.fromiter((row_id(u) for u in ex.users), np.int64, len(ex.users))
-        item_ids = np.fromiter((row_id(i) for i in ex.items), np.int64, len(ex.items))
+        user_ids, item_ids = row_ids(ex.users), row_ids(ex.items)
         u_slots = self.cache.slots(TABLE_USER, user_ids)
         i_slots = self.cache.slots(TABLE_ITEM, item_ids)
         u = self.cache.gather(TABLE_USER, u_slots)

@@ -6,13 +6,26 @@ Python's ``hash``), collision probability ~n²/2⁶⁵.
 
 >>> row_id("u42") == row_id("u42"), row_id("u42") != row_id("u43")
 (True, True)
+>>> row_ids(["u42", "u43", "u42"]).tolist() == [row_id("u42"), row_id("u43"), row_id("u42")]
+True
 """
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
+
 
 def row_id(key: str) -> int:
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def row_ids(keys: list[str]) -> np.ndarray:
+    """``row_id`` of each key as an int64 array, hashing each distinct key once (a batch of
+    events names the same user and item many times)."""
+    distinct = dict.fromkeys(keys)
+    for key in distinct:
+        distinct[key] = row_id(key)
+    return np.fromiter(map(distinct.__getitem__, keys), np.int64, len(keys))
