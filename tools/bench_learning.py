@@ -10,8 +10,12 @@ Writes artifacts/bench_learning.json.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import tempfile
 import threading
 import time
+
+import numpy as np
 
 from freshrec.metrics import PS_ROWS_APPLIED, WORKER_EVENTS
 from freshrec.progress import ProgressLine
@@ -23,6 +27,8 @@ from param_server.server import ParameterServer
 from param_server.settings import ParamServerSettings
 from tools.benchlib import (
     bench_connection,
+    lag_alongside,
+    lag_summary,
     produce_values,
     raw_consume_rate,
     raw_lag,
@@ -49,132 +55,156 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--ramp", type=float, default=5.0,
                     help="seconds at the full rate before the lag is measured")  # fmt: skip
+    ap.add_argument("--only", choices=["throughput", "lag"], help="run one of the two phases")
+    ap.add_argument("--producer-linger-ms", type=int, default=None,
+                    help="linger.ms of the lag phase's event producer (default: the profile's)")  # fmt: skip
     args = ap.parse_args()
     progress = ProgressLine()
     world = World(WorldConfig(seed=5, n_users=1_000_000, n_items=100_000))
     results: dict = {}
 
-    with bench_connection(f"bw{int(time.time())}.") as conn:
-        topic = TopicNames(conn.topic_prefix).events
-        produce_values(conn, topic, synthetic_records(world, 5, args.events))
-        raw = raw_consume_rate(conn, topic, args.events)
-        progress.done(f"raw consume: {raw:,.0f} events/s")
+    if args.only in (None, "throughput"):
+        with bench_connection(f"bw{int(time.time())}.") as conn:
+            topic = TopicNames(conn.topic_prefix).events
+            produce_values(conn, topic, synthetic_records(world, 5, args.events))
+            raw = raw_consume_rate(conn, topic, args.events)
+            progress.done(f"raw consume: {raw:,.0f} events/s")
 
-        # the worker's event path: decode, examples, gradients, local step, gradient emit
-        w = Worker(WorkerSettings(conn, LearningSettings(dim=64)))
-        w.start()
-        first = None
-        # read the counter's own value: scraping /metrics, or even the registry's
-        # get_sample_value (it collects every metric: 7% of this loop in a profile), per
-        # poll would be measured as the worker's time
-        valid = WORKER_EVENTS.labels("valid")
-        while True:
-            w.poll_once()
-            n = valid._value.get()
-            if n and first is None:
-                first = (time.perf_counter(), n)
-            if n >= args.events:
-                break
-        elapsed = time.perf_counter() - first[0]
-        worker_rate = (args.events - first[1]) / elapsed
-        w.close()  # the last gradients (the outbox's linger) leave, and are delivered
-        grad_msgs = counter("freshrec_gradient_messages_total", side="sent")
-        grad_rows = sum(
-            counter("freshrec_gradient_rows_total", table=t, outcome="sent")
-            for t in ("user", "item")
-        )
-        progress.done(
-            f"worker event path: {worker_rate:,.0f} events/s ({worker_rate / raw:.1%} of raw)"
-        )
+            # the worker's event path: decode, examples, gradients, local step, gradient emit
+            w = Worker(WorkerSettings(conn, LearningSettings(dim=64)))
+            w.start()
+            first = None
+            # read the counter's own value: scraping /metrics, or even the registry's
+            # get_sample_value (it collects every metric: 7% of this loop in a profile), per
+            # poll would be measured as the worker's time
+            valid = WORKER_EVENTS.labels("valid")
+            while True:
+                w.poll_once()
+                n = valid._value.get()
+                if n and first is None:
+                    first = (time.perf_counter(), n)
+                if n >= args.events:
+                    break
+            elapsed = time.perf_counter() - first[0]
+            worker_rate = (args.events - first[1]) / elapsed
+            w.close()  # the last gradients (the outbox's linger) leave, and are delivered
+            grad_msgs = counter("freshrec_gradient_messages_total", side="sent")
+            grad_rows = sum(
+                counter("freshrec_gradient_rows_total", table=t, outcome="sent")
+                for t in ("user", "item")
+            )
+            progress.done(
+                f"worker event path: {worker_rate:,.0f} events/s ({worker_rate / raw:.1%} of raw)"
+            )
 
-        # parameter server: apply + persist all gradient messages just produced
-        ps = ParameterServer(ParamServerSettings(conn, dim=64))
-        stop = threading.Event()
-        t = threading.Thread(target=ps.run, args=(stop,), daemon=True)
-        # the counters' own values, as above: a registry collect every 20 ms took the GIL
-        # from the server thread being measured
-        users, items = PS_ROWS_APPLIED.labels("user"), PS_ROWS_APPLIED.labels("item")
-        before = users._value.get() + items._value.get()
-        t.start()
-        start = None
-        while True:
-            applied = users._value.get() + items._value.get() - before
-            if applied and start is None:
-                start = (time.perf_counter(), applied)
-            if applied >= grad_rows:
-                break
-            time.sleep(0.02)
-        while ps.unpersisted_rows:
-            time.sleep(0.01)
-        ps_rate = (grad_rows - start[1]) / (time.perf_counter() - start[0])
-        stop.set()
-        t.join(30)
-        progress.done(f"parameter server: {ps_rate:,.0f} rows/s applied and persisted")
-        results["throughput"] = {
-            "events": args.events,
-            "raw_consume_events_per_s": round(raw),
-            "worker_events_per_s": round(worker_rate),
-            "ratio": round(worker_rate / raw, 3),
-            "gradient_messages": int(grad_msgs),
-            "gradient_rows": int(grad_rows),
-            "param_server_rows_per_s": round(ps_rate),
-            "dim": 64,
-        }
-
-    # the lag phase sends events encoded ahead of time, stamped as they are sent: generating
-    # them on the fly would take a quarter of the machine away from what is measured
-    steady = prepare_events(world, int(args.rate * (args.duration + args.ramp)), seed=2)
-    ramp, steady = steady[: int(args.rate * args.ramp)], steady[int(args.rate * args.ramp) :]
-    with bench_connection(f"br{int(time.time())}.") as conn:
-        floor = raw_lag(conn, steady, args.rate, ramp=ramp)
-        progress.done(f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, "
-                      f"p99 {floor['p99_ms']} ms")  # fmt: skip
-
-    with bench_connection(f"bf{int(time.time())}.") as conn:
-        # worker and parameter server as their own processes, as in production
-        wport, pport = free_port(), free_port()
-        env = {"FRESHREC_EMBEDDING_DIM": "64"}
-        with (
-            service_process(conn, "worker", wport, env),
-            service_process(conn, "param-server", pport, env),
-        ):
-            produce_events(conn, world, rate_per_s=200, duration_s=2.0, seed=1)  # warm-up (joins)
-            deadline = time.monotonic() + 60
-            while total(scrape_port(pport), "freshrec_ps_rows_applied_total") == 0:
-                if time.monotonic() > deadline:
-                    raise SystemExit("the parameter server applied nothing within 60 s")
-                time.sleep(0.2)
-            # the lag is measured at a steady rate: the jump from nothing to the full rate
-            # (new users' rows loaded or created at once, tables growing) comes first
-            # one producer for the ramp and the measured phase (see events_producer)
-            producer = events_producer(conn)
-            produce_prepared(conn, ramp, rate_per_s=args.rate, label="ramp", progress=progress,
-                             producer=producer)  # fmt: skip
-            time.sleep(1)
-            base = merge(scrape_port(wport), scrape_port(pport))
-            stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
-                                     producer=producer)  # fmt: skip
-            time.sleep(3)
-            after = merge(scrape_port(wport), scrape_port(pport))
-        name = "freshrec_freshness_lag_seconds"
-        lag = {}
-        for stage, port_after, port_base in (
-            ("local", after, base), ("global_applied", after, base), ("served", after, base),
-        ):  # fmt: skip
-            delta = subtract(port_after, port_base, name + "_bucket")
-            lag[stage] = {
-                "p50_ms": round(1000 * histogram_quantile(delta, name, 0.5, stage=stage), 1),
-                "p99_ms": round(1000 * histogram_quantile(delta, name, 0.99, stage=stage), 1),
+            # parameter server: apply + persist all gradient messages just produced
+            ps = ParameterServer(ParamServerSettings(conn, dim=64))
+            stop = threading.Event()
+            t = threading.Thread(target=ps.run, args=(stop,), daemon=True)
+            # the counters' own values, as above: a registry collect every 20 ms took the GIL
+            # from the server thread being measured
+            users, items = PS_ROWS_APPLIED.labels("user"), PS_ROWS_APPLIED.labels("item")
+            before = users._value.get() + items._value.get()
+            t.start()
+            start = None
+            while True:
+                applied = users._value.get() + items._value.get() - before
+                if applied and start is None:
+                    start = (time.perf_counter(), applied)
+                if applied >= grad_rows:
+                    break
+                time.sleep(0.02)
+            while ps.unpersisted_rows:
+                time.sleep(0.01)
+            ps_rate = (grad_rows - start[1]) / (time.perf_counter() - start[0])
+            stop.set()
+            t.join(30)
+            progress.done(f"parameter server: {ps_rate:,.0f} rows/s applied and persisted")
+            results["throughput"] = {
+                "events": args.events,
+                "raw_consume_events_per_s": round(raw),
+                "worker_events_per_s": round(worker_rate),
+                "ratio": round(worker_rate / raw, 3),
+                "gradient_messages": int(grad_msgs),
+                "gradient_rows": int(grad_rows),
+                "param_server_rows_per_s": round(ps_rate),
+                "dim": 64,
             }
-        results["freshness_lag"] = {
-            "rate_events_per_s": args.rate, "duration_s": args.duration, "events": stats.delivered,
-            "ramp_s": args.ramp,
-            "note": "worker and parameter server as separate processes; measured after a ramp "
-            "at the full rate; histogram buckets; "
-            "raw_kafka: the same events read by a plain consumer on a fresh broker",
-            "raw_kafka": floor,
-            **lag,
-        }  # fmt: skip
+
+    if args.only in (None, "lag"):
+        # the lag phase sends events encoded ahead of time, stamped as they are sent: generating
+        # them on the fly would take a quarter of the machine away from what is measured
+        steady = prepare_events(world, int(args.rate * (args.duration + args.ramp)), seed=2)
+        ramp, steady = steady[: int(args.rate * args.ramp)], steady[int(args.rate * args.ramp) :]
+        with bench_connection(f"br{int(time.time())}.") as conn:
+            floor = raw_lag(conn, steady, args.rate, ramp=ramp, linger_ms=args.producer_linger_ms)
+            progress.done(f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, "
+                          f"p99 {floor['p99_ms']} ms")  # fmt: skip
+
+        with bench_connection(f"bf{int(time.time())}.") as conn:
+            # worker and parameter server as their own processes, as in production
+            wport, pport = free_port(), free_port()
+            env = {"FRESHREC_EMBEDDING_DIM": "64"}
+            # a plain consumer in its own process reads the same events beside the pipeline:
+            # the broker's share of the lag under the pipeline's load (raw_kafka is on a fresh,
+            # idle broker)
+            spawn = multiprocessing.get_context("spawn")
+            probe_stop, probe_out = spawn.Event(), f"{tempfile.mkdtemp()}/alongside.npy"
+            probe = spawn.Process(target=lag_alongside, args=(conn, probe_stop, probe_out))
+            with (
+                service_process(conn, "worker", wport, env),
+                service_process(conn, "param-server", pport, env),
+            ):
+                probe.start()
+                produce_events(
+                    conn, world, rate_per_s=200, duration_s=2.0, seed=1
+                )  # warm-up (joins)
+                deadline = time.monotonic() + 60
+                while total(scrape_port(pport), "freshrec_ps_rows_applied_total") == 0:
+                    if time.monotonic() > deadline:
+                        raise SystemExit("the parameter server applied nothing within 60 s")
+                    time.sleep(0.2)
+                # the lag is measured at a steady rate: the jump from nothing to the full rate
+                # (new users' rows loaded or created at once, tables growing) comes first
+                # one producer for the ramp and the measured phase (see events_producer)
+                producer = events_producer(conn, args.producer_linger_ms)
+                produce_prepared(conn, ramp, rate_per_s=args.rate, label="ramp", progress=progress,
+                                 producer=producer)  # fmt: skip
+                time.sleep(1)
+                base = merge(scrape_port(wport), scrape_port(pport))
+                measured_from = time.time() * 1000
+                stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
+                                         producer=producer)  # fmt: skip
+                time.sleep(3)
+                after = merge(scrape_port(wport), scrape_port(pport))
+                probe_stop.set()
+                probe.join(30)
+            sent, lags = np.load(probe_out)
+            alongside = lag_summary(lags[sent >= measured_from], sent[sent >= measured_from])
+            progress.done(f"plain consumer beside the pipeline: p50 {alongside['p50_ms']} ms, "
+                          f"p99 {alongside['p99_ms']} ms")  # fmt: skip
+            name = "freshrec_freshness_lag_seconds"
+            lag = {}
+            for stage, port_after, port_base in (
+                ("local", after, base), ("global_applied", after, base), ("served", after, base),
+            ):  # fmt: skip
+                delta = subtract(port_after, port_base, name + "_bucket")
+                lag[stage] = {
+                    "p50_ms": round(1000 * histogram_quantile(delta, name, 0.5, stage=stage), 1),
+                    "p99_ms": round(1000 * histogram_quantile(delta, name, 0.99, stage=stage), 1),
+                }
+            results["freshness_lag"] = {
+                "rate_events_per_s": args.rate, "duration_s": args.duration, "events": stats.delivered,
+                "ramp_s": args.ramp,
+                "note": "worker and parameter server as separate processes; measured after a ramp "
+                "at the full rate; histogram buckets; "
+                "raw_kafka: the same events read by a plain consumer on a fresh broker; "
+                "raw_kafka_alongside: read by a plain consumer in its own process beside the "
+                "pipeline, on its broker",
+                "raw_kafka": floor,
+                "raw_kafka_alongside": alongside,
+                **lag,
+            }  # fmt: skip
     save("bench_learning", results)
 
 

@@ -116,62 +116,50 @@ def raw_consume_rate(conn: ConnectionSettings, topic: str, expected: int) -> flo
     return (n - first[1]) / (end - first[0])
 
 
-def raw_lag(
-    conn: ConnectionSettings, records: list, rate_per_s: float, ramp: list = ()
-) -> dict[str, float]:  # fmt: skip
-    """The floor under any pipeline's lag: event time -> a plain confluent-kafka consumer
-    (group-less, every partition, the profile's fetch wait), with ``records`` from
-    ``tools.produce.prepare_events`` sent at ``rate_per_s`` as in the measured phase, after
-    the ``ramp`` records (sent first at the same rate, not measured, as in the pipeline's
-    phase). Give it a connection of its own: it reads ``events`` from the beginning."""
-    import numpy as np
-    import orjson
-    from confluent_kafka import TopicPartition
+class LagReader:
+    """A plain confluent-kafka consumer (group-less, every partition of ``events`` from the
+    beginning, polling with the profile's fetch wait like the worker) that records, for each
+    event stamped at or after ``measured_from_ms``, event time -> read."""
 
-    from freshrec.topics import TopicNames
-    from tools.produce import events_producer, produce_prepared
+    def __init__(self, conn: ConnectionSettings, measured_from_ms: float = float("inf")) -> None:
+        from confluent_kafka import TopicPartition
 
-    topic = TopicNames(conn.topic_prefix).events
-    c = Consumer(consumer_config(conn, None))
-    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
-    lags: list[float] = []
-    stop = threading.Event()
-    measured_from = [float("inf")]  # event times from here on are measured
-    sent: list[float] = []
+        from freshrec.topics import TopicNames
 
-    # consume(n, timeout) returns when n messages are in or the timeout ran out: at 5k/s a
-    # batch of 10,000 never fills, so the timeout is the wait. The worker polls with 5 ms.
-    poll_s = profile(conn).fetch_wait_max_ms / 1000
+        topic = TopicNames(conn.topic_prefix).events
+        self.consumer = Consumer(consumer_config(conn, None))
+        parts = self.consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+        self.measured_from_ms = measured_from_ms
+        self.lags: list[float] = []
+        self.sent: list[int] = []
+        # consume(n, timeout) returns when n messages are in or the timeout ran out: at 5k/s
+        # a batch of 10,000 never fills, so the timeout is the wait. The worker polls with 5 ms.
+        self.poll_s = profile(conn).fetch_wait_max_ms / 1000
 
-    def read() -> None:
-        while not stop.is_set() or len(lags) < len(records):
-            for m in c.consume(10_000, poll_s):
+    def read(self, until, give_up_at) -> None:
+        """Read until ``until()`` says enough or ``give_up_at()`` (monotonic) has passed."""
+        import orjson
+
+        while not until() and time.monotonic() < give_up_at():
+            for m in self.consumer.consume(10_000, self.poll_s):
                 if m.error() is None:
                     ts = orjson.loads(m.value())["ts_ms"]
-                    if ts >= measured_from[0]:
-                        lags.append(time.time() * 1000 - ts)
-                        sent.append(ts)
-            if stop.is_set() and time.monotonic() > give_up:
-                return
+                    if ts >= self.measured_from_ms:
+                        self.lags.append(time.time() * 1000 - ts)
+                        self.sent.append(ts)
 
-    give_up = float("inf")
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    producer = events_producer(conn)  # one session for both phases, as in the pipeline's
-    if ramp:
-        produce_prepared(conn, list(ramp), rate_per_s=rate_per_s, producer=producer)
-    measured_from[0] = time.time() * 1000
-    produce_prepared(conn, records, rate_per_s=rate_per_s, producer=producer)
-    give_up = time.monotonic() + 10
-    stop.set()
-    reader.join()
-    c.close()
-    if len(lags) < len(records):
-        raise RuntimeError(f"raw lag consumer read {len(lags)} of {len(records)}")
+    def summary(self) -> dict:
+        self.consumer.close()
+        return lag_summary(self.lags, self.sent)
+
+
+def lag_summary(lags, sent) -> dict:
+    """p50/p99 of ``lags`` (ms), and of the first and last 5 s of the phase by event time
+    ``sent``: Tansu slows as a partition's record batches pile up (docs/operations.md)."""
+    import numpy as np
+
     a, t = np.asarray(lags), np.asarray(sent)
-    # Tansu slows as a partition's record batches pile up (docs/operations.md): the first
-    # and the last 5 s of the phase show how much
     first, last = a[t < t.min() + 5000], a[t > t.max() - 5000]
     return {
         "p50_ms": round(float(np.percentile(a, 50)), 1),
@@ -180,6 +168,51 @@ def raw_lag(
         "last_5s_p50_p99_ms": [round(float(np.percentile(last, q)), 1) for q in (50, 99)],
         "events": len(a),
     }
+
+
+def raw_lag(
+    conn: ConnectionSettings, records: list, rate_per_s: float, ramp: list = (),
+    linger_ms: int | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """The floor under any pipeline's lag: event time -> a plain consumer (``LagReader``),
+    with ``records`` from ``tools.produce.prepare_events`` sent at ``rate_per_s`` as in the
+    measured phase, after the ``ramp`` records (sent first at the same rate, not measured, as
+    in the pipeline's phase). Give it a connection of its own: it reads ``events`` from the
+    beginning."""
+    from tools.produce import events_producer, produce_prepared
+
+    reader = LagReader(conn)
+    done, give_up = threading.Event(), [float("inf")]
+    thread = threading.Thread(
+        target=reader.read,
+        args=(lambda: done.is_set() and len(reader.lags) >= len(records), lambda: give_up[0]),
+        daemon=True,
+    )
+    thread.start()
+    producer = events_producer(conn, linger_ms)  # one session for both phases, as the pipeline's
+    if ramp:
+        produce_prepared(conn, list(ramp), rate_per_s=rate_per_s, producer=producer)
+    reader.measured_from_ms = time.time() * 1000
+    produce_prepared(conn, records, rate_per_s=rate_per_s, producer=producer)
+    give_up[0] = time.monotonic() + 10
+    done.set()
+    thread.join()
+    if len(reader.lags) < len(records):
+        raise RuntimeError(f"raw lag consumer read {len(reader.lags)} of {len(records)}")
+    return reader.summary()
+
+
+def lag_alongside(conn: ConnectionSettings, stop, out: str) -> None:
+    """Process target: a ``LagReader`` of every event beside a running pipeline, on the same
+    broker, until ``stop`` (a multiprocessing event) is set; writes event times and lags to
+    ``out`` (``.npy``, two rows) for ``lag_summary``. What a plain consumer waits there is
+    the broker's share of the pipeline's lag, under the pipeline's load."""
+    import numpy as np
+
+    reader = LagReader(conn, measured_from_ms=0)
+    reader.read(stop.is_set, lambda: float("inf"))
+    reader.consumer.close()
+    np.save(out, np.array([reader.sent, reader.lags], np.float64))
 
 
 def save(name: str, results: dict, out_dir: Path = Path("artifacts")) -> Path:
