@@ -348,3 +348,20 @@ def test_batch_event_decode_agrees_with_decode_event_on_every_value():
         for f in dataclasses.fields(records.Event):
             assert getattr(fast, f.name) == getattr(want, f.name), (data, f.name)
     assert passed > 100
+
+
+def test_struct_compiler_takes_flat_schemas_and_declines_the_rest():
+    import msgspec
+
+    from schemas.contract import compile_struct, load_schema
+
+    event, stamps = compile_struct(load_schema("event"), "E")
+    assert stamps == ("ts_ms",)
+    data = encode_event(records.Event("e1", "click", "u1", "i1", NOW))
+    assert msgspec.json.decode(data, type=event).user_id == "u1"
+    for bad in (data.replace(b"}", b',"extra":1}'), data.replace(b'"u1"', b'""')):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(bad, type=event)
+    assert compile_struct(load_schema("item"), "I") is not None
+    assert compile_struct(load_schema("request"), "R") is None  # nested context, exclude list
+    assert compile_struct({"type": "object", "properties": {"a": {"type": "integer"}}}, "X") is None
