@@ -47,6 +47,9 @@ class PendingSteps:
         self._delivered: dict[int, tuple[int, int]] = {}  # token -> (partition, offset)
         self._installed: dict[RowRef, tuple[int, int]] = {}  # row -> (partition, offset)
         self._count = 0  # steps held, kept current by _set (len() is read every poll)
+        # token -> steps still held that travel in it: a token is forgotten when it reaches
+        # 0 (counting, not scanning the token's rows: that was quadratic in a message's rows)
+        self._open: dict[int, int] = {}
 
     def __len__(self) -> int:
         return self._count
@@ -60,6 +63,7 @@ class PendingSteps:
         self._count += 1
         if token is not None:
             self._rows_of.setdefault(token, set()).add(row)
+            self._open[token] = self._open.get(token, 0) + 1
 
     def record_many(
         self, table: int, ids: list[int], deltas: np.ndarray, token: int | None
@@ -78,18 +82,23 @@ class PendingSteps:
         self._count += len(rows)
         if token is not None:
             self._rows_of.setdefault(token, set()).update(rows)
+            self._open[token] = self._open.get(token, 0) + len(rows)
 
     def assign_many(self, table: int, ids: list[int], token: int) -> None:
         """``assign`` for each row ``(table, id)``: its unsent steps travel in ``token``."""
         carried = self._rows_of.setdefault(token, set())
         steps = self._steps
+        n = 0
         for i in ids:
             row = (table, i)
             for step in steps.get(row, ()):
                 if step[0] is None:
                     step[0] = token
                     carried.add(row)
-        if not carried:
+                    n += 1
+        if n:
+            self._open[token] = self._open.get(token, 0) + n
+        else:
             del self._rows_of[token]
 
     def assign(self, row: RowRef, token: int) -> None:
@@ -98,6 +107,7 @@ class PendingSteps:
             if step[0] is None:
                 step[0] = token
                 self._rows_of.setdefault(token, set()).add(row)
+                self._open[token] = self._open.get(token, 0) + 1
 
     def delivered(self, token: int, partition: int, offset: int) -> list[tuple[RowRef, np.ndarray]]:
         """Record where message ``token`` landed; returns (row, delta) of steps that an
@@ -108,7 +118,9 @@ class PendingSteps:
             installed = self._installed.get(row)
             if installed and installed[0] == partition and installed[1] >= offset:
                 steps = self._steps.get(row, [])
-                included += [(row, s[1]) for s in steps if s[0] == token]
+                gone = [(row, s[1]) for s in steps if s[0] == token]
+                included += gone
+                self._open[token] -= len(gone)
                 self._set(row, [s for s in steps if s[0] != token])
         self._forget_if_done(token)
         return included
@@ -120,6 +132,8 @@ class PendingSteps:
             for step in self._steps.get(row, ()):
                 if step[0] == token:
                     step[0] = -1
+        self._open.pop(token, None)
+        self._delivered.pop(token, None)
 
     def on_install(self, row: RowRef, partition: int, offset: int) -> np.ndarray | None:
         """A global update of ``row`` covering (partition, offset) was installed; returns the
@@ -130,6 +144,7 @@ class PendingSteps:
             where = self._delivered.get(step[0]) if step[0] is not None else None
             if where is not None and where[0] == partition and where[1] <= offset:
                 dropped.add(step[0])
+                self._open[step[0]] -= 1
                 continue
             remaining.append(step)
         self._set(row, remaining)
@@ -155,8 +170,13 @@ class PendingSteps:
 
     def forget_row(self, row: RowRef) -> None:
         """The cache evicted ``row``: its bookkeeping goes with it."""
-        self._count -= len(self._steps.pop(row, ()))
+        steps = self._steps.pop(row, ())
+        self._count -= len(steps)
         self._installed.pop(row, None)
+        for token, _ in steps:
+            if token is not None and token >= 0:
+                self._open[token] -= 1
+                self._forget_if_done(token)
 
     def _set(self, row: RowRef, steps: list) -> None:
         self._count += len(steps) - len(self._steps.get(row, ()))
@@ -166,7 +186,7 @@ class PendingSteps:
             self._steps.pop(row, None)
 
     def _forget_if_done(self, token: int) -> None:
-        rows = self._rows_of.get(token, set())
-        if not any(s[0] == token for r in rows for s in self._steps.get(r, ())):
+        if not self._open.get(token):
+            self._open.pop(token, None)
             self._rows_of.pop(token, None)
             self._delivered.pop(token, None)

@@ -309,3 +309,57 @@ def test_steps_recorded_unsent_then_assigned_in_bulk_book_as_one_by_one():
         a, b = one.on_install(("user", i), 0, 8), many.on_install(("user", i), 0, 8)
         np.testing.assert_array_equal(a, b)  # offset 9 not covered: the steps remain
     assert many.on_install(("user", 5), 0, 9) is None and len(many) == 1
+
+
+def test_read_your_writes_bookkeeping_forgets_a_message_with_its_last_step():
+    """Random steps on several rows (sent at once or later in bulk), deliveries, installs,
+    evictions and failed sends: after every operation each message's count of open steps
+    equals the steps that carry it, and a message none carries is forgotten (its rows and
+    offset), so the bookkeeping neither leaks nor forgets too early."""
+
+    def check(p: PendingSteps) -> None:
+        carried: dict[int, int] = {}
+        for steps in p._steps.values():
+            for token, _ in steps:
+                if token is not None and token >= 0:
+                    carried[token] = carried.get(token, 0) + 1
+        assert p._open == carried
+        assert set(p._rows_of) <= set(carried) and set(p._delivered) <= set(carried)
+        assert len(p) == sum(len(s) for s in p._steps.values())
+
+    for seed in range(100):
+        rng = random.Random(seed)
+        p = PendingSteps()
+        tokens = iter(range(1, 10_000))
+        unsent: list[int] = []
+        sent: list[int] = []
+        offset = 0
+        for _ in range(rng.randint(1, 60)):
+            action = rng.random()
+            ids = rng.sample(range(6), rng.randint(1, 4))
+            if action < 0.25:
+                token = next(tokens)
+                p.record_many("user", ids, np.ones((len(ids), 1)), token)
+                sent.append(token)
+            elif action < 0.4:
+                p.record_many("user", ids, np.ones((len(ids), 1)), None)
+                unsent += ids
+            elif action < 0.5 and unsent:
+                token = next(tokens)
+                p.assign_many("user", sorted(set(unsent)), token)
+                unsent.clear()
+                sent.append(token)
+            elif action < 0.7 and sent:
+                token = sent.pop(0)
+                if rng.random() < 0.1:
+                    p.failed(token)
+                else:
+                    p.delivered(token, 0, offset)
+                    offset += 1
+            elif action < 0.9:
+                for i in ids:
+                    p.on_install(("user", i), 0, rng.randint(0, offset))
+            else:
+                p.forget_row(("user", ids[0]))
+                unsent = [i for i in unsent if i != ids[0]]
+            check(p)
