@@ -90,6 +90,18 @@ FRESHNESS_LAG = Histogram(
     buckets=LAG_BUCKETS_S,
 )
 WORKER_EVENTS = Counter("freshrec_worker_events_total", "Events read by the worker", ["outcome"])
+WORKER_LOOP_SECONDS = Histogram(
+    "freshrec_worker_loop_seconds",
+    "Time of each phase of one worker loop round (consume, serve, learn, updates, other)",
+    ["phase"],
+    buckets=LAG_BUCKETS_S,
+)
+WORKER_FETCH_LAG = Histogram(
+    "freshrec_worker_fetch_lag_seconds",
+    "Kafka timestamp of an event message (its producer's clock) to the worker's consume "
+    "returning it: the broker's and the fetch's share of the local freshness lag",
+    buckets=LAG_BUCKETS_S,
+)
 WORKER_EXAMPLES = Counter("freshrec_worker_examples_total", "Training examples", ["label"])
 GRADIENT_ROWS = Counter(
     "freshrec_gradient_rows_total", "Gradient rows by fate", ["table", "outcome"]

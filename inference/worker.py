@@ -31,6 +31,7 @@ import redis
 import torch
 from confluent_kafka import (
     OFFSET_BEGINNING,
+    TIMESTAMP_NOT_AVAILABLE,
     Consumer,
     KafkaError,
     Message,
@@ -125,6 +126,10 @@ class Worker:
         self.item_pool: list[str] = []
         self.grad_partitions = self._partitions(self.names.gradients)
         self.stats = defaultdict(int)
+        self._loop_phases = [
+            m.WORKER_LOOP_SECONDS.labels(phase)
+            for phase in ("consume", "serve", "learn", "updates", "other")
+        ]
         self._last_commit = time.monotonic()
         # ---- serving
         sv = settings.serving
@@ -222,7 +227,10 @@ class Worker:
             self.close()
 
     def poll_once(self) -> None:
+        t0 = time.perf_counter()
         msgs = self.events.consume(self.settings.batch_max, self._poll_timeout_s())
+        t1 = time.perf_counter()
+        stamps = []
         for msg in msgs:
             if not self._ok(msg):
                 continue
@@ -230,17 +238,27 @@ class Worker:
                 self._accept_request(msg)
             else:
                 self.backlog.append(msg)
+                kind, stamp = msg.timestamp()
+                if kind != TIMESTAMP_NOT_AVAILABLE:  # every event: a burst weighs what it holds
+                    stamps.append(stamp)
+        if stamps:
+            m.observe_many(
+                m.WORKER_FETCH_LAG, np.maximum(time.time() - np.asarray(stamps) / 1000, 0)
+            )
         self._serve_ready()
+        t2 = time.perf_counter()
         self._learn_slice()
         linger_s = self.settings.learning.gradient_linger_ms / 1000
         if self._outbox_since is not None and time.monotonic() - self._outbox_since >= linger_s:
             self._send_outbox()
+        t3 = time.perf_counter()
         for msg in self.updates.consume(1000, 0):
             if self._ok(msg):
                 self.on_update(msg.value())
         self.producer.poll(0)
         if self.deferred:
             self._install_deferred()
+        t4 = time.perf_counter()
         self._flow_control()
         self._save_answered()  # right away: it narrows the window for a duplicate answer
         now = time.monotonic()
@@ -259,6 +277,11 @@ class Worker:
                 )
         m.PENDING_STEPS.set(len(self.pending))
         m.EVENT_BACKLOG.set(len(self.backlog))
+        phases = self._loop_phases
+        for child, seconds in zip(
+            phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4), strict=True
+        ):
+            child.observe(seconds)
 
     def _poll_timeout_s(self) -> float:
         if self.requests:

@@ -193,6 +193,23 @@ def main() -> None:
                     "p50_ms": round(1000 * histogram_quantile(delta, name, 0.5, stage=stage), 1),
                     "p99_ms": round(1000 * histogram_quantile(delta, name, 0.99, stage=stage), 1),
                 }
+            # where the local lag goes: the broker and the fetch (Kafka timestamp -> the
+            # worker's consume returns it) vs the worker's own loop, phase by phase
+            wdelta = subtract(after, base, "freshrec_worker_fetch_lag_seconds_bucket")
+            fetch_lag = "freshrec_worker_fetch_lag_seconds"
+            lag["worker_fetch"] = {
+                f"p{q}_ms": round(1000 * histogram_quantile(wdelta, fetch_lag, q / 100), 1)
+                for q in (50, 99)
+            }
+            phases = subtract(after, base, "freshrec_worker_loop_seconds_bucket")
+            loop = {
+                phase: {
+                    f"p{q}_ms": round(1000 * histogram_quantile(
+                        phases, "freshrec_worker_loop_seconds", q / 100, phase=phase), 2)
+                    for q in (50, 99)
+                }
+                for phase in ("consume", "serve", "learn", "updates", "other")
+            }  # fmt: skip
             results["freshness_lag"] = {
                 "rate_events_per_s": args.rate, "duration_s": args.duration, "events": stats.delivered,
                 "ramp_s": args.ramp,
@@ -200,10 +217,12 @@ def main() -> None:
                 "at the full rate; histogram buckets; "
                 "raw_kafka: the same events read by a plain consumer on a fresh broker; "
                 "raw_kafka_alongside: read by a plain consumer in its own process beside the "
-                "pipeline, on its broker",
+                "pipeline, on its broker; worker_fetch: Kafka timestamp -> the worker's consume "
+                "returns the event; worker_loop_phases: time of each phase of a loop round",
                 "raw_kafka": floor,
                 "raw_kafka_alongside": alongside,
                 **lag,
+                "worker_loop_phases": loop,
             }  # fmt: skip
     save("bench_learning", results)
 
