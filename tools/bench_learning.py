@@ -2,7 +2,8 @@
 rows/s with Redis persistence, and freshness lag per stage at a steady event rate.
 
     .venv/bin/python -m tools.bench_learning [--events 100000] [--rate 5000] [--duration 20]
-                                             [--ramp 5]
+                                             [--ramp 5] [--only throughput|lag]
+                                             [--producer-linger-ms N] [--alongside]
 
 Writes artifacts/bench_learning.json.
 """
@@ -56,6 +57,9 @@ def main() -> None:
     ap.add_argument("--ramp", type=float, default=5.0,
                     help="seconds at the full rate before the lag is measured")  # fmt: skip
     ap.add_argument("--only", choices=["throughput", "lag"], help="run one of the two phases")
+    ap.add_argument("--alongside", action="store_true",
+                    help="also read the events with a plain consumer beside the pipeline "
+                    "(a diagnostic: it adds load of its own)")  # fmt: skip
     ap.add_argument("--producer-linger-ms", type=int, default=None,
                     help="linger.ms of the lag phase's event producer (default: the profile's)")  # fmt: skip
     args = ap.parse_args()
@@ -145,9 +149,10 @@ def main() -> None:
             # worker and parameter server as their own processes, as in production
             wport, pport = free_port(), free_port()
             env = {"FRESHREC_EMBEDDING_DIM": "64"}
-            # a plain consumer in its own process reads the same events beside the pipeline:
-            # the broker's share of the lag under the pipeline's load (raw_kafka is on a fresh,
-            # idle broker)
+            # --alongside: a plain consumer in its own process reads the same events beside
+            # the pipeline: the broker's share of the lag under the pipeline's load (raw_kafka
+            # is on a fresh, idle broker). It loads the machine itself (a consumer polling every
+            # 5 ms costs the embedded broker ~18% of a core), so it is off by default.
             spawn = multiprocessing.get_context("spawn")
             probe_stop, probe_out = spawn.Event(), f"{tempfile.mkdtemp()}/alongside.npy"
             probe = spawn.Process(target=lag_alongside, args=(conn, probe_stop, probe_out))
@@ -155,7 +160,8 @@ def main() -> None:
                 service_process(conn, "worker", wport, env),
                 service_process(conn, "param-server", pport, env),
             ):
-                probe.start()
+                if args.alongside:
+                    probe.start()
                 produce_events(
                     conn, world, rate_per_s=200, duration_s=2.0, seed=1
                 )  # warm-up (joins)
@@ -178,11 +184,14 @@ def main() -> None:
                 time.sleep(3)
                 after = merge(scrape_port(wport), scrape_port(pport))
                 probe_stop.set()
-                probe.join(30)
-            sent, lags = np.load(probe_out)
-            alongside = lag_summary(lags[sent >= measured_from], sent[sent >= measured_from])
-            progress.done(f"plain consumer beside the pipeline: p50 {alongside['p50_ms']} ms, "
-                          f"p99 {alongside['p99_ms']} ms")  # fmt: skip
+                if args.alongside:
+                    probe.join(30)
+            alongside = None
+            if args.alongside:
+                sent, lags = np.load(probe_out)
+                alongside = lag_summary(lags[sent >= measured_from], sent[sent >= measured_from])
+                progress.done(f"plain consumer beside the pipeline: p50 {alongside['p50_ms']} "
+                              f"ms, p99 {alongside['p99_ms']} ms")  # fmt: skip
             name = "freshrec_freshness_lag_seconds"
             lag = {}
             for stage, port_after, port_base in (

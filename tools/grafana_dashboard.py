@@ -54,6 +54,18 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 12,
             ),
             (
+                "Worker: where the local lag goes (p99)",
+                "s",
+                [
+                    (
+                        q(0.99, "freshrec_worker_fetch_lag_seconds", "job"),
+                        "fetch (producer → consume)",
+                    ),
+                    (q(0.99, "freshrec_worker_loop_seconds", "phase"), "loop {{phase}}"),
+                ],
+                12,
+            ),
+            (
                 "Pending local steps / event backlog",
                 "short",
                 [
