@@ -105,11 +105,14 @@ class ParameterServer:
         self._claims = 0
         self.owner: dict[int, str] = {}
         """partition -> the token this instance claimed it with (``ps:owner`` in Redis)."""
+        self._rebalances = 0
+        """Rebalance callbacks served so far (one may come inside a Redis retry's poll)."""
         self.fenced = False
 
     # ------------------------------------------------------------------------ assignment
     def _on_assign(self, consumer, partitions) -> None:
         # claimed before the offsets are read: a former owner's transaction after this fails
+        self._rebalances += 1
         self._claims += 1
         token = f"{self.instance}-{self._claims}"
         claims = {tp.partition: token for tp in partitions}
@@ -130,6 +133,7 @@ class ParameterServer:
         )
 
     def _on_revoke(self, consumer, partitions) -> None:
+        self._rebalances += 1
         self.flush(sync=True)  # in Redis before the next owner reads it
         for tp in partitions:
             self.owned.discard(tp.partition)
@@ -201,13 +205,17 @@ class ParameterServer:
         is skipped but counts as applied), all of one poll together: one Redis round trip loads the rows not held, then each table applies its
         messages with ``ParamTable.apply_log`` — the result of applying them one by one."""
         per_table: dict[int, list[tuple[int, int, RowBatch]]] = defaultdict(list)
+        # offsets advance once their rows are applied: a flush served meanwhile (a revoke
+        # while the load below waits for Redis) persists only what the tables hold
+        advanced: dict[int, int] = {}
         for seq, (partition, offset, batch) in enumerate(decoded):
-            if offset <= self.applied.get(partition, -1):
+            if offset <= advanced.get(partition, self.applied.get(partition, -1)):
                 continue
-            self.applied[partition] = offset
+            advanced[partition] = offset
             if batch is not True:
                 per_table[batch.table].append((seq, partition, batch))
         if not per_table:
+            self.applied.update(advanced)
             return
         log_of: dict[int, tuple[np.ndarray, ...]] = {}
         missing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -220,7 +228,14 @@ class ParameterServer:
             # a row Redis lacks is created by the first of these entries (log order)
             missing[t] = (distinct[~held], event_ms[first[~held]])
             log_of[t] = (at, held, inverse, event_ms)
+        rebalances = self._rebalances
         loaded = self._ensure_loaded_many(missing)
+        if self._rebalances != rebalances:
+            # Redis was down and the retry's poll served a rebalance: the tables were cleared
+            # and partitions may have moved (their offsets re-read from Redis). Apply again
+            # what this instance still owns; the new owners apply the rest.
+            self.apply_messages([d for d in decoded if d[0] in self.owned])
+            return
         for t, items in per_table.items():
             table, name = self.tables[t], TABLE_NAMES[t]
             at, held, inverse, event_ms = log_of[t]
@@ -244,6 +259,7 @@ class ParameterServer:
                 m.GRADIENT_ROWS.labels(name, "rejected_non_finite").inc(rejected)
             m.PS_ROWS_APPLIED.labels(name).inc(pairs)
             m.GRADIENT_MESSAGES.labels("applied").inc(len(items))
+        self.applied.update(advanced)
 
     def _ensure_loaded_many(
         self, missing: dict[int, tuple[np.ndarray, np.ndarray]]

@@ -597,3 +597,89 @@ def test_parameter_server_pauses_while_redis_is_unavailable_and_resumes(
         log = (tmp_path / "ps.log").read_text()
         assert "Redis unavailable" in log and "Redis is back" in log
         assert_same_tables(tables(private), reference_tables)
+
+
+def test_a_revoke_served_while_redis_is_down_persists_no_offset_ahead_of_its_rows(
+    conn, monkeypatch
+):
+    """While Redis is down the parameter server polls its consumer to stay in the group, and
+    that poll may serve a rebalance: the revoke's flush must persist only offsets whose
+    messages it applied, and the messages in hand are applied by whoever owns their
+    partition afterwards. (The offsets used to advance before the rows were loaded: a revoke
+    during that load persisted an offset past a message never applied — a lost gradient.)
+    Redis and the broker are real; the outage (one failed row load) and the revoke served
+    by the retry's poll are injected."""
+    from confluent_kafka import TopicPartition
+
+    import param_server.server as ps_module
+    from param_server.server import ParameterServer
+    from param_server.settings import ParamServerSettings
+    from param_server.store import applied_offsets, claim_partitions
+
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    names = TopicNames(conn.topic_prefix)
+    t0 = 1_767_225_600_000
+
+    def grad(ids, j):
+        g = np.full((len(ids), W), 0.1 * (j + 1), np.float32)
+        return RowBatch(KIND_GRADIENTS, TABLE_USER, np.array(ids, np.int64), g,
+                        np.ones(len(ids), np.uint64), np.full(len(ids), t0 + j))  # fmt: skip
+
+    first, second = grad([1, 2], 0), grad([2, 3], 1)  # row 3 is not held: it is loaded
+
+    def run(ps, fail_load: bool):
+        """Offset 0, then offset 1 of partition 0; optionally Redis down during the second
+        message's row load, with a revoke served by the retry's poll."""
+        ps.owned, ps.applied = {0}, {0: -1}
+        ps.owner = {0: f"{ps.instance}-1"}
+        claim_partitions(r, keys, ps.owner)
+        ps.apply_messages([(0, 0, first)])
+        if fail_load:
+            real_fetch, calls = ps_module.fetch_rows_and_accumulators, []
+
+            def fetch_once_down(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 1:
+                    raise redis_lib.ConnectionError("injected outage")
+                return real_fetch(*args, **kwargs)
+
+            class RevokingConsumer:  # the retry's poll serves a rebalance: a revoke
+                def __init__(self) -> None:
+                    self.revoked = False
+
+                def poll(self, timeout):
+                    if not self.revoked:
+                        self.revoked = True
+                        ps._on_revoke(self, [TopicPartition(names.gradients, 0)])
+
+                def assignment(self):
+                    return []
+
+            monkeypatch.setattr(ps_module, "fetch_rows_and_accumulators", fetch_once_down)
+            monkeypatch.setattr(ps_module.time, "sleep", lambda s: None)
+            ps.consumer.close()
+            ps.consumer = RevokingConsumer()
+            ps.apply_messages([(0, 1, second)])
+            monkeypatch.undo()
+            assert applied_offsets(r, keys) == {0: 0}, "an offset persisted past its rows"
+            assert not ps.dirty_rows, "rows applied for a partition no longer owned"
+            # the next owner (here a fresh instance) resumes after the persisted offset
+            ps = ParameterServer(ParamServerSettings(conn, dim=DIM))
+            ps.owned, ps.applied = {0}, {0: 0}
+            ps.owner = {0: f"{ps.instance}-1"}
+            claim_partitions(r, keys, ps.owner)
+        ps.apply_messages([(0, 1, second)])
+        ps.flush(sync=True)
+        ps.consumer.close()
+        ps._persister.shutdown()
+        return tables(conn), applied_offsets(r, keys)
+
+    interrupted = run(ParameterServer(ParamServerSettings(conn, dim=DIM)), fail_load=True)
+    for k in r.keys(f"{conn.topic_prefix}*"):
+        r.delete(k)
+    uninterrupted = run(ParameterServer(ParamServerSettings(conn, dim=DIM)), fail_load=False)
+    assert interrupted[1] == uninterrupted[1] == {0: 1}
+    assert interrupted[0].keys() == uninterrupted[0].keys()
+    for k, (row, version) in uninterrupted[0].items():
+        assert interrupted[0][k][1] == version and np.array_equal(interrupted[0][k][0], row)
