@@ -512,24 +512,28 @@ class Worker:
         events = []
         for e in decode_events([msg.value() for msg in msgs], now_ms):
             if type(e) is Rejected:
-                m.WORKER_EVENTS.labels("invalid").inc()
-                self.stats["invalid"] += 1
                 log.debug("skipping invalid event: %s", e)
             else:
                 events.append(e)
+        if events:
+            self._learn_events(events)  # a Redis error here: the slice is retried, then counted
+        invalid = len(msgs) - len(events)
+        if invalid:
+            m.WORKER_EVENTS.labels("invalid").inc(invalid)
+            self.stats["invalid"] += invalid
         m.WORKER_EVENTS.labels("valid").inc(len(events))
-        if not events:
-            return
+
+    def _learn_events(self, events) -> None:
         self._remember_clicks(events)
         if not self.item_pool:
             self.item_pool = [e.item_id for e in events]
         ex = examples_from_events(events, self.settings.learning.labels, self.rng, self.item_pool)
         if len(ex.labels) == 0:
             return
+        self.learn(ex)
         m.WORKER_EXAMPLES.labels("positive").inc(int(ex.labels.sum()))
         m.WORKER_EXAMPLES.labels("negative").inc(int((ex.labels == 0).sum()))
         self.item_pool = (self.item_pool + ex.items)[-10_000:]
-        self.learn(ex)
         done = time.time()
         lag = np.maximum(done - ex.event_ms[:LAG_SAMPLES] / 1000, 0.0)
         m.observe_many(m.FRESHNESS_LAG.labels("local"), lag)

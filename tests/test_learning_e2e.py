@@ -180,6 +180,33 @@ def test_an_update_for_a_row_with_an_unacknowledged_step_waits_without_blocking(
     w.close()
 
 
+def test_a_slice_retried_after_a_redis_error_is_learnt_and_counted_once(conn):
+    """Rows that cannot be loaded (Redis down) put the slice back to be learnt later: its
+    events are counted when it is learnt, once, and its local steps are taken once."""
+    from freshrec import metrics as m
+
+    w = learner(conn)
+    real, calls = w.cache.fetch, []
+
+    def flaky(table, ids):
+        calls.append(table)
+        if len(calls) == 1:
+            raise redis_lib.ConnectionError("injected outage")
+        return real(table, ids)
+
+    w.cache.fetch = flaky
+    valid = m.WORKER_EVENTS.labels("valid")
+    before = valid._value.get()
+    produce(conn, clicks("u14", "i14", 3, prefix="retry"))
+    pump([w], lambda: valid._value.get() - before >= 3, what="the retried slice")
+    for _ in range(20):
+        w.poll_once()
+    w._send_outbox()
+    assert valid._value.get() - before == 3 and len(calls) >= 2
+    assert len(w.pending._steps[(TABLE_USER, row_id("u14"))]) == 1  # one step, not two
+    w.close()
+
+
 def test_parameter_server_applies_persists_and_broadcasts_with_rising_versions(conn, tmp_path):
     a = learner(conn)
     with service(conn, "param-server", tmp_path / "ps.log", **ENV):
