@@ -81,6 +81,8 @@ from schemas.rowbatch import (
 
 log = logging.getLogger("freshrec.worker")
 LAG_SAMPLES = 256
+LOOP_PHASES = ("consume", "serve", "learn", "updates", "other")
+"""The phases of a loop round, in order (``freshrec_worker_loop_seconds{phase}``)."""
 MAX_ROWS_PER_MESSAGE = 1000
 OUTBOX_MAX_ROWS = 20_000  # sent before the linger runs out past this many waiting rows
 
@@ -126,10 +128,7 @@ class Worker:
         self.item_pool: list[str] = []
         self.grad_partitions = self._partitions(self.names.gradients)
         self.stats = defaultdict(int)
-        self._loop_phases = [
-            m.WORKER_LOOP_SECONDS.labels(phase)
-            for phase in ("consume", "serve", "learn", "updates", "other")
-        ]
+        self._loop_phases = [m.WORKER_LOOP_SECONDS.labels(phase) for phase in LOOP_PHASES]
         self._last_commit = time.monotonic()
         # ---- serving
         sv = settings.serving

@@ -137,11 +137,10 @@ def decode_event(data: bytes | str, now_ms: int, limits: CodecLimits = DEFAULT_L
     return Event(**_validated("event", data, now_ms, limits))
 
 
-_EVENT_STRUCT, _EVENT_STAMPS = compile_struct(load_schema("event"), "EventRecord")  # type: ignore[misc]
-_EVENT_DECODER = msgspec.json.Decoder(_EVENT_STRUCT)
-EventRecord = _EVENT_STRUCT
+EventRecord, _EVENT_STAMPS = compile_struct(load_schema("event"), "EventRecord")  # type: ignore[misc]
 """The record ``decode_events`` returns: a frozen msgspec struct generated from
 ``event.schema.json``, with the attributes of ``Event`` (absent optional fields are None)."""
+_EVENT_DECODER = msgspec.json.Decoder(EventRecord)
 
 
 def decode_events(

@@ -264,12 +264,17 @@ def compile_accept(schema: dict[str, Any]) -> Acceptor:
     return env["accept"]
 
 
+_SCALAR_KEYWORDS = frozenset({
+    "type", "const", "enum", "minLength", "maxLength", "minimum", "maximum", "description",
+    "x-freshrec-id", "x-freshrec-timestamp", "x-freshrec-reason",
+})  # fmt: skip
+"""The keywords of a property schema that the fast paths (acceptor, struct) understand."""
+
+
 def _scalar_condition(schema: dict[str, Any], env: dict[str, Any], tag: str) -> str | None:
     """A Python expression over ``x`` (and ``M``, the timestamp bound) that holds only if
     ``schema`` accepts ``x``; None when the schema is not one this fast path covers."""
-    known = {"type", "const", "enum", "minLength", "maxLength", "minimum", "maximum",
-             "description", "x-freshrec-id", "x-freshrec-timestamp", "x-freshrec-reason"}  # fmt: skip
-    if not schema.keys() <= known:
+    if not schema.keys() <= _SCALAR_KEYWORDS:
         return None
     terms: list[str] = []
     if "const" in schema:
@@ -338,9 +343,8 @@ def compile_struct(schema: dict[str, Any], name: str) -> tuple[type, tuple[str, 
 
 
 def _struct_type(schema: dict[str, Any]) -> Any:
-    known = {"type", "const", "enum", "minLength", "maxLength", "minimum", "maximum",
-             "description", "x-freshrec-id", "x-freshrec-timestamp", "x-freshrec-reason"}  # fmt: skip
-    if not schema.keys() <= known:
+    """The msgspec type of a plain scalar property (None when it is not one)."""
+    if not schema.keys() <= _SCALAR_KEYWORDS:
         return None
     if "const" in schema:
         const = schema["const"]

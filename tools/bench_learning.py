@@ -23,7 +23,7 @@ from freshrec.progress import ProgressLine
 from freshrec.stack import free_port
 from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
-from inference.worker import Worker
+from inference.worker import LOOP_PHASES, Worker
 from param_server.server import ParameterServer
 from param_server.settings import ParamServerSettings
 from tools.benchlib import (
@@ -47,6 +47,15 @@ def counter(name: str, **labels: str) -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def p50_p99(base, after, name: str, digits: int = 1, **labels: str) -> dict[str, float]:
+    """p50 and p99 (ms) of histogram ``name`` over what it observed between two scrapes."""
+    delta = subtract(after, base, name + "_bucket")
+    return {
+        f"p{q}_ms": round(1000 * histogram_quantile(delta, name, q / 100, **labels), digits)
+        for q in (50, 99)
+    }
 
 
 def main() -> None:
@@ -153,14 +162,16 @@ def main() -> None:
             # the pipeline: the broker's share of the lag under the pipeline's load (raw_kafka
             # is on a fresh, idle broker). It loads the machine itself (a consumer polling every
             # 5 ms costs the embedded broker ~18% of a core), so it is off by default.
-            spawn = multiprocessing.get_context("spawn")
-            probe_stop, probe_out = spawn.Event(), f"{tempfile.mkdtemp()}/alongside.npy"
-            probe = spawn.Process(target=lag_alongside, args=(conn, probe_stop, probe_out))
+            probe = None
+            if args.alongside:
+                spawn = multiprocessing.get_context("spawn")
+                probe_stop, probe_out = spawn.Event(), f"{tempfile.mkdtemp()}/alongside.npy"
+                probe = spawn.Process(target=lag_alongside, args=(conn, probe_stop, probe_out))
             with (
                 service_process(conn, "worker", wport, env),
                 service_process(conn, "param-server", pport, env),
             ):
-                if args.alongside:
+                if probe:
                     probe.start()
                 produce_events(
                     conn, world, rate_per_s=200, duration_s=2.0, seed=1
@@ -183,42 +194,26 @@ def main() -> None:
                                          producer=producer)  # fmt: skip
                 time.sleep(3)
                 after = merge(scrape_port(wport), scrape_port(pport))
-                probe_stop.set()
-                if args.alongside:
+                if probe:
+                    probe_stop.set()
                     probe.join(30)
             alongside = None
-            if args.alongside:
+            if probe:
                 sent, lags = np.load(probe_out)
                 alongside = lag_summary(lags[sent >= measured_from], sent[sent >= measured_from])
                 progress.done(f"plain consumer beside the pipeline: p50 {alongside['p50_ms']} "
                               f"ms, p99 {alongside['p99_ms']} ms")  # fmt: skip
-            name = "freshrec_freshness_lag_seconds"
-            lag = {}
-            for stage, port_after, port_base in (
-                ("local", after, base), ("global_applied", after, base), ("served", after, base),
-            ):  # fmt: skip
-                delta = subtract(port_after, port_base, name + "_bucket")
-                lag[stage] = {
-                    "p50_ms": round(1000 * histogram_quantile(delta, name, 0.5, stage=stage), 1),
-                    "p99_ms": round(1000 * histogram_quantile(delta, name, 0.99, stage=stage), 1),
-                }
+            lag = {
+                stage: p50_p99(base, after, "freshrec_freshness_lag_seconds", stage=stage)
+                for stage in ("local", "global_applied", "served")
+            }
             # where the local lag goes: the broker and the fetch (Kafka timestamp -> the
             # worker's consume returns it) vs the worker's own loop, phase by phase
-            wdelta = subtract(after, base, "freshrec_worker_fetch_lag_seconds_bucket")
-            fetch_lag = "freshrec_worker_fetch_lag_seconds"
-            lag["worker_fetch"] = {
-                f"p{q}_ms": round(1000 * histogram_quantile(wdelta, fetch_lag, q / 100), 1)
-                for q in (50, 99)
-            }
-            phases = subtract(after, base, "freshrec_worker_loop_seconds_bucket")
+            lag["worker_fetch"] = p50_p99(base, after, "freshrec_worker_fetch_lag_seconds")
             loop = {
-                phase: {
-                    f"p{q}_ms": round(1000 * histogram_quantile(
-                        phases, "freshrec_worker_loop_seconds", q / 100, phase=phase), 2)
-                    for q in (50, 99)
-                }
-                for phase in ("consume", "serve", "learn", "updates", "other")
-            }  # fmt: skip
+                phase: p50_p99(base, after, "freshrec_worker_loop_seconds", 2, phase=phase)
+                for phase in LOOP_PHASES
+            }
             results["freshness_lag"] = {
                 "rate_events_per_s": args.rate, "duration_s": args.duration, "events": stats.delivered,
                 "ramp_s": args.ramp,
