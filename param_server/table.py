@@ -1,7 +1,7 @@
 """The rows a parameter server holds for one table: dense slabs, one slot per row id. Pure.
 
 Rows, Adagrad accumulators, versions and newest event times live in four arrays that grow by
-doubling; a dict maps row ids to slots. A gradient message is applied with a handful of
+doubling; an ``IdIndex`` maps row ids to slots, a whole batch of ids at a time. A gradient message is applied with a handful of
 vectorised operations (gather, Adagrad, scatter) whatever its size, instead of per-row Python
 objects. Gradients of one row repeated within a message are summed first, so the message is
 still applied as one unit and each row's version rises by one per message that touches it.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from freshrec.idindex import IdIndex
 from param_server.adagrad import AdagradConfig, adagrad_step
 
 
@@ -30,7 +31,7 @@ class ParamTable:
     def __init__(self, w: int, capacity: int = 1024) -> None:
         self.w = w
         self.size = 0
-        self.slot_of: dict[int, int] = {}
+        self.index = IdIndex(capacity)
         self.ids = np.zeros(capacity, np.int64)
         self.rows = np.zeros((capacity, w), np.float32)
         self.accum = np.zeros((capacity, w), np.float32)
@@ -42,8 +43,7 @@ class ParamTable:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id, -1 where the row is not held."""
-        get = self.slot_of.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+        return self.index.lookup(ids)
 
     def add(
         self, ids: np.ndarray, rows: np.ndarray, accum: np.ndarray, versions: np.ndarray,
@@ -58,7 +58,7 @@ class ParamTable:
         self.accum[slots] = accum
         self.version[slots] = versions
         self.event_ms[slots] = event_ms
-        self.slot_of.update(zip(np.asarray(ids).tolist(), slots.tolist(), strict=True))
+        self.index.insert(ids, slots)
         self.size += n
         return slots
 
@@ -156,12 +156,12 @@ class ParamTable:
             arr = getattr(self, name)
             arr[: n - gone] = arr[:n][keep]
         self.size = n - gone
-        self.slot_of = dict(zip(self.ids[: self.size].tolist(), range(self.size), strict=True))
+        self.index.rebuild(self.ids[: self.size], np.arange(self.size))
         return gone
 
     def clear(self) -> None:
         self.size = 0
-        self.slot_of.clear()
+        self.index.clear()
 
     def _reserve(self, needed: int) -> None:
         capacity = len(self.ids)
