@@ -50,6 +50,9 @@ class PendingSteps:
         # token -> steps still held that travel in it: a token is forgotten when it reaches
         # 0 (counting, not scanning the token's rows: that was quadratic in a message's rows)
         self._open: dict[int, int] = {}
+        # row -> its steps not sent yet (token None), the same step lists as in ``_steps``:
+        # naming their message touches only them, not every step a hot row has pending
+        self._unsent: dict[RowRef, list[list]] = {}
 
     def __len__(self) -> int:
         return self._count
@@ -59,9 +62,12 @@ class PendingSteps:
 
     def record(self, row: RowRef, delta: np.ndarray, token: int | None) -> None:
         """A local step on ``row``; ``token`` names its gradient message (None: not sent yet)."""
-        self._steps.setdefault(row, []).append([token, delta])
+        step = [token, delta]
+        self._steps.setdefault(row, []).append(step)
         self._count += 1
-        if token is not None:
+        if token is None:
+            self._unsent.setdefault(row, []).append(step)
+        else:
             self._rows_of.setdefault(token, set()).add(row)
             self._open[token] = self._open.get(token, 0) + 1
 
@@ -71,14 +77,15 @@ class PendingSteps:
         """``record`` of one step for each row ``(table, id)``, all in message ``token``
         (None: not sent yet, ``assign_many`` names the message later)."""
         rows = [(table, i) for i in ids]
-        steps = self._steps
-        get = steps.get
-        for row, delta in zip(rows, list(deltas), strict=True):
-            held = get(row)
-            if held is None:
-                steps[row] = [[token, delta]]
-            else:
-                held.append([token, delta])
+        new = [[token, delta] for delta in list(deltas)]
+        for book in (self._steps, self._unsent) if token is None else (self._steps,):
+            get = book.get
+            for row, step in zip(rows, new, strict=True):
+                held = get(row)
+                if held is None:
+                    book[row] = [step]
+                else:
+                    held.append(step)
         self._count += len(rows)
         if token is not None:
             self._rows_of.setdefault(token, set()).update(rows)
@@ -87,15 +94,16 @@ class PendingSteps:
     def assign_many(self, table: int, ids: list[int], token: int) -> None:
         """``assign`` for each row ``(table, id)``: its unsent steps travel in ``token``."""
         carried = self._rows_of.setdefault(token, set())
-        steps = self._steps
+        pop = self._unsent.pop
         n = 0
         for i in ids:
             row = (table, i)
-            for step in steps.get(row, ()):
-                if step[0] is None:
+            unsent = pop(row, None)
+            if unsent:
+                for step in unsent:
                     step[0] = token
-                    carried.add(row)
-                    n += 1
+                carried.add(row)
+                n += len(unsent)
         if n:
             self._open[token] = self._open.get(token, 0) + n
         else:
@@ -103,11 +111,12 @@ class PendingSteps:
 
     def assign(self, row: RowRef, token: int) -> None:
         """Steps of ``row`` held back (admission) now travel in message ``token``."""
-        for step in self._steps.get(row, ()):
-            if step[0] is None:
+        unsent = self._unsent.pop(row, None)
+        if unsent:
+            for step in unsent:
                 step[0] = token
-                self._rows_of.setdefault(token, set()).add(row)
-                self._open[token] = self._open.get(token, 0) + 1
+            self._rows_of.setdefault(token, set()).add(row)
+            self._open[token] = self._open.get(token, 0) + len(unsent)
 
     def delivered(self, token: int, partition: int, offset: int) -> list[tuple[RowRef, np.ndarray]]:
         """Record where message ``token`` landed; returns (row, delta) of steps that an
@@ -173,6 +182,7 @@ class PendingSteps:
         steps = self._steps.pop(row, ())
         self._count -= len(steps)
         self._installed.pop(row, None)
+        self._unsent.pop(row, None)
         for token, _ in steps:
             if token is not None and token >= 0:
                 self._open[token] -= 1

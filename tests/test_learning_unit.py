@@ -326,6 +326,11 @@ def test_read_your_writes_bookkeeping_forgets_a_message_with_its_last_step():
         assert p._open == carried
         assert set(p._rows_of) <= set(carried) and set(p._delivered) <= set(carried)
         assert len(p) == sum(len(s) for s in p._steps.values())
+        # the unsent index holds exactly the steps without a message, as the same objects
+        for row, steps in p._steps.items():
+            unsent = [id(s) for s in steps if s[0] is None]
+            assert [id(s) for s in p._unsent.get(row, [])] == unsent, row
+        assert not [row for row, steps in p._unsent.items() if not steps or row not in p._steps]
 
     for seed in range(100):
         rng = random.Random(seed)
@@ -344,6 +349,15 @@ def test_read_your_writes_bookkeeping_forgets_a_message_with_its_last_step():
             elif action < 0.4:
                 p.record_many("user", ids, np.ones((len(ids), 1)), None)
                 unsent += ids
+            elif action < 0.45:  # held back one by one (admission), named one by one
+                p.record(("user", ids[0]), np.ones(1), None)
+                if rng.random() < 0.5:
+                    token = next(tokens)
+                    p.assign(("user", ids[0]), token)
+                    sent.append(token)
+                    unsent = [i for i in unsent if i != ids[0]]
+                else:
+                    unsent.append(ids[0])
             elif action < 0.5 and unsent:
                 token = next(tokens)
                 p.assign_many("user", sorted(set(unsent)), token)
@@ -363,3 +377,37 @@ def test_read_your_writes_bookkeeping_forgets_a_message_with_its_last_step():
                 p.forget_row(("user", ids[0]))
                 unsent = [i for i in unsent if i != ids[0]]
             check(p)
+
+
+def test_item_rows_that_fail_to_load_get_no_slot_and_load_on_the_retry():
+    import torch
+
+    from inference.cache import EmbeddingCache
+
+    stored = {11: (np.full(5, 0.5, np.float32), 7, 123)}
+    outage = [True]
+
+    def fetch(table, ids):
+        if outage[0]:
+            outage[0] = False
+            raise ConnectionError("injected outage")
+        return {i: stored[i] for i in ids if i in stored}
+
+    cache = EmbeddingCache(4, 8, fetch, torch.device("cpu"))
+    ids = np.array([11, 12, 11])
+    with pytest.raises(ConnectionError):
+        cache.slots(TABLE_ITEM, ids)
+    assert cache.held(TABLE_ITEM, 11) is None and cache.item_ids == []
+    slots = cache.slots(TABLE_ITEM, ids)
+    assert slots[0] == slots[2] != slots[1] and cache.held(TABLE_ITEM, 12) == slots[1]
+    rows = cache.gather(TABLE_ITEM, slots)
+    assert rows[0].tolist() == [0.5] * 5 and int(cache.items.version[slots[0]]) == 7
+    assert rows[1].tolist() == initial_rows(np.array([12]), TABLE_ITEM, 4)[0].tolist()
+    # a broadcast row for an item not resident gets a slot without a load (version 0)
+    install = cache.slots_for_install(TABLE_ITEM, [11, 13, 13])
+    assert install[0] == slots[0] and install[1] == install[2] == 2
+    assert int(cache.items.version[2]) == 0 and cache.item_ids == [11, 12, 13]
+    many = np.arange(1000, 4000)  # past the table's first capacity: it grows
+    got = cache.slots(TABLE_ITEM, many)
+    assert len(set(got.tolist())) == 3000 and cache.held(TABLE_ITEM, 3999) == got[-1]
+    assert cache.slots(TABLE_ITEM, np.array([12, 3999])).tolist() == [slots[1], got[-1]]
