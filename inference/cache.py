@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from freshrec import metrics as m
+from freshrec.idindex import IdIndex
 from inference.lru import SlotLRU
 from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 from schemas.rowbatch import TABLE_NAMES
@@ -55,8 +56,8 @@ class EmbeddingCache:
         self.device = device
         self.fetch = fetch
         self.items = _Table(self.w, 1024, device)
-        self.item_slot: dict[int, int] = {}
-        self.item_ids: list[int] = []
+        self.item_index = IdIndex()
+        self.item_ids: list[int] = []  # by slot
         self.users = _Table(self.w, user_capacity, device)
         self.user_lru = SlotLRU(user_capacity)
         self.on_evict: Callable[[int, int], None] = lambda table, row_id: None
@@ -71,33 +72,30 @@ class EmbeddingCache:
         return self._user_slots(distinct)[back]
 
     def _item_slots(self, ids: np.ndarray) -> np.ndarray:
-        get = self.item_slot.get
-        out = np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
-        missing = sorted({int(i) for i, s in zip(ids.tolist(), out.tolist(), strict=True) if s < 0})
-        m.CACHE_LOOKUPS.labels("item", "device").inc(len(ids) - int((out < 0).sum()))
-        if missing:
-            new_slots = self._allocate_items(missing)
-            try:
-                self._fill(TABLE_ITEM, self.items, missing, new_slots)
-            except BaseException:  # the store failed: leave no half-loaded rows behind
-                del self.item_ids[-len(missing) :]
-                for i in missing:
-                    del self.item_slot[i]
-                raise
-            out = np.fromiter((self.item_slot[i] for i in ids.tolist()), np.int64, len(ids))
+        """Slots of distinct item ids; the ones not resident are loaded (and get a slot only
+        once their rows are in: a store failure leaves nothing half-loaded behind)."""
+        out = self.item_index.lookup(ids)
+        miss = out < 0
+        m.CACHE_LOOKUPS.labels("item", "device").inc(len(ids) - int(miss.sum()))
+        if miss.any():
+            missing = ids[miss]
+            new_slots = self._next_item_slots(len(missing))
+            self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots.tolist())
+            self._register_items(missing, new_slots)
+            out[miss] = new_slots
         m.CACHE_ROWS.labels("item").set(len(self.item_ids))
         return out
 
-    def _allocate_items(self, missing: list[int]) -> list[int]:
-        """Slots for item ids not resident yet (rows zero, version 0: fill them next)."""
-        need = len(self.item_ids) + len(missing)
+    def _next_item_slots(self, n: int) -> np.ndarray:
+        """The next ``n`` free item slots (zero rows, version 0), the table grown to hold them."""
+        need = len(self.item_ids) + n
         if need > len(self.items.rows):
             self.items.grow(max(need, 2 * len(self.items.rows)))
-        new_slots = list(range(len(self.item_ids), need))
-        for i, s in zip(missing, new_slots, strict=True):
-            self.item_slot[i] = s
-        self.item_ids.extend(missing)
-        return new_slots
+        return np.arange(len(self.item_ids), need, dtype=np.int64)
+
+    def _register_items(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        self.item_index.insert(ids, slots)
+        self.item_ids.extend(ids.tolist())
 
     def _user_slots(self, ids: np.ndarray) -> np.ndarray:
         out = np.empty(len(ids), np.int64)
@@ -162,7 +160,8 @@ class EmbeddingCache:
     def held(self, table: int, row_id: int) -> int | None:
         """The slot of a resident row, without loading it (None if absent)."""
         if table == TABLE_ITEM:
-            return self.item_slot.get(row_id)
+            slot = int(self.item_index.lookup(np.array([row_id], np.int64))[0])
+            return None if slot < 0 else slot
         return self.user_lru.peek(row_id)
 
     def slots_for_install(self, table: int, ids: list[int]) -> np.ndarray:
@@ -172,18 +171,9 @@ class EmbeddingCache:
         version in the store reaches this worker through the broadcast too). The caller
         installs every item row it is given a new slot for."""
         if table == TABLE_ITEM:
-            get = self.item_slot.get
-            out = [get(i, -1) for i in ids]
-            missing = sorted({i for i, s in zip(ids, out, strict=True) if s < 0})
-            if missing:
-                self._allocate_items(missing)
-                out = [self.item_slot[i] for i in ids]
-                m.CACHE_ROWS.labels("item").set(len(self.item_ids))
-        else:
-            peek = self.user_lru.peek
-            out = [peek(i) for i in ids]
-            out = [-1 if s is None else s for s in out]
-        return np.asarray(out, np.int64)
+            return self._item_slots_no_fill(np.asarray(ids, np.int64))
+        peek = self.user_lru.peek
+        return np.fromiter((-1 if s is None else s for s in map(peek, ids)), np.int64, len(ids))
 
     def install(self, table: int, slot: int, row: np.ndarray, version: int, event_ms: int) -> None:
         t = self.table(table)
@@ -208,7 +198,7 @@ class EmbeddingCache:
         ids = sorted(rows)
         if not ids:
             return
-        slots = self._item_slots_for_load(ids)
+        slots = self._item_slots_no_fill(np.asarray(ids, np.int64))
         stacked = np.stack([rows[i][0] for i in ids])
         self.items.rows[torch.as_tensor(slots, device=self.device)] = torch.as_tensor(
             stacked, device=self.device
@@ -217,15 +207,14 @@ class EmbeddingCache:
         self.items.event_ms[slots] = [rows[i][2] for i in ids]
         m.CACHE_ROWS.labels("item").set(len(self.item_ids))
 
-    def _item_slots_for_load(self, ids: list[int]) -> list[int]:
-        need = len(self.item_ids) + len(ids)
-        if need > len(self.items.rows):
-            self.items.grow(max(need, 2 * len(self.items.rows)))
-        slots = []
-        for i in ids:
-            s = self.item_slot.get(i)
-            if s is None:
-                s = self.item_slot[i] = len(self.item_ids)
-                self.item_ids.append(i)
-            slots.append(s)
-        return slots
+    def _item_slots_no_fill(self, ids: np.ndarray) -> np.ndarray:
+        """Slots of item ids (may repeat); the ones not resident get new slots, not filled."""
+        out = self.item_index.lookup(ids)
+        miss = out < 0
+        if miss.any():
+            missing, back = np.unique(ids[miss], return_inverse=True)
+            new_slots = self._next_item_slots(len(missing))
+            self._register_items(missing, new_slots)
+            out[miss] = new_slots[back]
+            m.CACHE_ROWS.labels("item").set(len(self.item_ids))
+        return out
