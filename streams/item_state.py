@@ -89,7 +89,9 @@ class ItemPartitionState:
         return slot
 
     def _scope(self, region: str | None) -> int | None:
-        if region is None:
+        """The scope of a region's own counts; None for none (no region, the global scope's
+        own name, or past ``max_regions``): the event counts in the global scope only."""
+        if region is None or region == GLOBAL:
             return None
         scope = self.scopes.get(region)
         if scope is None:

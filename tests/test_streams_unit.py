@@ -170,6 +170,12 @@ def test_item_state_skips_replayed_source_offsets_exactly():
     assert s.decayed(T0)[0, 0, CLICK] == pytest.approx(11)
 
 
+def test_a_region_named_like_the_global_scope_counts_once():
+    s = make_state()
+    s.apply([(0, 0, "i1", CLICK, T0, "global", 0)])
+    assert list(s.scopes) == ["global"] and s.decayed(T0)[0, 0, CLICK] == pytest.approx(1.0)
+
+
 def test_late_events_beyond_grace_are_counted_and_dropped():
     s = make_state(late_grace_ms=60_000)
     s.apply([(0, 0, "i1", CLICK, T0 + 120_000, None, 0), (0, 1, "i1", CLICK, T0 + 70_000, None, 0),
