@@ -22,8 +22,9 @@ from inference.lru import SlotLRU
 from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 from schemas.rowbatch import TABLE_NAMES
 
-Fetch = Callable[[int, list[int]], dict[int, tuple[np.ndarray, int, int]]]
-"""fetch(table, ids) -> {id: (row, version, event_ms)} for the ids the store has."""
+Fetch = Callable[[int, list[int]], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+"""fetch(table, ids) -> (mask over ids of the rows the store has, then their rows, versions
+and newest event times, in order)."""
 
 
 def pick_device(setting: str = "auto") -> torch.device:
@@ -126,17 +127,15 @@ class EmbeddingCache:
 
     def _fill(self, table: int, t: _Table, ids: list[int], slots: list[int]) -> None:
         """One batched store round trip for the misses; the rest created from their ids."""
-        found = self.fetch(table, ids)
+        found, got_rows, got_versions, got_event_ms = self.fetch(table, ids)
         name = TABLE_NAMES[table]
-        m.CACHE_LOOKUPS.labels(name, "redis").inc(len(found))
-        m.CACHE_LOOKUPS.labels(name, "new").inc(len(ids) - len(found))
+        hits = int(found.sum())
+        m.CACHE_LOOKUPS.labels(name, "redis").inc(hits)
+        m.CACHE_LOOKUPS.labels(name, "new").inc(len(ids) - hits)
         rows = initial_rows(np.asarray(ids, np.int64), table, self.dim)
         versions = np.zeros(len(ids), np.uint64)
         event_ms = np.zeros(len(ids), np.int64)
-        for j, i in enumerate(ids):
-            hit = found.get(i)
-            if hit is not None:
-                rows[j], versions[j], event_ms[j] = hit
+        rows[found], versions[found], event_ms[found] = got_rows, got_versions, got_event_ms
         idx = torch.as_tensor(slots, device=self.device)
         t.rows[idx] = torch.as_tensor(rows, device=self.device)
         t.version[slots] = versions

@@ -25,16 +25,15 @@ Row = tuple[np.ndarray, int, int]
 
 def fetch_rows(
     r: redis.Redis, keys: RedisKeys, table: int, ids: list[int], w: int
-) -> dict[int, Row]:
-    """One HMGET for many rows (packed with numpy); absent rows are absent from the result."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One HMGET for many rows (packed with numpy): a mask over ``ids`` of the rows Redis has,
+    then those rows, their versions and newest event times, in order."""
     if not ids:
-        return {}
+        return decode_rows([], w)
     key = keys.embeddings(TABLE_NAMES[table]).encode()
     fields = key_matrix(np.asarray(ids, np.int64))
     (blobs,) = execute(r, pack_fixed(b"HMGET", key, fields), 1)
-    found, rows, versions, event_ms = decode_rows(blobs, w)
-    present = [i for i, hit in zip(ids, found.tolist(), strict=True) if hit]
-    return {i: (rows[j], int(versions[j]), int(event_ms[j])) for j, i in enumerate(present)}
+    return decode_rows(blobs, w)
 
 
 @dataclass

@@ -391,7 +391,9 @@ def test_item_rows_that_fail_to_load_get_no_slot_and_load_on_the_retry():
         if outage[0]:
             outage[0] = False
             raise ConnectionError("injected outage")
-        return {i: stored[i] for i in ids if i in stored}
+        hits = [stored[i] for i in ids if i in stored]
+        return (np.array([i in stored for i in ids]), np.array([h[0] for h in hits]).reshape(-1, 5),
+                np.array([h[1] for h in hits], np.uint64), np.array([h[2] for h in hits]))  # fmt: skip
 
     cache = EmbeddingCache(4, 8, fetch, torch.device("cpu"))
     ids = np.array([11, 12, 11])
