@@ -188,3 +188,14 @@ def background_consumer(conn: ConnectionSettings, group: str, role: str, **overr
     group_id = f"{conn.topic_prefix}{group}"
     cfg = consumer_config(conn, group_id, background=True, **overrides, **lag_statistics(role))
     return Consumer(cfg)
+
+
+def close_producer(producer, timeout_s: float) -> int:
+    """Flush, then close the producer if nothing is left undelivered; returns what is left.
+    A producer left open after its broker stops logs failed reconnects until the process
+    exits; one still holding messages is left to the process's exit (closing it would wait
+    for them)."""
+    left = producer.flush(timeout_s)
+    if not left:
+        producer.close()
+    return left

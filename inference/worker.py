@@ -40,7 +40,7 @@ from confluent_kafka import (
 )
 
 from freshrec import metrics as m
-from freshrec.kafka import consumer_config, lag_statistics, producer_config
+from freshrec.kafka import close_producer, consumer_config, lag_statistics, producer_config
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.partitioner import row_partitions
 from freshrec.rediskeys import RedisKeys
@@ -215,6 +215,7 @@ class Worker:
         self.events.close()
         self.updates.close()
         self.redis.close()
+        close_producer(self.producer, 10)
 
     # ------------------------------------------------------------------------------- loop
     def run(self, stop: threading.Event) -> None:

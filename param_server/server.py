@@ -33,7 +33,7 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import background_consumer, consume_batch, producer_config
+from freshrec.kafka import background_consumer, close_producer, consume_batch, producer_config
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -167,6 +167,7 @@ class ParameterServer:
                 self._persister.shutdown(wait=True)
                 self.producer.flush(10)
                 self._save_broadcast_positions()
+                close_producer(self.producer, 10)
 
     def poll_once(self) -> None:
         decoded = []

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from freshrec.kafka import close_producer
 from freshrec.metrics import PS_ROWS_APPLIED, WORKER_EVENTS
 from freshrec.progress import ProgressLine
 from freshrec.stack import free_port
@@ -101,7 +102,6 @@ def main() -> None:
             elapsed = time.perf_counter() - first[0]
             worker_rate = (args.events - first[1]) / elapsed
             w.close()  # the last gradients (the outbox's linger) leave, and are delivered
-            del w
             grad_msgs = counter("freshrec_gradient_messages_total", side="sent")
             grad_rows = sum(
                 counter("freshrec_gradient_rows_total", table=t, outcome="sent")
@@ -133,9 +133,6 @@ def main() -> None:
             ps_rate = (grad_rows - start[1]) / (time.perf_counter() - start[0])
             stop.set()
             t.join(30)
-            # its Kafka clients go now: alive past the broker's stop they would log failed
-            # reconnects until the process exits
-            del ps, t
             progress.done(f"parameter server: {ps_rate:,.0f} rows/s applied and persisted")
             results["throughput"] = {
                 "events": args.events,
@@ -196,7 +193,7 @@ def main() -> None:
                 measured_from = time.time() * 1000
                 stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
                                          producer=producer)  # fmt: skip
-                del producer  # flushed by produce_prepared; closed before the broker stops
+                close_producer(producer, 10)  # before its broker stops
                 time.sleep(3)
                 after = merge(scrape_port(wport), scrape_port(pport))
                 if probe:
