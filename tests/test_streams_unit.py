@@ -28,7 +28,7 @@ PURE_MODULES = ["streams/decay.py", "streams/dedupe.py", "streams/hotlist.py", "
                 "tools/world.py", "tools/traffic.py", "tools/pacing.py", "inference/batching.py",
                 "inference/breaker.py", "inference/rerank.py", "inference/merge.py", "inference/pending.py",
                 "inference/learning.py", "inference/lru.py", "param_server/adagrad.py", "param_server/rows.py",
-                "freshrec/hashing.py", "inference/degrade.py", "inference/resultcache.py",
+                "freshrec/hashing.py", "freshrec/idindex.py", "inference/degrade.py", "inference/resultcache.py",
                 "inference/features.py"]  # fmt: skip
 IO_PACKAGES = {"confluent_kafka", "aiokafka", "faust", "redis", "socket", "requests", "mode"}
 
