@@ -1,10 +1,10 @@
 """A map from int64 row ids to slots, looked up and filled a whole array at a time. Pure.
 
 The parameter server and the worker look up tens of thousands of row ids per batch; a Python
-dict costs ~0.35 µs an id there (hashing boxed ints, one call each). This is an open-addressing
-table (linear probing, Fibonacci hashing of the id's bits, load ≤ 1/2) whose every operation
-is a few numpy passes over the batch: one pass per probe step, and with load ≤ 1/2 almost
-every id is settled in the first two.
+dict costs ~0.4 µs an id there (boxed ints, one call each: 18.8 ms for 40k ids among 300k,
+against 4.3 ms here). This is an open-addressing table (linear probing, Fibonacci hashing of
+the id's bits, load ≤ 1/2) whose every operation is a few numpy passes over the batch: one
+pass per probe step, and with load ≤ 1/2 almost every id is settled in the first two.
 
 Ids are inserted once (``insert`` refuses ids already held) and never removed one by one:
 a table that forgets rows rebuilds its index (``rebuild``), which is what eviction does anyway.

@@ -165,9 +165,8 @@ class ParameterServer:
                 self.consumer.close()  # its revoke flushes (and waits for) what is left
             finally:
                 self._persister.shutdown(wait=True)
-                self.producer.flush(10)
+                close_producer(self.producer, 10)  # its delivery reports give the positions
                 self._save_broadcast_positions()
-                close_producer(self.producer, 10)
 
     def poll_once(self) -> None:
         decoded = []
