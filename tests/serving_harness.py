@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +15,8 @@ from inference.train import TrainConfig, train
 from inference.worker import Worker
 from tools.seed import seed_world
 from tools.world import World, WorldConfig
+
+from .streams_harness import wait_for
 
 DIM = 16
 WORLD = WorldConfig(seed=5, n_users=3000, n_items=400, n_categories=8)
@@ -54,12 +55,13 @@ def running_worker(settings: WorkerSettings, join_timeout_s: float = 30) -> Iter
 
     t = threading.Thread(target=loop, daemon=True, name="worker")
     t.start()
-    deadline = time.monotonic() + join_timeout_s
-    while w.assigned == 0:
+
+    def joined() -> bool:
         if errors:
             raise errors[0]
-        assert time.monotonic() < deadline, "the worker did not join its group"
-        time.sleep(0.05)
+        return w.assigned > 0
+
+    wait_for(joined, join_timeout_s, what="the worker to join its group")
     try:
         yield w
     finally:
