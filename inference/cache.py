@@ -72,18 +72,22 @@ class EmbeddingCache:
             return self._item_slots(distinct)[back]
         return self._user_slots(distinct)[back]
 
-    def _item_slots(self, ids: np.ndarray) -> np.ndarray:
-        """Slots of distinct item ids; the ones not resident are loaded (and get a slot only
-        once their rows are in: a store failure leaves nothing half-loaded behind)."""
+    def _item_slots(self, ids: np.ndarray, load: bool = True) -> np.ndarray:
+        """Slots of item ids (they may repeat). Ids not resident get new slots, their rows
+        loaded from the store (``load``; a slot is taken only once its row is in, so a store
+        failure leaves nothing half-loaded behind) or left zero at version 0 for the caller
+        to install."""
         out = self.item_index.lookup(ids)
         miss = out < 0
-        m.CACHE_LOOKUPS.labels("item", "device").inc(len(ids) - int(miss.sum()))
+        if load:
+            m.CACHE_LOOKUPS.labels("item", "device").inc(len(ids) - int(miss.sum()))
         if miss.any():
-            missing = ids[miss]
+            missing, back = np.unique(ids[miss], return_inverse=True)
             new_slots = self._next_item_slots(len(missing))
-            self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots.tolist())
+            if load:
+                self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots.tolist())
             self._register_items(missing, new_slots)
-            out[miss] = new_slots
+            out[miss] = new_slots[back]
         m.CACHE_ROWS.labels("item").set(len(self.item_ids))
         return out
 
@@ -170,7 +174,7 @@ class EmbeddingCache:
         version in the store reaches this worker through the broadcast too). The caller
         installs every item row it is given a new slot for."""
         if table == TABLE_ITEM:
-            return self._item_slots_no_fill(np.asarray(ids, np.int64))
+            return self._item_slots(np.asarray(ids, np.int64), load=False)
         peek = self.user_lru.peek
         return np.fromiter((-1 if s is None else s for s in map(peek, ids)), np.int64, len(ids))
 
@@ -197,23 +201,10 @@ class EmbeddingCache:
         ids = sorted(rows)
         if not ids:
             return
-        slots = self._item_slots_no_fill(np.asarray(ids, np.int64))
+        slots = self._item_slots(np.asarray(ids, np.int64), load=False)
         stacked = np.stack([rows[i][0] for i in ids])
         self.items.rows[torch.as_tensor(slots, device=self.device)] = torch.as_tensor(
             stacked, device=self.device
         )
         self.items.version[slots] = [rows[i][1] for i in ids]
         self.items.event_ms[slots] = [rows[i][2] for i in ids]
-        m.CACHE_ROWS.labels("item").set(len(self.item_ids))
-
-    def _item_slots_no_fill(self, ids: np.ndarray) -> np.ndarray:
-        """Slots of item ids (may repeat); the ones not resident get new slots, not filled."""
-        out = self.item_index.lookup(ids)
-        miss = out < 0
-        if miss.any():
-            missing, back = np.unique(ids[miss], return_inverse=True)
-            new_slots = self._next_item_slots(len(missing))
-            self._register_items(missing, new_slots)
-            out[miss] = new_slots[back]
-            m.CACHE_ROWS.labels("item").set(len(self.item_ids))
-        return out
