@@ -441,3 +441,20 @@ def test_ivf_index_finds_most_of_the_exact_top_k_and_scores_with_fresh_rows():
     grown = torch.cat([rows, queries[:1] * 100])
     hit = index.search(queries[:1], grown, k=1, nprobe=1, extra=torch.tensor([5000]))
     assert int(hit[0][0]) == 5000
+
+
+def test_ivf_index_has_no_empty_cells_so_every_probe_finds_items():
+    """Inner-product k-means leaves some centroids without rows when norms are uneven; a query
+    near such a centroid would probe only empty cells and recall nothing."""
+    import torch
+
+    from inference.ann import IVFIndex
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2000, 8, generator=g) * torch.rand(2000, 1, generator=g) ** 3
+    index = IVFIndex.build(rows, torch.ones(2000, dtype=torch.bool), cells=32, seed=0)
+    assert (np.diff(index.offsets) > 0).all() and len(index.offsets) == len(index.centroids) + 1
+    assert sorted(index.order.tolist()) == list(range(2000))  # every row in exactly one cell
+    queries = torch.cat([index.centroids * 10, -index.centroids * 10])
+    found = index.search(queries, rows, k=10, nprobe=1)
+    assert all(len(f) == 10 for f in found)
