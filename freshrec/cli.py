@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--load", choices=("auto", "yes", "no"), default="auto",
                        help="write the starting embeddings to Redis (auto: if a stack is set)")  # fmt: skip
     train.add_argument("--if-missing", action="store_true",
-                       help="do nothing when the directory already holds models of this world")  # fmt: skip
+                       help="do nothing when the directory already holds models of this world "
+                            "trained with this configuration")  # fmt: skip
     train.set_defaults(func=commands.cmd_train)
 
     rec = sub.add_parser("recommend", help="ask the workers for recommendations over Kafka")

@@ -214,22 +214,30 @@ def model_dir(args_out: str | None = None) -> Path:
 
 
 def ensure_models(world, directory: Path, impressions: int, progress: ProgressLine) -> dict:
-    """The manifest of models trained on this world; trains them when there are none."""
+    """The manifest of models trained on this world with this training configuration;
+    trains them when there are none (models of another world, or trained by another
+    configuration — an older release's included — are replaced)."""
+    from dataclasses import asdict
+
     from inference.modelfile import ModelFileError, read_manifest
     from inference.train import TrainConfig, train, world_fingerprint
 
+    config = TrainConfig(impressions=impressions)
     try:
         manifest = read_manifest(directory)
-        if manifest.get("world") == world_fingerprint(world):
+        same_world = manifest.get("world") == world_fingerprint(world)
+        same_config = manifest.get("training", {}).get("config") == asdict(config)
+        if same_world and same_config:
             log.info(
                 "models %s found in %s (trained on this world)", manifest["version"], directory
             )
             return manifest
-        log.info("models in %s were trained on another world: training again", directory)
+        why = "on another world" if not same_world else "with another training configuration"
+        log.info("models in %s were trained %s: training again", directory, why)
     except ModelFileError:
         log.info("no models in %s yet: training (a minute or two, cached afterwards)", directory)
     started = time.monotonic()
-    manifest = train(world, TrainConfig(impressions=impressions), directory, progress.update)
+    manifest = train(world, config, directory, progress.update)
     t = manifest["training"]
     progress.done(
         f"trained {manifest['version']} in {time.monotonic() - started:.0f}s: AUC two-tower "

@@ -1,0 +1,64 @@
+"""Offline training (`inference/train.py`) and `freshrec run`'s reuse of trained models."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from freshrec.commands import ensure_models
+from freshrec.progress import ProgressLine
+from inference.modelfile import read_manifest
+from inference.train import TrainConfig, _fit
+from tools.world import World, WorldConfig
+
+SMALL = WorldConfig(seed=3, n_users=400, n_items=120, n_categories=6)
+
+
+def test_ranking_models_stop_on_validation_loss_and_keep_their_best_epoch():
+    """A model that can only overfit (pure noise labels): the validation loss is best early,
+    training stops ``rank_patience`` epochs after it, and the weights of that epoch are kept."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    n, d = 512, 40
+    x, x_valid = torch.randn(n, d), torch.randn(256, d)
+    y, y_valid = ((rng.random(k) < 0.5).astype(np.float32) for k in (n, 256))
+    linear = torch.nn.Linear(d, 1)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, t):
+            return self.linear(t).squeeze(-1)
+
+    model = Model()
+    cfg = TrainConfig(batch=64, rank_epochs=50, rank_patience=2)
+    fit = _fit(model, ((x,), y, np.ones(n, np.float32), None),
+               ((x_valid,), y_valid, np.ones(256, np.float32), None),
+               cfg, rng, lambda s: None, "noise")  # fmt: skip
+    with torch.inference_mode():
+        kept = float(torch.nn.functional.binary_cross_entropy_with_logits(
+            model(x_valid), torch.from_numpy(y_valid)))  # fmt: skip
+    assert fit["epochs"] == fit["best_epoch"] + cfg.rank_patience < cfg.rank_epochs
+    assert abs(kept - fit["validation_loss"]) < 1e-4  # the best epoch's weights, not the last
+
+
+def test_models_are_reused_for_the_same_world_and_configuration_only(tmp_path, caplog):
+    world = World(SMALL)
+    progress = ProgressLine()
+    caplog.set_level(logging.INFO, logger="freshrec")
+    first = ensure_models(world, tmp_path, 3000, progress)
+    assert first["training"]["config"]["impressions"] == 3000
+    assert ensure_models(world, tmp_path, 3000, progress)["version"] == first["version"]
+    # another configuration (here the impressions; likewise an older release's defaults)
+    second = ensure_models(world, tmp_path, 4000, progress)
+    assert second["version"] != first["version"]
+    assert "with another training configuration" in caplog.text
+    # another world
+    third = ensure_models(World(replace(SMALL, seed=4)), tmp_path, 4000, progress)
+    assert third["world"] != second["world"]
+    assert read_manifest(tmp_path)["version"] == third["version"]
