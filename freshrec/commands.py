@@ -229,7 +229,9 @@ def ensure_models(world, directory: Path, impressions: int, progress: ProgressLi
         same_config = manifest.get("training", {}).get("config") == asdict(config)
         if same_world and same_config:
             log.info(
-                "models %s found in %s (trained on this world)", manifest["version"], directory
+                "models %s found in %s (this world, this configuration)",
+                manifest["version"],
+                directory,
             )
             return manifest
         why = "on another world" if not same_world else "with another training configuration"

@@ -229,6 +229,8 @@ def _fit(model, data, valid, cfg, rng, progress, label) -> dict:
     best epoch are kept. ``data`` and ``valid`` are (the model's input tensors, targets,
     weights, soft targets or None). Returns the epochs run, the best epoch and its validation
     loss."""
+    if cfg.rank_epochs < 1:
+        raise ValueError(f"rank_epochs must be at least 1, got {cfg.rank_epochs}")
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     tensors = data[0]
     y, w = torch.from_numpy(data[1]), torch.from_numpy(data[2])

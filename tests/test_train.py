@@ -25,12 +25,11 @@ def test_ranking_models_stop_on_validation_loss_and_keep_their_best_epoch():
     n, d = 512, 40
     x, x_valid = torch.randn(n, d), torch.randn(256, d)
     y, y_valid = ((rng.random(k) < 0.5).astype(np.float32) for k in (n, 256))
-    linear = torch.nn.Linear(d, 1)
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.linear = linear
+            self.linear = torch.nn.Linear(d, 1)
 
         def forward(self, t):
             return self.linear(t).squeeze(-1)
