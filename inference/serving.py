@@ -116,6 +116,8 @@ class Recommender:
         self.unnamed_bias = torch.zeros(0)
         """0 for catalogue items, -inf for rows not (yet) in the catalogue, per slot."""
         self.slot_category = torch.zeros(0, dtype=torch.int64)
+        self.category_slots: dict[int, np.ndarray] = {}
+        """Catalogue slots per category (the i2i channel searches only these)."""
         self.named_count = 0
         self.ann: IVFIndex | None = None
         self._ann_built_at = 0.0
@@ -160,6 +162,7 @@ class Recommender:
                 cat.category, device=self.cache.device
             )
             self.slot_category = slot_category
+            self.category_slots = category_members(cat.category, slots)
             self.unnamed_bias = torch.zeros(n, device=self.cache.device).masked_fill(
                 ~named, float("-inf")
             )
@@ -259,24 +262,18 @@ class Recommender:
         users, clicked = [users[r] for r in keep], [clicked[r] for r in keep]
         flat = np.concatenate([np.asarray(c, np.int64) for c in clicked])
         vecs = self.cache.gather(TABLE_ITEM, flat)[:, :dim]
-        slot_cat = self.slot_category[:size].cpu().numpy()
+        flat_cats = self.slot_category[torch.as_tensor(flat, device=items.device)].cpu().numpy()
         q = np.zeros((len(users), self.cache.w), np.float32)
-        n_cats = int(slot_cat.max(initial=-1)) + 2  # categories shifted by one: -1 is unknown
-        allowed = np.zeros((len(users), n_cats), bool)
+        allowed = []
         lo = 0
         for row, c in enumerate(clicked):
             weights = 0.8 ** np.arange(len(c), dtype=np.float32)
             q[row, :dim] = (weights[:, None] * vecs[lo : lo + len(c)]).sum(0) / weights.sum()
-            allowed[row, slot_cat[c] + 1] = True
+            allowed.append(flat_cats[lo : lo + len(c)])
             lo += len(c)
-        allowed[:, 0] = False  # items of unknown category are never similar
-        mask = allowed[:, slot_cat + 1] & self.named[:size].cpu().numpy()[None, :]
-        scores = torch.as_tensor(q, device=items.device) @ items[:size].T
-        scores = scores.masked_fill(~torch.as_tensor(mask, device=items.device), float("-inf"))
-        top = top_k_rows(scores, min(n, size))
-        counts = mask.sum(axis=1)
+        found = search_within_categories(items[:size], q, allowed, self.category_slots, n)
         for row, j in enumerate(users):
-            out[j] = top[row, : min(n, int(counts[row]))]
+            out[j] = found[row]
         return out
 
     def _hot(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
@@ -579,6 +576,54 @@ class Recommender:
                 if len(out) == r.k:
                     break
         return out
+
+
+def category_members(categories: np.ndarray, slots: np.ndarray) -> dict[int, np.ndarray]:
+    """Slots per category (unknown, < 0, left out), each in ascending order.
+
+    >>> {c: s.tolist() for c, s in category_members(np.array([2, 0, 2, -1]), np.array([7, 3, 5, 1])).items()}
+    {0: [3], 2: [5, 7]}
+    >>> category_members(np.array([-1]), np.array([4])), category_members(np.array([]), np.array([]))
+    ({}, {})
+    """
+    categories, slots = np.asarray(categories, np.int64), np.asarray(slots, np.int64)
+    known = categories >= 0
+    categories, slots = categories[known], slots[known]
+    if len(categories) == 0:  # e.g. a catalogue not loaded yet
+        return {}
+    order = np.lexsort((slots, categories))
+    cats, first = np.unique(categories[order], return_index=True)
+    return dict(zip(cats.tolist(), np.split(slots[order], first[1:]), strict=True))
+
+
+def search_within_categories(
+    items: torch.Tensor, queries: np.ndarray, allowed: list[np.ndarray],
+    members: dict[int, np.ndarray], n: int,
+) -> list[np.ndarray]:  # fmt: skip
+    """For each query row, the ``n`` best slots by ``query · items[slot]`` (best first) among
+    the members of its ``allowed`` categories (unknown ones, < 0, allow nothing). Cost is
+    proportional to those members, not to the table: the i2i channel on a 100k-item
+    catalogue scored every item for every user.
+
+    >>> items = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.8, 0.0]])
+    >>> members = {0: np.array([0, 1]), 1: np.array([2, 3])}
+    >>> [f.tolist() for f in search_within_categories(
+    ...     items, np.array([[1.0, 0.0], [1.0, 0.0]], np.float32), [np.array([1]), np.array([-1])], members, 5)]
+    [[3, 2], []]
+    """
+    out: list[np.ndarray] = []
+    for row, cats in enumerate(allowed):
+        cands = [members[c] for c in np.unique(cats).tolist() if c >= 0 and c in members]
+        cand = np.concatenate(cands) if cands else _NONE
+        cand = cand[cand < len(items)]
+        if len(cand) == 0 or n <= 0:
+            out.append(_NONE)
+            continue
+        at = torch.as_tensor(cand, device=items.device)
+        rows = items.index_select(0, at)  # several times faster than items[at] on a CPU
+        scores = rows @ torch.as_tensor(queries[row], device=items.device)
+        out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
+    return out
 
 
 def top_k_rows(scores: torch.Tensor, k: int) -> np.ndarray:

@@ -458,3 +458,35 @@ def test_ivf_index_has_no_empty_cells_so_every_probe_finds_items():
     queries = torch.cat([index.centroids * 10, -index.centroids * 10])
     found = index.search(queries, rows, k=10, nprobe=1)
     assert all(len(f) == 10 for f in found)
+
+
+def test_i2i_search_within_categories_equals_a_masked_search_of_the_whole_table():
+    """The i2i channel scores only the members of the clicked categories; its picks are
+    those of scoring every item and masking the others out (ties aside)."""
+    import torch
+
+    from inference.serving import category_members, search_within_categories
+
+    rng = np.random.default_rng(11)
+    for _ in range(50):
+        n_items, n_cats, n = (
+            int(rng.integers(1, 400)),
+            int(rng.integers(1, 9)),
+            int(rng.integers(0, 60)),
+        )
+        items = torch.from_numpy(rng.standard_normal((n_items, 5)).astype(np.float32))
+        slot_cat = rng.integers(-1, n_cats, n_items)  # -1: unknown category
+        in_catalogue = rng.random(n_items) < 0.9
+        slots = np.flatnonzero(in_catalogue)
+        members = category_members(slot_cat[slots], slots)
+        queries = rng.standard_normal((6, 5)).astype(np.float32)
+        allowed = [rng.integers(-1, n_cats, int(rng.integers(1, 4))) for _ in range(6)]
+        found = search_within_categories(items, queries, allowed, members, n)
+        scores_all = (torch.from_numpy(queries) @ items.T).numpy()
+        for row in range(6):
+            ok = in_catalogue & np.isin(slot_cat, allowed[row][allowed[row] >= 0])
+            expect = np.flatnonzero(ok)[np.argsort(-scores_all[row][ok], kind="stable")][:n]
+            got = found[row]
+            assert len(got) == len(expect)
+            assert set(got.tolist()) == set(expect.tolist())
+            assert np.all(np.diff(scores_all[row][got]) <= 1e-6)  # best first
