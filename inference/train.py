@@ -223,6 +223,10 @@ def _loss(logit, y, w, soft=None):
     return loss
 
 
+def _from_numpy(a: np.ndarray | None) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(a)
+
+
 def _fit(model, data, valid, cfg, rng, progress, label) -> dict:
     """Adam on shuffled mini-batches, epoch after epoch, until the loss on ``valid`` has not
     improved for ``cfg.rank_patience`` epochs (``cfg.rank_epochs`` at most); the weights of the
@@ -232,12 +236,8 @@ def _fit(model, data, valid, cfg, rng, progress, label) -> dict:
     if cfg.rank_epochs < 1:
         raise ValueError(f"rank_epochs must be at least 1, got {cfg.rank_epochs}")
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    tensors = data[0]
-    y, w = torch.from_numpy(data[1]), torch.from_numpy(data[2])
-    soft = None if data[3] is None else torch.from_numpy(data[3])
-    v_tensors = valid[0]
-    v_y, v_w = torch.from_numpy(valid[1]), torch.from_numpy(valid[2])
-    v_soft = None if valid[3] is None else torch.from_numpy(valid[3])
+    tensors, y, w, soft = data[0], *map(_from_numpy, data[1:])
+    v_tensors, v_y, v_w, v_soft = valid[0], *map(_from_numpy, valid[1:])
     per_epoch = -(-len(y) // cfg.batch)
     best, best_epoch, best_state = float("inf"), 0, None
     step = epoch = 0
