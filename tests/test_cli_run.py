@@ -64,6 +64,8 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
     assert served and int(served.group(1).replace(",", "")) > 300, out
     ctr = re.search(r"CTR of served recommendations ([\d.]+)%", out)
     assert ctr and float(ctr.group(1)) > 0, out
+    curve = re.search(r"CTR per 10 s: ((?:[\d.]+% ?)+)", out)  # a 40 s run: 3 to 5 windows
+    assert curve and len(curve.group(1).split()) >= 3, out
     fresh = re.search(r"p99 local ([\d,]+)ms global ([\d,]+)ms served ([\d,]+)ms", out)
     assert fresh, out
     assert (tmp_path / "models" / "manifest.json").exists()  # cached for the next run

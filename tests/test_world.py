@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -79,6 +80,9 @@ def test_interest_drift_changes_main_categories_of_the_configured_fraction():
     before, after = w.user_main_category(users, 999), w.user_main_category(users, 1000)
     changed = (before != after).mean()
     assert 0.45 < changed < 0.55
+    # drifts() names exactly the users whose main interest moved
+    assert np.array_equal(w.drifts(users), before != after)
+    assert not World(replace(cfg, drift_at_ms=None)).drifts(users).any()
 
 
 def test_world_scales_to_a_million_items_and_ten_million_users_in_bounded_memory():

@@ -3,10 +3,22 @@ look at the reply, and click or convert as the synthetic world's ground truth sa
 did goes to ``events``, which feeds online learning, hot lists and features — and so the next
 replies.
 
-Users are drawn like the world's active users (Zipf), with their region and device class.
-Each reply becomes one impression per shown item (position = rank), a click with the world's
-click probability and a conversion with its conversion probability. CTR of served
-recommendations = clicks / impressions of the items the workers chose.
+Users are drawn like the world's active users (Zipf), or uniformly from a fixed cohort, with
+their region and device class. Each reply becomes one impression per shown item (position =
+rank), a click with the world's click probability and a conversion with its conversion
+probability. CTR of served recommendations = clicks / impressions of the items the workers
+chose; ``CtrWindows`` keeps it per time window and per group of users (those whose interest
+drifts, ``drifted``, and the others, ``steady``), the curve ``tools/bench_freshness.py``
+reports.
+
+>>> w = CtrWindows(window_s=10.0)
+>>> w.add(3.0, "steady", 10, 2); w.add(9.9, "steady", 10, 1); w.add(12.0, "drifted", 10, 5)
+>>> [(c["from_s"], c["impressions"], c["ctr"]) for c in w.curve("steady")]
+[(0.0, 20, 0.15)]
+>>> w.ctr("drifted", 10.0, 20.0), w.ctr("steady", 10.0, 20.0)
+(0.5, None)
+>>> [c["ctr"] for c in w.curve()]  # all groups
+[0.15, 0.5]
 """
 
 from __future__ import annotations
@@ -33,6 +45,44 @@ log = logging.getLogger("freshrec.loop")
 
 
 @dataclass
+class CtrWindows:
+    """Impressions and clicks per (time window, group of users). Pure."""
+
+    window_s: float = 10.0
+    cells: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+
+    def add(self, elapsed_s: float, group: str, impressions: int, clicks: int) -> None:
+        cell = self.cells.setdefault((int(elapsed_s // self.window_s), group), [0, 0])
+        cell[0] += impressions
+        cell[1] += clicks
+
+    def curve(self, group: str | None = None) -> list[dict]:
+        """The group's windows (every group's, summed, for None) in time order: start (s),
+        impressions, clicks, CTR."""
+        sums: dict[int, list[int]] = {}
+        for (n, g), (imps, clicks) in self.cells.items():
+            if group is None or g == group:
+                cell = sums.setdefault(n, [0, 0])
+                cell[0] += imps
+                cell[1] += clicks
+        return [
+            {
+                "from_s": n * self.window_s, "impressions": imps, "clicks": clicks,
+                "ctr": round(clicks / imps, 4) if imps else None,
+            }
+            for n, (imps, clicks) in sorted(sums.items())
+        ]  # fmt: skip
+
+    def ctr(self, group: str, from_s: float, to_s: float) -> float | None:
+        """CTR over the windows that start in [from_s, to_s); None without impressions."""
+        imps = clicks = 0
+        for (n, g), (i, c) in self.cells.items():
+            if g == group and from_s <= n * self.window_s < to_s:
+                imps, clicks = imps + i, clicks + c
+        return round(clicks / imps, 4) if imps else None
+
+
+@dataclass
 class LoopStats:
     sent: int = 0
     replied: int = 0
@@ -45,6 +95,7 @@ class LoopStats:
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=5000))
     all_latencies_ms: list = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    windows: CtrWindows = field(default_factory=CtrWindows)
 
     @property
     def ctr(self) -> float:
@@ -64,20 +115,35 @@ class LoopStats:
 
     def final(self) -> str:
         tiers = ", ".join(f"{k} {v:,}" for k, v in self.tiers.most_common())
+        curve = " ".join(
+            f"{100 * c['ctr']:.1f}%" for c in self.windows.curve() if c["ctr"] is not None
+        )
         return (
             f"served {self.replied:,} of {self.sent:,} requests ({self.timeouts} timeouts, "
             f"{self.errors} errors), latency p50 {self.p(50, False):,.1f}ms p99 "
             f"{self.p(99, False):,.1f}ms; tiers: {tiers or '-'}; CTR of served "
             f"recommendations {100 * self.ctr:.2f}% ({self.clicks:,} clicks / "
-            f"{self.impressions:,} impressions, {self.conversions:,} conversions)"
+            f"{self.impressions:,} impressions, {self.conversions:,} conversions); CTR per "
+            f"{self.windows.window_s:g} s: {curve or '-'}"
         )
 
 
 class ClosedLoop:
+    """``users``: draw requests uniformly from these user indices instead of the world's
+    active users. ``drift_after_s``: the world's interest drift happens that many seconds
+    after the loop's first request (``drift_fraction`` of the users switch their main
+    category; ``World.drifts`` names them). ``window_s``: the CTR windows of ``stats``."""
+
     def __init__(
         self, conn: ConnectionSettings, world: World, rate_per_s: float, *, k: int = 10,
         seed: int = 1, timeout_s: float = 2.0, concurrency: int = 256,
+        users: np.ndarray | None = None, drift_after_s: float | None = None,
+        drift_fraction: float = 0.5, window_s: float = 10.0,
     ) -> None:  # fmt: skip
+        if users is not None and len(users) == 0:
+            raise ValueError("a cohort needs at least one user")
+        if not 0.0 <= drift_fraction <= 1.0:
+            raise ValueError(f"drift_fraction must be in [0, 1], got {drift_fraction}")
         self.conn = conn
         self.world = world
         self.rate = rate_per_s
@@ -85,7 +151,9 @@ class ClosedLoop:
         self.rng = np.random.default_rng(seed)
         self.timeout_s = timeout_s
         self.concurrency = concurrency
-        self.stats = LoopStats()
+        self.users = None if users is None else np.asarray(users, np.int64)
+        self.drift_after_s, self.drift_fraction = drift_after_s, drift_fraction
+        self.stats = LoopStats(windows=CtrWindows(window_s))
         self.topic = TopicNames(conn.topic_prefix).events
         self._seq = 0
 
@@ -103,6 +171,9 @@ class ClosedLoop:
             timeout_s=self.timeout_s, profile=self.conn.kafka_profile,
         ) as client:  # fmt: skip
             self.stats.started = time.monotonic()
+            if self.drift_after_s is not None:
+                at_ms = int(time.time() * 1000 + 1000 * self.drift_after_s)
+                self.world = self.world.with_drift(at_ms, self.drift_fraction)
             sent = 0
             while not stop.is_set():
                 due = int((time.monotonic() - self.stats.started) * self.rate) - sent
@@ -121,7 +192,10 @@ class ClosedLoop:
     async def _one(self, client: RecommendClient, producer: Producer, sem: asyncio.Semaphore):
         try:
             w = self.world
-            user = int(w.sample_users(self.rng, 1)[0])
+            if self.users is None:
+                user = int(w.sample_users(self.rng, 1)[0])
+            else:
+                user = int(self.users[self.rng.integers(0, len(self.users))])
             region = w.config.regions[int(w.user_region(np.array([user]))[0])]
             device = DEVICE_CLASSES[int(w.user_device(np.array([user]))[0])]
             uid = World.user_id(user)
@@ -184,6 +258,9 @@ class ClosedLoop:
                 self._produce(producer, e)
         self.stats.impressions += len(idx)
         self.stats.clicks += int(clicked.sum())
+        group = "drifted" if w.drifts(users[:1])[0] else "steady"
+        self.stats.windows.add(time.monotonic() - self.stats.started, group, len(idx),
+                               int(clicked.sum()))  # fmt: skip
         self.stats.conversions += int(converted.sum())
 
     def _produce(self, producer: Producer, e: Event) -> None:

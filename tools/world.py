@@ -17,7 +17,7 @@ True
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -154,11 +154,23 @@ class World:
         u = hash_uniform(self.config.seed, _S_DEVICE, users)
         return np.searchsorted(np.cumsum(self.config.device_mix)[:-1], u, side="right")
 
+    def with_drift(self, at_ms: int, fraction: float) -> World:
+        """This world (same seed, items and users) with its interest drift at ``at_ms``."""
+        return World(replace(self.config, drift_at_ms=at_ms, drift_fraction=fraction))
+
+    def drifts(self, users: np.ndarray) -> np.ndarray:
+        """Which of ``users`` switch their main interest at ``drift_at_ms`` (a fixed
+        ``drift_fraction`` of all users, by hash); all False in a world without drift."""
+        c = self.config
+        if c.drift_at_ms is None:
+            return np.zeros(len(users), bool)
+        return hash_uniform(c.seed, _S_DRIFTS, np.asarray(users, np.int64)) < c.drift_fraction
+
     def user_main_category(self, users: np.ndarray, t_ms: int) -> np.ndarray:
         c = self.config
         cat = (hash_uniform(c.seed, _S_CAT1, users) * c.n_categories).astype(np.int64)
         if c.drift_at_ms is not None and t_ms >= c.drift_at_ms:
-            drifts = hash_uniform(c.seed, _S_DRIFTS, users) < c.drift_fraction
+            drifts = self.drifts(users)
             shift = 1 + (hash_uniform(c.seed, _S_CAT_DRIFT, users) * (c.n_categories - 1))
             cat = np.where(drifts, (cat + shift.astype(np.int64)) % c.n_categories, cat)
         return cat

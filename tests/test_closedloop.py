@@ -1,0 +1,89 @@
+"""The closed loop's behaviour model and CTR accounting (no broker: what a reply turns into)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from freshrec.settings import ConnectionSettings
+from schemas.codec import decode_event
+from tools.bench_freshness import arm_env, choose_cohort, table
+from tools.closedloop import ClosedLoop
+from tools.world import World, WorldConfig
+
+WORLD = World(WorldConfig(seed=3, n_users=5_000, n_items=1_000))
+CONN = ConnectionSettings("127.0.0.1:1", "redis://127.0.0.1:1", "t.")
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes, bytes]] = []
+
+    def produce(self, topic, key, value) -> None:
+        self.sent.append((topic, key, value))
+
+    def poll(self, timeout) -> int:
+        return 0
+
+
+def reply(request_id: str, items: list[int]):
+    return SimpleNamespace(
+        request_id=request_id, items=[SimpleNamespace(item_id=World.item_id(i)) for i in items]
+    )
+
+
+def test_a_reply_becomes_impressions_clicks_and_ctr_windows_per_group():
+    world = WORLD.with_drift(0, 0.5)  # drifted already: half of the users moved
+    users = np.arange(200)
+    drifted, steady = int(users[world.drifts(users)][0]), int(users[~world.drifts(users)][0])
+    loop = ClosedLoop(CONN, world, 10.0, users=np.array([drifted, steady]), window_s=5.0)
+    producer = Recorder()
+    items = list(range(10))
+    for n, user in enumerate([drifted, steady, steady]):
+        loop._behave(producer, user, World.user_id(user), "north", "pc", reply(f"r{n}", items))
+    events = [decode_event(v, int(time.time() * 1000)) for _, _, v in producer.sent]
+    impressions = [e for e in events if e.event_type == "impression"]
+    clicks = [e for e in events if e.event_type == "click"]
+    assert len(impressions) == 30 and [e.position for e in impressions[:10]] == items
+    assert all(t == "t.events" for t, _, _ in producer.sent)
+    assert loop.stats.impressions == 30 and loop.stats.clicks == len(clicks)
+    cells = loop.stats.windows.cells
+    assert set(cells) == {(0, "drifted"), (0, "steady")}
+    assert cells[(0, "drifted")][0] == 10 and cells[(0, "steady")][0] == 20
+    assert sum(c for _, c in cells.values()) == len(clicks)
+
+
+def test_no_drift_puts_every_user_in_the_steady_group():
+    loop = ClosedLoop(CONN, WORLD, 10.0)
+    loop._behave(Recorder(), 7, "u7", "north", "pc", reply("r", [1, 2, 3]))
+    assert set(loop.stats.windows.cells) == {(0, "steady")}
+
+
+def test_bad_cohorts_and_fractions_are_refused():
+    with pytest.raises(ValueError, match="at least one user"):
+        ClosedLoop(CONN, WORLD, 10.0, users=np.array([], np.int64))
+    with pytest.raises(ValueError, match="drift_fraction"):
+        ClosedLoop(CONN, WORLD, 10.0, drift_fraction=1.5)
+
+
+def test_the_cohort_is_distinct_active_users_and_the_table_has_a_row_per_window():
+    cohort = choose_cohort(WORLD, 50, seed=1)
+    assert len(cohort) == 50 == len(set(cohort.tolist()))
+    assert np.array_equal(cohort, choose_cohort(WORLD, 50, seed=1))
+    curve = [{"from_s": 0.0, "ctr": 0.1}, {"from_s": 10.0, "ctr": 0.2}]
+    groups = {"steady": {"curve": curve}, "drifted": {"curve": curve[:1]}}
+    text = table({"online": {"groups": groups}}, 10.0)
+    assert text.splitlines()[2] == "| 0–10 | 10.0% | 10.0% |"
+    assert text.splitlines()[3] == "| 10–20 | 20.0% |  |"
+
+
+def test_arms_are_named_or_a_learning_rate():
+    assert arm_env("frozen") == {"FRESHREC_LOCAL_LR": "0", "FRESHREC_GLOBAL_LR": "0"}
+    assert arm_env("online") == {}
+    assert arm_env("global=0.1") == {"FRESHREC_GLOBAL_LR": "0.1"}
+    for bad in ("fast", "lr=-1", "lr=nan", "lr=x", "local=", "local=0.1+speed=2"):
+        with pytest.raises(ValueError):
+            arm_env(bad)

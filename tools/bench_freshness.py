@@ -1,0 +1,234 @@
+"""Benchmark of what online learning buys: the click-through rate of a closed loop's cohort
+with the embeddings learning online, against the same run with them frozen, through an
+interest drift.
+
+Each arm runs on a private embedded stack with the streams app, the parameter server and one
+worker as their own processes, seeded with the same trained starting embeddings and ranking
+models (trained once by the benchmark, or read from ``--models``). A cohort of active users
+of the synthetic world asks for recommendations at a steady rate and clicks as the world's
+ground truth says (``tools.closedloop``); ``--before`` seconds after the first request, a
+fraction of the cohort switches its main interest to another category (the world's interest
+drift). Reported per ``--window`` seconds, for the users who drift and for the others: the
+CTR of the replies they got.
+
+Arms: ``online`` (the defaults), ``frozen`` (``FRESHREC_LOCAL_LR=0``,
+``FRESHREC_GLOBAL_LR=0``: the rows keep their trained values; hot lists, item statistics and
+recent clicks stay fresh, so the difference is the embeddings' online learning alone), and
+learning rates: ``lr=X`` (the worker's and the parameter server's both X), ``local=X``,
+``global=X``, joined by ``+`` (``local=0.2+global=0.05``).
+
+    .venv/bin/python -m tools.bench_freshness [--cohort 200] [--rate 40] [--before 60]
+                                              [--after 60] [--window 10] [--arms online,frozen]
+    .venv/bin/python -m tools.bench_freshness --arms frozen,lr=0.01,lr=0.05,lr=0.2
+
+Writes artifacts/bench_freshness.json. Needs nothing running (starts private stacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from freshrec.progress import ProgressLine
+from freshrec.runstatus import wait_until_assigned
+from freshrec.stack import free_port
+from inference.modelfile import read_manifest
+from inference.train import TrainConfig, train, world_fingerprint
+from tools.benchlib import bench_connection, save, service_process
+from tools.closedloop import ClosedLoop, LoopStats
+from tools.seed import seed_world
+from tools.world import World, WorldConfig
+
+DIM = 64
+ARMS = {
+    "online": {},
+    "frozen": {"FRESHREC_LOCAL_LR": "0", "FRESHREC_GLOBAL_LR": "0"},
+}
+GROUPS = ("steady", "drifted")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cohort", type=int, default=200, help="users in the cohort")
+    ap.add_argument("--rate", type=float, default=40.0, help="requests per second")
+    ap.add_argument("--before", type=float, default=60.0, help="seconds before the drift")
+    ap.add_argument("--after", type=float, default=60.0, help="seconds after it")
+    ap.add_argument("--window", type=float, default=10.0, help="seconds per CTR window")
+    ap.add_argument("--drift-fraction", type=float, default=0.5,
+                    help="share of the users whose main interest moves")  # fmt: skip
+    ap.add_argument("--arms", default="online,frozen", help=f"of {', '.join(ARMS)}")
+    ap.add_argument("--items", type=int, default=20_000)
+    ap.add_argument("--users", type=int, default=200_000)
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--models", type=Path, default=None,
+                    help="a model directory trained on the same world (default: train one)")  # fmt: skip
+    args = ap.parse_args()
+    try:
+        arms = {a.strip(): arm_env(a.strip()) for a in args.arms.split(",") if a.strip()}
+    except ValueError as exc:
+        ap.error(f"--arms: {exc}")
+    if not arms:
+        ap.error("--arms: name at least one arm")
+    if args.cohort < 1 or args.rate <= 0 or args.window <= 0:
+        ap.error("--cohort, --rate and --window must be positive")
+
+    progress = ProgressLine()
+    world = World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items))
+    cohort = choose_cohort(world, args.cohort, args.seed)
+    results: dict = {
+        "world": {"seed": args.seed, "users": args.users, "items": args.items},
+        "cohort": len(cohort), "rate_per_s": args.rate, "before_s": args.before,
+        "after_s": args.after, "window_s": args.window, "drift_fraction": args.drift_fraction,
+        "arms": {},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
+        models = args.models or Path(tmp)
+        if args.models is None:
+            progress.done("training models for the benchmark world")
+            train(world, TrainConfig(impressions=200_000, dim=DIM), models, progress.update)
+        elif read_manifest(models).get("world") != world_fingerprint(world):
+            ap.error(f"--models {models} was trained on another world")
+        for arm, env in arms.items():
+            stats = run_arm(arm, env, world, models, cohort, args, progress)
+            results["arms"][arm] = arm_result(stats, args.before, args.before + args.after)
+            progress.done(f"{arm}: {summary_line(results['arms'][arm])}")
+    results["table"] = table(results["arms"], args.window)
+    print(results["table"])
+    save("bench_freshness", results)
+
+
+RATES = {
+    "lr": ("FRESHREC_LOCAL_LR", "FRESHREC_GLOBAL_LR"),
+    "local": ("FRESHREC_LOCAL_LR",),
+    "global": ("FRESHREC_GLOBAL_LR",),
+}
+
+
+def arm_env(arm: str) -> dict[str, str]:
+    """The environment of an arm: one of ``ARMS``, or learning rates joined by ``+``:
+    ``lr=X`` (the worker's local step and the parameter server's Adagrad both X),
+    ``local=X``, ``global=X``.
+
+    >>> arm_env("lr=0.2")
+    {'FRESHREC_LOCAL_LR': '0.2', 'FRESHREC_GLOBAL_LR': '0.2'}
+    >>> arm_env("local=0.2+global=0.05")
+    {'FRESHREC_LOCAL_LR': '0.2', 'FRESHREC_GLOBAL_LR': '0.05'}
+    """
+    if arm in ARMS:
+        return ARMS[arm]
+    env: dict[str, str] = {}
+    for term in arm.split("+"):
+        name, _, value = term.partition("=")
+        if name not in RATES or not value:
+            raise ValueError(f"unknown arm {arm!r}; expected {', '.join(ARMS)} or lr=X")
+        lr = float(value)
+        if not lr >= 0:
+            raise ValueError(f"a learning rate must be >= 0, got {term}")
+        env.update(dict.fromkeys(RATES[name], repr(lr)))
+    return env
+
+
+def choose_cohort(world: World, size: int, seed: int) -> np.ndarray:
+    """``size`` distinct active users (drawn like the world's traffic, Zipf by activity)."""
+    rng = np.random.default_rng(seed)
+    picked: dict[int, None] = {}
+    while len(picked) < min(size, world.config.n_users):
+        for u in world.sample_users(rng, size).tolist():
+            picked.setdefault(int(u), None)
+            if len(picked) == size:
+                break
+    return np.fromiter(picked, np.int64)
+
+
+def run_arm(arm, arm_env, world, models, cohort, args, progress) -> LoopStats:
+    env = {"FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM), **arm_env}
+    with bench_connection("fresh.") as conn:
+        seed_world(conn.redis_url, conn.topic_prefix, world, models)
+        ports = {name: free_port() for name in ("streams", "param-server", "worker")}
+        with (
+            service_process(conn, "streams", ports["streams"], env),
+            service_process(conn, "param-server", ports["param-server"], env),
+            service_process(conn, "worker", ports["worker"], env),
+        ):
+            wait_until_assigned(ports, 120, lambda w: progress.update(f"{arm}: waiting for {w}"))
+            loop = ClosedLoop(
+                conn, world, args.rate, seed=args.seed, users=cohort,
+                drift_after_s=args.before, drift_fraction=args.drift_fraction,
+                window_s=args.window,
+            )  # fmt: skip
+            stop = threading.Event()
+            thread = loop.run_in_thread(stop)
+            while loop.stats.sent == 0 and thread.is_alive():  # its client connects first
+                time.sleep(0.1)
+            end = loop.stats.started + args.before + args.after
+            while time.monotonic() < end and thread.is_alive():
+                time.sleep(min(1.0, max(end - time.monotonic(), 0.0)))
+                s = loop.stats
+                phase = "before" if time.monotonic() - s.started < args.before else "after"
+                progress.update(f"{arm}: {phase} the drift | {s.line()}")
+            stop.set()
+            thread.join(args.window + 15)
+            return loop.stats
+
+
+def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
+    """The arm's figures; windows that start at ``end_s`` or later (replies still in flight
+    when the loop stopped) are left out."""
+    w, span = stats.windows, stats.windows.window_s
+    return {
+        "requests": stats.sent, "replied": stats.replied, "timeouts": stats.timeouts,
+        "latency_p50_ms": round(stats.p(50, False), 1),
+        "latency_p99_ms": round(stats.p(99, False), 1),
+        "ctr": round(stats.ctr, 4),
+        "groups": {
+            g: {
+                "first_window": w.ctr(g, 0.0, span),
+                "last_window_before_drift": w.ctr(g, drift_s - span, drift_s),
+                "first_window_after_drift": w.ctr(g, drift_s, drift_s + span),
+                "last_window": w.ctr(g, end_s - span, end_s),
+                "curve": [c for c in w.curve(g) if c["from_s"] < end_s],
+            }
+            for g in GROUPS
+        },
+    }  # fmt: skip
+
+
+def summary_line(r: dict) -> str:
+    s, d = r["groups"]["steady"], r["groups"]["drifted"]
+    return (
+        f"CTR {100 * r['ctr']:.1f}% (steady users: first window {_pct(s['first_window'])},"
+        f" last {_pct(s['last_window'])}); around the drift, drifted users"
+        f" {_pct(d['last_window_before_drift'])} → {_pct(d['first_window_after_drift'])},"
+        f" steady {_pct(s['last_window_before_drift'])} → {_pct(s['first_window_after_drift'])};"
+        f" request p99 {r['latency_p99_ms']} ms"
+    )
+
+
+def table(arms: dict, window_s: float) -> str:
+    """CTR per window (rows) for each arm and group (columns), as Markdown."""
+    cols = [(a, g) for a in arms for g in GROUPS]
+    starts = sorted({c["from_s"] for a, g in cols for c in arms[a]["groups"][g]["curve"]})
+    lines = [
+        "| window (s) | " + " | ".join(f"{a}: {g}" for a, g in cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
+    for start in starts:
+        cells = []
+        for a, g in cols:
+            hit = [c for c in arms[a]["groups"][g]["curve"] if c["from_s"] == start]
+            cells.append(_pct(hit[0]["ctr"]) if hit else "")
+        lines.append(f"| {start:.0f}–{start + window_s:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+if __name__ == "__main__":
+    main()
