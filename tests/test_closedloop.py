@@ -74,8 +74,8 @@ def test_the_cohort_is_distinct_active_users_and_the_table_has_a_row_per_window(
     assert len(cohort) == 50 == len(set(cohort.tolist()))
     assert np.array_equal(cohort, choose_cohort(WORLD, 50, seed=1))
     curve = [{"from_s": 0.0, "ctr": 0.1}, {"from_s": 10.0, "ctr": 0.2}]
-    groups = {"steady": {"curve": curve}, "drifted": {"curve": curve[:1]}}
-    text = table({"online": {"groups": groups}}, 10.0)
+    text = table({"online": {"curve": curve}, "frozen": {"curve": curve[:1]}}, 10.0)
+    assert text.splitlines()[0] == "| window (s) | online | frozen |"
     assert text.splitlines()[2] == "| 0–10 | 10.0% | 10.0% |"
     assert text.splitlines()[3] == "| 10–20 | 20.0% |  |"
 

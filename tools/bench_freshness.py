@@ -195,6 +195,7 @@ def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
             }
             for g in GROUPS
         },
+        "curve": [c for c in w.curve() if c["from_s"] < end_s],
     }  # fmt: skip
 
 
@@ -210,17 +211,13 @@ def summary_line(r: dict) -> str:
 
 
 def table(arms: dict, window_s: float) -> str:
-    """CTR per window (rows) for each arm and group (columns), as Markdown."""
-    cols = [(a, g) for a in arms for g in GROUPS]
-    starts = sorted({c["from_s"] for a, g in cols for c in arms[a]["groups"][g]["curve"]})
-    lines = [
-        "| window (s) | " + " | ".join(f"{a}: {g}" for a, g in cols) + " |",
-        "|---" * (len(cols) + 1) + "|",
-    ]
+    """The cohort's CTR per window (rows) for each arm (columns), as Markdown."""
+    starts = sorted({c["from_s"] for a in arms for c in arms[a]["curve"]})
+    lines = ["| window (s) | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
     for start in starts:
         cells = []
-        for a, g in cols:
-            hit = [c for c in arms[a]["groups"][g]["curve"] if c["from_s"] == start]
+        for a in arms:
+            hit = [c for c in arms[a]["curve"] if c["from_s"] == start]
             cells.append(_pct(hit[0]["ctr"]) if hit else "")
         lines.append(f"| {start:.0f}–{start + window_s:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
