@@ -12,6 +12,7 @@ explicitly set variable always wins over the stack file, so ``KAFKA_BOOTSTRAP_SE
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,14 +72,27 @@ def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int | N
     return value
 
 
-def env_float(env: Mapping[str, str], name: str, default: float) -> float:
+def env_float(
+    env: Mapping[str, str], name: str, default: float, *, minimum: float | None = None,
+    maximum: float | None = None, positive: bool = False,
+) -> float:  # fmt: skip
+    """A finite number from ``env``, within [minimum, maximum] (and > 0 if ``positive``)."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise SettingsError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise SettingsError(f"{name}={raw!r} is not a finite number")
+    if positive and value <= 0:
+        raise SettingsError(f"{name}={value:g} must be > 0")
+    if minimum is not None and value < minimum:
+        raise SettingsError(f"{name}={value:g} must be >= {minimum:g}")
+    if maximum is not None and value > maximum:
+        raise SettingsError(f"{name}={value:g} must be <= {maximum:g}")
+    return value
 
 
 @dataclass(frozen=True)

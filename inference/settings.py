@@ -79,8 +79,8 @@ class WorkerSettings:
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
         learning = LearningSettings(
             dim=env_int(env, "FRESHREC_EMBEDDING_DIM", 64, minimum=1),
-            lr=env_float(env, "FRESHREC_LOCAL_LR", 0.05),
-            max_grad_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0),
+            lr=env_float(env, "FRESHREC_LOCAL_LR", 0.05, minimum=0),
+            max_grad_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0, positive=True),
             admission_touches=env_int(env, "FRESHREC_ADMISSION_TOUCHES", 1, minimum=1),
             admission_window_s=env_int(env, "FRESHREC_ADMISSION_WINDOW_S", 3600, minimum=1),
             gradient_linger_ms=env_int(env, "FRESHREC_GRADIENT_LINGER_MS", 20, minimum=0),
@@ -93,12 +93,12 @@ class WorkerSettings:
             if unknown:
                 raise SettingsError(f"FRESHREC_RECALL_CHANNELS: unknown channel(s) {unknown}")
             channels = {c: DEFAULT_CHANNELS[c] for c in wanted}
-        scale = env_float(env, "FRESHREC_RECALL_DEADLINE_SCALE", 1.0)
+        scale = env_float(env, "FRESHREC_RECALL_DEADLINE_SCALE", 1.0, positive=True)
         channels = {k: replace(v, deadline_ms=v.deadline_ms * scale) for k, v in channels.items()}
         serving = ServingSettings(
             candidates=env_int(env, "FRESHREC_CANDIDATES", 500, minimum=1),
             default_budget_ms=env_int(env, "FRESHREC_REQUEST_BUDGET_MS", 250, minimum=1),
-            mmr_lambda=env_float(env, "FRESHREC_MMR_LAMBDA", 0.7),
+            mmr_lambda=env_float(env, "FRESHREC_MMR_LAMBDA", 0.7, minimum=0, maximum=1),
             category_gap=env_int(env, "FRESHREC_CATEGORY_GAP", 2, minimum=1),
             channels=channels,
             ladder=LadderConfig(
@@ -107,7 +107,7 @@ class WorkerSettings:
             result_ttl_ms=env_int(env, "FRESHREC_RESULT_TTL_MS", 3_600_000, minimum=1),
             ann_min_items=env_int(env, "FRESHREC_ANN_MIN_ITEMS", 50_000, minimum=1),
             ann_nprobe=env_int(env, "FRESHREC_ANN_NPROBE", 16, minimum=1),
-            ann_refresh_s=env_float(env, "FRESHREC_ANN_REFRESH_S", 300.0),
+            ann_refresh_s=env_float(env, "FRESHREC_ANN_REFRESH_S", 300.0, positive=True),
         )
         try:
             delays = parse_delays(env.get("FRESHREC_RECALL_INJECT_DELAY_MS", ""))
@@ -128,7 +128,9 @@ class WorkerSettings:
             max_wait_ms=env_int(env, "FRESHREC_MAX_WAIT_MS", 5, minimum=0),
             model_dir=Path(env.get("FRESHREC_MODEL_DIR") or default_model_dir(env)),
             breaker=BreakerConfig(
-                threshold=env_float(env, "FRESHREC_BREAKER_THRESHOLD", 0.10),
+                threshold=env_float(
+                    env, "FRESHREC_BREAKER_THRESHOLD", 0.10, positive=True, maximum=1
+                ),
                 cooldown_ms=env_int(env, "FRESHREC_BREAKER_COOLDOWN_MS", 2000, minimum=1),
             ),
             recall_delays_ms=delays,
@@ -138,5 +140,7 @@ class WorkerSettings:
                 cvr=env_float(env, "FRESHREC_HOT_WEIGHT_CVR", 0.3),
                 price=env_float(env, "FRESHREC_HOT_WEIGHT_PRICE", 0.1),
             ),
-            hot_decay_per_hour=env_float(env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95),
+            hot_decay_per_hour=env_float(
+                env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95, positive=True, maximum=1
+            ),
         )

@@ -29,8 +29,11 @@ class ParamServerSettings:
             conn=ConnectionSettings.from_env(env),
             dim=env_int(env, "FRESHREC_EMBEDDING_DIM", 64, minimum=1),
             adagrad=AdagradConfig(
-                lr=env_float(env, "FRESHREC_GLOBAL_LR", 0.05),
-                max_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0),
+                lr=env_float(env, "FRESHREC_GLOBAL_LR", 0.05, minimum=0),
+                max_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0, positive=True),
+                initial_accumulator=env_float(
+                    env, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", 0.0, minimum=0
+                ),
             ),
             flush_interval_ms=env_int(env, "FRESHREC_FLUSH_INTERVAL_MS", 100, minimum=1),
             max_dirty_rows=env_int(env, "FRESHREC_MAX_DIRTY_ROWS", 50_000, minimum=1),

@@ -41,11 +41,13 @@ class StreamsSettings:
             price=env_float(env, "FRESHREC_HOT_WEIGHT_PRICE", 0.1),
         )
         state = StateConfig(
-            decay_rate_per_hour=env_float(env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95),
+            decay_rate_per_hour=env_float(
+                env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95, positive=True, maximum=1
+            ),
             late_grace_ms=env_int(env, "FRESHREC_LATE_GRACE_MS", 600_000, minimum=0),
             weights=weights,
             smoothing=Smoothing(),
-            price_cap=env_float(env, "FRESHREC_PRICE_CAP", 1000.0),
+            price_cap=env_float(env, "FRESHREC_PRICE_CAP", 1000.0, positive=True),
         )
         fetch = env.get("FRESHREC_STREAMS_FETCH_WAIT_MS")
         return cls(

@@ -1,0 +1,69 @@
+"""Settings from the environment: defaults, and a clear error naming the variable for a value
+a service cannot run with (instead of a failure deep in a request or a training step)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from freshrec.settings import SettingsError, env_float
+from inference.settings import WorkerSettings
+from param_server.settings import ParamServerSettings
+from streams.settings import StreamsSettings
+
+BASE = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:1"}
+
+
+def test_defaults_parse_for_every_service():
+    worker = WorkerSettings.from_env(BASE)
+    ps = ParamServerSettings.from_env(BASE)
+    StreamsSettings.from_env(BASE)
+    assert worker.learning.lr == ps.adagrad.lr == 0.05
+    assert ps.adagrad.initial_accumulator == 0.0
+
+
+def test_the_adagrad_initial_accumulator_is_a_setting():
+    ps = ParamServerSettings.from_env({**BASE, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR": "0.1"})
+    assert ps.adagrad.initial_accumulator == 0.1
+
+
+@pytest.mark.parametrize(
+    ("settings", "name", "value", "why"),
+    [
+        (WorkerSettings, "FRESHREC_LOCAL_LR", "-0.1", "must be >= 0"),
+        (WorkerSettings, "FRESHREC_LOCAL_LR", "nan", "not a finite number"),
+        (WorkerSettings, "FRESHREC_LOCAL_LR", "fast", "not a number"),
+        (WorkerSettings, "FRESHREC_MAX_GRAD_NORM", "0", "must be > 0"),
+        (WorkerSettings, "FRESHREC_MMR_LAMBDA", "1.5", "must be <= 1"),
+        (WorkerSettings, "FRESHREC_BREAKER_THRESHOLD", "0", "must be > 0"),
+        (WorkerSettings, "FRESHREC_RECALL_DEADLINE_SCALE", "-1", "must be > 0"),
+        (WorkerSettings, "FRESHREC_ANN_REFRESH_S", "inf", "not a finite number"),
+        (WorkerSettings, "FRESHREC_HOT_DECAY_PER_HOUR", "1.2", "must be <= 1"),
+        (ParamServerSettings, "FRESHREC_GLOBAL_LR", "-1", "must be >= 0"),
+        (ParamServerSettings, "FRESHREC_GLOBAL_LR", "inf", "not a finite number"),
+        (ParamServerSettings, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", "-0.1", "must be >= 0"),
+        (StreamsSettings, "FRESHREC_PRICE_CAP", "0", "must be > 0"),
+        (StreamsSettings, "FRESHREC_HOT_DECAY_PER_HOUR", "0", "must be > 0"),
+    ],
+)
+def test_a_value_a_service_cannot_run_with_is_refused_by_name(settings, name, value, why):
+    with pytest.raises(SettingsError, match=f"{name}.*{why}"):
+        settings.from_env({**BASE, name: value})
+
+
+def test_bounds_are_inclusive_and_an_empty_value_takes_the_default():
+    assert env_float({"X": "0"}, "X", 1.0, minimum=0) == 0.0
+    assert env_float({"X": "1"}, "X", 0.5, minimum=0, maximum=1) == 1.0
+    assert env_float({"X": ""}, "X", 0.5, positive=True) == 0.5
+
+
+def test_a_service_started_with_a_bad_value_exits_with_the_reason():
+    proc = subprocess.run(
+        [sys.executable, "-m", "freshrec.cli", "param-server"],
+        env={**BASE, "FRESHREC_GLOBAL_LR": "-1", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "FRESHREC_GLOBAL_LR=-1 must be >= 0" in proc.stderr + proc.stdout
