@@ -15,10 +15,12 @@ Arms: ``online`` (the defaults), ``frozen`` (``FRESHREC_LOCAL_LR=0``,
 ``FRESHREC_GLOBAL_LR=0``: the rows keep their trained values; hot lists, item statistics and
 recent clicks stay fresh, so the difference is the embeddings' online learning alone), and
 learning rates: ``lr=X`` (the worker's and the parameter server's both X), ``local=X``,
-``global=X``, joined by ``+`` (``local=0.2+global=0.05``).
+``global=X``, or any setting, ``FRESHREC_NAME=VALUE``; terms join with ``+``
+(``local=0.2+global=0.05``).
 
     .venv/bin/python -m tools.bench_freshness [--cohort 200] [--rate 40] [--before 60]
                                               [--after 60] [--window 10] [--arms online,frozen]
+                                              [--repeat 1] [--models DIR]
     .venv/bin/python -m tools.bench_freshness --arms frozen,lr=0.01,lr=0.05,lr=0.2
 
 Writes artifacts/bench_freshness.json. Needs nothing running (starts private stacks).
@@ -61,12 +63,17 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=10.0, help="seconds per CTR window")
     ap.add_argument("--drift-fraction", type=float, default=0.5,
                     help="share of the users whose main interest moves")  # fmt: skip
-    ap.add_argument("--arms", default="online,frozen", help=f"of {', '.join(ARMS)}")
+    ap.add_argument("--arms", default="online,frozen",
+                    help=f"comma-separated: {', '.join(ARMS)}, lr=X, local=X, global=X, "
+                         "FRESHREC_NAME=VALUE; terms of one arm joined by +")  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the arms this many times, alternating (A B A B ...)")  # fmt: skip
     ap.add_argument("--items", type=int, default=20_000)
     ap.add_argument("--users", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--models", type=Path, default=None,
-                    help="a model directory trained on the same world (default: train one)")  # fmt: skip
+                    help="model directory: reused when it holds this world's models, else "
+                         "trained into and kept (default: trained into a temporary one)")  # fmt: skip
     args = ap.parse_args()
     try:
         arms = {a.strip(): arm_env(a.strip()) for a in args.arms.split(",") if a.strip()}
@@ -74,8 +81,10 @@ def main() -> None:
         ap.error(f"--arms: {exc}")
     if not arms:
         ap.error("--arms: name at least one arm")
-    if args.cohort < 1 or args.rate <= 0 or args.window <= 0:
-        ap.error("--cohort, --rate and --window must be positive")
+    if args.cohort < 1 or args.rate <= 0 or args.window <= 0 or args.repeat < 1:
+        ap.error("--cohort, --rate, --window and --repeat must be positive")
+    if args.before < 0 or args.after < 0 or not 0 <= args.drift_fraction <= 1:
+        ap.error("--before and --after must be >= 0, --drift-fraction in [0, 1]")
 
     progress = ProgressLine()
     world = World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items))
@@ -88,15 +97,18 @@ def main() -> None:
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
         models = args.models or Path(tmp)
-        if args.models is None:
-            progress.done("training models for the benchmark world")
+        if not (models / "manifest.json").exists():
+            progress.done(f"training models for the benchmark world into {models}")
+            models.mkdir(parents=True, exist_ok=True)
             train(world, TrainConfig(impressions=200_000, dim=DIM), models, progress.update)
         elif read_manifest(models).get("world") != world_fingerprint(world):
-            ap.error(f"--models {models} was trained on another world")
-        for arm, env in arms.items():
-            stats = run_arm(arm, env, world, models, cohort, args, progress)
-            results["arms"][arm] = arm_result(stats, args.before, args.before + args.after)
-            progress.done(f"{arm}: {summary_line(results['arms'][arm])}")
+            ap.error(f"--models {models} holds models of another world")
+        for n in range(args.repeat):
+            for arm, env in arms.items():
+                name = arm if args.repeat == 1 else f"{arm} #{n + 1}"
+                stats = run_arm(name, env, world, models, cohort, args, progress)
+                results["arms"][name] = arm_result(stats, args.before, args.before + args.after)
+                progress.done(f"{name}: {summary_line(results['arms'][name])}")
     results["table"] = table(results["arms"], args.window)
     print(results["table"])
     save("bench_freshness", results)
@@ -112,20 +124,28 @@ RATES = {
 def arm_env(arm: str) -> dict[str, str]:
     """The environment of an arm: one of ``ARMS``, or learning rates joined by ``+``:
     ``lr=X`` (the worker's local step and the parameter server's Adagrad both X),
-    ``local=X``, ``global=X``.
+    ``local=X``, ``global=X``; or any ``FRESHREC_NAME=VALUE`` setting of the services.
 
     >>> arm_env("lr=0.2")
     {'FRESHREC_LOCAL_LR': '0.2', 'FRESHREC_GLOBAL_LR': '0.2'}
     >>> arm_env("local=0.2+global=0.05")
     {'FRESHREC_LOCAL_LR': '0.2', 'FRESHREC_GLOBAL_LR': '0.05'}
+    >>> arm_env("FRESHREC_FLUSH_INTERVAL_MS=20")
+    {'FRESHREC_FLUSH_INTERVAL_MS': '20'}
     """
     if arm in ARMS:
         return ARMS[arm]
     env: dict[str, str] = {}
     for term in arm.split("+"):
         name, _, value = term.partition("=")
+        if name.startswith("FRESHREC_") and value:
+            env[name] = value  # any setting; the service checks its value
+            continue
         if name not in RATES or not value:
-            raise ValueError(f"unknown arm {arm!r}; expected {', '.join(ARMS)} or lr=X")
+            raise ValueError(
+                f"unknown arm {arm!r}; expected {', '.join(ARMS)}, lr=X, local=X, global=X"
+                " or FRESHREC_NAME=VALUE terms joined by +"
+            )
         lr = float(value)
         if not lr >= 0:
             raise ValueError(f"a learning rate must be >= 0, got {term}")
