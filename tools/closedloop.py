@@ -75,10 +75,9 @@ class CtrWindows:
 
     def ctr(self, group: str, from_s: float, to_s: float) -> float | None:
         """CTR over the windows that start in [from_s, to_s); None without impressions."""
-        imps = clicks = 0
-        for (n, g), (i, c) in self.cells.items():
-            if g == group and from_s <= n * self.window_s < to_s:
-                imps, clicks = imps + i, clicks + c
+        inside = [c for c in self.curve(group) if from_s <= c["from_s"] < to_s]
+        imps = sum(c["impressions"] for c in inside)
+        clicks = sum(c["clicks"] for c in inside)
         return round(clicks / imps, 4) if imps else None
 
 
