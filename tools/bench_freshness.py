@@ -29,6 +29,8 @@ Writes artifacts/bench_freshness.json. Needs nothing running (starts private sta
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 import tempfile
 import threading
 import time
@@ -52,6 +54,7 @@ ARMS = {
     "frozen": {"FRESHREC_LOCAL_LR": "0", "FRESHREC_GLOBAL_LR": "0"},
 }
 GROUPS = ("steady", "drifted")
+LOG_DIR = Path("artifacts") / "bench_freshness-logs"
 
 
 def main() -> None:
@@ -167,33 +170,56 @@ def choose_cohort(world: World, size: int, seed: int) -> np.ndarray:
 
 def run_arm(arm, arm_env, world, models, cohort, args, progress) -> LoopStats:
     env = {"FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM), **arm_env}
-    with bench_connection("fresh.") as conn:
+    logs = LOG_DIR / re.sub(r"[^\w.=+-]+", "_", arm)
+    with bench_connection("fresh.") as conn, contextlib.ExitStack() as services:
         seed_world(conn.redis_url, conn.topic_prefix, world, models)
         ports = {name: free_port() for name in ("streams", "param-server", "worker")}
-        with (
-            service_process(conn, "streams", ports["streams"], env),
-            service_process(conn, "param-server", ports["param-server"], env),
-            service_process(conn, "worker", ports["worker"], env),
-        ):
-            wait_until_assigned(ports, 120, lambda w: progress.update(f"{arm}: waiting for {w}"))
-            loop = ClosedLoop(
-                conn, world, args.rate, seed=args.seed, users=cohort,
-                drift_after_s=args.before, drift_fraction=args.drift_fraction,
-                window_s=args.window,
-            )  # fmt: skip
-            stop = threading.Event()
-            thread = loop.run_in_thread(stop)
-            while loop.stats.sent == 0 and thread.is_alive():  # its client connects first
+        procs = {
+            name: services.enter_context(
+                service_process(conn, name, port, env, log=logs / f"{name}.log")
+            )
+            for name, port in ports.items()
+        }
+
+        def check() -> None:
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(
+                    f"{arm}: {', '.join(dead)} stopped during the run (logs in {logs})"
+                )
+
+        def waiting(names) -> None:
+            check()
+            progress.update(f"{arm}: waiting for {names}")
+
+        wait_until_assigned(ports, 120, waiting)
+        loop = ClosedLoop(
+            conn, world, args.rate, seed=args.seed, users=cohort,
+            drift_after_s=args.before, drift_fraction=args.drift_fraction, window_s=args.window,
+        )  # fmt: skip
+        stop = threading.Event()
+        thread = loop.run_in_thread(stop)
+        try:
+            give_up = time.monotonic() + 60
+            while loop.stats.sent == 0:  # its client connects first
+                if not thread.is_alive() or time.monotonic() > give_up:
+                    raise RuntimeError(f"{arm}: the closed loop sent no request")
                 time.sleep(0.1)
             end = loop.stats.started + args.before + args.after
-            while time.monotonic() < end and thread.is_alive():
+            while time.monotonic() < end:
                 time.sleep(min(1.0, max(end - time.monotonic(), 0.0)))
+                check()
+                if not thread.is_alive():
+                    raise RuntimeError(f"{arm}: the closed loop stopped early")
                 s = loop.stats
                 phase = "before" if time.monotonic() - s.started < args.before else "after"
                 progress.update(f"{arm}: {phase} the drift | {s.line()}")
+        finally:
             stop.set()
             thread.join(args.window + 15)
-            return loop.stats
+        if loop.stats.replied == 0:
+            raise RuntimeError(f"{arm}: no request was answered (logs in {logs})")
+        return loop.stats
 
 
 def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
@@ -248,4 +274,7 @@ def _pct(x: float | None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as exc:  # a service or the loop failed: say which, without a trace
+        raise SystemExit(f"bench_freshness: {exc}") from None

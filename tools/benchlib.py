@@ -46,26 +46,34 @@ def bench_connection(prefix: str) -> Iterator[ConnectionSettings]:
 
 
 @contextlib.contextmanager
-def service_process(conn: ConnectionSettings, command: str, port: int, extra=None):
-    """``freshrec <command>`` against ``conn`` with metrics on ``port``; stopped on exit."""
+def service_process(
+    conn: ConnectionSettings, command: str, port: int, extra=None, log: Path | None = None
+):
+    """``freshrec <command>`` against ``conn`` with metrics on ``port``; stopped on exit.
+    Its output goes to ``log`` when given (else nowhere)."""
     env = dict(os.environ)
     env.update(
         KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers, REDIS_URL=conn.redis_url,
         FRESHREC_TOPIC_PREFIX=conn.topic_prefix, FRESHREC_METRICS_PORT=str(port),
         **(extra or {}),
     )  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "freshrec.cli", command], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with contextlib.ExitStack() as files:
+        out = subprocess.DEVNULL
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            out = files.enter_context(log.open("w"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "freshrec.cli", command], env=env,
+            stdout=out, stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+        )  # fmt: skip
         try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            yield proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def synthetic_records(world, seed: int, n: int) -> list[tuple[bytes, bytes]]:
