@@ -29,9 +29,11 @@ class Recorder:
         return 0
 
 
-def reply(request_id: str, items: list[int]):
+def reply(request_id: str, items: list[int], tier: str = "full"):
     return SimpleNamespace(
-        request_id=request_id, items=[SimpleNamespace(item_id=World.item_id(i)) for i in items]
+        request_id=request_id,
+        items=[SimpleNamespace(item_id=World.item_id(i)) for i in items],
+        tier=tier,
     )
 
 
@@ -54,6 +56,17 @@ def test_a_reply_becomes_impressions_clicks_and_ctr_windows_per_group():
     assert set(cells) == {(0, "drifted"), (0, "steady")}
     assert cells[(0, "drifted")][0] == 10 and cells[(0, "steady")][0] == 20
     assert sum(c for _, c in cells.values()) == len(clicks)
+    assert loop.stats.by_tier == {"full": [30, len(clicks)]}
+
+
+def test_ctr_is_kept_per_serving_tier():
+    loop = ClosedLoop(CONN, WORLD, 10.0)
+    loop._behave(Recorder(), 7, "u7", "north", "pc", reply("a", [1, 2, 3, 4], tier="full"))
+    loop._behave(Recorder(), 8, "u8", "north", "low_end", reply("b", [5, 6], tier="light"))
+    assert {t: i for t, (i, _) in loop.stats.by_tier.items()} == {"full": 4, "light": 2}
+    loop.stats.by_tier = {"full": [10, 3], "light": [4, 1], "hot": [0, 0]}
+    assert loop.stats.tier_ctr() == {"full": 0.3, "light": 0.25}
+    assert "CTR by tier: full 30.0%, light 25.0%" in loop.stats.final()
 
 
 def test_no_drift_puts_every_user_in_the_steady_group():

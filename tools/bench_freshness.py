@@ -231,6 +231,7 @@ def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
         "latency_p50_ms": round(stats.p(50, False), 1),
         "latency_p99_ms": round(stats.p(99, False), 1),
         "ctr": round(stats.ctr, 4),
+        "ctr_by_tier": stats.tier_ctr(),
         "groups": {
             g: {
                 "first_window": w.ctr(g, 0.0, span),

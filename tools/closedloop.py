@@ -95,6 +95,11 @@ class LoopStats:
     all_latencies_ms: list = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     windows: CtrWindows = field(default_factory=CtrWindows)
+    by_tier: dict[str, list[int]] = field(default_factory=dict)
+    """Impressions and clicks per serving tier: what degradation costs in clicks."""
+
+    def tier_ctr(self) -> dict[str, float]:
+        return {t: round(c / i, 4) for t, (i, c) in sorted(self.by_tier.items()) if i}
 
     @property
     def ctr(self) -> float:
@@ -117,13 +122,14 @@ class LoopStats:
         curve = " ".join(
             f"{100 * c['ctr']:.1f}%" for c in self.windows.curve() if c["ctr"] is not None
         )
+        by_tier = ", ".join(f"{t} {100 * v:.1f}%" for t, v in self.tier_ctr().items())
         return (
             f"served {self.replied:,} of {self.sent:,} requests ({self.timeouts} timeouts, "
             f"{self.errors} errors), latency p50 {self.p(50, False):,.1f}ms p99 "
             f"{self.p(99, False):,.1f}ms; tiers: {tiers or '-'}; CTR of served "
             f"recommendations {100 * self.ctr:.2f}% ({self.clicks:,} clicks / "
             f"{self.impressions:,} impressions, {self.conversions:,} conversions); CTR per "
-            f"{self.windows.window_s:g} s: {curve or '-'}"
+            f"{self.windows.window_s:g} s: {curve or '-'}; CTR by tier: {by_tier or '-'}"
         )
 
 
@@ -260,6 +266,9 @@ class ClosedLoop:
         group = "drifted" if w.drifts(users[:1])[0] else "steady"
         self.stats.windows.add(time.monotonic() - self.stats.started, group, len(idx),
                                int(clicked.sum()))  # fmt: skip
+        tier = self.stats.by_tier.setdefault(reply.tier, [0, 0])
+        tier[0] += len(idx)
+        tier[1] += int(clicked.sum())
         self.stats.conversions += int(converted.sum())
 
     def _produce(self, producer: Producer, e: Event) -> None:
