@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -100,3 +104,25 @@ def test_arms_are_named_or_a_learning_rate():
     for bad in ("fast", "lr=-1", "lr=nan", "lr=x", "local=", "local=0.1+speed=2"):
         with pytest.raises(ValueError):
             arm_env(bad)
+
+
+def test_bench_freshness_runs_an_arm_end_to_end(tmp_path):
+    """The benchmark's whole path, tiny: trains, starts a stack and the three services, runs
+    the cohort through a drift, and writes its figures (real broker and Redis)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.bench_freshness", "--arms", "online",
+         "--cohort", "20", "--rate", "10", "--before", "4", "--after", "4", "--window", "4",
+         "--items", "2000", "--users", "10000", "--train-impressions", "20000",
+         "--models", str(tmp_path / "models"), "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench_freshness.json").read_text())
+    online = result["arms"]["online"]
+    assert online["replied"] > 40 and online["timeouts"] < 10
+    assert [c["from_s"] for c in online["curve"]] == [0.0, 4.0]
+    assert set(online["ctr_by_tier"]) <= {"full", "light", "cached", "hot"}
+    assert online["groups"]["drifted"]["curve"] and online["groups"]["steady"]["curve"]
+    assert (tmp_path / "bench_freshness-logs" / "online" / "worker.log").exists()
+    assert (tmp_path / "models" / "manifest.json").exists()

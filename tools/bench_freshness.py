@@ -23,7 +23,7 @@ learning rates: ``lr=X`` (the worker's and the parameter server's both X), ``loc
                                               [--repeat 1] [--models DIR]
     .venv/bin/python -m tools.bench_freshness --arms frozen,lr=0.01,lr=0.05,lr=0.2
 
-Writes artifacts/bench_freshness.json. Needs nothing running (starts private stacks).
+Writes artifacts/bench_freshness.json (`--out`). Needs nothing running (starts private stacks).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ ARMS = {
     "frozen": {"FRESHREC_LOCAL_LR": "0", "FRESHREC_GLOBAL_LR": "0"},
 }
 GROUPS = ("steady", "drifted")
-LOG_DIR = Path("artifacts") / "bench_freshness-logs"
 
 
 def main() -> None:
@@ -74,6 +73,10 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=20_000)
     ap.add_argument("--users", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--train-impressions", type=int, default=200_000,
+                    help="logged impressions the models are trained on")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=Path("artifacts"),
+                    help="directory for bench_freshness.json and the services' logs")  # fmt: skip
     ap.add_argument("--models", type=Path, default=None,
                     help="model directory: reused when it holds this world's models, else "
                          "trained into and kept (default: trained into a temporary one)")  # fmt: skip
@@ -84,8 +87,11 @@ def main() -> None:
         ap.error(f"--arms: {exc}")
     if not arms:
         ap.error("--arms: name at least one arm")
-    if args.cohort < 1 or args.rate <= 0 or args.window <= 0 or args.repeat < 1:
-        ap.error("--cohort, --rate, --window and --repeat must be positive")
+    if (
+        min(args.cohort, args.repeat, args.train_impressions) < 1
+        or min(args.rate, args.window) <= 0
+    ):
+        ap.error("--cohort, --rate, --window, --repeat and --train-impressions must be positive")
     if args.before < 0 or args.after < 0 or not 0 <= args.drift_fraction <= 1:
         ap.error("--before and --after must be >= 0, --drift-fraction in [0, 1]")
 
@@ -103,7 +109,8 @@ def main() -> None:
         if not (models / "manifest.json").exists():
             progress.done(f"training models for the benchmark world into {models}")
             models.mkdir(parents=True, exist_ok=True)
-            train(world, TrainConfig(impressions=200_000, dim=DIM), models, progress.update)
+            config = TrainConfig(impressions=args.train_impressions, dim=DIM)
+            train(world, config, models, progress.update)
         elif read_manifest(models).get("world") != world_fingerprint(world):
             ap.error(f"--models {models} holds models of another world")
         for n in range(args.repeat):
@@ -114,7 +121,7 @@ def main() -> None:
                 progress.done(f"{name}: {summary_line(results['arms'][name])}")
     results["table"] = table(results["arms"], args.window)
     print(results["table"])
-    save("bench_freshness", results)
+    save("bench_freshness", results, args.out)
 
 
 RATES = {
@@ -170,8 +177,11 @@ def choose_cohort(world: World, size: int, seed: int) -> np.ndarray:
 
 def run_arm(arm, arm_env, world, models, cohort, args, progress) -> LoopStats:
     env = {"FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM), **arm_env}
-    logs = LOG_DIR / re.sub(r"[^\w.=+-]+", "_", arm)
-    with bench_connection("fresh.") as conn, contextlib.ExitStack() as services:
+    logs = args.out / "bench_freshness-logs" / re.sub(r"[^\w.=+-]+", "_", arm)
+    # a prefix of its own: on shared services (KAFKA_BOOTSTRAP_SERVERS set) no arm reads
+    # another's topics or rows
+    prefix = f"fresh{time.time_ns() % 10**12}."
+    with bench_connection(prefix) as conn, contextlib.ExitStack() as services:
         seed_world(conn.redis_url, conn.topic_prefix, world, models)
         ports = {name: free_port() for name in ("streams", "param-server", "worker")}
         procs = {
