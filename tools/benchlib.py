@@ -64,7 +64,7 @@ def service_process(
             out = files.enter_context(log.open("w"))
         proc = subprocess.Popen(
             [sys.executable, "-m", "freshrec.cli", command], env=env,
-            stdout=out, stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             yield proc

@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -155,8 +156,11 @@ class World:
         return np.searchsorted(np.cumsum(self.config.device_mix)[:-1], u, side="right")
 
     def with_drift(self, at_ms: int, fraction: float) -> World:
-        """This world (same seed, items and users) with its interest drift at ``at_ms``."""
-        return World(replace(self.config, drift_at_ms=at_ms, drift_fraction=fraction))
+        """This world (same seed, items and users) with its interest drift at ``at_ms``; the
+        item arrays are shared, not rebuilt (user attributes read the config when asked)."""
+        drifted = copy.copy(self)
+        drifted.config = replace(self.config, drift_at_ms=at_ms, drift_fraction=fraction)
+        return drifted
 
     def drifts(self, users: np.ndarray) -> np.ndarray:
         """Which of ``users`` switch their main interest at ``drift_at_ms`` (a fixed
