@@ -261,15 +261,15 @@ class ClosedLoop:
                 )
             for e in out:
                 self._produce(producer, e)
-        self.stats.impressions += len(idx)
-        self.stats.clicks += int(clicked.sum())
-        group = "drifted" if w.drifts(users[:1])[0] else "steady"
-        self.stats.windows.add(time.monotonic() - self.stats.started, group, len(idx),
-                               int(clicked.sum()))  # fmt: skip
-        tier = self.stats.by_tier.setdefault(reply.tier, [0, 0])
-        tier[0] += len(idx)
-        tier[1] += int(clicked.sum())
+        shown, hits = len(idx), int(clicked.sum())
+        self.stats.impressions += shown
+        self.stats.clicks += hits
         self.stats.conversions += int(converted.sum())
+        group = "drifted" if w.drifts(users[:1])[0] else "steady"
+        self.stats.windows.add(time.monotonic() - self.stats.started, group, shown, hits)
+        tier = self.stats.by_tier.setdefault(reply.tier, [0, 0])
+        tier[0] += shown
+        tier[1] += hits
 
     def _produce(self, producer: Producer, e: Event) -> None:
         while True:
