@@ -162,6 +162,13 @@ BREAKER_STATE = Gauge(
 MODEL_INFO = Gauge("freshrec_model_info", "The ranking model version in use (value 1)", ["version"])
 MODEL_RELOADS = Counter("freshrec_model_reloads_total", "Model loads", ["outcome"])
 CATALOGUE_ITEMS = Gauge("freshrec_catalogue_items", "Items in the worker's catalogue snapshot")
+ANN_INDEX_ITEMS = Gauge(
+    "freshrec_ann_index_items", "Items in the vector channel's IVF index (0: exact search)"
+)
+ANN_BUILD_SECONDS = Gauge("freshrec_ann_build_seconds", "Time the last IVF index build took")
+ANN_BUILT_AT = Gauge(
+    "freshrec_ann_built_timestamp_seconds", "When the IVF index in use was built (Unix time)"
+)
 SNAPSHOT_REFRESHES = Counter(
     "freshrec_snapshot_refreshes_total", "Snapshot refreshes from Redis", ["outcome"]
 )

@@ -22,7 +22,7 @@ import torch
 
 from freshrec import metrics as m
 from freshrec.rediskeys import RedisKeys
-from inference.ann import IVFIndex
+from inference.ann import IVFIndex, auto_nprobe, exact_search, ivf_cells, top_k_rows
 from inference.cache import EmbeddingCache
 from inference.degrade import CACHED, FULL, HOT, LIGHT, Ladder, LadderConfig, Situation
 from inference.features import RECENT, FeatureEncoder, recent_category_share
@@ -57,10 +57,11 @@ class ServingSettings:
     result_cache_entries: int = 100_000
     mmr_pool_factor: int = 10
     """MMR re-ranks the best ``factor × k`` candidates (diversity among the relevant ones)."""
-    ann_min_items: int = 50_000
-    """Catalogues at least this large use the IVF index (``ann.py``) for the vector channels;
-    smaller ones are searched exactly."""
-    ann_nprobe: int = 16
+    ann_min_items: int = 200_000
+    """Catalogues at least this large use the IVF index (``ann.py``) for the vector channel
+    on a CPU; smaller ones, and every catalogue on an accelerator, are searched exactly."""
+    ann_nprobe: int = 0
+    """Cells a query probes; 0: ``ann.auto_nprobe`` (4% of the catalogue, at least 64 cells)."""
     ann_refresh_s: float = 300.0
     recall_share: float = 0.5
     """At most this share of the tightest budget in a batch is spent waiting for recall."""
@@ -191,10 +192,11 @@ class Recommender:
         if index is not None:
             newer = torch.arange(index.size, size, device=items.device)
             newer = newer[named[index.size : size]]
-            return index.search(q, items, n, self.settings.ann_nprobe, extra=newer)
-        # one fused op: scores of every item, -inf where the item is not in the catalogue
-        scores = torch.addmm(self.unnamed_bias[:size], q, items[:size].T)
-        return list(top_k_rows(scores, min(n, self.named_count)))
+            nprobe = self.settings.ann_nprobe or auto_nprobe(len(index.centroids))
+            return index.search(q, items, n, nprobe, extra=newer)
+        return list(
+            exact_search(q, items[:size], self.unnamed_bias[:size], min(n, self.named_count))
+        )
 
     def maybe_rebuild_index(self) -> None:
         """Start a background IVF build when the catalogue is large and the index is missing
@@ -202,25 +204,31 @@ class Recommender:
         s = self.settings
         if self.named_count < s.ann_min_items or self._ann_building:
             return
+        if self.cache.device.type != "cpu":  # a device's exact search is the fast one
+            return
         if self.ann is not None and time.monotonic() - self._ann_built_at < s.ann_refresh_s:
             return
         size = min(len(self.named), len(self.cache.items.rows))
-        rows = self.cache.items.rows[:size].detach().clone().cpu()
+        # no copy here (256 MB at 1M items would stall this loop): the build copies the rows
+        # into cells on its own thread, and a row installed meanwhile may land half-updated
+        # in that copy, which only chooses candidates; the live rows rank them
+        rows = self.cache.items.rows[:size].detach()
         eligible = self.named[:size].clone().cpu()
-        cells = int(max(16, min(4096, 4 * np.sqrt(int(eligible.sum())))))
+        cells = ivf_cells(int(eligible.sum()))
         self._ann_building = True
 
         def build() -> None:
             try:
                 started = time.monotonic()
                 index = IVFIndex.build(rows, eligible, cells)
-                if self.cache.device.type != "cpu":
-                    index.centroids = index.centroids.to(self.cache.device)
-                    index.order = index.order.to(self.cache.device)
                 self.ann = index
                 self._ann_built_at = time.monotonic()
+                m.ANN_INDEX_ITEMS.set(len(index.order))
+                m.ANN_BUILD_SECONDS.set(self._ann_built_at - started)
+                m.ANN_BUILT_AT.set(time.time())
                 log.info("IVF index: %d items in %d cells, built in %.1fs",
-                         int(eligible.sum()), cells, time.monotonic() - started)  # fmt: skip
+                         int(eligible.sum()), len(index.centroids),
+                         time.monotonic() - started)  # fmt: skip
             except Exception as exc:  # exact search goes on
                 log.error("IVF index build failed: %s", exc)
             finally:
@@ -624,24 +632,6 @@ def search_within_categories(
         scores = rows @ torch.as_tensor(queries[row], device=items.device)
         out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
     return out
-
-
-def top_k_rows(scores: torch.Tensor, k: int) -> np.ndarray:
-    """Indices of each row's ``k`` largest scores, best first. On the CPU a partial sort
-    (``argpartition``) and a sort of the k, about twice as fast as ``torch.topk`` for 250 of
-    20,000; on an accelerator ``torch.topk``.
-
-    >>> top_k_rows(torch.tensor([[0.1, 0.9, 0.5], [3.0, 1.0, 2.0]]), 2).tolist()
-    [[1, 2], [0, 2]]
-    """
-    if scores.device.type != "cpu":
-        return torch.topk(scores, k, dim=1).indices.cpu().numpy()
-    s = scores.numpy()
-    if k >= s.shape[1]:
-        return np.argsort(-s, axis=1, kind="stable")[:, :k]
-    idx = np.argpartition(s, -k, axis=1)[:, -k:]
-    order = np.argsort(-np.take_along_axis(s, idx, 1), axis=1, kind="stable")
-    return np.take_along_axis(idx, order, 1)
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:

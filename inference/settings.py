@@ -105,8 +105,8 @@ class WorkerSettings:
                 queue_depth_limit=env_int(env, "FRESHREC_QUEUE_DEPTH_LIMIT", 256, minimum=1)
             ),
             result_ttl_ms=env_int(env, "FRESHREC_RESULT_TTL_MS", 3_600_000, minimum=1),
-            ann_min_items=env_int(env, "FRESHREC_ANN_MIN_ITEMS", 50_000, minimum=1),
-            ann_nprobe=env_int(env, "FRESHREC_ANN_NPROBE", 16, minimum=1),
+            ann_min_items=env_int(env, "FRESHREC_ANN_MIN_ITEMS", 200_000, minimum=1),
+            ann_nprobe=env_int(env, "FRESHREC_ANN_NPROBE", 0, minimum=0),
             ann_refresh_s=env_float(env, "FRESHREC_ANN_REFRESH_S", 300.0, positive=True),
         )
         try:

@@ -337,6 +337,9 @@ def test_large_catalogues_use_the_ivf_index_for_vector_recall(seeded, model_dir)
     settings = replace(base, serving=replace(base.serving, ann_min_items=100, ann_nprobe=4))
     with running_worker(settings) as w, client_for(conn) as client:
         wait_for(lambda: w.recommender.ann is not None, 20, "the background index build")
+        from freshrec import metrics as m
+
+        assert m.ANN_INDEX_ITEMS._value.get() == len(w.recommender.ann.order) > 0
         reply = client.recommend("u0", 10, context={"device": "pc"}, timeout_s=10)
         assert reply.tier == "full" and not reply.degraded and len(reply.items) == 10
         # the vector channel now answers from the index: the scanned cells' items, best first

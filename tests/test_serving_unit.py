@@ -339,7 +339,7 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
 def test_top_k_rows_matches_torch_topk():
     import torch
 
-    from inference.serving import top_k_rows
+    from inference.ann import top_k_rows
 
     rng = np.random.default_rng(3)
     scores = torch.as_tensor(rng.standard_normal((7, 300)).astype(np.float32))
@@ -432,20 +432,48 @@ def test_ivf_index_finds_most_of_the_exact_top_k_and_scores_with_fresh_rows():
     recall = np.mean([len(set(f) & set(e)) / 20 for f, e in zip(found, exact, strict=True)])
     assert recall >= 0.9, recall
     assert not any(set(f) & set(range(10)) for f in found)  # never an ineligible slot
-    # the index is stale, the rows are not: a row moved after the build is scored as it is now
-    target = int(found[0][-1])
+    # the index's copy of the rows chooses 2k candidates, the current rows rank them: a row
+    # among the candidates that moved after the build is ranked by where it is now
+    target = int(found[0][-1])  # 20th of the top 20
     fresh = rows.clone()
     fresh[target] = queries[0] * 100
-    assert int(index.search(queries[:1], fresh, k=1, nprobe=16)[0][0]) == target
-    # slots added after the build are searched through ``extra``
+    assert int(index.search(queries[:1], fresh, k=20, nprobe=16)[0][0]) == target
+    # slots added after the build are searched through ``extra``, always with current rows
     grown = torch.cat([rows, queries[:1] * 100])
     hit = index.search(queries[:1], grown, k=1, nprobe=1, extra=torch.tensor([5000]))
     assert int(hit[0][0]) == 5000
 
 
+def test_ivf_search_of_a_batch_is_the_exact_top_k_of_each_querys_probed_cells():
+    """Reference: per query, every item of its ``nprobe`` nearest cells scored one by one;
+    the batched search (cells shared between queries scored once) returns the same list,
+    and a query's result does not depend on the batch it came in."""
+    import torch
+
+    from inference.ann import IVFIndex
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(3000, 8, generator=g) * torch.rand(3000, 1, generator=g)
+    eligible = torch.rand(3000, generator=g) > 0.1
+    index = IVFIndex.build(rows, eligible, cells=40, seed=0)
+    queries = torch.randn(12, 8, generator=g)
+    k, nprobe = 15, 5
+    got = index.search(queries, rows, k, nprobe)
+    cell_of = np.empty(3000, np.int64)
+    for c in range(len(index.centroids)):
+        cell_of[index.order[index.offsets[c] : index.offsets[c + 1]]] = c
+    for j, q in enumerate(queries.numpy()):
+        near = np.argsort(-(index.centroids @ q))[:nprobe]
+        members = np.flatnonzero(eligible.numpy() & np.isin(cell_of, near))
+        want = members[np.argsort(-(rows.numpy()[members] @ q))[:k]]
+        assert got[j].tolist() == want.tolist()
+        assert index.search(queries[j : j + 1], rows, k, nprobe)[0].tolist() == want.tolist()
+
+
 def test_ivf_index_has_no_empty_cells_so_every_probe_finds_items():
-    """Inner-product k-means leaves some centroids without rows when norms are uneven; a query
-    near such a centroid would probe only empty cells and recall nothing."""
+    """k-means can leave a centroid without rows (inner-product assignment did, for 12-16 of
+    32 cells, on rows of uneven norms); a query near such a centroid would probe only empty
+    cells and recall nothing."""
     import torch
 
     from inference.ann import IVFIndex
@@ -455,7 +483,8 @@ def test_ivf_index_has_no_empty_cells_so_every_probe_finds_items():
     index = IVFIndex.build(rows, torch.ones(2000, dtype=torch.bool), cells=32, seed=0)
     assert (np.diff(index.offsets) > 0).all() and len(index.offsets) == len(index.centroids) + 1
     assert sorted(index.order.tolist()) == list(range(2000))  # every row in exactly one cell
-    queries = torch.cat([index.centroids * 10, -index.centroids * 10])
+    centroids = torch.from_numpy(index.centroids)
+    queries = torch.cat([centroids * 10, -centroids * 10])
     found = index.search(queries, rows, k=10, nprobe=1)
     assert all(len(f) == 10 for f in found)
 
@@ -490,3 +519,21 @@ def test_i2i_search_within_categories_equals_a_masked_search_of_the_whole_table(
             assert len(got) == len(expect)
             assert set(got.tolist()) == set(expect.tolist())
             assert np.all(np.diff(scores_all[row][got]) <= 1e-6)  # best first
+
+
+def test_bench_ann_measures_exact_and_ivf_search_on_a_small_catalogue():
+    import torch
+
+    from freshrec.progress import ProgressLine
+    from tools.bench_ann import bench_size, summary
+
+    torch.manual_seed(0)
+    r = bench_size(4000, ["auto", "200"], k=50, reps=2, progress=ProgressLine())
+    assert set(r["exact"]) == {"batch_1_ms", "batch_8_ms", "batch_32_ms"}
+    assert r["ivf"]["auto"]["nprobe"] == 64  # 4% of 126 cells, at least 64
+    # probing every cell scans the whole catalogue, so it finds exactly what exact search does
+    assert r["ivf"]["200"]["nprobe"] == r["cells"] and r["ivf"]["200"]["rows_scanned"] == 4000
+    assert r["ivf"]["200"]["recall_at_k"] == 1.0
+    assert 0 < r["ivf"]["auto"]["recall_at_k"] < 1.0
+    text = summary({"k": 50, "dim": 64, "sizes": [r]})
+    assert "4,000 |" in text and "auto (64)" in text
