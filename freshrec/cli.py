@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_options(train)
     train.add_argument("--impressions", type=int, default=1_000_000,
                        help="logged impressions to train on")  # fmt: skip
+    train.add_argument("--l2", type=float, default=2.0,
+                       help="two-tower L2 penalty (default 2.0; see docs/serving.md)")  # fmt: skip
+    train.add_argument("--tower-share", type=float, default=1.0,
+                       help="share of the training logs for the two-tower model; the ranking "
+                            "models learn from the rest (1.0: both from all)")  # fmt: skip
+    train.add_argument("--tower-epochs", type=int, default=3, help="two-tower epochs (default 3)")
     train.add_argument("--out", default=None,
                        help="model directory [env FRESHREC_MODEL_DIR; default .freshrec/models]")  # fmt: skip
     train.add_argument("--load", choices=("auto", "yes", "no"), default="auto",

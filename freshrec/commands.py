@@ -213,16 +213,15 @@ def model_dir(args_out: str | None = None) -> Path:
     return Path(args_out or env.get("FRESHREC_MODEL_DIR") or default_model_dir(env))
 
 
-def ensure_models(world, directory: Path, impressions: int, progress: ProgressLine) -> dict:
-    """The manifest of models trained on this world with this training configuration;
-    trains them when there are none (models of another world, or trained by another
-    configuration — an older release's included — are replaced)."""
+def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dict:
+    """The manifest of models trained on this world with this ``TrainConfig``; trains them
+    when there are none (models of another world, or trained by another configuration — an
+    older release's included — are replaced)."""
     from dataclasses import asdict
 
     from inference.modelfile import ModelFileError, read_manifest
-    from inference.train import TrainConfig, train, world_fingerprint
+    from inference.train import train, world_fingerprint
 
-    config = TrainConfig(impressions=impressions)
     try:
         manifest = read_manifest(directory)
         same_world = manifest.get("world") == world_fingerprint(world)
@@ -282,14 +281,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = world_from_args(args)
     directory = model_dir(args.out)
     progress = ProgressLine()
-    if args.if_missing:
-        manifest = ensure_models(world, directory, args.impressions, progress)
-    else:
-        from inference.train import TrainConfig, train
+    from inference.train import TrainConfig, train
 
-        manifest = train(
-            world, TrainConfig(impressions=args.impressions), directory, progress.update
-        )
+    try:
+        config = TrainConfig(
+            impressions=args.impressions, l2=args.l2, tower_share=args.tower_share,
+            tower_epochs=args.tower_epochs,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"freshrec train: {exc}") from None
+    if args.if_missing:
+        manifest = ensure_models(world, directory, config, progress)
+    else:
+        manifest = train(world, config, directory, progress.update)
         t = manifest["training"]
         progress.done(
             f"trained {manifest['version']}: AUC two-tower {t['auc_two_tower']:.3f}, "
@@ -402,6 +406,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from freshrec.cli import world_from_args
     from freshrec.runstatus import StatusPoller, summary, wait_until_assigned
     from freshrec.stack import free_port
+    from inference.train import TrainConfig
     from tools.closedloop import ClosedLoop
     from tools.produce import produce_events, produce_items
 
@@ -409,7 +414,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = ProgressLine()
     models = model_dir()
     impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
-    manifest = ensure_models(world, models, impressions, progress)
+    manifest = ensure_models(world, models, TrainConfig(impressions=impressions), progress)
     with running_stack() as ctx:
         provision_topics(ctx.conn)
         rows = load_starting_embeddings(ctx.conn, models, manifest)

@@ -58,6 +58,18 @@ class TrainConfig:
     l2: float = 2.0
     """Per-example L2 on the rows a batch touches: most items are seen a few times in the logs,
     and weaker penalties let their rows memorise those labels (train AUC 0.99, test 0.58)."""
+    tower_share: float = 1.0
+    """Share of the training logs the two-tower model learns from; the ranking models learn
+    from the rest (from all of them at 1.0). Below 1.0 the rankers see the tower's scores on
+    impressions it did not fit, as serving does."""
+
+    def __post_init__(self) -> None:
+        if min(self.impressions, self.dim, self.tower_epochs, self.rank_epochs, self.batch) < 1:
+            raise ValueError("impressions, dim, epochs and batch must be at least 1")
+        if not self.l2 >= 0:
+            raise ValueError(f"l2 must be >= 0, got {self.l2}")
+        if not 0 < self.tower_share <= 1:
+            raise ValueError(f"tower_share must be in (0, 1], got {self.tower_share}")
 
 
 @dataclass
@@ -283,7 +295,11 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
     split = rng.random(n)  # a tenth held out for the reported AUCs, a tenth to stop on
     train_idx, valid_idx = np.flatnonzero(split >= 0.2), np.flatnonzero(split < 0.1)
     test_idx = np.flatnonzero((split >= 0.1) & (split < 0.2))
-    uniq_users, user_rows, item_rows = train_two_tower(logs, world, cfg, train_idx, progress)
+    tower_idx, rank_idx = train_idx, train_idx
+    if cfg.tower_share < 1:
+        cut = rng.random(len(train_idx)) < cfg.tower_share
+        tower_idx, rank_idx = train_idx[cut], train_idx[~cut]
+    uniq_users, user_rows, item_rows = train_two_tower(logs, world, cfg, tower_idx, progress)
     user_pos = np.searchsorted(uniq_users, logs.users)
     feats = item_features(world, logs, train_idx)
     tower_scores = np.einsum(
@@ -291,7 +307,7 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
     )
     shares = recent_shares(logs, category_buckets(world))
     args = (world, user_rows, user_pos, item_rows, feats, shares)
-    x_train = rank_inputs(logs, train_idx, *args)
+    x_train = rank_inputs(logs, rank_idx, *args)
     x_valid = rank_inputs(logs, valid_idx, *args)
     x_test = rank_inputs(logs, test_idx, *args)
     y = logs.clicked.astype(np.float32)
@@ -299,12 +315,12 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
     t_train, t_valid = (as_tensors(x, torch.device("cpu")) for x in (x_train, x_valid))
     torch.manual_seed(cfg.seed)
     full = WideDeep(cfg.dim)
-    fits = {"wide_deep": _fit(full, (t_train, y[train_idx], w[train_idx], None),
+    fits = {"wide_deep": _fit(full, (t_train, y[rank_idx], w[rank_idx], None),
                               (t_valid, y[valid_idx], w[valid_idx], None),
                               cfg, rng, progress, "wide&deep")}  # fmt: skip
     light = LightRanker(cfg.dim)
     fits["light"] = _fit(
-        light, (t_train, y[train_idx], w[train_idx], _logits(full, x_train)),
+        light, (t_train, y[rank_idx], w[rank_idx], _logits(full, x_train)),
         (t_valid, y[valid_idx], w[valid_idx], _logits(full, x_valid)), cfg, rng, progress, "light",
     )  # fmt: skip
     metrics = {
@@ -312,6 +328,8 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
         "auc_wide_deep": auc(y[test_idx], _logits(full, x_test)),
         "auc_light": auc(y[test_idx], _logits(light, x_test)),
         "impressions": int(n),
+        "tower_impressions": len(tower_idx),
+        "ranking_impressions": len(rank_idx),
         "click_rate": float(y.mean()),
         "users": len(uniq_users),
         "items": int(world.config.n_items),

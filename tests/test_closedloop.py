@@ -14,7 +14,7 @@ import pytest
 
 from freshrec.settings import ConnectionSettings
 from schemas.codec import decode_event
-from tools.bench_freshness import arm_env, choose_cohort, table
+from tools.bench_freshness import arm_env, choose_cohort, table, top_k_ctr, true_scores
 from tools.closedloop import ClosedLoop
 from tools.world import World, WorldConfig
 
@@ -126,3 +126,20 @@ def test_bench_freshness_runs_an_arm_end_to_end(tmp_path):
     assert online["groups"]["drifted"]["curve"] and online["groups"]["steady"]["curve"]
     assert (tmp_path / "bench_freshness-logs" / "online" / "worker.log").exists()
     assert (tmp_path / "models" / "manifest.json").exists()
+    rows = online["rows"]  # what the rows alone know, at the start and at the end
+    for when in ("start", "end"):
+        assert 0 < rows[when]["rows_top10_ctr"] <= rows[when]["ideal_top10_ctr"] < 1
+
+
+def test_top_k_ctr_of_the_true_scores_is_the_best_any_scores_reach():
+    users = np.array([3, 17, 256, 4000])
+    t_ms = WORLD.config.start_ms
+    truth = true_scores(WORLD, users, t_ms, chunk=3)  # chunks of 3 and 1
+    assert truth.shape == (4, 1_000)
+    direct = WORLD.click_probability(np.repeat(users, 1_000), np.tile(np.arange(1_000), 4), t_ms)
+    assert np.allclose(truth.ravel(), direct, atol=1e-6)
+    best = top_k_ctr(WORLD, users, truth, t_ms, k=10)
+    assert best == pytest.approx(np.sort(truth, axis=1)[:, -10:].mean(), abs=1e-6)
+    noise = np.random.default_rng(0).random((4, 1_000))
+    assert top_k_ctr(WORLD, users, noise, t_ms, k=10) < best
+    assert top_k_ctr(WORLD, users, -truth, t_ms, k=10) < top_k_ctr(WORLD, users, noise, t_ms, k=10)

@@ -9,14 +9,17 @@ of the synthetic world asks for recommendations at a steady rate and clicks as t
 ground truth says (``tools.closedloop``); ``--before`` seconds after the first request, a
 fraction of the cohort switches its main interest to another category (the world's interest
 drift). Reported per ``--window`` seconds, for the users who drift and for the others: the
-CTR of the replies they got.
+CTR of the replies they got; and at the start and the end of each arm, what the rows alone
+know: the CTR of each cohort user's ten best items by u·v over the whole catalogue (perfect
+recall, ranking by the embeddings) beside that of their truly best ten.
 
 Arms: ``online`` (the defaults), ``frozen`` (``FRESHREC_LOCAL_LR=0``,
 ``FRESHREC_GLOBAL_LR=0``: the rows keep their trained values; hot lists, item statistics and
 recent clicks stay fresh, so the difference is the embeddings' online learning alone), and
 learning rates: ``lr=X`` (the worker's and the parameter server's both X), ``local=X``,
 ``global=X``, or any setting, ``FRESHREC_NAME=VALUE``; terms join with ``+``
-(``local=0.2+global=0.05``).
+(``local=0.2+global=0.05``). ``FRESHREC_MODEL_DIR=DIR`` runs an arm on other models of the
+same world, starting rows included (``freshrec train``'s output, say with other options).
 
     .venv/bin/python -m tools.bench_freshness [--cohort 200] [--rate 40] [--before 60]
                                               [--after 60] [--window 10] [--arms online,frozen]
@@ -37,12 +40,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import redis
 
 from freshrec.progress import ProgressLine
+from freshrec.rediskeys import RedisKeys
 from freshrec.runstatus import wait_until_assigned
 from freshrec.stack import free_port
 from inference.modelfile import read_manifest
 from inference.train import TrainConfig, train, world_fingerprint
+from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
+from param_server.store import fetch_rows
+from schemas.ids import row_ids
 from tools.benchlib import bench_connection, save, service_process
 from tools.closedloop import ClosedLoop, LoopStats
 from tools.seed import seed_world
@@ -113,11 +121,19 @@ def main() -> None:
             train(world, config, models, progress.update)
         elif read_manifest(models).get("world") != world_fingerprint(world):
             ap.error(f"--models {models} holds models of another world")
+        for arm, env in arms.items():
+            own = env.get("FRESHREC_MODEL_DIR")
+            if own and (
+                not (Path(own) / "manifest.json").exists()
+                or read_manifest(Path(own)).get("world") != world_fingerprint(world)
+            ):
+                ap.error(f"--arms {arm}: {own} holds no models of this world")
         for n in range(args.repeat):
             for arm, env in arms.items():
                 name = arm if args.repeat == 1 else f"{arm} #{n + 1}"
-                stats = run_arm(name, env, world, models, cohort, args, progress)
+                stats, quality = run_arm(name, env, world, models, cohort, args, progress)
                 results["arms"][name] = arm_result(stats, args.before, args.before + args.after)
+                results["arms"][name]["rows"] = quality
                 progress.done(f"{name}: {summary_line(results['arms'][name])}")
     results["table"] = table(results["arms"], args.window)
     print(results["table"])
@@ -175,14 +191,16 @@ def choose_cohort(world: World, size: int, seed: int) -> np.ndarray:
     return np.fromiter(picked, np.int64)
 
 
-def run_arm(arm, arm_env, world, models, cohort, args, progress) -> LoopStats:
+def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopStats, dict]:
     env = {"FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM), **arm_env}
+    models = Path(env["FRESHREC_MODEL_DIR"])  # an arm may bring its own (starting rows too)
     logs = args.out / "bench_freshness-logs" / re.sub(r"[^\w.=+-]+", "_", arm)
     # a prefix of its own: on shared services (KAFKA_BOOTSTRAP_SERVERS set) no arm reads
     # another's topics or rows
     prefix = f"fresh{time.time_ns() % 10**12}."
     with bench_connection(prefix) as conn, contextlib.ExitStack() as services:
         seed_world(conn.redis_url, conn.topic_prefix, world, models)
+        quality = {"start": rows_quality(conn, world, cohort, int(time.time() * 1000))}
         ports = {name: free_port() for name in ("streams", "param-server", "worker")}
         procs = {
             name: services.enter_context(
@@ -229,7 +247,57 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> LoopStats:
             thread.join(args.window + 15)
         if loop.stats.replied == 0:
             raise RuntimeError(f"{arm}: no request was answered (logs in {logs})")
-        return loop.stats
+        quality["end"] = rows_quality(conn, loop.world, cohort, int(time.time() * 1000))
+        return loop.stats, quality
+
+
+def top_k_ctr(world: World, users: np.ndarray, scores: np.ndarray, t_ms: int, k: int = 10) -> float:
+    """Mean click probability, by the world's ground truth at ``t_ms``, of each user's ``k``
+    items of highest ``scores`` (users × items)."""
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    return float(world.click_probability(np.repeat(users, k), top.ravel(), t_ms).mean())
+
+
+def true_scores(world: World, users: np.ndarray, t_ms: int, chunk: int = 25) -> np.ndarray:
+    """Click probabilities of every item for each user (users × items)."""
+    items = np.arange(world.config.n_items)
+    out = np.empty((len(users), len(items)), np.float32)
+    for lo in range(0, len(users), chunk):
+        part = users[lo : lo + chunk]
+        p = world.click_probability(np.repeat(part, len(items)), np.tile(items, len(part)), t_ms)
+        out[lo : lo + len(part)] = p.reshape(len(part), len(items))
+    return out
+
+
+def rows_in_redis(conn, world: World, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cohort's user rows and every item's row as Redis holds them (the parameter
+    server's; the deterministic initial row where it holds none)."""
+    r = redis.Redis.from_url(conn.redis_url)
+    keys, w = RedisKeys(conn.topic_prefix), width(DIM)
+    try:
+        out = []
+        for table, names in (
+            (TABLE_USER, [World.user_id(int(u)) for u in users]),
+            (TABLE_ITEM, [World.item_id(i) for i in range(world.config.n_items)]),
+        ):
+            ids = row_ids(names)
+            rows = initial_rows(ids, table, DIM)
+            found, held, _, _ = fetch_rows(r, keys, table, ids.tolist(), w)
+            rows[found] = held
+            out.append(rows)
+        return out[0], out[1]
+    finally:
+        r.close()
+
+
+def rows_quality(conn, world: World, users: np.ndarray, t_ms: int) -> dict:
+    """What the rows know, apart from recall and ranking: the CTR of each user's ten best
+    items by u·v over the whole catalogue, next to the CTR of their ten truly best."""
+    user_rows, item_rows = rows_in_redis(conn, world, users)
+    return {
+        "rows_top10_ctr": round(top_k_ctr(world, users, user_rows @ item_rows.T, t_ms), 4),
+        "ideal_top10_ctr": round(top_k_ctr(world, users, true_scores(world, users, t_ms), t_ms), 4),
+    }  # fmt: skip
 
 
 def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
@@ -264,6 +332,13 @@ def summary_line(r: dict) -> str:
         f" {_pct(d['last_window_before_drift'])} → {_pct(d['first_window_after_drift'])},"
         f" steady {_pct(s['last_window_before_drift'])} → {_pct(s['first_window_after_drift'])};"
         f" request p99 {r['latency_p99_ms']} ms"
+        + (
+            f"; the cohort's ten best items by u·v: {_pct(q['start']['rows_top10_ctr'])} at the"
+            f" start, {_pct(q['end']['rows_top10_ctr'])} at the end (truly best ten:"
+            f" {_pct(q['end']['ideal_top10_ctr'])})"
+            if (q := r.get("rows"))
+            else ""
+        )
     )
 
 
