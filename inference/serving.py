@@ -10,6 +10,7 @@ online learning writes: a user's click is in their next recommendation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -382,7 +383,7 @@ class Recommender:
             )  # fmt: skip
             m.REPLIES.labels(tier).inc()
             for stage, value in timings.items():
-                m.REQUEST_SECONDS.labels(stage, tier).observe(value / 1000)
+                _stage_histogram(stage, tier).observe(value / 1000)
             if tier != FULL or degraded:
                 m.DEGRADED.labels(tier, _reason_label(reason, degraded)).inc()
         return replies
@@ -546,8 +547,7 @@ class Recommender:
             picked = picks[row, : reqs[j].k]
             picked = picked[picked >= 0]
             slots = head_slots[row, picked]
-            cats = [self._category_name(slot) for slot in slots.tolist()]
-            order = space_categories(cats, self.settings.category_gap)
+            order = space_categories(self._categories(slots), self.settings.category_gap)
             final = slots[order]
             scores = np.round(rel[row, picked[order]], 6).tolist()
             channels = found_by(final, merged[j].per_channel)
@@ -555,9 +555,14 @@ class Recommender:
             out[j] = list(zip(names, scores, channels, strict=True))
         return out
 
-    def _category_name(self, slot: int) -> str:
-        ci = self.cat_index[slot] if slot < len(self.cat_index) else -1
-        return self.snap.catalogue.category_names[ci] if ci >= 0 else ""
+    def _categories(self, slots: np.ndarray) -> list[int]:
+        """Category numbers of cache slots (-1: not in the catalogue snapshot)."""
+        cat = self.snap.catalogue
+        inside = slots < len(self.cat_index)
+        if cat is None or not inside.any():
+            return [-1] * len(slots)
+        ci = np.where(inside, self.cat_index[np.where(inside, slots, 0)], -1)
+        return np.where(ci >= 0, cat.category[np.maximum(ci, 0)], -1).tolist()
 
     def _hot_items(self, r: RecommendRequest):
         """The regional hot list, then the global one, minus exclusions (no model)."""
@@ -632,6 +637,13 @@ def search_within_categories(
         scores = rows @ torch.as_tensor(queries[row], device=items.device)
         out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
     return out
+
+
+@functools.cache
+def _stage_histogram(stage: str, tier: str):
+    """The labelled child, looked up once (``labels`` takes a lock and builds a key each
+    call: five stages a request)."""
+    return m.REQUEST_SECONDS.labels(stage, tier)
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:

@@ -253,6 +253,14 @@ def test_reply_encoder_writes_every_field():
     encoded = json.loads(encode_reply(reply))
     assert set(encoded) == {f.name for f in dataclasses.fields(RecommendReply)}
     assert decode_reply(encode_reply(reply), 1_767_225_600_000) == reply
+    # the same bytes as the standard library's compact encoding
+    assert encode_reply(reply) == json.dumps(encoded, separators=(",", ":")).encode()
+    for bad in (
+        dataclasses.replace(reply, items=(ReplyItem("i", float("nan"), ("vector",)),)),
+        dataclasses.replace(reply, timings_ms={"total": float("inf")}),
+    ):
+        with pytest.raises(ValueError, match="finite"):
+            encode_reply(bad)
 
 
 def _mutations(rng, obj: dict) -> dict:

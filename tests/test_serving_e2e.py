@@ -21,6 +21,7 @@ from freshrec.kafka import consumer_config, producer_config
 from freshrec.topics import TopicNames
 from inference.client import RecommendTimeout, SyncRecommendClient
 from inference.modelfile import read_manifest, write_manifest
+from inference.rerank import space_categories
 from param_server.rows import TABLE_ITEM
 from schemas.codec import decode_dead_letter
 from schemas.records import Event, RecommendRequest
@@ -67,6 +68,9 @@ def test_request_reply_through_the_broker(seeded, model_dir):
         ids = [i.item_id for i in reply.items]
         assert len(set(ids)) == 10 and not {"i0", "i1"} & set(ids)
         assert all(i.channels for i in reply.items)
+        # category spacing: the reply is its own spaced order (no avoidable neighbours)
+        cats = World(WORLD).item_category[[World.index_of(i) for i in ids]].tolist()
+        assert space_categories(cats, 2) == list(range(10))
         assert reply.user_embedding_version >= 1  # the trained starting row, not a random one
         # low-end devices get the light model by design
         low = client.recommend("u2", 5, context={"device": "low_end"}, timeout_s=10)
