@@ -10,8 +10,10 @@ online learning writes: a user's click is in their next recommendation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -220,6 +222,7 @@ class Recommender:
 
         def build() -> None:
             try:
+                _lower_priority()  # the build yields the core to serving (Linux: per thread)
                 started = time.monotonic()
                 index = IVFIndex.build(rows, eligible, cells)
                 self.ann = index
@@ -637,6 +640,13 @@ def search_within_categories(
         scores = rows @ torch.as_tensor(queries[row], device=items.device)
         out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
     return out
+
+
+def _lower_priority(nice: int = 10) -> None:
+    """Lower the calling thread's CPU priority where the OS schedules threads on their own
+    (Linux); elsewhere, or without permission, nothing changes."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 @functools.cache

@@ -3,6 +3,8 @@ channel merging with quotas."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -537,3 +539,24 @@ def test_bench_ann_measures_exact_and_ivf_search_on_a_small_catalogue():
     assert 0 < r["ivf"]["auto"]["recall_at_k"] < 1.0
     text = summary({"k": 50, "dim": 64, "sizes": [r]})
     assert "4,000 |" in text and "auto (64)" in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_index_build_thread_lowers_its_own_priority_only():
+    import os
+    import threading
+
+    from inference.serving import _lower_priority
+
+    seen = {}
+
+    def build() -> None:
+        _lower_priority(10)
+        seen["build"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert seen["build"] >= 10  # a thread can only lower its own priority
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
