@@ -129,6 +129,9 @@ def test_bench_freshness_runs_an_arm_end_to_end(tmp_path):
     rows = online["rows"]  # what the rows alone know, at the start and at the end
     for when in ("start", "end"):
         assert 0 < rows[when]["rows_top10_ctr"] <= rows[when]["ideal_top10_ctr"] < 1
+    # and among the items the loop showed (the only ones with feedback)
+    assert rows["end"]["shown_items"] >= 10
+    assert 0 < rows["end"]["rows_top10_shown_ctr"] <= rows["end"]["ideal_top10_shown_ctr"] < 1
 
 
 def test_top_k_ctr_of_the_true_scores_is_the_best_any_scores_reach():

@@ -11,7 +11,8 @@ fraction of the cohort switches its main interest to another category (the world
 drift). Reported per ``--window`` seconds, for the users who drift and for the others: the
 CTR of the replies they got; and at the start and the end of each arm, what the rows alone
 know: the CTR of each cohort user's ten best items by u·v over the whole catalogue (perfect
-recall, ranking by the embeddings) beside that of their truly best ten.
+recall, ranking by the embeddings) beside that of their truly best ten, and at the end both
+among the items the loop showed anyone (the only ones with feedback).
 
 Arms: ``online`` (the defaults), ``frozen`` (``FRESHREC_LOCAL_LR=0``,
 ``FRESHREC_GLOBAL_LR=0``: the rows keep their trained values; hot lists, item statistics and
@@ -247,7 +248,9 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
             thread.join(args.window + 15)
         if loop.stats.replied == 0:
             raise RuntimeError(f"{arm}: no request was answered (logs in {logs})")
-        quality["end"] = rows_quality(conn, loop.world, cohort, int(time.time() * 1000))
+        quality["end"] = rows_quality(
+            conn, loop.world, cohort, int(time.time() * 1000), loop.stats.shown
+        )
         return loop.stats, quality
 
 
@@ -290,14 +293,27 @@ def rows_in_redis(conn, world: World, users: np.ndarray) -> tuple[np.ndarray, np
         r.close()
 
 
-def rows_quality(conn, world: World, users: np.ndarray, t_ms: int) -> dict:
+def rows_quality(
+    conn, world: World, users: np.ndarray, t_ms: int, shown: set[int] | None = None
+) -> dict:
     """What the rows know, apart from recall and ranking: the CTR of each user's ten best
-    items by u·v over the whole catalogue, next to the CTR of their ten truly best."""
+    items by u·v over the whole catalogue, next to the CTR of their ten truly best; with
+    ``shown`` (items the loop showed), the same two among those items only — the items
+    online learning had feedback on."""
     user_rows, item_rows = rows_in_redis(conn, world, users)
-    return {
-        "rows_top10_ctr": round(top_k_ctr(world, users, user_rows @ item_rows.T, t_ms), 4),
-        "ideal_top10_ctr": round(top_k_ctr(world, users, true_scores(world, users, t_ms), t_ms), 4),
-    }  # fmt: skip
+    learned, truth = user_rows @ item_rows.T, true_scores(world, users, t_ms)
+    out = {
+        "rows_top10_ctr": round(top_k_ctr(world, users, learned, t_ms), 4),
+        "ideal_top10_ctr": round(top_k_ctr(world, users, truth, t_ms), 4),
+    }
+    if shown and len(shown) >= 10:
+        unseen = np.ones(world.config.n_items, bool)
+        unseen[np.fromiter(shown, np.int64)] = False
+        learned[:, unseen], truth[:, unseen] = -np.inf, -np.inf
+        out["shown_items"] = len(shown)
+        out["rows_top10_shown_ctr"] = round(top_k_ctr(world, users, learned, t_ms), 4)
+        out["ideal_top10_shown_ctr"] = round(top_k_ctr(world, users, truth, t_ms), 4)
+    return out
 
 
 def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
@@ -335,7 +351,10 @@ def summary_line(r: dict) -> str:
         + (
             f"; the cohort's ten best items by u·v: {_pct(q['start']['rows_top10_ctr'])} at the"
             f" start, {_pct(q['end']['rows_top10_ctr'])} at the end (truly best ten:"
-            f" {_pct(q['end']['ideal_top10_ctr'])})"
+            f" {_pct(q['end']['ideal_top10_ctr'])}); among the"
+            f" {q['end'].get('shown_items', 0):,} items shown:"
+            f" {_pct(q['end'].get('rows_top10_shown_ctr'))}"
+            f" (truly best: {_pct(q['end'].get('ideal_top10_shown_ctr'))})"
             if (q := r.get("rows"))
             else ""
         )

@@ -97,6 +97,8 @@ class LoopStats:
     windows: CtrWindows = field(default_factory=CtrWindows)
     by_tier: dict[str, list[int]] = field(default_factory=dict)
     """Impressions and clicks per serving tier: what degradation costs in clicks."""
+    shown: set[int] = field(default_factory=set)
+    """Item indices shown at least once (the only items with feedback from the loop)."""
 
     def tier_ctr(self) -> dict[str, float]:
         return {t: round(c / i, 4) for t, (i, c) in sorted(self.by_tier.items()) if i}
@@ -261,6 +263,7 @@ class ClosedLoop:
                 )
             for e in out:
                 self._produce(producer, e)
+        self.stats.shown.update(items)
         shown, hits = len(idx), int(clicked.sum())
         self.stats.impressions += shown
         self.stats.clicks += hits
