@@ -277,12 +277,11 @@ def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest
 def cmd_train(args: argparse.Namespace) -> int:
     from freshrec.cli import world_from_args
     from inference.modelfile import read_manifest
+    from inference.train import TrainConfig, train
 
     world = world_from_args(args)
     directory = model_dir(args.out)
     progress = ProgressLine()
-    from inference.train import TrainConfig, train
-
     try:
         config = TrainConfig(
             impressions=args.impressions, l2=args.l2, tower_share=args.tower_share,

@@ -1,8 +1,9 @@
-"""An inverted-file (IVF) index for the vector channels on catalogues where exact search is too
-slow on a CPU: k-means cells over the item rows, built in the background from a copy of the
-table; a query scans the ``nprobe`` nearest cells and re-scores those candidates with the
-*current* rows, so an index a few minutes old still ranks by fresh vectors (only which cell an
-item sits in is stale). No I/O.
+"""Vector search for the vector channel: the exact search (one product over the whole table,
+then a partial sort) and an inverted-file (IVF) index for catalogues where that is too slow on
+a CPU — spherical k-means cells over the item rows and a cell-ordered copy of them, built in
+the background; a query scans its ``nprobe`` nearest cells in that copy, and its best
+candidates are re-scored with the *current* rows, so an index a few minutes old chooses the
+candidates and fresh vectors rank them. No I/O.
 
 >>> g = torch.Generator().manual_seed(0)
 >>> rows = torch.nn.functional.normalize(torch.randn(2000, 8, generator=g), dim=1)
@@ -22,15 +23,14 @@ import torch
 SCAN = 0.04
 MIN_NPROBE = 64
 """By default a query probes ``MIN_NPROBE`` cells or enough for ``SCAN`` of the catalogue,
-whichever is more: recall@250 0.90–0.94 from 200k to 1M items at 29–86 ms for a batch of
-32 on one core, where exact search takes 77–543 ms (``tools.bench_ann``, docs/serving.md)."""
+whichever is more: recall@250 0.92–0.94 from 200k to 1M items at 27–96 ms for a batch of
+32 on one core, where exact search takes 74–593 ms (``tools.bench_ann``, docs/benchmarks.md)."""
 
 
 def ivf_cells(n: int) -> int:
     """Cells for an index of ``n`` items: 2·√n, between 16 and 4,096 (632 cells of ~160
-    items at 100k, 1,414 of ~350 at 500k). Measured with ``tools.bench_ann`` at 100k
-    and 500k: at the same share of the catalogue scanned, 2·√n cells recalled more than √n
-    and cost less than 4·√n (more cells, more small products per batch)."""
+    items at 100k, 1,414 of ~350 at 500k). At the same share of the catalogue scanned, 2·√n
+    cells recalled more than √n and √n/2 (scratch runs at 100k and 500k, docs/benchmarks.md)."""
     return int(max(16, min(4096, 2 * np.sqrt(n))))
 
 
@@ -186,7 +186,7 @@ def _runs(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     >>> _runs(np.array([10, 3]), np.array([2, 3])).tolist()
     [10, 11, 3, 4, 5]
     """
-    within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    within = np.arange(int(sizes.sum())) - np.repeat(_exclusive_cumsum(sizes), sizes)
     return np.repeat(starts, sizes) + within
 
 

@@ -227,12 +227,12 @@ class Recommender:
                 index = IVFIndex.build(rows, eligible, cells)
                 self.ann = index
                 self._ann_built_at = time.monotonic()
+                took = self._ann_built_at - started
                 m.ANN_INDEX_ITEMS.set(len(index.order))
-                m.ANN_BUILD_SECONDS.set(self._ann_built_at - started)
+                m.ANN_BUILD_SECONDS.set(took)
                 m.ANN_BUILT_AT.set(time.time())
                 log.info("IVF index: %d items in %d cells, built in %.1fs",
-                         int(eligible.sum()), len(index.centroids),
-                         time.monotonic() - started)  # fmt: skip
+                         len(index.order), len(index.centroids), took)  # fmt: skip
             except Exception as exc:  # exact search goes on
                 log.error("IVF index build failed: %s", exc)
             finally:

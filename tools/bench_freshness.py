@@ -120,14 +120,11 @@ def main() -> None:
             models.mkdir(parents=True, exist_ok=True)
             config = TrainConfig(impressions=args.train_impressions, dim=DIM)
             train(world, config, models, progress.update)
-        elif read_manifest(models).get("world") != world_fingerprint(world):
+        elif not holds_models_of(models, world):
             ap.error(f"--models {models} holds models of another world")
         for arm, env in arms.items():
             own = env.get("FRESHREC_MODEL_DIR")
-            if own and (
-                not (Path(own) / "manifest.json").exists()
-                or read_manifest(Path(own)).get("world") != world_fingerprint(world)
-            ):
+            if own and not holds_models_of(Path(own), world):
                 ap.error(f"--arms {arm}: {own} holds no models of this world")
         for n in range(args.repeat):
             for arm, env in arms.items():
@@ -252,6 +249,12 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
             conn, loop.world, cohort, int(time.time() * 1000), loop.stats.shown
         )
         return loop.stats, quality
+
+
+def holds_models_of(directory: Path, world: World) -> bool:
+    if not (directory / "manifest.json").exists():
+        return False
+    return read_manifest(directory).get("world") == world_fingerprint(world)
 
 
 def top_k_ctr(world: World, users: np.ndarray, scores: np.ndarray, t_ms: int, k: int = 10) -> float:
