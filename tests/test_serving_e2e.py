@@ -338,7 +338,10 @@ def test_large_catalogues_use_the_ivf_index_for_vector_recall(seeded, model_dir)
 
     conn = seeded
     base = worker_settings(conn, model_dir)
-    settings = replace(base, serving=replace(base.serving, ann_min_items=100, ann_nprobe=4))
+    # the index is the CPU's: a worker on a GPU searches exactly
+    settings = replace(
+        base, device="cpu", serving=replace(base.serving, ann_min_items=100, ann_nprobe=4)
+    )
     with running_worker(settings) as w, client_for(conn) as client:
         wait_for(lambda: w.recommender.ann is not None, 20, "the background index build")
         from freshrec import metrics as m

@@ -15,6 +15,10 @@ rows have, without training a two-tower model on 500k items for a benchmark.
 
     python -m tools.bench_ann                     # --items 100000,200000,500000,1000000
     python -m tools.bench_ann --items 50000 --nprobe auto,16,64 --reps 50
+    python -m tools.bench_ann --device cuda --items 1000000,5000000,10000000
+
+On a GPU (``--device cuda``) only the exact search is measured, with the rows resident there:
+the worker builds no IVF index on a GPU, where the exact search is the fast one.
 """
 
 from __future__ import annotations
@@ -65,11 +69,20 @@ def timings(search, queries: torch.Tensor, reps: int) -> dict:
     return out
 
 
-def bench_size(n: int, nprobes: list[str], k: int, reps: int, progress: ProgressLine) -> dict:
+def bench_size(
+    n: int, nprobes: list[str], k: int, reps: int, progress: ProgressLine,
+    device: torch.device = torch.device("cpu"),
+) -> dict:  # fmt: skip
     progress.done(f"{n:,} items: rows and queries")
     rows, queries = rows_and_queries(n, 32 * reps)
-    bias = torch.zeros(n)
     out: dict = {"items": n, "k": k}
+    if device.type != "cpu":
+        rows, queries = rows.to(device), queries.to(device)
+        bias = torch.zeros(n, device=device)
+        progress.done(f"{n:,} items: exact search on {device}")
+        out["exact"] = timings(lambda b: exact_search(b, rows, bias, k), queries, reps)
+        return out
+    bias = torch.zeros(n)
 
     progress.done(f"{n:,} items: exact search")
     exact = np.concatenate(
@@ -115,6 +128,9 @@ def summary(results: dict) -> str:
         "items | exact ms | IVF build s (cells) | nprobe: IVF ms, recall@k, rows scanned",
     ]
     for r in results["sizes"]:
+        if "ivf" not in r:
+            lines.append(f"{r['items']:,} | {ms(r['exact'])} | not built on {results['device']}")
+            continue
         ivf = "; ".join(
             f"{p} ({v['nprobe']}): {ms(v)}, {v['recall_at_k']:.3f}, {v['rows_scanned']:,}"
             for p, v in r["ivf"].items()
@@ -131,6 +147,8 @@ def main() -> None:
     ap.add_argument("--nprobe", default="auto,32,128",
                     help="cells a query probes; auto: the worker's default (4%% of the cells, at least 64)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=20, help="timed batches per measurement")
+    ap.add_argument("--device", default="cpu",
+                    help="where the rows live: cpu (exact and IVF), or cuda (exact only)")  # fmt: skip
     args = ap.parse_args()
     sizes = [int(x) for x in args.items.split(",")]
     nprobes = args.nprobe.split(",")
@@ -140,12 +158,19 @@ def main() -> None:
         or not all(p == "auto" or (p.isdigit() and int(p) > 0) for p in nprobes)
     ):
         ap.error("--items and --reps take positive integers, --nprobe those or 'auto'")
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        ap.error(f"--device {args.device}: {exc}")
     torch.set_num_threads(1)
     progress = ProgressLine()
     k = DEFAULT_CHANNELS["vector"].quota
-    results = {"k": k, "dim": DIM, "torch_threads": 1, "sizes": []}
+    results: dict = {"k": k, "dim": DIM, "torch_threads": 1, "device": str(device), "sizes": []}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
     for n in sizes:
-        results["sizes"].append(bench_size(n, nprobes, k, args.reps, progress))
+        results["sizes"].append(bench_size(n, nprobes, k, args.reps, progress, device))
     path = save("bench_ann", results)
     progress.done(f"results written to {path}")
     print(summary(results))

@@ -10,7 +10,14 @@
    the p99 time a request's batch takes (its latency cost).
 
     .venv/bin/python -m tools.bench_serving [--rates 50,200,500] [--duration 10] [--items 20000]
-                                            [--max-waits 0,2,5]
+                                            [--max-waits 0,2,5] [--device auto|cpu|cuda]
+                                            [--parts ranking,recall,serve,batching,latency]
+                                            [--models DIR]
+
+``--device`` is where the worker keeps its tables and ranks (``FRESHREC_DEVICE``; auto: CUDA
+when there is one): on a GPU host, ``--device cuda --parts ranking,recall,serve,batching``
+gives the figures to set beside the CPU ones. ``--models DIR`` reuses models trained for the
+benchmark world (trained into DIR when it holds none).
 
 Writes artifacts/bench_serving.json. Needs nothing running (starts a private embedded stack).
 """
@@ -30,11 +37,13 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from freshrec.commands import ensure_models
 from freshrec.kafka import admin_config, consumer_config, producer_config
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
 from freshrec.stack import free_port
 from freshrec.topics import TopicNames, ensure_topics
+from inference.cache import pick_device
 from inference.client import RecommendClient, RecommendTimeout
 from inference.degrade import LadderConfig
 from inference.features import FeatureEncoder
@@ -43,7 +52,7 @@ from inference.ranking import score
 from inference.recall import RecallQuery
 from inference.serving import Inbound
 from inference.settings import LearningSettings, WorkerSettings
-from inference.train import TrainConfig, train
+from inference.train import TrainConfig
 from inference.worker import Worker
 from schemas.codec import decode_reply, encode_request
 from schemas.records import RecommendRequest, RequestContext
@@ -52,6 +61,7 @@ from tools.seed import seed_world
 from tools.world import World, WorldConfig
 
 DIM = 64
+PARTS = ("ranking", "recall", "serve", "batching", "latency")
 
 
 def main() -> None:
@@ -62,28 +72,48 @@ def main() -> None:
     ap.add_argument("--saturation-requests", type=int, default=3000)
     ap.add_argument("--max-waits", default="5",
                     help="dynamic-batching waits (ms) to run the latency test with, e.g. 0,2,5")  # fmt: skip
+    ap.add_argument("--device", default="auto",
+                    help="the worker's device (FRESHREC_DEVICE): auto, cpu, cuda, cuda:1 ...")  # fmt: skip
+    ap.add_argument("--parts", default=",".join(PARTS), help="which measurements to run")
+    ap.add_argument("--models", type=Path, default=None,
+                    help="model directory: reused when it holds the benchmark world's models, "
+                         "else trained into (default: a temporary one)")  # fmt: skip
     args = ap.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or set(parts) - set(PARTS):
+        ap.error(f"--parts takes some of {','.join(PARTS)}")
+    try:
+        device = pick_device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:  # e.g. cuda asked for on a host without one
+        ap.error(f"--device {args.device}: {exc}")
     progress = ProgressLine()
     world = World(WorldConfig(seed=5, n_users=200_000, n_items=args.items))
-    results: dict = {"items": args.items, "dim": DIM, "torch_threads": 1}
+    results: dict = {"items": args.items, "dim": DIM, "torch_threads": 1, "device": str(device)}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
-        models = Path(tmp)
-        progress.done("training models for the benchmark world")
-        train(world, TrainConfig(impressions=200_000, dim=DIM), models, progress.update)
+        models = args.models or Path(tmp)
+        ensure_models(world, models, TrainConfig(impressions=200_000, dim=DIM), progress)
         with bench_connection("bs.") as conn:
             seed_world(conn.redis_url, conn.topic_prefix, world, models)
-            results["ranking"] = bench_ranking(conn, models, world, progress)
-            results["recall"] = bench_recall(conn, models, progress)
-            results["serve"] = bench_serve(conn, models, world, progress)
-            results["batching"] = bench_batching(
-                conn, models, world, args.saturation_requests, progress
-            )
-            rates = [float(r) for r in args.rates.split(",")]
-            waits = [int(w) for w in args.max_waits.split(",")]
-            results["latency"] = bench_latency(
-                conn, models, world, rates, args.duration, progress, waits
-            )
+            if "ranking" in parts:
+                results["ranking"] = bench_ranking(models, device, progress)
+            if "recall" in parts:
+                results["recall"] = bench_recall(conn, models, device, progress)
+            if "serve" in parts:
+                results["serve"] = bench_serve(conn, models, world, device, progress)
+            if "batching" in parts:
+                results["batching"] = bench_batching(
+                    conn, models, world, args.saturation_requests, device, progress
+                )
+            if "latency" in parts:
+                rates = [float(r) for r in args.rates.split(",")]
+                waits = [int(w) for w in args.max_waits.split(",")]
+                results["latency"] = bench_latency(
+                    conn, models, world, rates, args.duration, progress, waits, device
+                )
     path = save("bench_serving", results)
     progress.done(f"results written to {path}")
     print(summary(results))
@@ -96,8 +126,9 @@ def _with_prefix(conn: ConnectionSettings, prefix: str) -> ConnectionSettings:
     return c2
 
 
-def _worker(conn, models, **overrides) -> Worker:
-    s = WorkerSettings(conn, LearningSettings(dim=DIM), model_dir=models, worker_id="bench")
+def _worker(conn, models, device: torch.device, **overrides) -> Worker:
+    s = WorkerSettings(conn, LearningSettings(dim=DIM), model_dir=models, worker_id="bench",
+                       device=str(device))  # fmt: skip
     return Worker(replace(s, **overrides))
 
 
@@ -114,47 +145,71 @@ def _inbound(world: World, n: int, seed: int = 0) -> list[Inbound]:
 
 
 # --------------------------------------------------------------------------------- ranking
-def bench_ranking(conn, models: Path, world: World, progress: ProgressLine) -> dict:
-    """500 candidates of one request: one forward pass vs 500 single-row passes."""
-    progress.done("ranking: 500 candidates, batched vs serial")
-    cpu = torch.device("cpu")
-    ms = ModelWatcher(models, cpu, DIM).load_now()
+def bench_ranking(models: Path, device: torch.device, progress: ProgressLine) -> dict:
+    """500 candidates of one request: one forward pass vs 500 single-row passes; and the
+    worker's real unit, a whole dynamic batch (32 requests × 500 candidates) in one grouped
+    pass."""
+    progress.done(f"ranking on {device}: 500 candidates, batched vs serial")
+    ms = ModelWatcher(models, device, DIM).load_now()
     rng = np.random.default_rng(0)
-    n = 500
+    n, n_req = 500, 32
     enc = FeatureEncoder()
-    x = enc.encode(
-        rng.standard_normal((n, DIM + 1)).astype(np.float32) * 0.1,
-        rng.standard_normal((n, DIM + 1)).astype(np.float32) * 0.1,
-        rng.random((n, 4)).astype(np.float32), rng.integers(0, 128, n),
-        enc.context(["pc"] * n, ["north"] * n, [int(time.time() * 1000)] * n),
-        rng.random(n).astype(np.float32),
-    )  # fmt: skip
+
+    def inputs(rows: int, users: int):
+        owner = np.repeat(np.arange(users), rows // users) if users > 1 else None
+        return enc.encode(
+            rng.standard_normal((users if owner is not None else rows, DIM + 1)).astype(np.float32) * 0.1,
+            rng.standard_normal((rows, DIM + 1)).astype(np.float32) * 0.1,
+            rng.random((rows, 4)).astype(np.float32), rng.integers(0, 128, rows),
+            enc.context(["pc"] * rows, ["north"] * rows, [int(time.time() * 1000)] * rows),
+            rng.random(rows).astype(np.float32), owner=owner,
+        )  # fmt: skip
+
+    x = inputs(n, 1)
     rows = [type(x)(x.user[i : i + 1], x.item[i : i + 1], x.dense[i : i + 1],
                     x.sparse[i : i + 1], x.cross[i : i + 1]) for i in range(n)]  # fmt: skip
-    out = {}
+    # fp16 on CUDA: one pass and 500 passes round differently
+    atol = 1e-5 if device.type == "cpu" else 5e-3
+    out: dict = {}
     for label, model in (("wide_deep", ms.full), ("light", ms.light)):
-        score(model, x, cpu)
-        reps = 50
+        for r in rows[:20]:  # warm (CUDA: kernels, autocast caches)
+            score(model, r, device)
+        batched_ms = _median_ms(lambda m=model: score(m, x, device), reps=50)
         t = time.perf_counter()
-        for _ in range(reps):
-            batched = score(model, x, cpu)
-        batched_ms = (time.perf_counter() - t) / reps * 1000
-        t = time.perf_counter()
-        serial = np.concatenate([score(model, r, cpu) for r in rows])
+        serial = np.concatenate([score(model, r, device) for r in rows])
         serial_ms = (time.perf_counter() - t) * 1000
-        assert np.allclose(serial, batched, atol=1e-5)
+        batched = score(model, x, device)
+        assert np.allclose(serial, batched, atol=atol), np.abs(serial - batched).max()
         out[label] = {
             "batched_ms": round(batched_ms, 3), "serial_ms": round(serial_ms, 2),
             "speedup": round(serial_ms / batched_ms, 1),
         }  # fmt: skip
+    progress.done(f"ranking on {device}: a dynamic batch, {n_req} requests x {n} candidates")
+    grouped = inputs(n * n_req, n_req)
+    out["dynamic_batch"] = {
+        "requests": n_req, "candidates": n * n_req,
+        "wide_deep_ms": round(_median_ms(lambda: score(ms.full, grouped, device), reps=20), 2),
+        "light_ms": round(_median_ms(lambda: score(ms.light, grouped, device), reps=20), 2),
+    }  # fmt: skip
     return out
 
 
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return float(np.median(times))
+
+
 # ---------------------------------------------------------------------------------- recall
-def bench_recall(conn, models: Path, progress: ProgressLine) -> dict:
-    """All channels for a batch of 32 with i2i made slow (30 ms): parallel vs serial."""
-    progress.done("recall: parallel vs serial with one slow channel (i2i +30 ms)")
-    w = _worker(conn, models, recall_delays_ms={"i2i": 30.0})
+def bench_recall(conn, models: Path, device: torch.device, progress: ProgressLine) -> dict:
+    """All channels for a batch of 32 with i2i made slow (30 ms): parallel vs serial; and
+    the vector channel alone (exact search over the resident item table)."""
+    progress.done(f"recall on {device}: parallel vs serial with one slow channel (i2i +30 ms)")
+    w = _worker(conn, models, device, recall_delays_ms={"i2i": 30.0})
     w.start()
     try:
         rec = w.recommender
@@ -175,18 +230,22 @@ def bench_recall(conn, models: Path, progress: ProgressLine) -> dict:
             for name in runner.configs:
                 runner._call(name, queries)
         serial = (time.perf_counter() - t) / reps * 1000
+        vector = _median_ms(lambda: runner._call("vector", queries), reps=reps)
     finally:
         w.close()
     return {"batch": 32, "slow_channel": "i2i", "slow_ms": 30, "parallel_ms": round(parallel, 2),
-            "serial_ms": round(serial, 2), "speedup": round(serial / parallel, 2)}  # fmt: skip
+            "serial_ms": round(serial, 2), "speedup": round(serial / parallel, 2),
+            "vector_channel_ms": round(vector, 2)}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- serve
-def bench_serve(conn, models: Path, world: World, progress: ProgressLine) -> dict:
+def bench_serve(
+    conn, models: Path, world: World, device: torch.device, progress: ProgressLine
+) -> dict:
     """``Recommender.serve`` in-process (no Kafka): median time of a batch of 1, 4 and 32
     requests of users not seen before, and its recall / rank / rerank split."""
-    progress.done("serve in-process: batches of 1, 4 and 32")
-    w = _worker(conn, models)
+    progress.done(f"serve in-process on {device}: batches of 1, 4 and 32")
+    w = _worker(conn, models, device)
     w.start()
     out = {}
     try:
@@ -214,7 +273,9 @@ def bench_serve(conn, models: Path, world: World, progress: ProgressLine) -> dic
 
 
 # -------------------------------------------------------------------------------- batching
-def bench_batching(conn, models: Path, world: World, n: int, progress: ProgressLine) -> dict:
+def bench_batching(
+    conn, models: Path, world: World, n: int, device: torch.device, progress: ProgressLine
+) -> dict:
     """Preloaded requests answered by one in-process worker: throughput and batch time."""
     out = {}
     for max_batch in (32, 1):
@@ -230,7 +291,7 @@ def bench_batching(conn, models: Path, world: World, n: int, progress: ProgressL
                       headers=[("reply-to", names.recommend_replies.encode()),
                                ("correlation-id", b.request.request_id.encode())])  # fmt: skip
         p.flush(30)
-        w = _worker(c2, models, max_batch=max_batch,
+        w = _worker(c2, models, device, max_batch=max_batch,
                     serving=replace(WorkerSettings(c2).serving,
                                     ladder=LadderConfig(queue_depth_limit=10**9)))  # fmt: skip
         w.start()
@@ -277,7 +338,9 @@ def _reply_timings(conn, topic: str, n: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------- latency
-def bench_latency(conn, models, world, rates, duration, progress, max_waits=(5,)) -> dict:
+def bench_latency(
+    conn, models, world, rates, duration, progress, max_waits=(5,), device=None
+) -> dict:
     """Echo, then a worker per ``max_waits`` value (the dynamic batcher's wait); the one with
     the default wait (5 ms) is ``worker``, others ``worker_max_wait_<ms>``."""
     out: dict = {"rates": {}}
@@ -291,7 +354,8 @@ def bench_latency(conn, models, world, rates, duration, progress, max_waits=(5,)
             seed_world(conn.redis_url, prefix, world, models)
             ctx = service_process(c2, "worker", free_port(), {
                 "FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM),
-                "FRESHREC_MAX_WAIT_MS": str(wait)})  # fmt: skip
+                "FRESHREC_MAX_WAIT_MS": str(wait),
+                "FRESHREC_DEVICE": str(device or "auto")})  # fmt: skip
         else:
             ctx = _echo_process(c2)
         with ctx:
@@ -366,24 +430,29 @@ async def _paced(conn, world: World, rate: float, duration: float) -> dict:
 
 
 def summary(r: dict) -> str:
-    lines = []
-    for label, v in r["ranking"].items():
+    lines = [f"device {r.get('device', 'cpu')}" + (f" ({r['gpu']})" if r.get("gpu") else "")]
+    for label, v in r.get("ranking", {}).items():
+        if label == "dynamic_batch":
+            lines.append(f"ranking a dynamic batch ({v['requests']} requests, {v['candidates']} "
+                         f"candidates): wide&deep {v['wide_deep_ms']} ms, light {v['light_ms']} ms")  # fmt: skip
+            continue
         lines.append(f"ranking {label}: 500 candidates batched {v['batched_ms']} ms vs serial "
                      f"{v['serial_ms']} ms = {v['speedup']}x")  # fmt: skip
-    rc = r["recall"]
-    lines.append(f"recall (i2i +30 ms): parallel {rc['parallel_ms']} ms vs serial "
-                 f"{rc['serial_ms']} ms = {rc['speedup']}x")  # fmt: skip
-    for label, v in r["serve"].items():
+    if rc := r.get("recall"):
+        lines.append(f"recall (i2i +30 ms): parallel {rc['parallel_ms']} ms vs serial "
+                     f"{rc['serial_ms']} ms = {rc['speedup']}x; vector channel alone "
+                     f"{rc['vector_channel_ms']} ms for {rc['batch']} requests")  # fmt: skip
+    for label, v in r.get("serve", {}).items():
         lines.append(f"serve in-process, {label}: {v['median_ms']} ms (recall {v['recall_ms']}, "
                      f"rank {v['rank_ms']}, rerank {v['rerank_ms']})")  # fmt: skip
-    b = r["batching"]
-    lines.append(
-        f"dynamic batching: {b['max_batch_32']['requests_per_s']} req/s (max_batch 32) vs "
-        f"{b['max_batch_1']['requests_per_s']} (max_batch 1) = {b['throughput_ratio']}x; "
-        f"batch time p99 {b['max_batch_32']['batch_time_p99_ms']} vs "
-        f"{b['max_batch_1']['batch_time_p99_ms']} ms"
-    )
-    for rate, row in r["latency"]["rates"].items():
+    if b := r.get("batching"):
+        lines.append(
+            f"dynamic batching: {b['max_batch_32']['requests_per_s']} req/s (max_batch 32) vs "
+            f"{b['max_batch_1']['requests_per_s']} (max_batch 1) = {b['throughput_ratio']}x; "
+            f"batch time p99 {b['max_batch_32']['batch_time_p99_ms']} vs "
+            f"{b['max_batch_1']['batch_time_p99_ms']} ms"
+        )
+    for rate, row in r.get("latency", {}).get("rates", {}).items():
         for kind, v in row.items():
             if kind.startswith("worker_max_wait_"):
                 lines.append(f"{rate} req/s, {kind}: p50 {v['p50_ms']} p99 {v['p99_ms']} ms")
