@@ -27,7 +27,14 @@ from schemas.codec import decode_dead_letter
 from schemas.records import Event, RecommendRequest
 from tools.world import World
 
-from .serving_harness import WORLD, running_worker, seed_redis, train_models, worker_settings
+from .serving_harness import (
+    DIM,
+    WORLD,
+    running_worker,
+    seed_redis,
+    train_models,
+    worker_settings,
+)
 from .streams_harness import private_redis, produce, service, stop, wait_for
 
 
@@ -358,3 +365,31 @@ def test_large_catalogues_use_the_ivf_index_for_vector_recall(seeded, model_dir)
         assert 0 < len(found) <= 20 and all(rec.name_of_slot[s] for s in found)
         scores = w.cache.gather(TABLE_ITEM, found) @ query.user_row
         assert np.all(np.diff(scores) <= 1e-5)  # re-scored with the current rows, in order
+
+
+def test_bench_serving_ranks_on_the_chosen_device_and_summarises_the_parts_it_ran(model_dir):
+    import sys
+
+    import torch
+
+    from freshrec.progress import ProgressLine
+    from tools.bench_serving import bench_ranking, summary
+
+    # asserts batched == serial
+    r = bench_ranking(model_dir, torch.device("cpu"), ProgressLine(), dim=DIM)
+    assert set(r) == {"wide_deep", "light", "dynamic_batch"}
+    assert r["dynamic_batch"]["candidates"] == 32 * 500
+    text = summary({"device": "cpu", "ranking": r})
+    assert "ranking wide_deep: 500 candidates" in text and "32 requests, 16000 candidates" in text
+    assert "recall" not in text and "req/s" not in text  # parts not run are not reported
+    bad = subprocess.run(
+        [sys.executable, "-m", "tools.bench_serving", "--parts", "ranking,bogus"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--parts takes some of ranking,recall" in bad.stderr
+    if not torch.cuda.is_available():
+        bad = subprocess.run(
+            [sys.executable, "-m", "tools.bench_serving", "--device", "cuda"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert bad.returncode == 2 and "--device cuda:" in bad.stderr

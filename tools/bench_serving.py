@@ -145,12 +145,17 @@ def _inbound(world: World, n: int, seed: int = 0) -> list[Inbound]:
 
 
 # --------------------------------------------------------------------------------- ranking
-def bench_ranking(models: Path, device: torch.device, progress: ProgressLine) -> dict:
+def bench_ranking(
+    models: Path, device: torch.device, progress: ProgressLine, dim: int = DIM
+) -> dict:
     """500 candidates of one request: one forward pass vs 500 single-row passes; and the
     worker's real unit, a whole dynamic batch (32 requests × 500 candidates) in one grouped
     pass."""
     progress.done(f"ranking on {device}: 500 candidates, batched vs serial")
-    ms = ModelWatcher(models, device, DIM).load_now()
+    watcher = ModelWatcher(models, device, dim)
+    ms = watcher.load_now()
+    if ms is None:
+        raise SystemExit(f"no ranking models in {models}: {watcher.last_error}")
     rng = np.random.default_rng(0)
     n, n_req = 500, 32
     enc = FeatureEncoder()
@@ -158,8 +163,8 @@ def bench_ranking(models: Path, device: torch.device, progress: ProgressLine) ->
     def inputs(rows: int, users: int):
         owner = np.repeat(np.arange(users), rows // users) if users > 1 else None
         return enc.encode(
-            rng.standard_normal((users if owner is not None else rows, DIM + 1)).astype(np.float32) * 0.1,
-            rng.standard_normal((rows, DIM + 1)).astype(np.float32) * 0.1,
+            rng.standard_normal((users if owner is not None else rows, dim + 1)).astype(np.float32) * 0.1,
+            rng.standard_normal((rows, dim + 1)).astype(np.float32) * 0.1,
             rng.random((rows, 4)).astype(np.float32), rng.integers(0, 128, rows),
             enc.context(["pc"] * rows, ["north"] * rows, [int(time.time() * 1000)] * rows),
             rng.random(rows).astype(np.float32), owner=owner,
