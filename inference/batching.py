@@ -1,5 +1,6 @@
 """The dynamic-batching decision: flush when ``max_batch`` requests wait, or when the oldest
-has waited ``max_wait_ms``; requests past their deadline are dropped before any work. Pure.
+has waited ``max_wait_ms``; requests past their deadline are dropped before any work; and how
+many backlogged events to learn between two looks at the request queue. Pure.
 
 >>> p = BatchPolicy(max_batch=4, max_wait_ms=10)
 >>> p.decide(queued=2, oldest_enqueued_ms=100, now_ms=105)
@@ -55,3 +56,46 @@ def split_expired(
         d = deadline_of(item)
         (expired if d is not None and d <= now_ms else live).append(item)
     return live, expired
+
+
+@dataclass
+class EventSlicer:
+    """How many backlogged events to learn before looking at the request queue again: as
+    many as fit in ``budget_ms`` at the cost per event seen so far (a moving average), between
+    ``least`` and ``most``. A request that arrives while a slice is learnt waits for it, so
+    the budget bounds that wait; within it, larger slices spread each slice's fixed costs
+    (a Redis round trip for cold rows, the gradient message, numpy calls) over more events.
+    A fixed count could not do both: 256 events took ~4 ms on an idle machine and ~10 ms on
+    a loaded one, and a slice of 2,000 doubled the event path's throughput where it could run.
+
+    >>> s = EventSlicer(budget_ms=10, least=64, most=4096, start=256)
+    >>> s.size()
+    256
+    >>> s.observe(250, 0.0025)  # 10 µs an event: 1,000 fit in 10 ms
+    >>> s.size()
+    1000
+    """
+
+    budget_ms: float = 10.0
+    least: int = 64
+    most: int = 4096
+    start: int = 256
+    alpha: float = 0.3
+    per_event_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget_ms <= 0 or not 1 <= self.least <= self.start <= self.most:
+            raise ValueError("budget_ms must be > 0 and 1 <= least <= start <= most")
+
+    def size(self) -> int:
+        if self.per_event_ms is None:
+            return self.start
+        return int(min(self.most, max(self.least, self.budget_ms / self.per_event_ms)))
+
+    def observe(self, events: int, seconds: float) -> None:
+        """A slice of ``events`` took ``seconds`` (a failed or empty one is not observed)."""
+        if events <= 0 or seconds <= 0:
+            return
+        cost = seconds * 1000 / events
+        old = self.per_event_ms
+        self.per_event_ms = cost if old is None else (1 - self.alpha) * old + self.alpha * cost

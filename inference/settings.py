@@ -48,8 +48,11 @@ class WorkerSettings:
     user_capacity_rows: int = 200_000
     batch_max: int = 2000
     """Messages per consume call."""
-    event_slice: int = 256
-    """Events learnt between two looks at the request queue (bounds a request's wait)."""
+    event_slice: int = 4096
+    """At most this many events learnt between two looks at the request queue."""
+    event_slice_ms: float = 10.0
+    """Time budget of one slice of events (bounds a request's wait behind learning): the
+    slice holds as many events as fit at the cost per event measured so far."""
     poll_timeout_ms: int = 5
     device: str = "auto"
     worker_id: str = ""
@@ -118,7 +121,8 @@ class WorkerSettings:
             learning=learning,
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),
-            event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 256, minimum=1),
+            event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 4096, minimum=1),
+            event_slice_ms=env_float(env, "FRESHREC_EVENT_SLICE_MS", 10.0, positive=True),
             torch_threads=env_int(env, "FRESHREC_TORCH_THREADS", 1, minimum=0),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",

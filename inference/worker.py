@@ -46,7 +46,7 @@ from freshrec.partitioner import row_partitions
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.admission import AdmissionFilter
-from inference.batching import BatchPolicy, split_expired
+from inference.batching import BatchPolicy, EventSlicer, split_expired
 from inference.breaker import CLOSED, HALF_OPEN
 from inference.cache import EmbeddingCache, pick_device
 from inference.learning import aggregate, examples_from_events, logistic_gradients
@@ -133,6 +133,8 @@ class Worker:
         # ---- serving
         sv = settings.serving
         self.policy = BatchPolicy(settings.max_batch, settings.max_wait_ms)
+        most = settings.event_slice
+        self.slicer = EventSlicer(settings.event_slice_ms, min(64, most), most, min(256, most))
         self.requests: deque[Inbound] = deque()
         self.backlog: deque[Message] = deque()
         self.paused: list[TopicPartition] = []
@@ -429,10 +431,12 @@ class Worker:
     def _learn_slice(self) -> None:
         if not self.backlog or time.monotonic() < self._events_retry_at:
             return
-        n = min(len(self.backlog), self.settings.event_slice)
+        n = min(len(self.backlog), self.slicer.size())
         chunk = [self.backlog.popleft() for _ in range(n)]
+        started = time.perf_counter()
         try:
             self.on_events(chunk)
+            self.slicer.observe(n, time.perf_counter() - started)
         except redis.RedisError as exc:
             # rows could not be loaded: keep the events, serve on, try again shortly
             log.warning("learning paused, Redis unavailable: %s", exc)

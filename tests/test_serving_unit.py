@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from inference.batching import BatchPolicy, Decision, split_expired
+from inference.batching import BatchPolicy, Decision, EventSlicer, split_expired
 from inference.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
 from inference.merge import merge_channels
 from inference.rerank import mmr, mmr_batch, space_categories
@@ -23,6 +23,39 @@ def test_batching_flushes_on_size_or_on_the_oldest_requests_wait():
     assert BatchPolicy(max_batch=1, max_wait_ms=50).decide(1, 0, 0).flush
     with pytest.raises(ValueError):
         BatchPolicy(max_batch=0)
+
+
+def test_event_slices_grow_until_a_slice_fills_its_time_budget():
+    s = EventSlicer(budget_ms=10, least=64, most=4096, start=256)
+
+    def took_ms(n: int) -> float:  # a slice's cost: 1 ms of fixed work plus 8 µs an event
+        return 1.0 + 0.008 * n
+
+    assert s.size() == 256
+    for _ in range(30):
+        n = s.size()
+        s.observe(n, took_ms(n) / 1000)
+    # the fixed point: as many events as fit in the budget, (10 - 1) / 0.008 = 1,125
+    assert 1080 <= s.size() <= 1125 and took_ms(s.size()) <= 10.0
+    for _ in range(30):  # the events got dearer (cold rows): the slices shrink to the budget
+        n = s.size()
+        s.observe(n, (1.0 + 0.08 * n) / 1000)
+    assert 100 <= s.size() <= 113
+    s.observe(0, 0.5)  # nothing learnt: no estimate from it
+    s.observe(10, 0.0)
+    assert 100 <= s.size() <= 113
+
+
+def test_event_slices_stay_within_their_bounds():
+    s = EventSlicer(budget_ms=10, least=64, most=500, start=256)
+    s.observe(100, 0.000001)  # nearly free events: capped at most
+    assert s.size() == 500
+    s = EventSlicer(budget_ms=10, least=64, most=500, start=256)
+    s.observe(100, 1.0)  # 10 ms an event: never fewer than least
+    assert s.size() == 64
+    for bad in (dict(budget_ms=0), dict(least=0), dict(start=5000), dict(least=300)):
+        with pytest.raises(ValueError):
+            EventSlicer(**{"least": 64, "most": 4096, "start": 256, **bad})
 
 
 def test_expired_requests_are_split_off_before_work():
