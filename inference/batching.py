@@ -30,7 +30,7 @@ class Decision:
 @dataclass(frozen=True)
 class BatchPolicy:
     max_batch: int = 32
-    max_wait_ms: int = 5
+    max_wait_ms: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_wait_ms < 0:

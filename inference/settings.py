@@ -65,7 +65,7 @@ class WorkerSettings:
     # ---- serving
     serving: ServingSettings = field(default_factory=ServingSettings)
     max_batch: int = 32
-    max_wait_ms: int = 5
+    max_wait_ms: int = 0
     model_dir: Path = field(default_factory=default_model_dir)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     recall_delays_ms: dict[str, float] = field(default_factory=dict)
@@ -129,7 +129,7 @@ class WorkerSettings:
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             serving=serving,
             max_batch=env_int(env, "FRESHREC_MAX_BATCH", 32, minimum=1),
-            max_wait_ms=env_int(env, "FRESHREC_MAX_WAIT_MS", 5, minimum=0),
+            max_wait_ms=env_int(env, "FRESHREC_MAX_WAIT_MS", 0, minimum=0),
             model_dir=Path(env.get("FRESHREC_MODEL_DIR") or default_model_dir(env)),
             breaker=BreakerConfig(
                 threshold=env_float(

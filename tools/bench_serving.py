@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--items", type=int, default=20_000)
     ap.add_argument("--saturation-requests", type=int, default=3000)
-    ap.add_argument("--max-waits", default="5",
+    ap.add_argument("--max-waits", default=str(WorkerSettings.max_wait_ms),
                     help="dynamic-batching waits (ms) to run the latency test with, e.g. 0,2,5")  # fmt: skip
     ap.add_argument("--device", default="auto",
                     help="the worker's device (FRESHREC_DEVICE): auto, cpu, cuda, cuda:1 ...")  # fmt: skip
@@ -344,13 +344,21 @@ def _reply_timings(conn, topic: str, n: int) -> list[dict]:
 
 # --------------------------------------------------------------------------------- latency
 def bench_latency(
-    conn, models, world, rates, duration, progress, max_waits=(5,), device=None
+    conn,
+    models,
+    world,
+    rates,
+    duration,
+    progress,
+    max_waits=(WorkerSettings.max_wait_ms,),
+    device=None,
 ) -> dict:
     """Echo, then a worker per ``max_waits`` value (the dynamic batcher's wait); the one with
-    the default wait (5 ms) is ``worker``, others ``worker_max_wait_<ms>``."""
+    the worker's default wait (0 ms) is ``worker``, others ``worker_max_wait_<ms>``."""
     out: dict = {"rates": {}}
     kinds = [("echo", None)] + [
-        ("worker" if w == 5 else f"worker_max_wait_{w}", w) for w in max_waits
+        ("worker" if w == WorkerSettings.max_wait_ms else f"worker_max_wait_{w}", w)
+        for w in max_waits
     ]
     for kind, wait in kinds:
         prefix = f"bl{kind.replace('_', '')}."
