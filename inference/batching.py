@@ -65,8 +65,9 @@ class EventSlicer:
     ``least`` and ``most``. A request that arrives while a slice is learnt waits for it, so
     the budget bounds that wait; within it, larger slices spread each slice's fixed costs
     (a Redis round trip for cold rows, the gradient message, numpy calls) over more events.
-    A fixed count could not do both: 256 events took ~4 ms on an idle machine and ~10 ms on
-    a loaded one, and a slice of 2,000 doubled the event path's throughput where it could run.
+    A fixed count could not do both: 256 events took ~4 ms on a fast hour of the development
+    machine and ~12 ms on a slow one, and slices of 1,000-2,000 events doubled the event
+    path's throughput (docs/serving.md, "Requests before events").
 
     >>> s = EventSlicer(budget_ms=10, least=64, most=4096, start=256)
     >>> s.size()

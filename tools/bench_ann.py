@@ -32,7 +32,7 @@ import torch
 from freshrec.progress import ProgressLine
 from inference.ann import IVFIndex, auto_nprobe, exact_search, ivf_cells
 from inference.recall import DEFAULT_CHANNELS
-from tools.benchlib import save
+from tools.benchlib import device_arg, save
 from tools.world import World, WorldConfig
 
 DIM = 64
@@ -158,11 +158,7 @@ def main() -> None:
         or not all(p == "auto" or (p.isdigit() and int(p) > 0) for p in nprobes)
     ):
         ap.error("--items and --reps take positive integers, --nprobe those or 'auto'")
-    try:
-        device = torch.device(args.device)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as exc:
-        ap.error(f"--device {args.device}: {exc}")
+    device = device_arg(ap, args.device)
     torch.set_num_threads(1)
     progress = ProgressLine()
     k = DEFAULT_CHANNELS["vector"].quota

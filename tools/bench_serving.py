@@ -43,7 +43,6 @@ from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
 from freshrec.stack import free_port
 from freshrec.topics import TopicNames, ensure_topics
-from inference.cache import pick_device
 from inference.client import RecommendClient, RecommendTimeout
 from inference.degrade import LadderConfig
 from inference.features import FeatureEncoder
@@ -56,7 +55,7 @@ from inference.train import TrainConfig
 from inference.worker import Worker
 from schemas.codec import decode_reply, encode_request
 from schemas.records import RecommendRequest, RequestContext
-from tools.benchlib import bench_connection, save, service_process
+from tools.benchlib import bench_connection, device_arg, save, service_process
 from tools.seed import seed_world
 from tools.world import World, WorldConfig
 
@@ -82,11 +81,7 @@ def main() -> None:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not parts or set(parts) - set(PARTS):
         ap.error(f"--parts takes some of {','.join(PARTS)}")
-    try:
-        device = pick_device(args.device)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as exc:  # e.g. cuda asked for on a host without one
-        ap.error(f"--device {args.device}: {exc}")
+    device = device_arg(ap, args.device)
     progress = ProgressLine()
     world = World(WorldConfig(seed=5, n_users=200_000, n_items=args.items))
     results: dict = {"items": args.items, "dim": DIM, "torch_threads": 1, "device": str(device)}

@@ -223,6 +223,21 @@ def lag_alongside(conn: ConnectionSettings, stop, out: str) -> None:
     np.save(out, np.array([reader.sent, reader.lags], np.float64))
 
 
+def device_arg(ap, text: str):
+    """The torch device ``text`` names (``auto``: CUDA when there is one), or the parser's
+    error when this host cannot use it (e.g. ``cuda`` on a CPU-only build of torch)."""
+    import torch
+
+    from inference.cache import pick_device
+
+    try:
+        device = pick_device(text)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        ap.error(f"--device {text}: {exc}")
+    return device
+
+
 def save(name: str, results: dict, out_dir: Path = Path("artifacts")) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {
