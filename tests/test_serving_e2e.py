@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -402,7 +403,9 @@ def test_large_catalogues_use_the_ivf_index_for_vector_recall(seeded, model_dir)
         assert np.all(np.diff(scores) <= 1e-5)  # re-scored with the current rows, in order
 
 
-def test_bench_serving_ranks_on_the_chosen_device_and_summarises_the_parts_it_ran(model_dir):
+def test_bench_serving_ranks_on_the_chosen_device_and_summarises_the_parts_it_ran(
+    model_dir, tmp_path
+):
     import sys
 
     import torch
@@ -428,3 +431,10 @@ def test_bench_serving_ranks_on_the_chosen_device_and_summarises_the_parts_it_ra
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert bad.returncode == 2 and "--device cuda:" in bad.stderr
+        # the GPU checks script says there is nothing to check, rather than failing somewhere
+        checks = subprocess.run(
+            ["bash", str(Path(__file__).parents[1] / "tools" / "gpu_checks.sh"), str(tmp_path)],
+            capture_output=True,
+            text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable},
+        )  # fmt: skip
+        assert checks.returncode == 2 and "no CUDA device" in checks.stderr
