@@ -175,11 +175,33 @@ def lag_statistics(group: str) -> dict[str, Any]:
     return {"statistics.interval.ms": 1000, "stats_cb": on_stats}
 
 
-def consume_batch(consumer, batch_max: int, timeout_s: float, what: str) -> list:
-    """One ``consume`` of up to ``batch_max`` messages, without the error events: a partition
-    EOF is dropped silently, any other error logged with ``what`` (the topic's role)."""
+def consume_available(consumer, n: int, timeout_s: float) -> list:
+    """Up to ``n`` messages, returned as soon as there is one (or after ``timeout_s`` with
+    none). librdkafka's batch consume, ``consume(n, timeout)``, returns only when ``n`` have
+    arrived or the whole timeout has passed — one message produced 10 ms into a 1 s timeout
+    came back after 1,002 ms — so at a steady trickle every message waited out the timeout
+    in the local queue. Here: what is queued already, at once; else ``poll``, which returns
+    with the first message, and whatever queued behind it."""
+    msgs = consumer.consume(n, 0)
+    if msgs or timeout_s <= 0:
+        return msgs
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    return [first, *consumer.consume(n - 1, 0)] if n > 1 else [first]
+
+
+def consume_batch(
+    consumer, batch_max: int, timeout_s: float, what: str, *, fill: bool = False
+) -> list:
+    """Up to ``batch_max`` messages, without the error events: a partition EOF is dropped
+    silently, any other error logged with ``what`` (the topic's role). Back with the first
+    message (``consume_available``), or with ``fill`` once ``batch_max`` are in or
+    ``timeout_s`` has passed (librdkafka's batch consume: a linger, for stages whose cost is
+    per batch)."""
     good = []
-    for msg in consumer.consume(batch_max, timeout_s):
+    msgs = consumer.consume(batch_max, timeout_s) if fill else None
+    for msg in msgs if msgs is not None else consume_available(consumer, batch_max, timeout_s):
         err = msg.error()
         if err is None:
             good.append(msg)

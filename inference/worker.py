@@ -40,7 +40,13 @@ from confluent_kafka import (
 )
 
 from freshrec import metrics as m
-from freshrec.kafka import close_producer, consumer_config, lag_statistics, producer_config
+from freshrec.kafka import (
+    close_producer,
+    consume_available,
+    consumer_config,
+    lag_statistics,
+    producer_config,
+)
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.partitioner import row_partitions
 from freshrec.rediskeys import RedisKeys
@@ -230,7 +236,7 @@ class Worker:
 
     def poll_once(self) -> None:
         t0 = time.perf_counter()
-        msgs = self.events.consume(self.settings.batch_max, self._poll_timeout_s())
+        msgs = consume_available(self.events, self.settings.batch_max, self._poll_timeout_s())
         t1 = time.perf_counter()
         stamps = []
         for msg in msgs:

@@ -68,7 +68,9 @@ class CatalogueStage:
         self.consumer.subscribe([self.names.items])
         try:
             while not stop.is_set():
-                good = consume_batch(self.consumer, self.settings.batch_max, 0.05, "items")
+                good = consume_batch(
+                    self.consumer, self.settings.batch_max, 0.05, "items", fill=True
+                )
                 if good:
                     with m.STREAMS_BATCH_SECONDS.labels("catalogue").time():
                         self.process(good)

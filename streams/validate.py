@@ -103,7 +103,12 @@ class ValidateStage:
         self.consumer.subscribe([self.names.events], on_revoke=self._on_revoke)
         try:
             while not stop.is_set():
-                good = consume_batch(self.consumer, self.settings.batch_max, 0.05, "events")
+                # fill: each batch costs a by-item message per target partition and its share
+                # of a commit; returning with the first event made the batches small and the
+                # hot-list lag longer (p99 484 against 395 ms, docs/benchmarks.md)
+                good = consume_batch(
+                    self.consumer, self.settings.batch_max, 0.05, "events", fill=True
+                )
                 if good:
                     with m.STREAMS_BATCH_SECONDS.labels("validate").time():
                         self.process(good)

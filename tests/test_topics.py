@@ -45,3 +45,38 @@ def test_co_partitioned_topics_cannot_be_overridden_apart():
         for s in catalogue_with(partitions_from_env({"FRESHREC_PARTITIONS": "2"}))
     }
     assert specs["events"] == specs["recommend.requests"] == 2
+
+
+def test_consume_available_returns_with_the_first_message_and_what_queued_behind_it(conn):
+    import threading
+    import time
+
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from freshrec.kafka import consume_available, consumer_config, producer_config
+    from freshrec.topics import TopicNames
+
+    topic = TopicNames(conn.topic_prefix).events
+    c = Consumer(consumer_config(conn, None))
+    c.assign([TopicPartition(topic, q, 0) for q in range(4)])
+    p = Producer(producer_config(conn))
+    try:
+        assert consume_available(c, 10, 0.2) == []  # nothing: back after the timeout, empty
+        timer = threading.Timer(0.2, lambda: (p.produce(topic, b"one", partition=0), p.flush(5)))
+        timer.start()
+        started = time.monotonic()
+        got = consume_available(c, 10, 30.0)
+        # librdkafka's consume(10, 30) would hold the one message for the whole 30 s
+        assert [m.value() for m in got] == [b"one"] and time.monotonic() - started < 15
+        for i in range(5):
+            p.produce(topic, b"%d" % i, partition=1)
+        p.flush(5)
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 15
+        while len(seen) < 5 and time.monotonic() < deadline:
+            batch = consume_available(c, 3, 1.0)
+            assert len(batch) <= 3
+            seen += [m.value() for m in batch]
+        assert seen == [b"0", b"1", b"2", b"3", b"4"]
+    finally:
+        c.close()

@@ -18,7 +18,13 @@ from pathlib import Path
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
-from freshrec.kafka import admin_config, consumer_config, producer_config, profile
+from freshrec.kafka import (
+    admin_config,
+    consume_available,
+    consumer_config,
+    producer_config,
+    profile,
+)
 from freshrec.settings import ConnectionSettings
 from freshrec.stack import EmbeddedStack, external_services
 from freshrec.topics import ensure_topics
@@ -141,8 +147,8 @@ class LagReader:
         self.measured_from_ms = measured_from_ms
         self.lags: list[float] = []
         self.sent: list[int] = []
-        # consume(n, timeout) returns when n messages are in or the timeout ran out: at 5k/s
-        # a batch of 10,000 never fills, so the timeout is the wait. The worker polls with 5 ms.
+        # read as the worker reads (consume_available: back with the first message, at most
+        # the profile's fetch wait for none)
         self.poll_s = profile(conn).fetch_wait_max_ms / 1000
 
     def read(self, until, give_up_at) -> None:
@@ -150,7 +156,7 @@ class LagReader:
         import orjson
 
         while not until() and time.monotonic() < give_up_at():
-            for m in self.consumer.consume(10_000, self.poll_s):
+            for m in consume_available(self.consumer, 10_000, self.poll_s):
                 if m.error() is None:
                     ts = orjson.loads(m.value())["ts_ms"]
                     if ts >= self.measured_from_ms:

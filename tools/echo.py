@@ -18,7 +18,7 @@ import time
 
 from confluent_kafka import Consumer, Producer
 
-from freshrec.kafka import consumer_config, producer_config
+from freshrec.kafka import consume_available, consumer_config, producer_config
 from freshrec.settings import ConnectionSettings
 from freshrec.topics import TopicNames
 
@@ -32,7 +32,7 @@ def main() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     while not stop.is_set():
-        for msg in consumer.consume(500, 0.005):
+        for msg in consume_available(consumer, 500, 0.005):  # as the worker reads
             if msg.error():
                 continue
             headers = dict(msg.headers() or [])
