@@ -199,9 +199,12 @@ def consume_batch(
     message (``consume_available``), or with ``fill`` once ``batch_max`` are in or
     ``timeout_s`` has passed (librdkafka's batch consume: a linger, for stages whose cost is
     per batch)."""
+    if fill:
+        msgs = consumer.consume(batch_max, timeout_s)
+    else:
+        msgs = consume_available(consumer, batch_max, timeout_s)
     good = []
-    msgs = consumer.consume(batch_max, timeout_s) if fill else None
-    for msg in msgs if msgs is not None else consume_available(consumer, batch_max, timeout_s):
+    for msg in msgs:
         err = msg.error()
         if err is None:
             good.append(msg)
