@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from freshrec.settings import SettingsError
+from freshrec.settings import LOG_FORMAT, SettingsError
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
     )
     _sigterm_as_interrupt()
     from freshrec.stack import StackError

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 
@@ -34,3 +37,22 @@ def run_until_signalled(
     loop(stop)
     logging.getLogger(f"freshrec.{name}").info("%s stopped", name)
     return 0
+
+
+def die_with_parent(parent_pid: int, stop: threading.Event) -> None:
+    """In a child process: set ``stop`` when the parent is gone, however it died. On Linux
+    the kernel sends SIGTERM at the parent's death (``PR_SET_PDEATHSIG``; the caller's SIGTERM
+    handler sets ``stop``); everywhere a thread also checks the parent pid every second.
+    Without it a SIGKILLed service would leave its child in the consumer group."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # died before the prctl
+        stop.set()
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            if os.getppid() != parent_pid:
+                stop.set()
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()

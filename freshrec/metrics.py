@@ -188,8 +188,12 @@ ASSIGNED_PARTITIONS = Gauge(
 )
 
 
-def serve_metrics(port: int) -> None:
-    """Expose /metrics on ``port`` (0: do nothing)."""
+def serve_metrics(port: int, registry=None) -> None:
+    """Expose /metrics on ``port`` (0: do nothing): this process's registry, or ``registry``
+    (``freshrec.childmetrics.MergedRegistry`` where a child process has metrics too)."""
     if port:
-        start_http_server(port, addr="0.0.0.0")
+        if registry is None:
+            start_http_server(port, addr="0.0.0.0")
+        else:
+            start_http_server(port, addr="0.0.0.0", registry=registry)
         log.info("metrics on :%d/metrics", port)

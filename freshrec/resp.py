@@ -103,6 +103,64 @@ def pooled_connection(client: redis.Redis) -> Iterator:
         pool.release(conn)
 
 
+class Pipelined:
+    """Packed commands sent on one connection without waiting for their replies: each
+    ``send`` first reads the replies of the one before (by then they have usually arrived),
+    so a loop that writes once per batch never stands still for a round trip. ``drain`` reads
+    what is outstanding; call it before anything that depends on the writes having happened
+    (committing the offsets of their input). An error reply raises there (the other replies
+    read first); a connection error raises too, and the connection is dropped."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.conn = None
+        self.pending = 0
+
+    def send(self, payload: bytes, replies: int) -> None:
+        self.drain()
+        if self.conn is None:
+            self.conn = self.client.connection_pool.get_connection()
+        try:
+            self.conn.send_packed_command([payload])
+        except BaseException:
+            self._drop()
+            raise
+        self.pending = replies
+
+    def drain(self) -> None:
+        if not self.pending:
+            return
+        error = None
+        try:
+            for _ in range(self.pending):
+                try:
+                    self.conn.read_response()
+                except redis.ResponseError as exc:
+                    error = error or exc
+        except BaseException:
+            self._drop()
+            raise
+        finally:
+            self.pending = 0
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            if self.conn is not None:
+                self.client.connection_pool.release(self.conn)
+                self.conn = None
+
+    def _drop(self) -> None:
+        self.pending = 0
+        if self.conn is not None:
+            self.conn.disconnect()
+            self.client.connection_pool.release(self.conn)
+            self.conn = None
+
+
 async def execute_async(client, payload: bytes, replies: int) -> list:
     """``execute`` for a ``redis.asyncio`` client."""
     pool = client.connection_pool

@@ -21,6 +21,10 @@ from pathlib import Path
 STACK_ENV_FILE = "stack.env"
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""Every process's log lines (the CLI's and the children services start)."""
+
+
 class SettingsError(ValueError):
     """A setting is missing or malformed; the message names the variable."""
 

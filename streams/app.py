@@ -1,9 +1,10 @@
 """``freshrec streams``: the faust app for event-time features.
 
-Two stages in one process (several instances split the partitions):
+Two stages (several instances split the partitions):
 
-1. validate (``streams/validate.py``, confluent-kafka batches on a thread of this process,
-   because every event passes through it and faust's per-message path is slow): decodes each
+1. validate (``streams/validate.py``, confluent-kafka batches in a child process of this one,
+   because every event passes through it, faust's per-message path is slow, and in one
+   process the two stages took turns on one GIL): decodes each
    event with the ``schemas/`` codec (rejects go to ``events.dlq`` with their reason), drops
    replayed ``event_id``s inside a bounded window, keeps each user's recent clicks in Redis,
    and repartitions the valid events by item onto ``events.by_item``, one compact batch per
@@ -24,8 +25,10 @@ new-items recall channel, and prices reach the count stage's hot scores through 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
+import multiprocessing
 import os
 import queue
 import threading
@@ -41,6 +44,7 @@ from mode.supervisors import CrashingSupervisor
 from redis.asyncio import Redis
 
 from freshrec import metrics as m
+from freshrec.childmetrics import MergedRegistry
 from freshrec.kafka import admin_config, profile
 from freshrec.lifecycle import settle_heap
 from freshrec.rediskeys import RedisKeys
@@ -51,7 +55,7 @@ from streams.item_state import ItemPartitionState
 from streams.settings import StreamsSettings
 from streams.sink import StreamsSink
 from streams.transport import FetchTunedApp
-from streams.validate import ValidateStage
+from streams.validate import ValidateStage, run_validate_process
 
 log = logging.getLogger("freshrec.streams")
 SERVICE = "streams"
@@ -323,11 +327,47 @@ def _crash_on_error(loop, stop: threading.Event, name: str) -> None:
         os._exit(1)
 
 
+def _start_validate_process(
+    settings: StreamsSettings, by_item_partitions: int, metrics: MergedRegistry
+) -> multiprocessing.Process:
+    """The validate stage as a child process (spawned: this process already runs librdkafka
+    threads, which a fork would copy half-way). It stops with this process (SIGTERM at exit,
+    or the kernel's parent-death signal after a SIGKILL); if it dies first, this process
+    exits non-zero, as a failed stage thread would make it."""
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=run_validate_process, name="freshrec-streams-validate", daemon=True,
+        args=(settings, by_item_partitions, os.getpid(), writer, logging.getLogger().level),
+    )  # fmt: skip
+    proc.start()
+    writer.close()
+    threading.Thread(
+        target=metrics.receive, args=("validate", reader), daemon=True, name="validate-metrics"
+    ).start()
+    exiting = threading.Event()
+    # runs before multiprocessing's own exit hook (registered earlier), which terminates
+    # and joins daemonic children
+    atexit.register(exiting.set)
+
+    def watch() -> None:
+        proc.join()
+        if not exiting.is_set():
+            log.error("the validate process exited with code %s; exiting", proc.exitcode)
+            logging.shutdown()
+            os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="validate-watch").start()
+    log.info("validate stage: process %d", proc.pid)
+    return proc
+
+
 def run_streams(settings: StreamsSettings) -> int:
     """Run one streams instance until SIGTERM/SIGINT."""
     from faust.worker import Worker
 
-    m.serve_metrics(settings.metrics_port)
+    metrics = MergedRegistry()
+    m.serve_metrics(settings.metrics_port, metrics)
     streams = StreamsApp(settings)
     log.info(
         "streams app %s: by-item partitions %d, fetch wait %s ms",
@@ -335,13 +375,17 @@ def run_streams(settings: StreamsSettings) -> int:
         streams.by_item_partitions,
         streams.app.fetch_wait_max_ms,
     )
-    # The validate and catalogue stages run on confluent-kafka batches in threads of this
-    # process; they die with the process (offsets not committed are replayed: the count stage
-    # skips replayed events by offset, catalogue writes are idempotent).
+    # The validate stage runs on confluent-kafka batches in a child process (or a thread:
+    # FRESHREC_STREAMS_VALIDATE=thread), the catalogue stage on a thread of this process;
+    # they stop with it (offsets not committed are replayed: the count stage skips replayed
+    # events by offset, catalogue writes are idempotent).
     stop = threading.Event()
-    validate = ValidateStage(settings, streams.by_item_partitions)
-    catalogue = CatalogueStage(settings, streams.price_updates)
-    for name, stage in (("validate", validate), ("catalogue", catalogue)):
+    stages = [("catalogue", CatalogueStage(settings, streams.price_updates))]
+    if settings.validate_process:
+        _start_validate_process(settings, streams.by_item_partitions, metrics)
+    else:
+        stages.append(("validate", ValidateStage(settings, streams.by_item_partitions)))
+    for name, stage in stages:
         threading.Thread(
             target=_crash_on_error, args=(stage.run, stop, name), daemon=True, name=name
         ).start()

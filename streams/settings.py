@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from freshrec.settings import ConnectionSettings, env_float, env_int
+from freshrec.settings import (
+    ConnectionSettings,
+    SettingsError,
+    env_float,
+    env_int,
+    env_str,
+)
 from schemas.codec import CodecLimits
 from streams.hotlist import HotWeights, Smoothing
 from streams.item_state import StateConfig
@@ -32,6 +38,9 @@ class StreamsSettings:
     batch_within_ms: int = 20
     metrics_port: int = 0
     """Prometheus port; 0 disables the endpoint."""
+    validate_process: bool = True
+    """The validate stage in a child process of its own (``process``) or on a thread of the
+    streams process (``thread``): a process has its own core and GIL."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> StreamsSettings:
@@ -50,6 +59,11 @@ class StreamsSettings:
             price_cap=env_float(env, "FRESHREC_PRICE_CAP", 1000.0, positive=True),
         )
         fetch = env.get("FRESHREC_STREAMS_FETCH_WAIT_MS")
+        validate = env_str(env, "FRESHREC_STREAMS_VALIDATE", "process")
+        if validate not in ("process", "thread"):
+            raise SettingsError(
+                f"FRESHREC_STREAMS_VALIDATE={validate!r}: must be 'process' or 'thread'"
+            )
         return cls(
             conn=ConnectionSettings.from_env(env),
             state=state,
@@ -64,4 +78,5 @@ class StreamsSettings:
             publish_interval_ms=env_int(env, "FRESHREC_HOT_PUBLISH_MS", 200, minimum=10),
             fetch_wait_max_ms=int(fetch) if fetch else None,
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
+            validate_process=validate == "process",
         )

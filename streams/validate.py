@@ -16,6 +16,8 @@ them by source offset (exactly-once counts). Dead letters and recent clicks are 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -25,10 +27,13 @@ import redis
 from confluent_kafka import Producer
 
 from freshrec import metrics as m
+from freshrec.childmetrics import send_snapshots
 from freshrec.kafka import background_consumer, consume_batch, producer_config
+from freshrec.lifecycle import die_with_parent
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
-from freshrec.resp import execute, pack
+from freshrec.resp import Pipelined, pack
+from freshrec.settings import LOG_FORMAT
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
@@ -41,20 +46,18 @@ SERVICE = "streams"
 COMMIT_INTERVAL_S = 1.0
 
 
-def push_recent(r: redis.Redis, keys: RedisKeys, clicks, keep: int) -> None:
-    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim;
-    all users' commands packed by hand and sent in one round trip."""
+def pack_recent(keys: RedisKeys, clicks, keep: int) -> tuple[bytes, int]:
+    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim: all
+    users' commands packed by hand, and how many replies they get (0: nothing to send)."""
     per_user: dict[str, list[bytes]] = defaultdict(list)
     for user_id, item_id, ts in clicks:
         per_user[user_id].append(b"%s|%d" % (item_id.encode(), ts))
-    if not per_user:
-        return
     stop = b"%d" % (keep - 1)
     payload = b"".join(
         pack(b"LPUSH", key, *entries) + pack(b"LTRIM", key, b"0", stop)
         for key, entries in ((keys.user_recent(u).encode(), e) for u, e in per_user.items())
     )
-    execute(r, payload, 2 * len(per_user))
+    return payload, 2 * len(per_user)
 
 
 class PartitionMemo:
@@ -90,6 +93,9 @@ class ValidateStage:
         self.consumer = background_consumer(conn, "freshrec-streams-validate", "streams-validate")
         self.producer = Producer(producer_config(conn))
         self.redis = redis.Redis.from_url(conn.redis_url)
+        # recent clicks are written without waiting for the reply (read at the next write
+        # or before a commit): a round trip per batch was a sixth of this stage's time
+        self.recent = Pipelined(self.redis)
         self.dedupe: dict[int, DedupeWindow] = {}
         self._last_commit = time.monotonic()
         self._uncommitted = False
@@ -120,12 +126,14 @@ class ValidateStage:
         finally:
             self._commit()
             self.consumer.close()
+            self.recent.close()
 
     def _commit(self) -> None:
         self._last_commit = time.monotonic()
         if not self._uncommitted:
             return
         with m.STREAMS_BATCH_SECONDS.labels("validate_commit").time():
+            self.recent.drain()  # the recent clicks before these offsets are written
             if self.producer.flush(30):  # everything before these offsets is delivered first
                 log.warning("repartitioned events not delivered yet; offsets not committed")
                 return
@@ -168,7 +176,7 @@ class ValidateStage:
         for q, records in routed.items():
             self._produce(self.names.events_by_item, orjson.dumps(records), q)
         if clicks:
-            push_recent(self.redis, self.keys, clicks, self.settings.recent_clicks)
+            self.recent.send(*pack_recent(self.keys, clicks, self.settings.recent_clicks))
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
         m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
         m.STREAMS_EVENTS.labels("rejected").inc(n_bad)
@@ -181,3 +189,34 @@ class ValidateStage:
                 return
             except BufferError:
                 self.producer.poll(0.05)
+
+
+def run_validate_process(
+    settings: StreamsSettings, by_item_partitions: int, parent_pid: int, metrics_conn,
+    log_level: int = logging.INFO,
+) -> None:  # fmt: skip
+    """Entry point of the validate stage as its own process (``multiprocessing``, spawn):
+    the streams process's other stages then have its core and GIL to themselves. Stops on
+    SIGTERM or when the parent dies (committing what it delivered); its metrics reach
+    the parent's endpoint through ``metrics_conn``; a failure exits non-zero and the parent,
+    watching, exits too."""
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Ctrl-C reaches the whole process group: the parent stops this process in its own
+    # order (SIGTERM at exit); stopping here first would read as a failed stage there
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid, stop)
+    sender = threading.Thread(
+        target=send_snapshots, args=(metrics_conn, stop), daemon=True, name="metrics"
+    )
+    sender.start()
+    try:
+        ValidateStage(settings, by_item_partitions).run(stop)
+    except BaseException:
+        log.exception("the validate stage failed; exiting")
+        logging.shutdown()
+        os._exit(1)
+    stop.set()
+    sender.join(5)
+    log.info("validate stage stopped")

@@ -19,7 +19,10 @@ BASE = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.
 def test_defaults_parse_for_every_service():
     worker = WorkerSettings.from_env(BASE)
     ps = ParamServerSettings.from_env(BASE)
-    StreamsSettings.from_env(BASE)
+    assert StreamsSettings.from_env(BASE).validate_process
+    assert not StreamsSettings.from_env(
+        {**BASE, "FRESHREC_STREAMS_VALIDATE": "thread"}
+    ).validate_process
     assert worker.learning.lr == ps.adagrad.lr == 0.05
     assert ps.adagrad.initial_accumulator == 0.0
 
@@ -46,6 +49,7 @@ def test_the_adagrad_initial_accumulator_is_a_setting():
         (ParamServerSettings, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", "-0.1", "must be >= 0"),
         (StreamsSettings, "FRESHREC_PRICE_CAP", "0", "must be > 0"),
         (StreamsSettings, "FRESHREC_HOT_DECAY_PER_HOUR", "0", "must be > 0"),
+        (StreamsSettings, "FRESHREC_STREAMS_VALIDATE", "fork", "must be 'process' or 'thread'"),
     ],
 )
 def test_a_value_a_service_cannot_run_with_is_refused_by_name(settings, name, value, why):

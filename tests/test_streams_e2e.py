@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import math
+import os
 import random
 import signal
 import time
@@ -94,12 +95,14 @@ def matches_brute_force(conn, events, prices) -> bool | str:
     return True
 
 
-def test_hot_lists_features_and_recent_clicks_match_brute_force(conn, tmp_path):
+@pytest.mark.parametrize("validate", ["process", "thread"])
+def test_hot_lists_features_and_recent_clicks_match_brute_force(conn, tmp_path, validate):
     t0 = int(time.time() * 1000) - 300_000
     events = world_events(1, 3000, t0, "a")
     prices = {i.item_id: i.price for i in catalogue()}
     produce(conn, items=catalogue())
-    with service(conn, "streams", tmp_path / "streams.log", **SETTINGS):
+    log = tmp_path / "streams.log"
+    with service(conn, "streams", log, **SETTINGS, FRESHREC_STREAMS_VALIDATE=validate):
         produce(conn, events)
         wait_for(lambda: matches_brute_force(conn, events, prices), 90, "exact hot lists")
         r = redis_lib.Redis.from_url(conn.redis_url)
@@ -110,6 +113,7 @@ def test_hot_lists_features_and_recent_clicks_match_brute_force(conn, tmp_path):
             want = [f"{e.item_id}|{e.ts_ms}" for e in reversed(clicks)][:50]
             assert recent == want
         assert r.hlen(keys.item_price) == 30
+    assert ("validate stage: process" in log.read_text()) == (validate == "process")
 
 
 def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn, tmp_path):
@@ -202,3 +206,86 @@ def test_sigkill_and_restart_continue_the_counts_without_double_counting(conn, t
         RedisKeys(conn.topic_prefix).streams_meta(0)
     )
     assert json.loads(meta[b"applied"])
+
+
+def _validate_pid(log_path) -> int:
+    text = log_path.read_text()
+    marker = "validate stage: process "
+    assert marker in text, text[-2000:]
+    return int(text.rsplit(marker, 1)[1].split()[0])
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: its parent is dead and nothing may reap it here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_validate_process_reports_through_the_parent_and_dies_with_it(conn, tmp_path):
+    """The validate stage runs in a child process: its counters appear on the parent's
+    /metrics; a SIGKILLed parent takes it down (else it would stay in the consumer group);
+    a dead child takes the parent down with a non-zero exit (as a failed stage thread did)."""
+    from freshrec.stack import free_port
+    from tools.promtext import scrape, total
+
+    t0 = int(time.time() * 1000) - 300_000
+    events = world_events(5, 500, t0, "v")
+    produce(conn, items=catalogue())
+    port = free_port()
+    settings = {**SETTINGS, "FRESHREC_METRICS_PORT": str(port)}
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def counted_by_both():
+        try:
+            text = scrape(url)
+        except OSError as exc:
+            return str(exc)
+        valid = total(text, "freshrec_streams_events_total", outcome="valid")
+        counted = total(text, "freshrec_streams_counted_events_total")
+        return (valid == counted == len(events)) or f"valid {valid}, counted {counted}"
+
+    with service(conn, "streams", tmp_path / "p1.log", **settings) as proc:
+        produce(conn, events)
+        wait_for(counted_by_both, 90, "the child's and the parent's counters on one endpoint")
+        child = _validate_pid(tmp_path / "p1.log")
+        assert not _gone(child)
+        stop(proc, signal.SIGKILL)
+        wait_for(lambda: _gone(child) or f"validate process {child} still running", 10,
+                 "the validate process to follow its parent")  # fmt: skip
+
+    with service(conn, "streams", tmp_path / "p2.log", **SETTINGS) as proc:
+        wait_for(lambda: "validate stage: process" in (tmp_path / "p2.log").read_text(), 60,
+                 "the second instance's validate process")  # fmt: skip
+        os.kill(_validate_pid(tmp_path / "p2.log"), signal.SIGKILL)
+        assert proc.wait(30) == 1
+    assert "the validate process exited with code -9" in (tmp_path / "p2.log").read_text()
+
+
+def test_pipelined_writes_land_in_order_and_an_error_reply_raises_on_drain(redis_client):
+    """``freshrec.resp.Pipelined`` (the validate stage's recent clicks) against the real
+    server: a send does not wait for its replies, the next send or a drain reads them, and an
+    error reply raises there without losing the writes around it."""
+    from freshrec.resp import Pipelined, pack
+
+    key = f"pipelined:{time.time_ns()}"
+    writer = Pipelined(redis_client)
+    writer.send(pack(b"RPUSH", key.encode(), b"a") + pack(b"RPUSH", key.encode(), b"b"), 2)
+    assert writer.pending == 2
+    writer.send(pack(b"RPUSH", key.encode(), b"c"), 1)  # reads the two replies first
+    assert writer.pending == 1
+    writer.drain()
+    assert redis_client.lrange(key, 0, -1) == [b"a", b"b", b"c"]
+    # an error reply (a list command on a string key) between two good writes
+    redis_client.set(key + ":s", "x")
+    writer.send(pack(b"RPUSH", key.encode(), b"d") + pack(b"LPUSH", (key + ":s").encode(), b"y")
+                + pack(b"RPUSH", key.encode(), b"e"), 3)  # fmt: skip
+    with pytest.raises(redis_lib.ResponseError, match="WRONGTYPE"):
+        writer.drain()
+    assert writer.pending == 0
+    writer.send(pack(b"RPUSH", key.encode(), b"f"), 1)
+    writer.close()
+    assert redis_client.lrange(key, 0, -1) == [b"a", b"b", b"c", b"d", b"e", b"f"]
+    redis_client.delete(key, key + ":s")

@@ -209,3 +209,62 @@ def test_ctr_and_cvr_are_smoothed_towards_priors():
     sm = Smoothing()
     assert ctr[0, 0] == pytest.approx((1 + sm.ctr_strength * sm.ctr_prior) / sm.ctr_strength)
     assert 0 < cvr[0, 0] < 1 and math.isfinite(cvr[0, 0])
+
+
+def _families(text: str):
+    """Metric families parsed from exposition text (what a registry's collect yields)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return list(text_string_to_metric_families(text))
+
+
+def test_child_metrics_merge_sums_counters_and_histograms_and_keeps_parent_gauges():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client.exposition import generate_latest
+
+    from freshrec.childmetrics import MergedRegistry, merge_families, snapshot
+
+    def registry():
+        reg = CollectorRegistry()
+        c = Counter("freshrec_t_events_total", "e", ["outcome"], registry=reg)
+        h = Histogram("freshrec_t_seconds", "s", ["stage"], buckets=(0.1, 1.0), registry=reg)
+        g = Gauge("freshrec_t_lag", "l", ["group"], registry=reg)
+        return reg, c, h, g
+
+    parent, pc, ph, pg = registry()
+    child, cc, ch, cg = registry()
+    pc.labels("valid").inc(3)
+    cc.labels("valid").inc(4)
+    cc.labels("rejected").inc(1)
+    ph.labels("count").observe(0.5)
+    ch.labels("validate").observe(0.05)
+    ch.labels("validate").observe(2.0)
+    pg.labels("a").set(7)
+    cg.labels("a").set(100)  # the parent's own gauge wins
+    cg.labels("b").set(5)  # a gauge only the child has is shown
+    Counter("other_total", "not ours", registry=child).inc()
+
+    merged = MergedRegistry(parent)
+    merged.children["validate"] = snapshot(child)
+    assert all(f.name.startswith("freshrec_") for f in merged.children["validate"])
+    text = generate_latest(merged).decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in _families(text) for s in f.samples}  # fmt: skip
+    assert got[("freshrec_t_events_total", (("outcome", "valid"),))] == 7
+    assert got[("freshrec_t_events_total", (("outcome", "rejected"),))] == 1
+    assert got[("freshrec_t_seconds_count", (("stage", "validate"),))] == 2
+    assert got[("freshrec_t_seconds_bucket", (("le", "0.1"), ("stage", "validate")))] == 1
+    assert got[("freshrec_t_seconds_sum", (("stage", "count"),))] == 0.5
+    assert got[("freshrec_t_lag", (("group", "a"),))] == 7
+    assert got[("freshrec_t_lag", (("group", "b"),))] == 5
+    assert "other_total" not in text
+    # each label set's histogram samples stay together (the text format requires it)
+    stages = [s.labels["stage"] for f in merge_families(parent.collect(), [snapshot(child)])
+              if f.name == "freshrec_t_seconds" for s in f.samples]  # fmt: skip
+    assert stages == sorted(stages, key=stages.index)  # no label set interleaved with another
+    assert len(set(stages)) == 2
+    # a counter's _created is the earlier of the two, not a sum
+    created = [s.value for f in merge_families(parent.collect(), [snapshot(child)])
+               for s in f.samples if s.name == "freshrec_t_events_created"
+               and s.labels["outcome"] == "valid"]  # fmt: skip
+    assert len(created) == 1 and created[0] < 2e9
