@@ -78,6 +78,109 @@ def pack_fixed(
     return head + out.tobytes()
 
 
+class Fields:
+    """Hash fields of any length (item ids), their RESP bulk-string headers packed once for
+    several ``pack_ragged`` commands over the same fields.
+
+    >>> f = Fields([b"a", b"bcd"])
+    >>> f.flat.tobytes(), f.lengths.tolist()
+    (b'$1\\r\\na\\r\\n$3\\r\\nbcd\\r\\n', [7, 9])
+    """
+
+    def __init__(self, fields: list[bytes]) -> None:
+        bulk = [b"$%d\r\n%s\r\n" % (len(f), f) for f in fields]
+        self.flat = np.frombuffer(b"".join(bulk), np.uint8)
+        self.lengths = np.fromiter(map(len, bulk), np.int64, len(bulk))
+        self.offsets = np.cumsum(self.lengths) - self.lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def pack_ragged(command: bytes, key: bytes, fields: Fields, values: np.ndarray) -> bytes:
+    """``command key f1 v1 f2 v2 ...`` with fields of any length and every value ``values``'
+    width (an (n, b) ``uint8`` matrix): the layout of ``pack_pairs``, built with numpy
+    (scatter by offsets) instead of formatting each pair in Python.
+
+    >>> v = np.frombuffer(b"xyzw", np.uint8).reshape(2, 2)
+    >>> pack_ragged(b"HSET", b"k", Fields([b"a", b"bcd"]), v) == pack_pairs(
+    ...     b"HSET", b"k", [b"a", b"bcd"], [b"xy", b"zw"])
+    True
+    """
+    n = len(fields)
+    values = np.ascontiguousarray(values, np.uint8)
+    if values.ndim != 2 or len(values) != n:
+        raise ValueError(f"expected ({n}, width) uint8 values, got {values.shape}")
+    head = b"*%d\r\n" % (2 + 2 * n)
+    head += b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (command, key))
+    if not n:
+        return head
+    header = np.frombuffer(b"$%d\r\n" % values.shape[1], np.uint8)
+    value_part = np.empty((n, len(header) + values.shape[1] + 2), np.uint8)
+    value_part[:, : len(header)] = header
+    value_part[:, len(header) : -2] = values
+    value_part[:, -2:] = _CRLF
+    width = value_part.shape[1]
+    starts = np.cumsum(fields.lengths + width) - (fields.lengths + width)
+    out = np.empty(int(fields.lengths.sum()) + n * width, np.uint8)
+    out[np.repeat(starts - fields.offsets, fields.lengths) + np.arange(len(fields.flat))] = (
+        fields.flat
+    )
+    out[(starts + fields.lengths)[:, None] + np.arange(width)] = value_part
+    return head + out.tobytes()
+
+
+FLOAT_TEXT_WIDTH = 22
+_DIGITS5 = np.frombuffer(
+    b"".join(b"%05d" % i for i in range(100_000)), np.uint8
+).reshape(100_000, 5)  # fmt: skip
+
+
+def float_text(values) -> np.ndarray:
+    """Floats as fixed-width text, ``[+-]d.ddddddddddddddE[+-]ddd`` (15 significant digits,
+    what a float64 holds; 22 bytes each), one row per value: what any client's float parser
+    reads (Python ``float``, Java ``Double.parseDouble``, JS ``parseFloat``, Go
+    ``strconv.ParseFloat``), made in numpy so that a whole column goes into ``pack_ragged``
+    without a Python call per value. Magnitudes below 1e-300 are written as zero; values must
+    be finite and below 1e300 in magnitude.
+
+    >>> [bytes(r).decode() for r in float_text([0.0, 1.0, -2.5e-7, 123456.789])]
+    ['+0.00000000000000e+000', '+1.00000000000000e+000', '-2.50000000000000e-007', '+1.23456789000000e+005']
+    """
+    v = np.asarray(values, np.float64).ravel()
+    a = np.abs(v)
+    if not (a < 1e300).all():
+        raise ValueError("float_text takes finite values below 1e300 in magnitude")
+    zero = a < 1e-300
+    a = np.where(zero, 1.0, a)
+    e = np.floor(np.log10(a)).astype(np.int64)
+    m = np.rint(a / np.power(10.0, e) * 1e14).astype(np.int64)
+    # log10 can land one off near powers of ten, and rounding can carry to 10.000…
+    fix = (m < 10**14) | (m >= 10**15)
+    if fix.any():
+        e[fix] += np.where(m[fix] < 10**14, -1, 1)
+        m[fix] = np.rint(a[fix] / np.power(10.0, e[fix]) * 1e14).astype(np.int64)
+        over = m >= 10**15  # 9.99999999999999995 rounds up to 10
+        m[over] //= 10
+        e[over] += 1
+    m[zero] = 0
+    e[zero] = 0
+    out = np.empty((len(v), FLOAT_TEXT_WIDTH), np.uint8)
+    hi, rest = np.divmod(m, 10**10)  # 15 digits: 5 + 5 + 5, each from a table
+    mid, lo = np.divmod(rest, 10**5)
+    first = _DIGITS5[hi]
+    out[:, 0] = np.where(v < 0, ord("-"), ord("+"))
+    out[:, 1] = first[:, 0]
+    out[:, 2] = ord(".")
+    out[:, 3:7] = first[:, 1:]
+    out[:, 7:12] = _DIGITS5[mid]
+    out[:, 12:17] = _DIGITS5[lo]
+    out[:, 17] = ord("e")
+    out[:, 18] = np.where(e < 0, ord("-"), ord("+"))
+    out[:, 19:22] = _DIGITS5[np.abs(e)][:, 2:]
+    return out
+
+
 def execute(client: redis.Redis, payload: bytes, replies: int) -> list:
     """Send already packed commands on one pooled connection and read ``replies`` replies.
     An error reply raises (``redis.ResponseError``); the connection is then dropped, so no
@@ -104,20 +207,23 @@ def pooled_connection(client: redis.Redis) -> Iterator:
 
 
 class Pipelined:
-    """Packed commands sent on one connection without waiting for their replies: each
-    ``send`` first reads the replies of the one before (by then they have usually arrived),
-    so a loop that writes once per batch never stands still for a round trip. ``drain`` reads
-    what is outstanding; call it before anything that depends on the writes having happened
-    (committing the offsets of their input). An error reply raises there (the other replies
-    read first); a connection error raises too, and the connection is dropped."""
+    """Packed commands sent on one connection without waiting for their replies. Each
+    ``send`` reads the replies that have already arrived (never waiting, unless more than
+    ``max_pending`` are outstanding), so a loop that writes once per batch does not stand
+    still while Redis works through someone else's long transaction. ``drain`` reads all that
+    is outstanding; call it before anything that depends on the writes having happened
+    (committing the offsets of their input). An error reply raises there or at the ``send``
+    that reads it (the other replies read first); a connection error raises too, and the
+    connection is dropped."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, max_pending: int = 100_000) -> None:
         self.client = client
+        self.max_pending = max_pending
         self.conn = None
         self.pending = 0
 
     def send(self, payload: bytes, replies: int) -> None:
-        self.drain()
+        self._read(wait=self.pending > self.max_pending)
         if self.conn is None:
             self.conn = self.client.connection_pool.get_connection()
         try:
@@ -125,14 +231,16 @@ class Pipelined:
         except BaseException:
             self._drop()
             raise
-        self.pending = replies
+        self.pending += replies
 
     def drain(self) -> None:
-        if not self.pending:
-            return
+        self._read(wait=True)
+
+    def _read(self, wait: bool) -> None:
         error = None
         try:
-            for _ in range(self.pending):
+            while self.pending and (wait or self.conn.can_read(timeout=0)):
+                self.pending -= 1
                 try:
                     self.conn.read_response()
                 except redis.ResponseError as exc:
@@ -140,8 +248,6 @@ class Pipelined:
         except BaseException:
             self._drop()
             raise
-        finally:
-            self.pending = 0
         if error is not None:
             raise error
 

@@ -228,11 +228,15 @@ class ItemPartitionState:
 
     def snapshot_blobs(self, slots: list[int]) -> list[bytes]:
         """``snapshot_rows``' values, in the order of ``slots``."""
+        return [line.tobytes() for line in self.snapshot_matrix(slots)]
+
+    def snapshot_matrix(self, slots) -> np.ndarray:
+        """``snapshot_blobs`` as one matrix: a row per slot, each row's bytes its blob."""
         idx = np.asarray(slots, np.int64)
         rows = np.empty((len(idx), 1 + self.counts.shape[1] * 3), np.float64)
         rows[:, 0] = self.price[idx]
         rows[:, 1:] = self.counts[idx].reshape(len(idx), -1)
-        return [line.tobytes() for line in rows]
+        return rows
 
     def snapshot_meta(self) -> dict[str, str]:
         import json

@@ -24,7 +24,16 @@ from schemas.records import Event, Item
 from streams.hotlist import HotWeights, merge_hot_lists
 from streams.sink import read_hot_lists
 
-from .streams_harness import brute_force, close, produce, service, stop, top_k, wait_for
+from .streams_harness import (
+    brute_force,
+    close,
+    private_redis,
+    produce,
+    service,
+    stop,
+    top_k,
+    wait_for,
+)
 
 K = 5
 SETTINGS = {"FRESHREC_HOT_K": str(K), "FRESHREC_HOT_PUBLISH_MS": "100"}
@@ -266,17 +275,19 @@ def test_the_validate_process_reports_through_the_parent_and_dies_with_it(conn, 
 
 def test_pipelined_writes_land_in_order_and_an_error_reply_raises_on_drain(redis_client):
     """``freshrec.resp.Pipelined`` (the validate stage's recent clicks) against the real
-    server: a send does not wait for its replies, the next send or a drain reads them, and an
-    error reply raises there without losing the writes around it."""
+    server: a send does not wait for its replies, a later send reads those that arrived, a
+    drain reads them all, and an error reply raises without losing the writes around it."""
     from freshrec.resp import Pipelined, pack
 
     key = f"pipelined:{time.time_ns()}"
     writer = Pipelined(redis_client)
     writer.send(pack(b"RPUSH", key.encode(), b"a") + pack(b"RPUSH", key.encode(), b"b"), 2)
     assert writer.pending == 2
-    writer.send(pack(b"RPUSH", key.encode(), b"c"), 1)  # reads the two replies first
+    time.sleep(0.2)  # the two replies arrive
+    writer.send(pack(b"RPUSH", key.encode(), b"c"), 1)  # reads them, not waiting for its own
     assert writer.pending == 1
     writer.drain()
+    assert writer.pending == 0
     assert redis_client.lrange(key, 0, -1) == [b"a", b"b", b"c"]
     # an error reply (a list command on a string key) between two good writes
     redis_client.set(key + ":s", "x")
@@ -289,3 +300,29 @@ def test_pipelined_writes_land_in_order_and_an_error_reply_raises_on_drain(redis
     writer.close()
     assert redis_client.lrange(key, 0, -1) == [b"a", b"b", b"c", b"d", b"e", b"f"]
     redis_client.delete(key, key + ":s")
+
+
+def test_pipelined_sends_do_not_wait_for_a_busy_redis(conn):
+    """With the server frozen (SIGSTOP: what a long transaction of another client looks like
+    to this one) sends return at once and the replies wait; a drain after it resumes reads
+    them all and every write is there."""
+    from freshrec.resp import Pipelined, pack
+
+    with private_redis(conn) as (pconn, rproc):
+        client = redis_lib.Redis.from_url(pconn.redis_url)
+        writer = Pipelined(client)
+        writer.send(pack(b"PING"), 1)
+        writer.drain()  # connected
+        os.kill(rproc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for j in range(50):
+                writer.send(pack(b"RPUSH", b"frozen", b"%d" % j), 1)
+            took = time.monotonic() - started
+            assert writer.pending == 50
+        finally:
+            os.kill(rproc.pid, signal.SIGCONT)
+        assert took < 0.5, f"50 sends took {took:.2f} s against a frozen server"
+        writer.drain()
+        assert client.llen(b"frozen") == 50
+        writer.close()
