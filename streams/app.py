@@ -305,9 +305,15 @@ class StreamsApp:
             if state is not None:
                 payloads[q] = state.hot_payloads(self.settings.hot_k, q, _now_ms())
         self.dirty.clear()
+        # serving features of the items persisted since the last round: written here, not in
+        # each count batch's transaction, so an item counted in several batches between two
+        # rounds is written once (they are derived; restored partitions rewrite them all)
+        features = [c for state in self.states.values() for c in sink.feature_commands(state)]
+        if not payloads and not features:
+            return
+        await sink.publish(payloads, features)
         if not payloads:
             return
-        await sink.publish_hot(payloads)
         published = time.time()
         for q, lists in payloads.items():
             lags = [published - ts / 1000 for ts in self.lag_samples.pop(q, [])]

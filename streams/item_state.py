@@ -68,6 +68,9 @@ class ItemPartitionState:
         self.watermark_ms = 0
         self.applied: dict[int, int] = {}
         self.touched: set[int] = set()
+        """Slots whose rows changed since the last ``take_touched`` (the persisted state)."""
+        self.features_due: set[int] = set()
+        """Slots taken by ``take_touched`` whose serving features are not written yet."""
         self.new_slots: list[int] = []
         self._names = np.empty(0, dtype=object)  # item ids as an array, for tie-breaking
         self.late = 0
@@ -217,7 +220,13 @@ class ItemPartitionState:
     def take_touched(self) -> list[int]:
         touched = sorted(self.touched)
         self.touched.clear()
+        self.features_due.update(touched)
         return touched
+
+    def take_features_due(self) -> list[int]:
+        due = sorted(self.features_due)
+        self.features_due.clear()
+        return due
 
     # --------------------------------------------------------------------------- snapshot
     _ROW = struct.Struct("<d")
@@ -272,4 +281,7 @@ class ItemPartitionState:
             state.counts[slot, :k] = row[1 : 1 + 3 * k].reshape(k, 3)
         state.touched.clear()
         state.new_slots.clear()
+        # features are written after the state they come from: a crash in between leaves
+        # them behind, so a restored partition writes all of its items' features once
+        state.features_due = set(range(state.n_items))
         return state

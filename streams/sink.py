@@ -24,10 +24,11 @@ class StreamsSink:
         return {i: float(v) for i, v in zip(item_ids, values, strict=True) if v is not None}
 
     async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> None:
-        """Per partition: state rows of touched items, the meta (with applied offsets) and
-        serving features — all partitions in one MULTI/EXEC, so a crash leaves either all of
-        a flush or none of it. Commands are packed here (``freshrec/resp.py``): redis-py's
-        asyncio packer was most of a count batch's time."""
+        """Per partition: state rows of touched items and the meta (with applied offsets) —
+        all partitions in one MULTI/EXEC, so a crash leaves either all of a flush or none of
+        it. The touched items' serving features follow with the next ``publish``. Commands
+        are packed here (``freshrec/resp.py``): redis-py's asyncio packer was most of a count
+        batch's time."""
         commands = []
         for partition, state in states:
             commands += self._persist_commands(partition, state)
@@ -40,23 +41,32 @@ class StreamsSink:
         if not touched:
             return []
         k = self.keys
+        meta = state.snapshot_meta()
+        rows = state.snapshot_matrix(touched)
+        return [
+            # every command over many items is packed with numpy, not pair by pair (at a
+            # backlog a batch touches most items)
+            pack_ragged(b"HSET", k.streams_rows(partition).encode(), _fields(state, touched),
+                        rows.view(np.uint8).reshape(len(touched), -1)),
+            pack_pairs(b"HSET", k.streams_meta(partition).encode(),
+                       [f.encode() for f in meta], [v.encode() for v in meta.values()]),
+        ]  # fmt: skip
+
+    def feature_commands(self, state: ItemPartitionState) -> list[bytes]:
+        """The serving features (``item:{impressions,…,hot}``, ``item:as_of_ms``) of the
+        items persisted since the last call, decayed to the partition's event time."""
+        due = state.take_features_due()
+        if not due:
+            return []
+        k = self.keys
         t = state.watermark_ms
-        idx = np.asarray(touched)
+        idx = np.asarray(due)
         dec = state.decay.value_at(state.counts[idx, 0, :], t)
         ctr, cvr = state.rates(dec)
         pn = price_norm(state.price[idx], state.config.price_cap)
         hot = hot_scores(dec[:, 1], cvr, pn, state.config.weights)
-        # every command is over the same fields: packed with numpy, not pair by pair (at a
-        # backlog a batch touches most items, and formatting each pair was half its time)
-        ids = Fields([state.item_ids[i].encode() for i in touched])
-        rows = state.snapshot_matrix(idx)
-        meta = state.snapshot_meta()
-        out = [
-            pack_ragged(b"HSET", k.streams_rows(partition).encode(), ids,
-                        rows.view(np.uint8).reshape(len(idx), -1)),
-            pack_pairs(b"HSET", k.streams_meta(partition).encode(),
-                       [f.encode() for f in meta], [v.encode() for v in meta.values()]),
-        ]  # fmt: skip
+        ids = _fields(state, due)
+        out = []
         for name, values in (
             ("impressions", dec[:, 0]),
             ("clicks", dec[:, 1]),
@@ -81,16 +91,30 @@ class StreamsSink:
         rows = {a.decode(): b for a, b in rows_raw.items()}
         return ItemPartitionState.restore(config, meta, rows)
 
-    async def publish_hot(self, payloads: dict[int, dict[str, bytes]]) -> None:
-        """Partitions' hot lists (``ItemPartitionState.hot_payloads``), one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
+    async def publish(
+        self, payloads: dict[int, dict[str, bytes]], features: list[bytes] = ()
+    ) -> None:
+        """Partitions' hot lists (``ItemPartitionState.hot_payloads``) and serving features
+        (``feature_commands``), one round trip."""
+        commands = list(features)
         scopes = set()
         for partition, lists in payloads.items():
             for scope, payload in lists.items():
-                pipe.hset(self.keys.hot(scope), str(partition), payload)
+                commands.append(pack(b"HSET", self.keys.hot(scope).encode(),
+                                     str(partition).encode(), payload))  # fmt: skip
             scopes.update(lists)
-        pipe.sadd(self.keys.hot_scopes(), *sorted(scopes))
-        await pipe.execute()
+        if scopes:
+            commands.append(
+                pack(
+                    b"SADD", self.keys.hot_scopes().encode(), *(s.encode() for s in sorted(scopes))
+                )
+            )
+        if commands:
+            await execute_async(self.redis, b"".join(commands), len(commands))
+
+
+def _fields(state: ItemPartitionState, slots: list[int]) -> Fields:
+    return Fields([state.item_ids[i].encode() for i in slots])
 
 
 async def read_hot_lists(redis: Redis, keys: RedisKeys, scope: str) -> list[HotList]:

@@ -268,3 +268,64 @@ def test_child_metrics_merge_sums_counters_and_histograms_and_keeps_parent_gauge
                for s in f.samples if s.name == "freshrec_t_events_created"
                and s.labels["outcome"] == "valid"]  # fmt: skip
     assert len(created) == 1 and created[0] < 2e9
+
+
+def test_features_are_due_once_persisted_and_all_of_them_after_a_restore():
+    """The serving features follow the persisted state: an item becomes due when its row is
+    taken for persisting, once however many batches touched it; a restored partition has
+    every item due (a crash may have come between the transaction and the features)."""
+    s = make_state()
+    s.apply([(0, o, f"i{o % 3}", 1, T0 + o, None, 0) for o in range(6)])
+    assert s.take_features_due() == []  # counted, not persisted yet
+    persisted = s.take_touched()
+    s.apply([(0, 6, "i0", 1, T0 + 6, None, 0)])
+    persisted += s.take_touched()
+    assert sorted(persisted) == [0, 0, 1, 2]
+    assert s.take_features_due() == [0, 1, 2]
+    assert s.take_features_due() == []
+    back = ItemPartitionState.restore(
+        s.config, s.snapshot_meta(), s.snapshot_rows(list(range(s.n_items)))
+    )
+    assert back.take_features_due() == [0, 1, 2] and back.take_touched() == []
+
+
+def test_ragged_packing_equals_redis_py_packing_for_ids_of_any_length():
+    from redis.connection import PythonRespSerializer
+
+    from freshrec.resp import Fields, pack_ragged
+
+    rng = random.Random(5)
+    ids = [f"i{rng.randint(0, 10 ** rng.randint(0, 12))}".encode() + b"\xc3\xa9" * rng.randint(0, 2)
+           for _ in range(300)]  # fmt: skip
+    values = np.frombuffer(bytes(rng.randrange(256) for _ in range(300 * 7)), np.uint8)
+    values = values.reshape(300, 7)
+    args = [x for f, v in zip(ids, values, strict=True) for x in (f, v.tobytes())]
+    reference = b"".join(PythonRespSerializer(10**9, lambda a: a).pack(b"HSET", b"key", *args))
+    assert pack_ragged(b"HSET", b"key", Fields(ids), values) == reference
+    assert (
+        pack_ragged(b"HSET", b"key", Fields([]), values[:0]) == b"*2\r\n$4\r\nHSET\r\n$3\r\nkey\r\n"
+    )
+    with pytest.raises(ValueError, match="expected"):
+        pack_ragged(b"HSET", b"key", Fields(ids[:2]), values)
+
+
+def test_fixed_width_float_text_reads_back_within_float64_precision():
+    from freshrec.resp import FLOAT_TEXT_WIDTH, float_text
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(20_000) * 10.0 ** rng.integers(-290, 290, 20_000)
+    edges = [0.0, -0.0, 1e-301, 1.0, 10.0, 1e-3, 0.1, 9.999999999999999, 0.9999999999999999,
+             999999999999999.9, 123456.789, 5e-300, 9.9e299]  # fmt: skip
+    x = np.concatenate([x, edges, np.negative(edges)])
+    text = float_text(x)
+    assert text.shape == (len(x), FLOAT_TEXT_WIDTH)
+    back = np.array([float(bytes(row)) for row in text])
+    tiny = np.abs(x) < 1e-300
+    assert (back[tiny] == 0).all()
+    rel = np.abs(back - x)[~tiny] / np.abs(x[~tiny])
+    assert rel.max() < 1e-14
+    assert float(bytes(float_text([123456.789])[0])) == 123456.789
+    with pytest.raises(ValueError, match="finite"):
+        float_text([1.0, np.inf])
+    with pytest.raises(ValueError, match="finite"):
+        float_text([np.nan])
