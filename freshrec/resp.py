@@ -59,10 +59,17 @@ def pack_fixed(
     True
     """
     blocks = [fields] if values is None else [fields, values]
-    n = len(fields)
+    head = b"*%d\r\n" % (2 + len(prefix) + len(fields) * len(blocks))
+    head += b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (command, key, *prefix))
+    return head + _fixed_body(blocks).tobytes()
+
+
+def _fixed_body(blocks: list[np.ndarray]) -> np.ndarray:
+    """One row per entry: each block's bulk string (header, bytes, CRLF) side by side."""
+    n = len(blocks[0])
     parts: list[np.ndarray] = []
     for block in blocks:
-        block = np.ascontiguousarray(block, np.uint8)
+        block = np.asarray(block, np.uint8)
         if block.ndim != 2 or len(block) != n:
             raise ValueError(f"expected ({n}, width) uint8, got {block.shape}")
         header = np.frombuffer(b"$%d\r\n" % block.shape[1], np.uint8)
@@ -73,61 +80,54 @@ def pack_fixed(
     for p in parts:
         out[:, col : col + p.shape[-1]] = p
         col += p.shape[-1]
-    head = b"*%d\r\n" % (2 + len(prefix) + n * len(blocks))
-    head += b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (command, key, *prefix))
-    return head + out.tobytes()
+    return out
 
 
 class Fields:
-    """Hash fields of any length (item ids), their RESP bulk-string headers packed once for
-    several ``pack_ragged`` commands over the same fields.
+    """Distinct hash fields of any length (item ids), grouped by length once for several
+    ``pack_ragged`` commands over the same fields: within a group every field has one width,
+    so each group packs as fixed-width columns (``pack_fixed``'s layout).
 
-    >>> f = Fields([b"a", b"bcd"])
-    >>> f.flat.tobytes(), f.lengths.tolist()
-    (b'$1\\r\\na\\r\\n$3\\r\\nbcd\\r\\n', [7, 9])
+    >>> f = Fields([b"bcd", b"a", b"efg"])
+    >>> [(m.tobytes(), rows.tolist()) for m, rows in f.groups]
+    [(b'a', [1]), (b'bcdefg', [0, 2])]
     """
 
     def __init__(self, fields: list[bytes]) -> None:
-        bulk = [b"$%d\r\n%s\r\n" % (len(f), f) for f in fields]
-        self.flat = np.frombuffer(b"".join(bulk), np.uint8)
-        self.lengths = np.fromiter(map(len, bulk), np.int64, len(bulk))
-        self.offsets = np.cumsum(self.lengths) - self.lengths
+        self.n = len(fields)
+        lengths = np.fromiter(map(len, fields), np.int64, self.n)
+        order = np.argsort(lengths, kind="stable")
+        cuts = np.flatnonzero(np.diff(lengths[order])) + 1
+        self.groups: list[tuple[np.ndarray, np.ndarray]] = []
+        for rows in np.split(order, cuts) if self.n else []:
+            width = int(lengths[rows[0]])
+            flat = b"".join([fields[i] for i in rows.tolist()])
+            self.groups.append((np.frombuffer(flat, np.uint8).reshape(len(rows), width), rows))
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return self.n
 
 
 def pack_ragged(command: bytes, key: bytes, fields: Fields, values: np.ndarray) -> bytes:
-    """``command key f1 v1 f2 v2 ...`` with fields of any length and every value ``values``'
-    width (an (n, b) ``uint8`` matrix): the layout of ``pack_pairs``, built with numpy
-    (scatter by offsets) instead of formatting each pair in Python.
+    """``command key f1 v1 f2 v2 ...`` with distinct fields of any length and every value
+    ``values``' width (an (n, b) ``uint8`` matrix, row i for field i): ``pack_pairs``' command
+    with the pairs grouped by field length, which a hash does not tell apart, built with
+    numpy column blocks instead of formatting each pair in Python.
 
     >>> v = np.frombuffer(b"xyzw", np.uint8).reshape(2, 2)
-    >>> pack_ragged(b"HSET", b"k", Fields([b"a", b"bcd"]), v) == pack_pairs(
-    ...     b"HSET", b"k", [b"a", b"bcd"], [b"xy", b"zw"])
+    >>> pack_ragged(b"HSET", b"k", Fields([b"bcd", b"a"]), v) == pack_pairs(
+    ...     b"HSET", b"k", [b"a", b"bcd"], [b"zw", b"xy"])
     True
     """
     n = len(fields)
-    values = np.ascontiguousarray(values, np.uint8)
+    values = np.asarray(values, np.uint8)
     if values.ndim != 2 or len(values) != n:
         raise ValueError(f"expected ({n}, width) uint8 values, got {values.shape}")
     head = b"*%d\r\n" % (2 + 2 * n)
     head += b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (command, key))
-    if not n:
-        return head
-    header = np.frombuffer(b"$%d\r\n" % values.shape[1], np.uint8)
-    value_part = np.empty((n, len(header) + values.shape[1] + 2), np.uint8)
-    value_part[:, : len(header)] = header
-    value_part[:, len(header) : -2] = values
-    value_part[:, -2:] = _CRLF
-    width = value_part.shape[1]
-    starts = np.cumsum(fields.lengths + width) - (fields.lengths + width)
-    out = np.empty(int(fields.lengths.sum()) + n * width, np.uint8)
-    out[np.repeat(starts - fields.offsets, fields.lengths) + np.arange(len(fields.flat))] = (
-        fields.flat
+    return head + b"".join(
+        _fixed_body([ids, values[rows]]).tobytes() for ids, rows in fields.groups
     )
-    out[(starts + fields.lengths)[:, None] + np.arange(width)] = value_part
-    return head + out.tobytes()
 
 
 FLOAT_TEXT_WIDTH = 22

@@ -20,7 +20,9 @@ class StreamsSink:
     async def prices(self, item_ids: list[str]) -> dict[str, float]:
         if not item_ids:
             return {}
-        values = await self.redis.hmget(self.keys.item_price, item_ids)
+        # packed by hand: redis-py's packer was most of this call with thousands of new items
+        command = pack(b"HMGET", self.keys.item_price.encode(), *(i.encode() for i in item_ids))
+        (values,) = await execute_async(self.redis, command, 1)
         return {i: float(v) for i, v in zip(item_ids, values, strict=True) if v is not None}
 
     async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> None:
