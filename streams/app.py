@@ -297,29 +297,29 @@ class StreamsApp:
             if state.touched:
                 await self._persist([q])
                 self.dirty.add(q)
-        # every dirty partition's lists in one round trip: each await hands the GIL to the
-        # validate thread, so fewer round trips mean a shorter round
+        # every dirty partition's lists in one round trip (fewer awaits, a shorter round)
         payloads = {}
         for q in sorted(self.dirty):
             state = self.states.get(q)
             if state is not None:
                 payloads[q] = state.hot_payloads(self.settings.hot_k, q, _now_ms())
         self.dirty.clear()
-        # serving features of the items persisted since the last round: written here, not in
-        # each count batch's transaction, so an item counted in several batches between two
-        # rounds is written once (they are derived; restored partitions rewrite them all)
+        if payloads:
+            await sink.publish_hot(payloads)
+            published = time.time()
+            for q, lists in payloads.items():
+                lags = [published - ts / 1000 for ts in self.lag_samples.pop(q, [])]
+                m.observe_many(m.HOT_LIST_LAG, np.maximum(lags, 0.0))
+                for scope in lists:
+                    m.HOT_LIST_PUBLISHES.labels(scope).inc()
+        # then the serving features of the items persisted since the last round: written
+        # here, not in each count batch's transaction, so an item counted in several batches
+        # between two rounds is written once (they are derived; restored partitions rewrite
+        # them all); after the lists, which they would otherwise hold back (hot-list lag
+        # p99 455 against ~400 ms in one round trip with them)
         features = [c for state in self.states.values() for c in sink.feature_commands(state)]
-        if not payloads and not features:
-            return
-        await sink.publish(payloads, features)
-        if not payloads:
-            return
-        published = time.time()
-        for q, lists in payloads.items():
-            lags = [published - ts / 1000 for ts in self.lag_samples.pop(q, [])]
-            m.observe_many(m.HOT_LIST_LAG, np.maximum(lags, 0.0))
-            for scope in lists:
-                m.HOT_LIST_PUBLISHES.labels(scope).inc()
+        if features:
+            await sink.write(features)
 
 
 def _crash_on_error(loop, stop: threading.Event, name: str) -> None:

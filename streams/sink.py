@@ -93,12 +93,9 @@ class StreamsSink:
         rows = {a.decode(): b for a, b in rows_raw.items()}
         return ItemPartitionState.restore(config, meta, rows)
 
-    async def publish(
-        self, payloads: dict[int, dict[str, bytes]], features: list[bytes] = ()
-    ) -> None:
-        """Partitions' hot lists (``ItemPartitionState.hot_payloads``) and serving features
-        (``feature_commands``), one round trip."""
-        commands = list(features)
+    async def publish_hot(self, payloads: dict[int, dict[str, bytes]]) -> None:
+        """Partitions' hot lists (``ItemPartitionState.hot_payloads``), one round trip."""
+        commands = []
         scopes = set()
         for partition, lists in payloads.items():
             for scope, payload in lists.items():
@@ -111,6 +108,10 @@ class StreamsSink:
                     b"SADD", self.keys.hot_scopes().encode(), *(s.encode() for s in sorted(scopes))
                 )
             )
+        await self.write(commands)
+
+    async def write(self, commands: list[bytes]) -> None:
+        """Packed commands (``feature_commands``), one round trip."""
         if commands:
             await execute_async(self.redis, b"".join(commands), len(commands))
 
