@@ -32,7 +32,7 @@ from tools.benchlib import (
     lag_alongside,
     lag_summary,
     produce_values,
-    raw_consume_rate,
+    raw_consume_median,
     raw_lag,
     save,
     service_process,
@@ -81,8 +81,8 @@ def main() -> None:
         with bench_connection(f"bw{int(time.time())}.") as conn:
             topic = TopicNames(conn.topic_prefix).events
             produce_values(conn, topic, synthetic_records(world, 5, args.events))
-            raw = raw_consume_rate(conn, topic, args.events)
-            progress.done(f"raw consume: {raw:,.0f} events/s")
+            raw, raw_reads = raw_consume_median(conn, topic, args.events)
+            progress.done(f"raw consume: {raw:,.0f} events/s (median of {raw_reads})")
 
             # the worker's event path: decode, examples, gradients, local step, gradient emit
             w = Worker(WorkerSettings(conn, LearningSettings(dim=64)))
@@ -137,6 +137,7 @@ def main() -> None:
             results["throughput"] = {
                 "events": args.events,
                 "raw_consume_events_per_s": round(raw),
+                "raw_consume_reads": raw_reads,
                 "worker_events_per_s": round(worker_rate),
                 "ratio": round(worker_rate / raw, 3),
                 "gradient_messages": int(grad_msgs),
