@@ -117,3 +117,22 @@ class MergedRegistry:
         with self._lock:
             children = list(self.children.values())
         return merge_families(self.registry.collect(), children)
+
+    def restricted_registry(self, names) -> _Restricted:
+        """What ``/metrics?name[]=…`` serves: only samples with those names."""
+        return _Restricted(self, set(names))
+
+
+class _Restricted:
+    def __init__(self, merged: MergedRegistry, names: set[str]) -> None:
+        self.merged, self.names = merged, names
+
+    def collect(self) -> list[Metric]:
+        out = []
+        for family in self.merged.collect():
+            kept = [s for s in family.samples if s.name in self.names]
+            if kept:
+                copy = Metric(family.name, family.documentation, family.type, family.unit)
+                copy.samples = kept
+                out.append(copy)
+        return out

@@ -259,6 +259,9 @@ def test_the_validate_process_reports_through_the_parent_and_dies_with_it(conn, 
     with service(conn, "streams", tmp_path / "p1.log", **settings) as proc:
         produce(conn, events)
         wait_for(counted_by_both, 90, "the child's and the parent's counters on one endpoint")
+        only = scrape(url + "?name[]=freshrec_streams_events_total")
+        assert total(only, "freshrec_streams_events_total", outcome="valid") == len(events)
+        assert "freshrec_streams_counted_events_total" not in only
         child = _validate_pid(tmp_path / "p1.log")
         assert not _gone(child)
         stop(proc, signal.SIGKILL)

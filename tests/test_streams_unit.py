@@ -258,6 +258,10 @@ def test_child_metrics_merge_sums_counters_and_histograms_and_keeps_parent_gauge
     assert got[("freshrec_t_lag", (("group", "a"),))] == 7
     assert got[("freshrec_t_lag", (("group", "b"),))] == 5
     assert "other_total" not in text
+    # /metrics?name[]=… (prometheus_client asks the registry for a restricted one)
+    only = generate_latest(merged.restricted_registry(["freshrec_t_events_total"])).decode()
+    assert 'freshrec_t_events_total{outcome="valid"} 7.0' in only
+    assert "freshrec_t_seconds" not in only and "freshrec_t_lag" not in only
     # each label set's histogram samples stay together (the text format requires it)
     stages = [s.labels["stage"] for f in merge_families(parent.collect(), [snapshot(child)])
               if f.name == "freshrec_t_seconds" for s in f.samples]  # fmt: skip
