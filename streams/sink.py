@@ -28,7 +28,7 @@ class StreamsSink:
     async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> None:
         """Per partition: state rows of touched items and the meta (with applied offsets) —
         all partitions in one MULTI/EXEC, so a crash leaves either all of a flush or none of
-        it. The touched items' serving features follow with the next ``publish``. Commands
+        it. The touched items' serving features follow in the next publish round. Commands
         are packed here (``freshrec/resp.py``): redis-py's asyncio packer was most of a count
         batch's time."""
         commands = []
