@@ -335,7 +335,7 @@ def _crash_on_error(loop, stop: threading.Event, name: str) -> None:
 
 def _start_validate_process(
     settings: StreamsSettings, by_item_partitions: int, metrics: MergedRegistry
-) -> multiprocessing.Process:
+) -> None:
     """The validate stage as a child process (spawned: this process already runs librdkafka
     threads, which a fork would copy half-way). It stops with this process (SIGTERM at exit,
     or the kernel's parent-death signal after a SIGKILL); if it dies first, this process
@@ -365,7 +365,6 @@ def _start_validate_process(
 
     threading.Thread(target=watch, daemon=True, name="validate-watch").start()
     log.info("validate stage: process %d", proc.pid)
-    return proc
 
 
 def run_streams(settings: StreamsSettings) -> int:
