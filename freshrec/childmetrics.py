@@ -51,17 +51,13 @@ def merge_families(own: Iterable[Metric], children: Sequence[Sequence[Metric]]) 
     merged: dict[str, Metric] = {}
     order: list[str] = []
     for family in own:
-        copy = Metric(family.name, family.documentation, family.type, family.unit)
-        copy.samples = list(family.samples)
-        merged[family.name] = copy
+        merged[family.name] = _with_samples(family, family.samples)
         order.append(family.name)
     for snapshot in children:
         for family in snapshot:
             target = merged.get(family.name)
             if target is None:
-                target = merged[family.name] = Metric(
-                    family.name, family.documentation, family.type, family.unit
-                )
+                target = merged[family.name] = _with_samples(family, [])
                 order.append(family.name)
             index = {_key(s): i for i, s in enumerate(target.samples)}
             for s in family.samples:
@@ -132,7 +128,12 @@ class _Restricted:
         for family in self.merged.collect():
             kept = [s for s in family.samples if s.name in self.names]
             if kept:
-                copy = Metric(family.name, family.documentation, family.type, family.unit)
-                copy.samples = kept
-                out.append(copy)
+                out.append(_with_samples(family, kept))
         return out
+
+
+def _with_samples(family: Metric, samples) -> Metric:
+    """A family like ``family`` (name, help, type, unit) holding a list of ``samples``."""
+    copy = Metric(family.name, family.documentation, family.type, family.unit)
+    copy.samples = list(samples)
+    return copy

@@ -33,10 +33,12 @@ _CRLF = np.frombuffer(b"\r\n", np.uint8)
 
 def pack(*args: bytes) -> bytes:
     """One command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
+    return _head(len(args), *args)
+
+
+def _head(n_args: int, *first: bytes) -> bytes:
+    """A command's array header for ``n_args`` arguments and its ``first`` ones, packed."""
+    return b"*%d\r\n" % n_args + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in first)
 
 
 def pack_pairs(command: bytes, key: bytes, fields: list[bytes], values: list[bytes]) -> bytes:
@@ -59,8 +61,7 @@ def pack_fixed(
     True
     """
     blocks = [fields] if values is None else [fields, values]
-    head = b"*%d\r\n" % (2 + len(prefix) + len(fields) * len(blocks))
-    head += b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (command, key, *prefix))
+    head = _head(2 + len(prefix) + len(fields) * len(blocks), command, key, *prefix)
     return head + _fixed_body(blocks).tobytes()
 
 
@@ -123,9 +124,7 @@ def pack_ragged(command: bytes, key: bytes, fields: Fields, values: np.ndarray) 
     values = np.asarray(values, np.uint8)
     if values.ndim != 2 or len(values) != n:
         raise ValueError(f"expected ({n}, width) uint8 values, got {values.shape}")
-    head = b"*%d\r\n" % (2 + 2 * n)
-    head += b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (command, key))
-    return head + b"".join(
+    return _head(2 + 2 * n, command, key) + b"".join(
         _fixed_body([ids, values[rows]]).tobytes() for ids, rows in fields.groups
     )
 
