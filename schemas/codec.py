@@ -20,6 +20,7 @@ import base64
 import json
 import math
 from dataclasses import asdict, dataclass
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -156,6 +157,20 @@ def decode_events(
     decode, bound = _EVENT_DECODER.decode, now_ms + limits.max_clock_skew_ms
     most = limits.max_payload_bytes
     (stamp,) = _EVENT_STAMPS
+    # the batch where every value passes (nearly all): the same checks, a C call each
+    if (
+        values
+        and None not in values
+        and max(map(len, values)) <= most
+        and b"null" not in b"\x00".join(values)
+    ):
+        try:
+            records = [decode(v) for v in values]
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+        else:
+            if max(map(attrgetter(stamp), records)) <= bound:
+                return records
     out: list[Any] = []
     for value in values:
         if value is not None and len(value) <= most and b"null" not in value:

@@ -51,7 +51,7 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.settings import state_dir
 from freshrec.topics import TopicNames
 from streams.catalogue import CatalogueStage
-from streams.item_state import ItemPartitionState
+from streams.item_state import ItemPartitionState, by_item_columns
 from streams.settings import StreamsSettings
 from streams.sink import StreamsSink
 from streams.transport import FetchTunedApp
@@ -205,14 +205,14 @@ class StreamsApp:
         for ev in batch:
             q = ev.message.partition
             state = await self._state(q)
-            records = orjson.loads(ev.message.value)
+            columns = by_item_columns(orjson.loads(ev.message.value))
             late_before, skipped_before = state.late, state.skipped
-            m.STREAMS_COUNTED.inc(state.apply(records))
+            m.STREAMS_COUNTED.inc(state.apply_columns(*columns))
             m.STREAMS_LATE.inc(state.late - late_before)
             m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
             samples = self.lag_samples[q]
             if len(samples) < LAG_SAMPLES_PER_PUBLISH:
-                taken = [r[4] for r in records[: LAG_SAMPLES_PER_PUBLISH - len(samples)]]
+                taken = columns[4][: LAG_SAMPLES_PER_PUBLISH - len(samples)]
                 samples.extend(taken)
                 sampled.extend(taken)
                 stamp = ev.message.timestamp  # seconds, set when the validate stage produced

@@ -29,5 +29,21 @@ class DedupeWindow:
             seen.popitem(last=False)
         return True
 
+    def first_times(self, event_ids: list[str]) -> list[bool]:
+        """``first_time`` of each id in turn (a repeat inside the list is a duplicate too);
+        the oldest are evicted once, after the list, so the window briefly holds up to
+        ``capacity + len(event_ids)`` ids: it forgets nothing sooner than ``first_time``."""
+        seen = self._seen
+        fresh = []
+        for event_id in event_ids:
+            if event_id in seen:
+                fresh.append(False)
+            else:
+                seen[event_id] = None
+                fresh.append(True)
+        for _ in range(len(seen) - self.capacity):
+            seen.popitem(last=False)
+        return fresh
+
     def __len__(self) -> int:
         return len(self._seen)

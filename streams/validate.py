@@ -21,7 +21,9 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from itertools import pairwise
 
+import numpy as np
 import orjson
 import redis
 from confluent_kafka import Producer
@@ -30,7 +32,7 @@ from freshrec import metrics as m
 from freshrec.childmetrics import send_snapshots
 from freshrec.kafka import background_consumer, consume_batch, producer_config
 from freshrec.lifecycle import die_with_parent
-from freshrec.partitioner import kafka_partition
+from freshrec.partitioner import kafka_partition, key_partitions
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Pipelined, pack
 from freshrec.settings import LOG_FORMAT
@@ -38,7 +40,7 @@ from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
 from streams.dedupe import DedupeWindow
-from streams.item_state import EVENT_CODES
+from streams.item_state import BY_ITEM_COLUMNS, EVENT_CODES
 from streams.settings import StreamsSettings
 
 log = logging.getLogger("freshrec.streams")
@@ -73,6 +75,24 @@ class PartitionMemo:
         self.partitions = partitions
         self.capacity = capacity
         self.known: dict[str, int] = {}
+
+    def many(self, item_ids: list[str]) -> list[int]:
+        """``self(i)`` for each id, the known ones without a call each."""
+        get = self.known.get
+        qs = [get(i) for i in item_ids]
+        if None in qs:
+            new = list(dict.fromkeys(i for i, q in zip(item_ids, qs, strict=True) if q is None))
+            if len(self.known) + len(new) > self.capacity:
+                self.known.clear()
+            self.known.update(
+                zip(
+                    new,
+                    key_partitions([i.encode() for i in new], self.partitions).tolist(),
+                    strict=True,
+                )
+            )
+            qs = [get(i) for i in item_ids]
+        return qs
 
     def __call__(self, item_id: str) -> int:
         q = self.known.get(item_id)
@@ -144,42 +164,89 @@ class ValidateStage:
                 log.info("commit skipped: %s", exc)
 
     def process(self, msgs) -> None:
+        """Validate, dedupe and repartition one batch, column by column: each step is a
+        comprehension or a numpy pass over the batch, not a Python loop body per event."""
         now = int(time.time() * 1000)
-        limits = self.settings.limits
-        routed: dict[int, list] = defaultdict(list)
-        clicks: list[tuple[str, str, int]] = []
-        n_ok = n_dup = n_bad = 0
-        for msg, e in zip(msgs, decode_events([x.value() for x in msgs], now, limits), strict=True):
-            if type(e) is Rejected:
-                n_bad += 1
-                m.DEAD_LETTERS.labels(str(e.reason)).inc()
-                letter = dead_letter(
-                    e, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-                    key=msg.key(), value=msg.value(), now_ms=now, service=SERVICE,
-                )  # fmt: skip
-                self._produce(self.names.events_dlq, encode_dead_letter(letter), None)
-                continue
-            window = self.dedupe.get(msg.partition())
-            if window is None:
-                window = self.dedupe[msg.partition()] = DedupeWindow(self.settings.dedupe_window)
-            if not window.first_time(e.event_id):
-                n_dup += 1
-                continue
-            n_ok += 1
-            q = self.partition_of(e.item_id)
-            routed[q].append(
-                [msg.partition(), msg.offset(), e.item_id, EVENT_CODES[e.event_type], e.ts_ms,
-                 e.region, e.value or 0.0]
-            )  # fmt: skip
-            if e.event_type == "click":
-                clicks.append((e.user_id, e.item_id, e.ts_ms))
-        for q, records in routed.items():
-            self._produce(self.names.events_by_item, orjson.dumps(records), q)
-        if clicks:
-            self.recent.send(*pack_recent(self.keys, clicks, self.settings.recent_clicks))
+        events = decode_events([x.value() for x in msgs], now, self.settings.limits)
+        n_read = len(events)
+        if Rejected in set(map(type, events)):
+            msgs, events = self._dead_letters(msgs, events, now)
+        parts = [x.partition() for x in msgs]
+        offsets = [x.offset() for x in msgs]
+        fresh = self._first_times(parts, [e.event_id for e in events])
+        if False in fresh:
+            keep = [i for i, f in enumerate(fresh) if f]
+            events = [events[i] for i in keep]
+            parts = [parts[i] for i in keep]
+            offsets = [offsets[i] for i in keep]
+        n_ok = len(events)
+        n_dup = len(fresh) - n_ok
+        if n_ok:
+            self._route(parts, offsets, events)
+            clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
+            if clicks:
+                self.recent.send(*pack_recent(self.keys, clicks, self.settings.recent_clicks))
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
         m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
-        m.STREAMS_EVENTS.labels("rejected").inc(n_bad)
+        m.STREAMS_EVENTS.labels("rejected").inc(n_read - len(fresh))
+
+    def _dead_letters(self, msgs, events, now: int) -> tuple[list, list]:
+        """Send the batch's rejects to ``events.dlq``; the messages and events that passed."""
+        kept_msgs, kept = [], []
+        for msg, e in zip(msgs, events, strict=True):
+            if type(e) is not Rejected:
+                kept_msgs.append(msg)
+                kept.append(e)
+                continue
+            m.DEAD_LETTERS.labels(str(e.reason)).inc()
+            letter = dead_letter(
+                e, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+                key=msg.key(), value=msg.value(), now_ms=now, service=SERVICE,
+            )  # fmt: skip
+            self._produce(self.names.events_dlq, encode_dead_letter(letter), None)
+        return kept_msgs, kept
+
+    def _first_times(self, parts: list[int], event_ids: list[str]) -> list[bool]:
+        """Which events are not replays, each against its source partition's dedupe window
+        (in source order within a partition; partitions are independent)."""
+        if not parts:
+            return []
+        p = np.array(parts, np.int64)
+        order = np.argsort(p, kind="stable")
+        p = p[order]
+        cuts = [0, *(np.flatnonzero(p[1:] != p[:-1]) + 1).tolist(), len(p)]
+        ids = np.array(event_ids, object)[order].tolist()
+        fresh: list[bool] = []
+        for lo, hi in pairwise(cuts):
+            window = self.dedupe.get(int(p[lo]))
+            if window is None:
+                window = self.dedupe[int(p[lo])] = DedupeWindow(self.settings.dedupe_window)
+            fresh += window.first_times(ids[lo:hi])
+        if len(cuts) > 2:  # back to the batch's order
+            back = np.empty(len(fresh), bool)
+            back[order] = fresh
+            return back.tolist()
+        return fresh
+
+    def _route(self, parts: list[int], offsets: list[int], events: list) -> None:
+        """One ``events.by_item`` record per target partition, as columns (``BY_ITEM_COLUMNS``)."""
+        items = [e.item_id for e in events]
+        q = np.array(self.partition_of.many(items), np.int64)
+        order = np.argsort(q, kind="stable")  # stable: offsets keep rising in each record
+        q = q[order]
+        cuts = [0, *(np.flatnonzero(q[1:] != q[:-1]) + 1).tolist(), len(q)]
+        codes = EVENT_CODES
+        columns = [
+            np.array(parts, np.int64)[order],
+            np.array(offsets, np.int64)[order],
+            np.array(items, object)[order],
+            np.array([codes[e.event_type] for e in events], np.int64)[order],
+            np.array([e.ts_ms for e in events], np.int64)[order],
+            np.array([e.region for e in events], object)[order],
+        ]
+        for lo, hi in pairwise(cuts):
+            record = dict(zip(BY_ITEM_COLUMNS, (c[lo:hi].tolist() for c in columns), strict=True))
+            self._produce(self.names.events_by_item, orjson.dumps(record), int(q[lo]))
 
     def _produce(self, topic: str, value: bytes, partition: int | None) -> None:
         kwargs = {} if partition is None else {"partition": partition}

@@ -358,6 +358,27 @@ def test_batch_event_decode_agrees_with_decode_event_on_every_value():
     assert passed > 100
 
 
+def test_batch_event_decode_of_clean_batches_with_one_bad_value_each():
+    """The whole-batch path of ``decode_events`` (taken when every value passes) is only
+    taken then: one bad value among good ones gives that value's reason and the others'
+    records, whatever the fault, including a value of an event time too far ahead."""
+    from schemas.codec import decode_event, decode_events
+
+    good = [encode_event(records.Event(f"e{i}", "click", "u1", "i1", NOW - i)) for i in range(6)]
+    ahead = encode_event(records.Event("late", "click", "u1", "i1", NOW + 11 * 60_000))
+    bad = [None, b"", b"{}", b"[]", b'{"a":NaN}', b"x" * 20_000, ahead,
+           good[0].replace(b'"i1"', b"null"), good[0].replace(b'"click"', b'"clack"')]  # fmt: skip
+    whole = decode_events(good, NOW)
+    assert [e.event_id for e in whole] == [f"e{i}" for i in range(6)]
+    for value in bad:
+        got = decode_events([*good[:3], value, *good[3:]], NOW)
+        assert isinstance(got[3], Rejected), value
+        with pytest.raises(Rejected) as want:
+            decode_event(value, NOW)
+        assert got[3].reason == want.value.reason
+        assert [e.event_id for e in got[:3] + got[4:]] == [f"e{i}" for i in range(6)]
+
+
 def test_struct_compiler_takes_flat_schemas_and_declines_the_rest():
     import msgspec
 

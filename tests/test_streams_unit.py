@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from freshrec.partitioner import kafka_partition, key_partitions
 from streams.decay import HOUR_MS, ForwardDecay
 from streams.dedupe import DedupeWindow
 from streams.hotlist import (
@@ -143,6 +144,28 @@ def test_dedupe_window_is_bounded_and_forgets_the_oldest():
     assert [w.first_time(x) for x in "abcab"] == [True, True, True, False, False]
     w.first_time("d")
     assert len(w) == 3 and w.first_time("a")
+
+
+def test_dedupe_window_batch_form_is_first_time_in_turn():
+    """Each id against the window and the ids before it in the list; the oldest are
+    evicted after the list (the window never forgets sooner than ``first_time``)."""
+    rng = random.Random(4)
+    window, model = DedupeWindow(50), []
+    for _ in range(60):
+        ids = [f"e{rng.randrange(150)}" for _ in range(rng.randrange(1, 40))]
+        want = []
+        for i in ids:
+            want.append(i not in model)
+            model += [i] if want[-1] else []
+        model = model[-50:]
+        assert window.first_times(ids) == want
+        assert len(window) == len(model)
+
+
+def test_vectorised_murmur2_places_keys_of_every_length_as_kafka_does():
+    rng = random.Random(5)
+    keys = [bytes(rng.randrange(256) for _ in range(rng.randrange(40))) for _ in range(3000)]
+    assert key_partitions(keys, 13).tolist() == [kafka_partition(k, 13) for k in keys]
 
 
 def make_state(**over) -> ItemPartitionState:
@@ -335,3 +358,54 @@ def test_fixed_width_float_text_reads_back_within_float64_precision():
         float_text([1.0, np.inf])
     with pytest.raises(ValueError, match="finite"):
         float_text([np.nan])
+
+
+def _state_fields(s: ItemPartitionState):
+    return (s.item_ids, s.slots, dict(s.scopes), s.applied, s.watermark_ms, s.late, s.skipped,
+            s.touched, s.new_slots, s.decay.landmark_ms, s.counts[: s.n_items].tobytes())  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_vectorised_apply_is_bit_for_bit_the_event_by_event_rule(seed):
+    """Batches with replays (whole and partial), late events, out-of-order times, new items,
+    new regions past ``max_regions``, falling offsets and a landmark move: ``apply`` leaves
+    exactly the state ``_apply_each`` leaves."""
+    rng = random.Random(seed)
+    fast = make_state(late_grace_ms=60_000, max_regions=3)
+    slow = make_state(late_grace_ms=60_000, max_regions=3)
+    offsets = dict.fromkeys(range(4), 0)
+    t = T0
+    log: list = []
+    each = fast._apply_each
+    fallbacks = []
+    fast._apply_each = lambda events: fallbacks.append(len(events)) or each(events)
+    for _ in range(40):
+        batch = []
+        for _ in range(rng.choice([1, 5, 40, 300])):
+            part = rng.randrange(4)
+            offsets[part] += rng.choice([1, 1, 2])
+            t += (
+                rng.choice([0, 1000, 30_000])
+                if rng.random() < 0.97
+                else -rng.choice([50_000, 90_000])
+            )
+            batch.append((part, offsets[part], f"i{rng.randrange(200)}", rng.randrange(3), t,
+                          rng.choice([None, "global", "north", "south", "east", "west", "up"]),
+                          0.0))  # fmt: skip
+        roll = rng.random()
+        if roll < 0.15 and log:
+            batch = rng.choice(log)  # a replayed message
+        elif roll < 0.25 and log:
+            batch = rng.choice(log)[len(batch) // 2 :] + batch  # a partly replayed one
+        elif roll < 0.3:
+            batch = batch[::-1]  # offsets fall: the event-by-event path
+        elif roll < 0.33:
+            t += 40 * 24 * HOUR_MS  # g grows past the renormalisation bound
+            batch.append((0, offsets[0] + 1, "i1", CLICK, t, "north", 0.0))
+            offsets[0] += 1
+        log.append(batch)
+        assert fast.apply(batch) == slow._apply_each(list(batch))
+        assert _state_fields(fast) == _state_fields(slow)
+    assert fast.n_items > 50 and fast.late > 0 and fast.skipped > 0 and len(fast.scopes) == 4
+    big = sum(len(b) >= 16 for b in log)
+    assert big - sum(n >= 16 for n in fallbacks) >= big // 2  # most took the vectorised path
