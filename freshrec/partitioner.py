@@ -47,42 +47,68 @@ def kafka_partition(key: bytes, partitions: int) -> int:
 
 
 def key_partitions(keys: list[bytes], partitions: int) -> np.ndarray:
-    """``kafka_partition`` of each key, murmur2 computed in numpy for all keys of one length
-    at a time (the streams app routes tens of thousands of new item ids a second).
+    """``kafka_partition`` of each key, murmur2 in numpy over the whole list at once (the
+    streams app routes every event by its item id; hashing beats looking ids up in a large
+    dict, which misses the cache). Keys are laid out as rows of a zero-padded byte matrix;
+    each 4-byte word or tail byte is mixed in where the key is long enough.
 
-    >>> keys = [b"", b"a", b"ab", b"abc", b"abcd", b"i12345", b"i7", b"i12346"]
+    >>> keys = [b"", b"a", b"ab", b"abc", b"abcd", b"i12345", b"i7", b"a" + bytes(1), bytes(5)]
     >>> key_partitions(keys, 7).tolist() == [kafka_partition(k, 7) for k in keys]
     True
     """
-    out = np.empty(len(keys), np.int64)
-    by_len: dict[int, list[int]] = {}
-    for i, k in enumerate(keys):
-        by_len.setdefault(len(k), []).append(i)
-    for n, idx in by_len.items():
-        raw = np.frombuffer(b"".join([keys[i] for i in idx]), np.uint8).reshape(len(idx), n)
-        h = np.full(len(idx), (0x9747B28C ^ n) & 0xFFFFFFFF, np.uint32)
-        n4 = n // 4
-        words = np.ascontiguousarray(raw[:, : 4 * n4]).view("<u4").reshape(len(idx), n4)
-        tail = raw[:, 4 * n4 :].astype(np.uint32)
-        with np.errstate(over="ignore"):
-            for i in range(n4):
-                k = words[:, i] * _M
-                k ^= k >> np.uint32(24)
-                k *= _M
-                h *= _M
-                h ^= k
-            if n % 4 == 3:
-                h ^= tail[:, 2] << np.uint32(16)
-            if n % 4 >= 2:
-                h ^= tail[:, 1] << np.uint32(8)
-            if n % 4 >= 1:
-                h ^= tail[:, 0]
-                h *= _M
-            h ^= h >> np.uint32(13)
-            h *= _M
-            h ^= h >> np.uint32(15)
-        out[idx] = ((h & np.uint32(0x7FFFFFFF)) % np.uint32(partitions)).astype(np.int64)
-    return out
+    n = len(keys)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    lens = np.fromiter(map(len, keys), np.int64, n)
+    width = max(4, -(-int(lens.max()) // 4) * 4)
+    # "S" storage keeps every byte (trailing NULs included); ``lens`` says where keys end
+    raw = np.array(keys, dtype=f"S{width}").view(np.uint8).reshape(n, width)
+    return _murmur2_rows(raw, lens, partitions)
+
+
+def str_partitions(keys: list[str], partitions: int) -> np.ndarray:
+    """``key_partitions`` of the UTF-8 encodings of ``keys``; ASCII keys go into the byte
+    matrix without an ``encode`` each.
+
+    >>> keys = ["i1", "i12345", "", "é", "ü-ü", "abcdefghi"]
+    >>> str_partitions(keys, 5).tolist() == [kafka_partition(k.encode(), 5) for k in keys]
+    True
+    """
+    n = len(keys)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    lens = np.fromiter(map(len, keys), np.int64, n)
+    width = max(4, -(-int(lens.max()) // 4) * 4)
+    points = np.array(keys, dtype=f"U{width}").view(np.uint32).reshape(n, width)
+    if points.max() >= 128:  # not ASCII: characters and bytes differ
+        return key_partitions([k.encode() for k in keys], partitions)
+    return _murmur2_rows(points.astype(np.uint8), lens, partitions)
+
+
+def _murmur2_rows(raw: np.ndarray, lens: np.ndarray, partitions: int) -> np.ndarray:
+    """Kafka's partition of each row of ``raw`` (uint8, width a multiple of 4, zero-padded),
+    the first ``lens[i]`` bytes of row i being its key."""
+    width = raw.shape[1]
+    words = raw.view("<u4")
+    n4 = lens // 4
+    rem = lens % 4
+    h = ((0x9747B28C ^ lens) & 0xFFFFFFFF).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        for i in range(width // 4):
+            k = words[:, i] * _M
+            k ^= k >> np.uint32(24)
+            k *= _M
+            np.copyto(h, (h * _M) ^ k, where=n4 > i)
+        at = np.minimum(4 * n4[:, None] + np.arange(3), width - 1)
+        tail = np.take_along_axis(raw, at, axis=1).astype(np.uint32)
+        tail[rem < 3, 2] = 0
+        tail[rem < 2, 1] = 0
+        h ^= (tail[:, 2] << np.uint32(16)) | (tail[:, 1] << np.uint32(8))
+        np.copyto(h, (h ^ tail[:, 0]) * _M, where=rem >= 1)
+        h ^= h >> np.uint32(13)
+        h *= _M
+        h ^= h >> np.uint32(15)
+    return ((h & np.uint32(0x7FFFFFFF)) % np.uint32(partitions)).astype(np.int64)
 
 
 def row_partitions(ids: np.ndarray, partitions: int) -> np.ndarray:

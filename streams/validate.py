@@ -32,7 +32,7 @@ from freshrec import metrics as m
 from freshrec.childmetrics import send_snapshots
 from freshrec.kafka import background_consumer, consume_batch, producer_config
 from freshrec.lifecycle import die_with_parent
-from freshrec.partitioner import kafka_partition, key_partitions
+from freshrec.partitioner import str_partitions
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Pipelined, pack
 from freshrec.settings import LOG_FORMAT
@@ -62,54 +62,13 @@ def pack_recent(keys: RedisKeys, clicks, keep: int) -> tuple[bytes, int]:
     return payload, 2 * len(per_user)
 
 
-class PartitionMemo:
-    """``kafka_partition`` of item ids, remembered: murmur2 in Python costs more than the
-    rest of routing an event, and a catalogue's ids repeat. Bounded: cleared when full.
-
-    >>> memo = PartitionMemo(8, capacity=2)
-    >>> memo("i1") == kafka_partition(b"i1", 8), len(memo.known)
-    (True, 1)
-    """
-
-    def __init__(self, partitions: int, capacity: int = 1_000_000) -> None:
-        self.partitions = partitions
-        self.capacity = capacity
-        self.known: dict[str, int] = {}
-
-    def many(self, item_ids: list[str]) -> list[int]:
-        """``self(i)`` for each id, the known ones without a call each."""
-        get = self.known.get
-        qs = [get(i) for i in item_ids]
-        if None in qs:
-            new = list(dict.fromkeys(i for i, q in zip(item_ids, qs, strict=True) if q is None))
-            if len(self.known) + len(new) > self.capacity:
-                self.known.clear()
-            self.known.update(
-                zip(
-                    new,
-                    key_partitions([i.encode() for i in new], self.partitions).tolist(),
-                    strict=True,
-                )
-            )
-            qs = [get(i) for i in item_ids]
-        return qs
-
-    def __call__(self, item_id: str) -> int:
-        q = self.known.get(item_id)
-        if q is None:
-            if len(self.known) >= self.capacity:
-                self.known.clear()
-            q = self.known[item_id] = kafka_partition(item_id.encode(), self.partitions)
-        return q
-
-
 class ValidateStage:
     def __init__(self, settings: StreamsSettings, by_item_partitions: int) -> None:
         self.settings = settings
         conn = settings.conn
         self.names = TopicNames(conn.topic_prefix)
         self.keys = RedisKeys(conn.topic_prefix)
-        self.partition_of = PartitionMemo(by_item_partitions)
+        self.by_item_partitions = by_item_partitions
         self.consumer = background_consumer(conn, "freshrec-streams-validate", "streams-validate")
         self.producer = Producer(producer_config(conn))
         self.redis = redis.Redis.from_url(conn.redis_url)
@@ -231,7 +190,7 @@ class ValidateStage:
     def _route(self, parts: list[int], offsets: list[int], events: list) -> None:
         """One ``events.by_item`` record per target partition, as columns (``BY_ITEM_COLUMNS``)."""
         items = [e.item_id for e in events]
-        q = np.array(self.partition_of.many(items), np.int64)
+        q = str_partitions(items, self.by_item_partitions)
         order = np.argsort(q, kind="stable")  # stable: offsets keep rising in each record
         q = q[order]
         cuts = [0, *(np.flatnonzero(q[1:] != q[:-1]) + 1).tolist(), len(q)]
