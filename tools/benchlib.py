@@ -110,6 +110,40 @@ def produce_values(
         raise RuntimeError("benchmark input not delivered")
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux ``/proc``): a streams instance is two processes."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """SIGSTOP ``pid`` and its descendants for the block, SIGCONT after: a warmed-up service
+    finds a backlog waiting when it resumes, as a consumer that starts on one does."""
+    pids = process_tree(pid)
+    for p in pids:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+
+
 def raw_consume_rate(conn: ConnectionSettings, topic: str, expected: int) -> float:
     """Messages/s of a confluent-kafka batch consumer reading ``expected`` messages."""
     c = Consumer(consumer_config(conn, f"{conn.topic_prefix}raw-{time.time_ns()}"))
