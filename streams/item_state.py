@@ -182,17 +182,19 @@ class ItemPartitionState:
         part_a = np.array(parts, np.int64)
         offs = np.array(offsets, np.int64)
         ts = np.array(ts_ms, np.int64)
-        skip = np.zeros(n, bool)
-        last: dict[int, int] = {}
-        for p in dict.fromkeys(parts):
-            mine = part_a == p
-            o = offs[mine]
-            if len(o) > 1 and not (o[1:] > o[:-1]).all():  # offsets fall: rare
-                return each()
-            done = self.applied.get(p, -1)
-            skip[mine] = o <= done
-            if o[-1] > done:
-                last[p] = int(o[-1])
+        # per source partition, in a few passes whatever the number of partitions: offsets
+        # must rise within each (else the event-by-event rule: rare), replays are skipped
+        order = np.argsort(part_a, kind="stable")
+        by_part, by_off = part_a[order], offs[order]
+        same = by_part[1:] == by_part[:-1]
+        if (same & (by_off[1:] <= by_off[:-1])).any():
+            return each()
+        firsts = np.flatnonzero(np.r_[True, ~same])
+        sources = by_part[firsts].tolist()
+        done = np.array([self.applied.get(p, -1) for p in sources], np.int64)
+        skip = offs <= done[np.searchsorted(by_part[firsts], part_a)]
+        lasts = by_off[np.r_[firsts[1:], n] - 1]  # each partition's highest offset
+        last = {p: int(o) for p, o, d in zip(sources, lasts, done, strict=True) if o > d}
         # the watermark each event meets: the newest earlier event time among those not
         # skipped (late ones never raise it: they lie below it)
         grace = self.config.late_grace_ms
