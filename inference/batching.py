@@ -69,29 +69,48 @@ class EventSlicer:
     machine and ~12 ms on a slow one, and slices of 1,000-2,000 events doubled the event
     path's throughput (docs/serving.md, "Requests before events").
 
-    >>> s = EventSlicer(budget_ms=10, least=64, most=4096, start=256)
-    >>> s.size()
+    While no request has arrived for ``quiet_s`` (a worker catching up a backlog, or one
+    whose requests go elsewhere), slices get ``idle_budget_ms``: only the first request after
+    the quiet waits behind one.
+
+    >>> s = EventSlicer(budget_ms=10, idle_budget_ms=40, least=64, most=8192, start=256)
+    >>> s.size(now=0.0)
     256
-    >>> s.observe(250, 0.0025)  # 10 µs an event: 1,000 fit in 10 ms
-    >>> s.size()
-    1000
+    >>> s.observe(250, 0.0025)  # 10 µs an event: 4,000 fit in 40 ms
+    >>> s.size(now=0.0)
+    4000
+    >>> s.request_seen(now=5.0)  # requests are flowing: 1,000 fit in 10 ms
+    >>> s.size(now=5.5), s.size(now=6.5)
+    (1000, 4000)
     """
 
     budget_ms: float = 10.0
+    idle_budget_ms: float = 40.0
     least: int = 64
-    most: int = 4096
+    most: int = 16384
     start: int = 256
+    quiet_s: float = 1.0
     alpha: float = 0.3
     per_event_ms: float | None = None
+    last_request_s: float = float("-inf")
 
     def __post_init__(self) -> None:
-        if self.budget_ms <= 0 or not 1 <= self.least <= self.start <= self.most:
-            raise ValueError("budget_ms must be > 0 and 1 <= least <= start <= most")
+        if self.budget_ms <= 0 or self.idle_budget_ms <= 0:
+            raise ValueError("budget_ms and idle_budget_ms must be > 0")
+        if not 1 <= self.least <= self.start <= self.most:
+            raise ValueError("1 <= least <= start <= most")
 
-    def size(self) -> int:
+    def request_seen(self, now: float) -> None:
+        """A request arrived at ``now`` (monotonic seconds)."""
+        self.last_request_s = now
+
+    def size(self, now: float) -> int:
+        """The next slice's events, at ``now`` (monotonic seconds)."""
         if self.per_event_ms is None:
             return self.start
-        return int(min(self.most, max(self.least, self.budget_ms / self.per_event_ms)))
+        quiet = now - self.last_request_s > self.quiet_s
+        budget = self.idle_budget_ms if quiet else self.budget_ms
+        return int(min(self.most, max(self.least, budget / self.per_event_ms)))
 
     def observe(self, events: int, seconds: float) -> None:
         """A slice of ``events`` took ``seconds`` (a failed or empty one is not observed)."""

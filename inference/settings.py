@@ -48,11 +48,14 @@ class WorkerSettings:
     user_capacity_rows: int = 200_000
     batch_max: int = 2000
     """Messages per consume call."""
-    event_slice: int = 4096
+    event_slice: int = 16384
     """At most this many events learnt between two looks at the request queue."""
     event_slice_ms: float = 10.0
     """Time budget of one slice of events (bounds a request's wait behind learning): the
     slice holds as many events as fit at the cost per event measured so far."""
+    event_slice_idle_ms: float = 40.0
+    """The budget while no request has arrived for a second: only the first request after
+    the quiet waits behind such a slice, and a backlog is learnt faster."""
     poll_timeout_ms: int = 5
     device: str = "auto"
     worker_id: str = ""
@@ -121,8 +124,9 @@ class WorkerSettings:
             learning=learning,
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),
-            event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 4096, minimum=1),
+            event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 16384, minimum=1),
             event_slice_ms=env_float(env, "FRESHREC_EVENT_SLICE_MS", 10.0, positive=True),
+            event_slice_idle_ms=env_float(env, "FRESHREC_EVENT_SLICE_IDLE_MS", 40.0, positive=True),
             torch_threads=env_int(env, "FRESHREC_TORCH_THREADS", 1, minimum=0),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",

@@ -140,7 +140,10 @@ class Worker:
         sv = settings.serving
         self.policy = BatchPolicy(settings.max_batch, settings.max_wait_ms)
         most = settings.event_slice
-        self.slicer = EventSlicer(settings.event_slice_ms, min(64, most), most, min(256, most))
+        self.slicer = EventSlicer(
+            settings.event_slice_ms, settings.event_slice_idle_ms, min(64, most), most,
+            min(256, most),
+        )  # fmt: skip
         self.requests: deque[Inbound] = deque()
         self.backlog: deque[Message] = deque()
         self.paused: list[TopicPartition] = []
@@ -243,6 +246,7 @@ class Worker:
             if not self._ok(msg):
                 continue
             if msg.topic() == self.names.recommend_requests:
+                self.slicer.request_seen(time.monotonic())
                 self._accept_request(msg)
             else:
                 self.backlog.append(msg)
@@ -437,7 +441,7 @@ class Worker:
     def _learn_slice(self) -> None:
         if not self.backlog or time.monotonic() < self._events_retry_at:
             return
-        n = min(len(self.backlog), self.slicer.size())
+        n = min(len(self.backlog), self.slicer.size(time.monotonic()))
         chunk = [self.backlog.popleft() for _ in range(n)]
         started = time.perf_counter()
         try:

@@ -27,33 +27,45 @@ def test_batching_flushes_on_size_or_on_the_oldest_requests_wait():
 
 def test_event_slices_grow_until_a_slice_fills_its_time_budget():
     s = EventSlicer(budget_ms=10, least=64, most=4096, start=256)
+    s.request_seen(now=0.0)  # requests are flowing: the 10 ms budget
 
     def took_ms(n: int) -> float:  # a slice's cost: 1 ms of fixed work plus 8 µs an event
         return 1.0 + 0.008 * n
 
-    assert s.size() == 256
+    assert s.size(now=0.0) == 256
     for _ in range(30):
-        n = s.size()
+        n = s.size(now=0.0)
         s.observe(n, took_ms(n) / 1000)
     # the fixed point: as many events as fit in the budget, (10 - 1) / 0.008 = 1,125
-    assert 1080 <= s.size() <= 1125 and took_ms(s.size()) <= 10.0
+    assert 1080 <= s.size(now=0.0) <= 1125 and took_ms(s.size(now=0.0)) <= 10.0
     for _ in range(30):  # the events got dearer (cold rows): the slices shrink to the budget
-        n = s.size()
+        n = s.size(now=0.0)
         s.observe(n, (1.0 + 0.08 * n) / 1000)
-    assert 100 <= s.size() <= 113
+    assert 100 <= s.size(now=0.0) <= 113
     s.observe(0, 0.5)  # nothing learnt: no estimate from it
     s.observe(10, 0.0)
-    assert 100 <= s.size() <= 113
+    assert 100 <= s.size(now=0.0) <= 113
+
+
+def test_event_slices_take_the_idle_budget_only_while_no_request_arrives():
+    s = EventSlicer(budget_ms=10, idle_budget_ms=40, least=64, most=16384, start=256, quiet_s=1.0)
+    s.observe(1000, 0.008)  # 8 µs an event
+    assert s.size(now=100.0) == 5000  # no request ever: 40 ms
+    s.request_seen(now=100.0)
+    assert s.size(now=100.0) == s.size(now=101.0) == 1250  # within a second of one: 10 ms
+    assert s.size(now=101.01) == 5000  # quiet again
 
 
 def test_event_slices_stay_within_their_bounds():
     s = EventSlicer(budget_ms=10, least=64, most=500, start=256)
     s.observe(100, 0.000001)  # nearly free events: capped at most
-    assert s.size() == 500
+    assert s.size(now=0.0) == 500
     s = EventSlicer(budget_ms=10, least=64, most=500, start=256)
     s.observe(100, 1.0)  # 10 ms an event: never fewer than least
-    assert s.size() == 64
-    for bad in (dict(budget_ms=0), dict(least=0), dict(start=5000), dict(least=300)):
+    assert s.size(now=0.0) == 64
+    bad_ones = (dict(budget_ms=0), dict(idle_budget_ms=0), dict(least=0), dict(start=5000),
+                dict(least=300))  # fmt: skip
+    for bad in bad_ones:
         with pytest.raises(ValueError):
             EventSlicer(**{"least": 64, "most": 4096, "start": 256, **bad})
 
