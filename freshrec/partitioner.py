@@ -56,14 +56,11 @@ def key_partitions(keys: list[bytes], partitions: int) -> np.ndarray:
     >>> key_partitions(keys, 7).tolist() == [kafka_partition(k, 7) for k in keys]
     True
     """
-    n = len(keys)
-    if n == 0:
+    if not keys:
         return np.zeros(0, np.int64)
-    lens = np.fromiter(map(len, keys), np.int64, n)
-    width = max(4, -(-int(lens.max()) // 4) * 4)
     # "S" storage keeps every byte (trailing NULs included); ``lens`` says where keys end
-    raw = np.array(keys, dtype=f"S{width}").view(np.uint8).reshape(n, width)
-    return _murmur2_rows(raw, lens, partitions)
+    padded, lens = _padded(keys, "S")
+    return _murmur2_rows(padded.view(np.uint8).reshape(len(keys), -1), lens, partitions)
 
 
 def str_partitions(keys: list[str], partitions: int) -> np.ndarray:
@@ -74,15 +71,21 @@ def str_partitions(keys: list[str], partitions: int) -> np.ndarray:
     >>> str_partitions(keys, 5).tolist() == [kafka_partition(k.encode(), 5) for k in keys]
     True
     """
-    n = len(keys)
-    if n == 0:
+    if not keys:
         return np.zeros(0, np.int64)
-    lens = np.fromiter(map(len, keys), np.int64, n)
-    width = max(4, -(-int(lens.max()) // 4) * 4)
-    points = np.array(keys, dtype=f"U{width}").view(np.uint32).reshape(n, width)
+    padded, lens = _padded(keys, "U")
+    points = padded.view(np.uint32).reshape(len(keys), -1)
     if points.max() >= 128:  # not ASCII: characters and bytes differ
         return key_partitions([k.encode() for k in keys], partitions)
     return _murmur2_rows(points.astype(np.uint8), lens, partitions)
+
+
+def _padded(keys: list, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """``keys`` as a numpy array of ``kind`` ("S" bytes, "U" code points) zero-padded to a
+    width that is a multiple of 4, and each key's length."""
+    lens = np.fromiter(map(len, keys), np.int64, len(keys))
+    width = max(4, -(-int(lens.max()) // 4) * 4)
+    return np.array(keys, dtype=f"{kind}{width}"), lens
 
 
 def _murmur2_rows(raw: np.ndarray, lens: np.ndarray, partitions: int) -> np.ndarray:

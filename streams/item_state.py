@@ -102,17 +102,7 @@ class ItemPartitionState:
     # ---------------------------------------------------------------------------- growth
     def _slot(self, item_id: str) -> int:
         slot = self.slots.get(item_id)
-        if slot is None:
-            slot = self.slots[item_id] = len(self.item_ids)
-            self.item_ids.append(item_id)
-            self.new_slots.append(slot)
-            if slot >= len(self.counts):
-                grow = max(1024, len(self.counts))
-                self.counts = np.concatenate(
-                    [self.counts, np.zeros((grow, self.counts.shape[1], 3))], axis=0
-                )
-                self.price = np.concatenate([self.price, np.zeros(grow)])
-        return slot
+        return self._slots([item_id])[0] if slot is None else slot
 
     def _slots(self, item_ids: list[str]) -> list[int]:
         """``_slot`` of each id; new ones numbered in order of first appearance."""
@@ -153,10 +143,7 @@ class ItemPartitionState:
     # ------------------------------------------------------------------------------ apply
     def apply(self, events: Iterable[ByItemEvent]) -> int:
         """Count events; returns how many counted (skips replays and late events)."""
-        events = events if isinstance(events, list) else list(events)
-        if len(events) < 16 or not self._landmark_set:
-            return self._apply_each(events)
-        return self.apply_columns(*list(zip(*events, strict=True))[:6])
+        return self.apply_columns(*by_item_columns(list(events)))
 
     def apply_columns(
         self, parts: list[int], offsets: list[int], item_ids: list[str], codes: list[int],
@@ -405,9 +392,8 @@ class ItemPartitionState:
         state.applied = {int(k): int(v) for k, v in json.loads(meta["applied"]).items()}
         state.late = int(meta.get("late", 0))
         n_scopes = len(state.scopes)
-        for item_id, blob in rows.items():
+        for slot, blob in zip(state._slots(list(rows)), rows.values(), strict=True):
             row = np.frombuffer(blob, np.float64)
-            slot = state._slot(item_id)
             state.price[slot] = row[0]
             k = min(n_scopes, (len(row) - 1) // 3)
             state.counts[slot, :k] = row[1 : 1 + 3 * k].reshape(k, 3)

@@ -62,6 +62,15 @@ def pack_recent(keys: RedisKeys, clicks, keep: int) -> tuple[bytes, int]:
     return payload, 2 * len(per_user)
 
 
+def _run_bounds(keys: np.ndarray) -> list[int]:
+    """Where the runs of equal values of sorted ``keys`` start, and its length.
+
+    >>> _run_bounds(np.array([3, 3, 5, 7, 7]))
+    [0, 2, 3, 5]
+    """
+    return [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist(), len(keys)]
+
+
 class ValidateStage:
     def __init__(self, settings: StreamsSettings, by_item_partitions: int) -> None:
         self.settings = settings
@@ -130,6 +139,7 @@ class ValidateStage:
         n_read = len(events)
         if Rejected in set(map(type, events)):
             msgs, events = self._dead_letters(msgs, events, now)
+        n_bad = n_read - len(events)
         parts = [x.partition() for x in msgs]
         offsets = [x.offset() for x in msgs]
         fresh = self._first_times(parts, [e.event_id for e in events])
@@ -139,7 +149,7 @@ class ValidateStage:
             parts = [parts[i] for i in keep]
             offsets = [offsets[i] for i in keep]
         n_ok = len(events)
-        n_dup = len(fresh) - n_ok
+        n_dup = n_read - n_bad - n_ok
         if n_ok:
             self._route(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
@@ -147,7 +157,7 @@ class ValidateStage:
                 self.recent.send(*pack_recent(self.keys, clicks, self.settings.recent_clicks))
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
         m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
-        m.STREAMS_EVENTS.labels("rejected").inc(n_read - len(fresh))
+        m.STREAMS_EVENTS.labels("rejected").inc(n_bad)
 
     def _dead_letters(self, msgs, events, now: int) -> tuple[list, list]:
         """Send the batch's rejects to ``events.dlq``; the messages and events that passed."""
@@ -173,7 +183,7 @@ class ValidateStage:
         p = np.array(parts, np.int64)
         order = np.argsort(p, kind="stable")
         p = p[order]
-        cuts = [0, *(np.flatnonzero(p[1:] != p[:-1]) + 1).tolist(), len(p)]
+        cuts = _run_bounds(p)
         ids = np.array(event_ids, object)[order].tolist()
         fresh: list[bool] = []
         for lo, hi in pairwise(cuts):
@@ -193,7 +203,7 @@ class ValidateStage:
         q = str_partitions(items, self.by_item_partitions)
         order = np.argsort(q, kind="stable")  # stable: offsets keep rising in each record
         q = q[order]
-        cuts = [0, *(np.flatnonzero(q[1:] != q[:-1]) + 1).tolist(), len(q)]
+        cuts = _run_bounds(q)
         codes = EVENT_CODES
         columns = [
             np.array(parts, np.int64)[order],
