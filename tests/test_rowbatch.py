@@ -78,3 +78,13 @@ def test_row_ids_are_stable_and_signed_64_bit():
     assert row_id("u1") == row_id("u1")
     assert -(2**63) <= row_id("i123456") < 2**63
     assert len({row_id(f"u{i}") for i in range(10_000)}) == 10_000
+
+
+def test_row_ids_of_a_batch_are_row_id_of_each_key():
+    from schemas.ids import row_ids
+
+    keys = ["u1", "u2", "u1", "é-ü", "", "x" * 300, "u2"]
+    got = row_ids(keys)
+    assert got.dtype == np.int64 and got.tolist() == [row_id(k) for k in keys]
+    assert row_ids(keys[:2]).tolist() == [row_id("u1"), row_id("u2")]  # all distinct
+    assert row_ids([]).tolist() == []
