@@ -97,6 +97,7 @@ class StreamsApp:
         self.lag_samples: dict[int, list[int]] = defaultdict(list)
         self.dirty: set[int] = set()
         self._publish_not_before = 0.0
+        self._features_not_before = 0.0
         self.persist_lock = asyncio.Lock()
         self.price_retry_at: dict[int, float] = defaultdict(float)
         self.price_retry_wait: dict[int, float] = defaultdict(lambda: PRICE_RETRY_S / 2)
@@ -312,11 +313,14 @@ class StreamsApp:
                 m.observe_many(m.HOT_LIST_LAG, np.maximum(lags, 0.0))
                 for scope in lists:
                     m.HOT_LIST_PUBLISHES.labels(scope).inc()
-        # then the serving features of the items persisted since the last round: written
-        # here, not in each count batch's transaction, so an item counted in several batches
-        # between two rounds is written once (they are derived; restored partitions rewrite
-        # them all); after the lists, which they would otherwise hold back (hot-list lag
-        # p99 455 against ~400 ms in one round trip with them)
+        # then, once per features interval, the serving features of the items persisted
+        # since: written here, not in each count batch's transaction, so an item counted in
+        # several batches in between is written once (they are derived; restored partitions
+        # rewrite them all); after the lists, which they would otherwise hold back (hot-list
+        # lag p99 455 against ~400 ms in one round trip with them)
+        if time.monotonic() < self._features_not_before:
+            return
+        self._features_not_before = time.monotonic() + self.settings.features_interval_ms / 1000
         features = [c for state in self.states.values() for c in sink.feature_commands(state)]
         if features:
             await sink.write(features)

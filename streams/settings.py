@@ -32,6 +32,9 @@ class StreamsSettings:
     """Items created within this window are 'new' (the new-items recall channel)."""
     publish_interval_ms: int = 200
     """How often changed hot lists are recomputed and published."""
+    features_interval_ms: int = 1000
+    """How often the serving features of the items counted since are written (with a
+    publish round): an item counted in several rounds in between is written once."""
     fetch_wait_max_ms: int | None = None
     """faust's consumer fetch wait; None takes the profile's background wait (20 ms local, 100 ms prod)."""
     batch_max: int = 5000
@@ -79,6 +82,7 @@ class StreamsSettings:
             dedupe_window=env_int(env, "FRESHREC_DEDUPE_WINDOW", 200_000, minimum=1),
             new_item_window_ms=env_int(env, "FRESHREC_NEW_ITEM_WINDOW_MS", 86_400_000, minimum=1),
             publish_interval_ms=env_int(env, "FRESHREC_HOT_PUBLISH_MS", 200, minimum=10),
+            features_interval_ms=env_int(env, "FRESHREC_FEATURES_WRITE_MS", 1000, minimum=10),
             fetch_wait_max_ms=int(fetch) if fetch else None,
             batch_max=env_int(env, "FRESHREC_STREAMS_BATCH_MAX", 5000, minimum=1),
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),

@@ -51,6 +51,7 @@ def test_the_adagrad_initial_accumulator_is_a_setting():
         (StreamsSettings, "FRESHREC_HOT_DECAY_PER_HOUR", "0", "must be > 0"),
         (StreamsSettings, "FRESHREC_STREAMS_VALIDATE", "fork", "must be 'process' or 'thread'"),
         (StreamsSettings, "FRESHREC_STREAMS_BATCH_MAX", "0", "must be >= 1"),
+        (StreamsSettings, "FRESHREC_FEATURES_WRITE_MS", "5", "must be >= 10"),
     ],
 )
 def test_a_value_a_service_cannot_run_with_is_refused_by_name(settings, name, value, why):
