@@ -11,7 +11,7 @@ import pytest
 import redis as redis_lib
 from confluent_kafka import Producer
 
-from freshrec.kafka import producer_config
+from freshrec.kafka import close_producer, producer_config
 from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import execute
@@ -692,6 +692,7 @@ def test_a_revoke_served_while_redis_is_down_persists_no_offset_ahead_of_its_row
             assert applied_offsets(r, keys) == {0: 0}, "an offset persisted past its rows"
             assert not ps.dirty_rows, "rows applied for a partition no longer owned"
             # the next owner (here a fresh instance) resumes after the persisted offset
+            close_producer(ps.producer, 10)
             ps = ParameterServer(ParamServerSettings(conn, dim=DIM))
             ps.owned, ps.applied = {0}, {0: 0}
             ps.owner = {0: f"{ps.instance}-1"}
@@ -700,6 +701,7 @@ def test_a_revoke_served_while_redis_is_down_persists_no_offset_ahead_of_its_row
         ps.flush(sync=True)
         ps.consumer.close()
         ps._persister.shutdown()
+        close_producer(ps.producer, 10)  # an open one logs failed reconnects at the stack's stop
         return tables(conn), applied_offsets(r, keys)
 
     interrupted = run(ParameterServer(ParamServerSettings(conn, dim=DIM)), fail_load=True)
