@@ -28,6 +28,8 @@ from tools.produce import events_producer, prepare_events, produce_prepared
 from tools.promtext import histogram_quantile, scrape, subtract, total
 from tools.world import World, WorldConfig
 
+COUNTED = "freshrec_streams_counted_events_total"
+
 
 def metric(port: int, name: str, **labels) -> float:
     """One metric's total, scraped alone (``?name[]=``: polling costs the instance little)."""
@@ -37,16 +39,18 @@ def metric(port: int, name: str, **labels) -> float:
         return 0.0
 
 
-def wait_counted(port: int, proc, n: int, timeout_s: float, progress: ProgressLine) -> None:
-    """Until the instance has counted ``n`` events (or exited, or ``timeout_s`` passed)."""
+def wait_for(port: int, proc, name: str, n: float, timeout_s: float, progress) -> float:
+    """Until the instance's metric ``name`` reaches ``n`` (or it exited, or ``timeout_s``
+    passed); returns the value reached."""
     deadline = time.monotonic() + timeout_s
-    while (counted := metric(port, "freshrec_streams_counted_events_total")) < n:
+    while (value := metric(port, name)) < n:
         if proc.poll() is not None:
             raise SystemExit(f"freshrec streams exited with {proc.returncode}")
         if time.monotonic() > deadline:
-            raise SystemExit(f"streams counted {counted:,.0f} of {n:,} in {timeout_s:.0f} s")
-        progress.update(f"streams counted {counted:,.0f}/{n:,}")
+            raise SystemExit(f"{name} reached {value:,.0f} of {n:,.0f} in {timeout_s:.0f} s")
+        progress.update(f"{name}: {value:,.0f}/{n:,.0f}")
         time.sleep(0.02)
+    return value
 
 
 def main() -> None:
@@ -69,12 +73,12 @@ def main() -> None:
         port = free_port()
         with service_process(conn, "streams", port) as proc:
             produce_prepared(conn, warm, rate_per_s=200)
-            wait_counted(port, proc, len(warm), 60, progress)
+            wait_for(port, proc, COUNTED, len(warm), 60, progress)
             with paused(proc.pid):
                 produce_values(conn, topic, records)
                 progress.done(f"produced {len(records):,} events (instance paused)")
             start = time.perf_counter()
-            wait_counted(port, proc, len(warm) + len(records), 600, progress)
+            wait_for(port, proc, COUNTED, len(warm) + len(records), 600, progress)
             rate = len(records) / (time.perf_counter() - start)
         raw, raw_reads = raw_consume_best(conn, topic, len(warm) + len(records))
     progress.done(
@@ -89,24 +93,11 @@ def main() -> None:
         produce_values(conn, topic, records)
         port = free_port()
         with service_process(conn, "streams", port) as proc:
-            first = None
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise SystemExit(f"freshrec streams exited with {proc.returncode}")
-                counted = metric(port, "freshrec_streams_counted_events_total")
-                # from the first event the validate stage took: counting starts later
-                validated = metric(port, "freshrec_streams_events_total")
-                if validated > 0 and first is None:
-                    first = (time.perf_counter(), validated)
-                if counted >= len(records):
-                    break
-                progress.update(f"cold start: counted {counted:,.0f}/{len(records):,}")
-                time.sleep(0.05)
-            end = time.perf_counter()
-        if first is None or counted < len(records):
-            raise SystemExit(f"streams counted only {counted} of {len(records)}")
-        cold = (len(records) - first[1]) / (end - first[0])
+            # from the first event the validate stage took: counting starts later
+            validated = wait_for(port, proc, "freshrec_streams_events_total", 1, 600, progress)
+            start = time.perf_counter()
+            wait_for(port, proc, COUNTED, len(records), 600, progress)
+            cold = (len(records) - validated) / (time.perf_counter() - start)
     progress.done(f"freshrec streams from a cold start: {cold:,.0f} events/s")
     results["throughput"] = {
         "events": len(records),
@@ -127,16 +118,12 @@ def main() -> None:
 
     with bench_connection(f"bl{int(time.time())}.") as conn:
         port = free_port()
-        with service_process(conn, "streams", port):
+        with service_process(conn, "streams", port) as proc:
             # warm up: the group join takes seconds on the embedded broker; measure after it
             # through the producer of the measured phase (see events_producer)
             producer = events_producer(conn)
             produce_prepared(conn, warm, rate_per_s=200, producer=producer)
-            deadline = time.monotonic() + 60
-            while metric(port, "freshrec_streams_counted_events_total") < 150:
-                if time.monotonic() > deadline:
-                    raise SystemExit("streams did not start counting within 60 s")
-                time.sleep(0.1)
+            wait_for(port, proc, COUNTED, 150, 60, progress)
             time.sleep(1.0)
             name = "freshrec_hot_list_lag_seconds"
             before = scrape(f"http://127.0.0.1:{port}/metrics")
