@@ -61,7 +61,9 @@ class EmbeddingCache:
         self.item_ids: list[int] = []  # by slot
         self.users = _Table(self.w, user_capacity, device)
         self.user_lru = SlotLRU(user_capacity)
-        self.on_evict: Callable[[int, int], None] = lambda table, row_id: None
+        self.on_evict: Callable[[int, np.ndarray], None] = lambda table, slots: None
+        """Called with the slots whose rows were evicted, once per lookup, before those
+        slots take their new rows."""
 
     # ------------------------------------------------------------------------------ slots
     def slots(self, table: int, ids: np.ndarray) -> np.ndarray:
@@ -105,6 +107,7 @@ class EmbeddingCache:
     def _user_slots(self, ids: np.ndarray) -> np.ndarray:
         out = np.empty(len(ids), np.int64)
         missing: dict[int, int] = {}
+        evicted_slots: list[int] = []
         hits = 0
         for j, i in enumerate(ids.tolist()):
             slot = self.user_lru.get(i)
@@ -113,11 +116,13 @@ class EmbeddingCache:
                 if slot is None:
                     slot, evicted = self.user_lru.admit(i)
                     if evicted is not None:
-                        self.on_evict(TABLE_USER, evicted)
+                        evicted_slots.append(slot)
                     missing[i] = slot
             else:
                 hits += 1
             out[j] = slot
+        if evicted_slots:
+            self.on_evict(TABLE_USER, np.asarray(evicted_slots, np.int64))
         m.CACHE_LOOKUPS.labels("user", "device").inc(hits)
         if missing:
             try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from schemas.records import Event
 
@@ -108,9 +109,11 @@ def aggregate(
     keys: np.ndarray, grads: np.ndarray, event_ms: np.ndarray | None = None,
     counts: np.ndarray | None = None,
 ) -> Grouped:  # fmt: skip
-    """Per distinct key: the sum of its rows (accumulated in float64, returned in the rows'
-    dtype), the sum of its ``counts`` (one per row by default) and its newest ``event_ms``.
-    A stable sort and ``reduceat``: ``np.add.at`` was an eighth of the worker's event path.
+    """Per distinct key: the sum of its rows (accumulated in float64 in input order, returned
+    in the rows' dtype), the sum of its ``counts`` (one per row by default) and its newest
+    ``event_ms``. The rows are added with torch's ``index_add_`` (one pass, in input order):
+    ``np.add.at`` was an eighth of the worker's event path, and a sort with ``np.add.reduceat``
+    over 65 columns still 2 ms for a slice of 4,000 examples (0.5 ms this way).
 
     >>> g = aggregate(np.array([5, 3, 5]), np.array([[1.0], [2.0], [4.0]]), np.array([7, 8, 9]))
     >>> g.keys.tolist(), g.sums.ravel().tolist(), g.counts.tolist(), g.newest.tolist()
@@ -119,25 +122,27 @@ def aggregate(
     [1, 0, 1]
     """
     keys = np.asarray(keys)
-    n = len(keys)
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    head = np.ones(n, bool)
-    head[1:] = ordered[1:] != ordered[:-1]
-    starts = np.flatnonzero(head)
-    index = np.empty(n, np.int64)
-    index[order] = np.cumsum(head) - 1
-    if n == 0:
-        empty = np.zeros(0, np.int64)
-        return Grouped(ordered, np.zeros((0, grads.shape[1]), grads.dtype), empty, empty, index)
     grads = np.asarray(grads)
-    sums = np.add.reduceat(grads[order].astype(np.float64), starts, axis=0).astype(grads.dtype)
+    distinct, index = np.unique(keys, return_inverse=True)
+    index = index.reshape(-1).astype(np.int64, copy=False)
+    groups = len(distinct)
+    at = torch.from_numpy(index)
+    sums = torch.zeros((groups, grads.shape[1]), dtype=torch.float64)
+    if len(keys):
+        sums.index_add_(0, at, torch.from_numpy(np.ascontiguousarray(grads, np.float64)))
     if counts is None:
-        group_counts = np.diff(np.append(starts, n))
+        group_counts = np.bincount(index, minlength=groups).astype(np.int64)
     else:
-        group_counts = np.add.reduceat(np.asarray(counts, np.int64)[order], starts)
-    if event_ms is None:
-        newest = np.zeros(len(starts), np.int64)
+        group_counts = np.bincount(index, np.asarray(counts, np.int64), minlength=groups).astype(
+            np.int64
+        )
+    if event_ms is None or not len(keys):
+        newest = np.zeros(groups, np.int64)
     else:
-        newest = np.maximum.reduceat(np.asarray(event_ms, np.int64)[order], starts)
-    return Grouped(ordered[starts], sums, group_counts, newest, index)
+        newest = (
+            torch.zeros(groups, dtype=torch.int64)
+            .scatter_reduce_(0, at, torch.from_numpy(np.asarray(event_ms, np.int64)), "amax",
+                             include_self=False)
+            .numpy()
+        )  # fmt: skip
+    return Grouped(distinct, sums.numpy().astype(grads.dtype), group_counts, newest, index)

@@ -14,20 +14,31 @@ local steps (the deltas −lr·g) with the gradient message that carries them, a
   removed from the serving row.
 
 Exact: a step is in the serving row either through the global row or as a pending delta,
-never both, never neither — provided the worker has processed the delivery reports of its
-messages before it installs an update that might include them (``has_undelivered``): the
-parameter server can only have applied a message the broker had acknowledged, so the worker
-waits for its outstanding reports (milliseconds) before installing such a row.
+never both, never neither. The worker also waits for the delivery reports of a row's
+messages before it installs an update of that row (``waiting``): the parameter server can
+only have applied a message the broker had acknowledged, so the report decides, and the
+second rule above is then a safety net, not a path the worker takes.
+
+Layout: a row is a slot of the cache's table (a small integer), and every operation takes a
+whole array of them, with no Python per row or per step. Steps live in one pool of arrays
+(delta, message, offset, ...); each row's steps form a linked list through the pool
+(``head``/``tail`` per slot, ``next`` per step), appended to in order. An operation on many
+rows walks their lists together, one numpy pass per step of the longest list. A message is a
+token (a positive int) named when the message is produced; until then the step is unsent
+(token 0). The delivery report writes the message's offset onto its steps.
 
 >>> import numpy as np
 >>> p = PendingSteps()
->>> p.record(("user", 1), np.array([0.5]), token=7)
+>>> steps = p.record("user", np.array([1]), np.array([[0.5]]))  # slot 1, unsent
+>>> p.assign(steps, token=7)
 >>> p.delivered(7, partition=0, offset=41)
 []
->>> p.on_install(("user", 1), partition=0, offset=40).tolist()    # not yet included
-[0.5]
->>> p.on_install(("user", 1), partition=0, offset=41) is None      # now it is
-True
+>>> rest, kept = p.install("user", np.array([1]), partition=0, offset=40)  # not yet included
+>>> rest.tolist(), kept.tolist()
+([[0.5]], [True])
+>>> rest, kept = p.install("user", np.array([1]), partition=0, offset=41)  # now it is
+>>> kept.tolist(), len(p)
+([False], 0)
 """
 
 from __future__ import annotations
@@ -36,167 +47,319 @@ from collections.abc import Hashable
 
 import numpy as np
 
-RowRef = Hashable
-"""A row: (table, row id)."""
+UNSENT = 0
+"""The token of a step whose message has not been produced yet."""
+FAILED = -1
+"""The token of a step whose message was not delivered: local for good."""
+_UNKNOWN = -1  # the offset of a step whose delivery report has not arrived
+_POOL_FILL = {
+    "_delta": 0.0, "_token": UNSENT, "_part": -1, "_off": _UNKNOWN, "_next": -1, "_slot": -1,
+    "_table": 0,
+}  # fmt: skip
+"""The pool's arrays, one entry per step, and what a free entry holds."""
+
+
+class _Lists:
+    """Per slot of one table: its first and last step, and the last update installed."""
+
+    def __init__(self, capacity: int) -> None:
+        self.head = np.full(capacity, -1, np.int64)
+        self.tail = np.full(capacity, -1, np.int64)
+        self.inst_part = np.full(capacity, -1, np.int64)
+        self.inst_off = np.full(capacity, -1, np.int64)
+
+    def fit(self, slots: np.ndarray) -> None:
+        need = int(slots.max()) + 1 if len(slots) else 0
+        have = len(self.head)
+        if need > have:
+            for name in ("head", "tail", "inst_part", "inst_off"):
+                grown = np.full(max(need, 2 * have), -1, np.int64)
+                grown[:have] = getattr(self, name)  # not np.concatenate: see _grow
+                setattr(self, name, grown)
 
 
 class PendingSteps:
-    def __init__(self) -> None:
-        self._steps: dict[RowRef, list[list]] = {}  # row -> [[token, delta], ...]
-        self._rows_of: dict[int, set[RowRef]] = {}  # token -> rows it carries
-        self._delivered: dict[int, tuple[int, int]] = {}  # token -> (partition, offset)
-        self._installed: dict[RowRef, tuple[int, int]] = {}  # row -> (partition, offset)
-        self._count = 0  # steps held, kept current by _set (len() is read every poll)
-        # token -> steps still held that travel in it: a token is forgotten when it reaches
-        # 0 (counting, not scanning the token's rows: that was quadratic in a message's rows)
-        self._open: dict[int, int] = {}
-        # row -> its steps not sent yet (token None), the same step lists as in ``_steps``:
-        # naming their message touches only them, not every step a hot row has pending
-        self._unsent: dict[RowRef, list[list]] = {}
+    """Local steps per (table, slot) that the installed global rows do not include."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._tables: dict[Hashable, _Lists] = {}
+        self._codes: dict[Hashable, int] = {}  # table -> its code in ``_table``
+        self._names: list[Hashable] = []
+        self._w = 0  # width of a delta, set by the first record
+        self._alloc_pool(max(1, capacity))
+        self._count = 0
+        # token -> its steps (pool indices), from ``assign`` to the delivery report
+        self._by_token: dict[int, np.ndarray] = {}
+
+    def _alloc_pool(self, capacity: int) -> None:
+        for name, fill in _POOL_FILL.items():
+            shape = (capacity, self._w) if name == "_delta" else (capacity,)
+            setattr(self, name, np.full(shape, fill, np.float64 if name == "_delta" else np.int64))
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: top at the end
+        self._free_n = capacity
 
     def __len__(self) -> int:
+        """Steps held."""
         return self._count
 
     def rows(self) -> int:
-        return len(self._steps)
+        """Rows with steps."""
+        return sum(int(np.count_nonzero(t.head >= 0)) for t in self._tables.values())
 
-    def record(self, row: RowRef, delta: np.ndarray, token: int | None) -> None:
-        """A local step on ``row``; ``token`` names its gradient message (None: not sent yet)."""
-        step = [token, delta]
-        self._steps.setdefault(row, []).append(step)
-        self._count += 1
-        if token is None:
-            self._unsent.setdefault(row, []).append(step)
-        else:
-            self._rows_of.setdefault(token, set()).add(row)
-            self._open[token] = self._open.get(token, 0) + 1
+    # ------------------------------------------------------------------------ recording
+    def record(self, table: Hashable, slots: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+        """A local step on each row ``(table, slot)``, unsent; returns the steps' indices
+        (``assign`` names their message). A slot may repeat: its steps append in order."""
+        slots = np.asarray(slots, np.int64)
+        deltas = np.asarray(deltas)
+        if deltas.ndim != 2 or len(deltas) != len(slots):
+            raise ValueError(f"{len(slots)} slots for deltas of shape {deltas.shape}")
+        if len(slots) and slots.min() < 0:
+            raise ValueError("slots must be >= 0")
+        if self._w == 0 and len(slots):  # the deltas' width and precision (float32 or more)
+            self._w = deltas.shape[1]
+            dtype = np.result_type(deltas.dtype, np.float32)
+            self._delta = np.zeros((len(self._delta), self._w), dtype)
+        elif len(slots) and deltas.shape[1] != self._w:
+            raise ValueError(f"deltas of width {deltas.shape[1]}, the steps held have {self._w}")
+        idx = self._take(len(slots))
+        lists = self._lists(table)
+        lists.fit(slots)
+        self._delta[idx] = deltas
+        self._token[idx] = UNSENT
+        self._part[idx] = -1
+        self._off[idx] = _UNKNOWN
+        self._next[idx] = -1
+        self._slot[idx] = slots
+        self._table[idx] = self._codes[table]
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        first = np.ones(len(slots), bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        if first.all():
+            self._append(lists, slots, idx)
+        else:  # a slot named twice: its k-th step joins in the k-th round, so order holds
+            at = np.arange(len(slots))
+            ranks = np.empty(len(slots), np.int64)
+            ranks[order] = at - np.maximum.accumulate(np.where(first, at, 0))
+            for r in range(int(ranks.max()) + 1):
+                sel = ranks == r
+                self._append(lists, slots[sel], idx[sel])
+        self._count += len(slots)
+        return idx
 
-    def record_many(
-        self, table: int, ids: list[int], deltas: np.ndarray, token: int | None
-    ) -> None:
-        """``record`` of one step for each row ``(table, id)``, all in message ``token``
-        (None: not sent yet, ``assign_many`` names the message later)."""
-        rows = [(table, i) for i in ids]
-        new = [[token, delta] for delta in list(deltas)]
-        for book in (self._steps, self._unsent) if token is None else (self._steps,):
-            get = book.get
-            for row, step in zip(rows, new, strict=True):
-                held = get(row)
-                if held is None:
-                    book[row] = [step]
-                else:
-                    held.append(step)
-        self._count += len(rows)
-        if token is not None:
-            self._rows_of.setdefault(token, set()).update(rows)
-            self._open[token] = self._open.get(token, 0) + len(rows)
+    def _append(self, lists: _Lists, slots: np.ndarray, idx: np.ndarray) -> None:
+        """Append step ``idx[j]`` to the list of ``slots[j]`` (distinct slots)."""
+        tails = lists.tail[slots]
+        empty = tails < 0
+        lists.head[slots[empty]] = idx[empty]
+        self._next[tails[~empty]] = idx[~empty]
+        lists.tail[slots] = idx
 
-    def assign_many(self, table: int, ids: list[int], token: int) -> None:
-        """``assign`` for each row ``(table, id)``: its unsent steps travel in ``token``."""
-        carried = self._rows_of.setdefault(token, set())
-        pop = self._unsent.pop
-        n = 0
-        for i in ids:
-            row = (table, i)
-            unsent = pop(row, None)
-            if unsent:
-                for step in unsent:
-                    step[0] = token
-                carried.add(row)
-                n += len(unsent)
-        if n:
-            self._open[token] = self._open.get(token, 0) + n
-        else:
-            del self._rows_of[token]
+    def assign(self, steps: np.ndarray, token: int) -> None:
+        """Steps ``steps`` (unsent) travel in message ``token`` (> 0)."""
+        steps = np.asarray(steps, np.int64)
+        if token <= 0:
+            raise ValueError(f"a message token is > 0, not {token}")
+        if not len(steps):
+            return
+        if (self._token[steps] != UNSENT).any():
+            raise ValueError(f"message {token}: a step given is not an unsent step")
+        self._token[steps] = token
+        self._by_token[token] = steps
 
-    def assign(self, row: RowRef, token: int) -> None:
-        """Steps of ``row`` held back (admission) now travel in message ``token``."""
-        unsent = self._unsent.pop(row, None)
-        if unsent:
-            for step in unsent:
-                step[0] = token
-            self._rows_of.setdefault(token, set()).add(row)
-            self._open[token] = self._open.get(token, 0) + len(unsent)
-
-    def delivered(self, token: int, partition: int, offset: int) -> list[tuple[RowRef, np.ndarray]]:
-        """Record where message ``token`` landed; returns (row, delta) of steps that an
-        installed update already included: subtract them from the serving rows."""
-        self._delivered[token] = (partition, offset)
-        included: list[tuple[RowRef, np.ndarray]] = []
-        for row in self._rows_of.get(token, ()):
-            installed = self._installed.get(row)
-            if installed and installed[0] == partition and installed[1] >= offset:
-                steps = self._steps.get(row, [])
-                gone = [(row, s[1]) for s in steps if s[0] == token]
-                included += gone
-                self._open[token] -= len(gone)
-                self._set(row, [s for s in steps if s[0] != token])
-        self._forget_if_done(token)
-        return included
+    # -------------------------------------------------------------------- delivery reports
+    def delivered(
+        self, token: int, partition: int, offset: int
+    ) -> list[tuple[Hashable, np.ndarray, np.ndarray]]:
+        """Record where message ``token`` landed; returns, per table, the slots and deltas
+        of steps that an installed update already included: subtract them from the serving
+        rows (none when the worker waits for its reports before installing)."""
+        steps = self._by_token.pop(token, None)
+        if steps is None:
+            return []
+        steps = steps[self._token[steps] == token]  # a forgotten row's steps are gone
+        self._part[steps] = partition
+        self._off[steps] = offset
+        out = []
+        for code in np.unique(self._table[steps]).tolist():
+            name = self._names[code]
+            lists = self._tables[name]
+            mine = steps[self._table[steps] == code]
+            slots = self._slot[mine]
+            covered = (lists.inst_part[slots] == partition) & (lists.inst_off[slots] >= offset)
+            if covered.any():
+                gone = mine[covered]
+                out.append((name, self._slot[gone], self._delta[gone].copy()))
+                self._drop(lists, gone)
+        return out
 
     def failed(self, token: int) -> None:
-        """The message was not delivered: its steps stay local, unsent (the global row will
-        never include them)."""
-        for row in self._rows_of.pop(token, ()):
-            for step in self._steps.get(row, ()):
-                if step[0] == token:
-                    step[0] = -1
-        self._open.pop(token, None)
-        self._delivered.pop(token, None)
+        """The message was not delivered: its steps stay local for good (the global row
+        will never include them)."""
+        steps = self._by_token.pop(token, None)
+        if steps is not None:
+            self._token[steps[self._token[steps] == token]] = FAILED
 
-    def on_install(self, row: RowRef, partition: int, offset: int) -> np.ndarray | None:
-        """A global update of ``row`` covering (partition, offset) was installed; returns the
-        sum of the steps it does not include (None if none)."""
-        self._installed[row] = (partition, offset)
-        remaining, dropped = [], set()
-        for step in self._steps.get(row, ()):
-            where = self._delivered.get(step[0]) if step[0] is not None else None
-            if where is not None and where[0] == partition and where[1] <= offset:
-                dropped.add(step[0])
-                self._open[step[0]] -= 1
-                continue
-            remaining.append(step)
-        self._set(row, remaining)
-        for token in dropped:
-            self._forget_if_done(token)
-        if not remaining:
-            return None
-        return np.sum([s[1] for s in remaining], axis=0)
+    # ------------------------------------------------------------------------- installing
+    def holds(self, table: Hashable, slots: np.ndarray) -> np.ndarray:
+        """Per slot: does the row have local steps? A row without steps needs no
+        bookkeeping on install: a step recorded later travels in a message produced later,
+        at an offset the update cannot cover."""
+        slots = np.asarray(slots, np.int64)
+        lists = self._tables.get(table)
+        out = np.zeros(len(slots), bool)
+        if lists is None:
+            return out
+        inside = (slots >= 0) & (slots < len(lists.head))
+        out[inside] = lists.head[slots[inside]] >= 0
+        return out
 
-    def among(self, table: int, ids: list[int]) -> list[int]:
-        """Indices of the rows ``(table, id)`` that have local steps: only they need
-        ``on_install``. A row without steps needs no bookkeeping on install: a step recorded
-        later travels in a message produced later, at an offset the update cannot cover."""
-        steps = self._steps
-        return [j for j, i in enumerate(ids) if (table, i) in steps]
+    def waiting(self, table: Hashable, slots: np.ndarray) -> np.ndarray:
+        """Per slot: does the row have a step in a message whose offset is not known yet?"""
+        slots = np.asarray(slots, np.int64)
+        out = np.zeros(len(slots), bool)
+        held = np.flatnonzero(self.holds(table, slots))
+        if len(held):
+            pos, steps = self._walk(self._tables[table], slots[held])
+            open_ = (self._token[steps] > 0) & (self._off[steps] == _UNKNOWN)
+            out[held[pos[open_]]] = True
+        return out
 
-    def has_undelivered(self, row: RowRef) -> bool:
-        """True if a step of ``row`` travels in a message whose offset is not known yet."""
-        return any(
-            s[0] is not None and s[0] >= 0 and s[0] not in self._delivered
-            for s in self._steps.get(row, ())
-        )
+    def install(
+        self, table: Hashable, slots: np.ndarray, partition: int, offset: int
+    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """Global updates of rows ``slots`` (distinct) covering (partition, offset) were
+        installed: drop the steps they include. Returns the sums of the steps that remain
+        (a row per slot, None if no row keeps any) and, per slot, whether any remains."""
+        slots = np.asarray(slots, np.int64)
+        kept_rows = np.zeros(len(slots), bool)
+        if not len(slots):
+            return None, kept_rows
+        lists = self._lists(table)
+        lists.fit(slots)
+        lists.inst_part[slots] = partition
+        lists.inst_off[slots] = offset
+        pos, steps = self._walk(lists, slots)
+        if not len(steps):
+            return None, kept_rows
+        off = self._off[steps]
+        included = (off != _UNKNOWN) & (off <= offset) & (self._part[steps] == partition)
+        if included.any():
+            self._relink(lists, slots, pos, steps, ~included)
+            pos, steps = pos[~included], steps[~included]
+        if not len(steps):
+            return None, kept_rows
+        kept_rows[pos] = True
+        order = np.argsort(pos, kind="stable")  # each row's steps in the order they were taken
+        ordered = pos[order]
+        starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+        rest = np.zeros((len(slots), self._w), np.float64)
+        taken = self._delta[steps[order]].astype(np.float64)
+        rest[ordered[starts]] = np.add.reduceat(taken, starts, axis=0)
+        return rest, kept_rows
 
-    def forget_row(self, row: RowRef) -> None:
-        """The cache evicted ``row``: its bookkeeping goes with it."""
-        steps = self._steps.pop(row, ())
+    def forget(self, table: Hashable, slots: np.ndarray) -> None:
+        """The cache let rows ``slots`` go (evicted): their bookkeeping goes with them."""
+        lists = self._tables.get(table)
+        slots = np.asarray(slots, np.int64)
+        if lists is None or not len(slots):
+            return
+        slots = slots[slots < len(lists.head)]
+        _, steps = self._walk(lists, slots)
+        lists.head[slots] = lists.tail[slots] = -1
+        lists.inst_part[slots] = lists.inst_off[slots] = -1
+        self._release(steps)
+
+    def steps(self, table: Hashable, slot: int) -> np.ndarray:
+        """The deltas of one row's steps, in the order they were taken (for inspection)."""
+        lists = self._tables.get(table)
+        if lists is None or not 0 <= slot < len(lists.head):
+            return np.zeros((0, self._w))
+        _, steps = self._walk(lists, np.array([slot]))
+        return self._delta[steps].copy()
+
+    # ---------------------------------------------------------------------------- plumbing
+    def _lists(self, table: Hashable) -> _Lists:
+        lists = self._tables.get(table)
+        if lists is None:
+            lists = self._tables[table] = _Lists(1024)
+            self._codes[table] = len(self._names)
+            self._names.append(table)
+        return lists
+
+    def _walk(self, lists: _Lists, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The steps of rows ``slots`` (distinct) as (position in ``slots``, step) pairs:
+        first every row's first step, then every second step, and so on."""
+        cur = lists.head[slots]
+        pos = np.flatnonzero(cur >= 0)
+        cur = cur[pos]
+        positions, steps = [], []
+        while len(cur):
+            positions.append(pos)
+            steps.append(cur)
+            cur = self._next[cur]
+            more = cur >= 0
+            pos, cur = pos[more], cur[more]
+        if not steps:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(positions), np.concatenate(steps)
+
+    def _relink(
+        self, lists: _Lists, slots: np.ndarray, pos: np.ndarray, steps: np.ndarray,
+        keep: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Rebuild the lists of ``slots`` from their walked steps, keeping ``keep``."""
+        self._release(steps[~keep])
+        pos, steps = pos[keep], steps[keep]
+        lists.head[slots] = lists.tail[slots] = -1
+        if not len(steps):
+            return
+        order = np.argsort(pos, kind="stable")
+        pos, steps = pos[order], steps[order]
+        first = np.r_[True, pos[1:] != pos[:-1]]
+        last = np.r_[pos[1:] != pos[:-1], True]
+        self._next[steps[:-1]] = steps[1:]
+        self._next[steps[last]] = -1
+        lists.head[slots[pos[first]]] = steps[first]
+        lists.tail[slots[pos[last]]] = steps[last]
+
+    def _drop(self, lists: _Lists, gone: np.ndarray) -> None:
+        """Remove steps ``gone`` from their rows' lists."""
+        slots = np.unique(self._slot[gone])
+        pos, steps = self._walk(lists, slots)
+        self._relink(lists, slots, pos, steps, ~np.isin(steps, gone))
+
+    def _release(self, steps: np.ndarray) -> None:
+        if not len(steps):
+            return
+        self._token[steps] = UNSENT
+        self._slot[steps] = -1
+        self._next[steps] = -1
+        n = self._free_n
+        self._free[n : n + len(steps)] = steps
+        self._free_n = n + len(steps)
         self._count -= len(steps)
-        self._installed.pop(row, None)
-        self._unsent.pop(row, None)
-        for token, _ in steps:
-            if token is not None and token >= 0:
-                self._open[token] -= 1
-                self._forget_if_done(token)
 
-    def _set(self, row: RowRef, steps: list) -> None:
-        self._count += len(steps) - len(self._steps.get(row, ()))
-        if steps:
-            self._steps[row] = steps
-        else:
-            self._steps.pop(row, None)
+    def _take(self, n: int) -> np.ndarray:
+        if self._free_n < n:
+            self._grow(max(2 * len(self._token), len(self._token) + n))
+        top = self._free_n
+        self._free_n = top - n
+        return self._free[top - n : top][::-1].copy()
 
-    def _forget_if_done(self, token: int) -> None:
-        if not self._open.get(token):
-            self._open.pop(token, None)
-            self._rows_of.pop(token, None)
-            self._delivered.pop(token, None)
+    def _grow(self, capacity: int) -> None:
+        old = len(self._token)
+        extra = capacity - old
+        for name in _POOL_FILL:
+            held = getattr(self, name)
+            # a free entry is written in full when it is taken: the new part stays untouched
+            # (np.concatenate or np.full write it all, ~15x slower for a large pool)
+            grown = np.empty((capacity, *held.shape[1:]), held.dtype)
+            grown[:old] = held
+            setattr(self, name, grown)
+        free = np.empty(capacity, np.int64)  # room for every step to be free at once
+        n = self._free_n
+        free[:n] = self._free[:n]
+        free[n : n + extra] = np.arange(capacity - 1, old - 1, -1)
+        self._free, self._free_n = free, n + extra

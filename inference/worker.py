@@ -113,7 +113,7 @@ class Worker:
         self.cache = EmbeddingCache(
             self.dim, settings.user_capacity_rows, self._fetch, pick_device(settings.device)
         )
-        self.cache.on_evict = lambda table, rid: self.pending.forget_row((table, rid))
+        self.cache.on_evict = lambda table, slots: self.pending.forget(table, slots)
         self.pending = PendingSteps()
         self.producer = Producer(producer_config(conn))
         self.group = f"{conn.topic_prefix}freshrec-workers"
@@ -125,10 +125,12 @@ class Worker:
         self.admission = AdmissionFilter(
             learning.admission_touches, learning.admission_window_s * 1000
         )
-        self.unsent: dict[tuple[int, int], list] = {}  # row -> [grad sum, count, event_ms]
+        # row -> [grad sum, count, event_ms, its unsent steps]: held back by admission
+        self.unsent: dict[tuple[int, int], list] = {}
         self.deferred: list[tuple[RowBatch, np.ndarray]] = []  # update rows awaiting reports
         self.outbox: dict[int, list[tuple]] = {TABLE_USER: [], TABLE_ITEM: []}
-        """Admitted gradients not sent yet: per table, (keys, sums, counts, newest) chunks."""
+        """Admitted gradients not sent yet: per table, (keys, sums, counts, newest, steps)
+        chunks (``steps``: each row's local step in ``pending``)."""
         self._outbox_rows = 0
         self._outbox_since: float | None = None
         self.item_pool: list[str] = []
@@ -593,35 +595,36 @@ class Worker:
             sums = clip_rows(sums, self.settings.learning.max_grad_norm)
             deltas = -self.settings.learning.lr * sums
             self.cache.add(table, key_slots, deltas)
+            steps = self.pending.record(table, key_slots, deltas)
             if self.admission.threshold == 1:  # every row admitted: to the outbox
-                self.pending.record_many(table, keys.tolist(), deltas, None)
-                self.outbox[table].append((keys, sums, counts, newest))
+                self.outbox[table].append((keys, sums, counts, newest, steps))
                 self._outbox_rows += len(keys)
                 if self._outbox_since is None:
                     self._outbox_since = time.monotonic()
             else:
-                self._queue(table, keys, sums, counts, newest, deltas, outgoing)
+                self._queue(table, keys, sums, counts, newest, steps, outgoing)
         self._send(outgoing)
         if self._outbox_rows >= OUTBOX_MAX_ROWS or not self.settings.learning.gradient_linger_ms:
             self._send_outbox()
 
-    def _queue(self, table, keys, sums, counts, newest, deltas, outgoing) -> None:
+    def _queue(self, table, keys, sums, counts, newest, steps, outgoing) -> None:
         now_ms = _now_ms()
         held_back = 0
         parts = row_partitions(keys, self.grad_partitions).tolist()
-        for k, part, g, c, t, d in zip(
-            keys.tolist(), parts, sums, counts.tolist(), newest.tolist(), deltas, strict=True
-        ):
+        for k, part, g, c, t, step in zip(
+            keys.tolist(), parts, sums, counts.tolist(), newest.tolist(), steps.tolist(),
+            strict=True,
+        ):  # fmt: skip
             ref = (table, k)
-            self.pending.record(ref, d, None)
             admitted = self.admission.touch(ref, now_ms)
             held = self.unsent.get(ref)
             if held is None:
-                held = self.unsent[ref] = [g.copy(), c, t]
+                held = self.unsent[ref] = [g.copy(), c, t, [step]]
             else:
                 held[0] += g
                 held[1] += c
                 held[2] = max(held[2], t)
+                held[3].append(step)
             if admitted:
                 del self.unsent[ref]
                 outgoing[(table, part)].append((k, *held))
@@ -638,35 +641,53 @@ class Worker:
         for table, chunks in self.outbox.items():
             if not chunks:
                 continue
-            keys, sums, counts, newest = (np.concatenate(c) for c in zip(*chunks, strict=True))
+            keys, sums, counts, newest, steps = (
+                np.concatenate(c) for c in zip(*chunks, strict=True)
+            )
+            row_of_step = np.arange(len(keys))
             if len(chunks) > 1:  # a row may be in several chunks (each chunk's keys differ)
                 g = aggregate(keys, sums.astype(np.float64), newest, counts)
                 keys, sums, counts, newest = g.keys, g.sums.astype(np.float32), g.counts, g.newest
+                row_of_step = g.index
             chunks.clear()
             parts = row_partitions(keys, self.grad_partitions)
             order = np.argsort(parts, kind="stable")
             bounds = np.flatnonzero(np.diff(parts[order])) + 1
-            for group in np.split(order, bounds):
+            # the steps of each partition's rows, grouped the same way, each row's in order
+            place = np.empty(len(keys), np.int64)
+            place[order] = np.arange(len(keys))
+            by_place = np.argsort(place[row_of_step], kind="stable")
+            step_bounds = np.searchsorted(place[row_of_step][by_place], bounds)
+            for group, group_steps in zip(
+                np.split(order, bounds), np.split(by_place, step_bounds), strict=True
+            ):
                 self._emit(table, int(parts[group[0]]), keys[group], sums[group],
-                           counts[group], newest[group], created)  # fmt: skip
+                           counts[group], newest[group], created,
+                           place[row_of_step[group_steps]] - place[group[0]],
+                           steps[group_steps])  # fmt: skip
         self._outbox_rows, self._outbox_since = 0, None
 
     def _send(self, outgoing) -> None:
         """Rows admitted in this slice (admission threshold above 1), per table and partition."""
         created = _now_ms()
         for (table, part), rows in outgoing.items():
+            step_row = [j for j, r in enumerate(rows) for _ in r[4]]
             self._emit(
                 table, part, np.array([r[0] for r in rows], np.int64), np.stack([r[1] for r in rows]),
                 np.array([r[2] for r in rows]), np.array([r[3] for r in rows], np.int64), created,
+                np.array(step_row, np.int64), np.array([s for r in rows for s in r[4]], np.int64),
             )  # fmt: skip
 
-    def _emit(self, table, part, ids, sums, counts, newest, created) -> None:
+    def _emit(self, table, part, ids, sums, counts, newest, created, step_row, steps) -> None:
         """Gradient messages for rows of one table and ``gradients`` partition (at most
-        ``MAX_ROWS_PER_MESSAGE`` each); the rows' unsent local steps travel in them."""
-        for lo in range(0, len(ids), MAX_ROWS_PER_MESSAGE):
+        ``MAX_ROWS_PER_MESSAGE`` each); the rows' unsent local steps ``steps`` travel in them
+        (``step_row``: the position in ``ids`` of each step's row, ascending)."""
+        step_bounds = np.searchsorted(step_row, np.arange(0, len(ids), MAX_ROWS_PER_MESSAGE))
+        for k, lo in enumerate(range(0, len(ids), MAX_ROWS_PER_MESSAGE)):
             take = slice(lo, lo + MAX_ROWS_PER_MESSAGE)
             token = next(self.tokens)
-            self.pending.assign_many(table, ids[take].tolist(), token)
+            end = step_bounds[k + 1] if k + 1 < len(step_bounds) else len(steps)
+            self.pending.assign(steps[step_bounds[k] : end], token)
             self._produce_gradients(
                 token, part,
                 RowBatch(KIND_GRADIENTS, table, ids[take], sums[take].astype(np.float32),
@@ -694,10 +715,10 @@ class Worker:
                 log.warning("gradient message lost: %s", err)
                 self.pending.failed(token)
                 return
-            for (tbl, rid), delta in self.pending.delivered(token, msg.partition(), msg.offset()):
-                slot = self.cache.held(tbl, rid)
-                if slot is not None:
-                    self.cache.add(tbl, np.array([slot]), -delta[None, :])
+            for table, slots, deltas in self.pending.delivered(
+                token, msg.partition(), msg.offset()
+            ):
+                self.cache.add(table, slots, (-deltas).astype(np.float32))
 
         return callback
 
@@ -712,28 +733,24 @@ class Worker:
             self._install(batch, np.arange(len(batch.ids)))
 
     def _install(self, batch: RowBatch, take: np.ndarray) -> None:
-        """Install rows ``take`` of an update batch that are newer than the cache's. Rows with
-        local steps take the read-your-writes merge; the rest install in one vectorised step."""
+        """Install rows ``take`` of an update batch that are newer than the cache's, each with
+        the local steps the update does not include added (``pending``): a vectorised step
+        for the whole batch."""
         table, name = batch.table, TABLE_NAMES[batch.table]
-        ids = batch.ids[take].tolist()
-        with_steps = self.pending.among(table, ids)
-        waiting = self._undelivered(table, ids, with_steps)
-        if waiting:
+        slots = self.cache.slots_for_install(table, batch.ids[take].tolist())
+        resident = slots >= 0
+        waiting = np.zeros(len(take), bool)
+        waiting[resident] = self.pending.waiting(table, slots[resident])
+        if waiting.any():
             # the update may include a message whose delivery report is not read yet (the
             # parameter server only applies acknowledged messages): serve the reports that
             # are in, and leave the rest of those rows for a later round, not to block here
             self.producer.poll(0)
-            waiting = self._undelivered(table, ids, waiting)
-        if waiting:
+            waiting[waiting] = self.pending.waiting(table, slots[waiting])
+        if waiting.any():
             self.deferred.append((batch, take[waiting]))
-            m.UPDATES_INSTALLED.labels(name, "deferred").inc(len(waiting))
-            keep = np.ones(len(take), bool)
-            keep[waiting] = False
-            take = take[keep]
-            ids = batch.ids[take].tolist()
-            with_steps = self.pending.among(table, ids)
-        slots = self.cache.slots_for_install(table, ids)
-        resident = slots >= 0
+            m.UPDATES_INSTALLED.labels(name, "deferred").inc(int(waiting.sum()))
+            take, slots, resident = take[~waiting], slots[~waiting], resident[~waiting]
         m.UPDATES_INSTALLED.labels(name, "not_cached").inc(int((~resident).sum()))
         versions = batch.versions[take]
         held_versions = self.cache.table(table).version
@@ -741,17 +758,12 @@ class Worker:
         m.UPDATES_INSTALLED.labels(name, "stale").inc(int((resident & ~newer).sum()))
         if not newer.any():
             return
-        rows = batch.rows[take[newer]]
-        if with_steps:
-            position = np.cumsum(newer) - 1  # index of each installed row within ``rows``
-            for j in with_steps:
-                if not newer[j]:
-                    continue
-                rest = self.pending.on_install((table, ids[j]), batch.partition, batch.offset)
-                if rest is not None:
-                    rows[position[j]] += rest
+        slots, rows = slots[newer], batch.rows[take[newer]]
+        rest, kept = self.pending.install(table, slots, batch.partition, batch.offset)
+        if rest is not None:
+            rows[kept] += rest[kept]
         times = batch.event_ms[take[newer]]
-        self.cache.install_many(table, slots[newer], rows, versions[newer], times)
+        self.cache.install_many(table, slots, rows, versions[newer], times)
         lag = np.maximum(time.time() - times[:LAG_SAMPLES] / 1000, 0.0)
         m.observe_many(m.FRESHNESS_LAG.labels("served"), lag)
         m.UPDATES_INSTALLED.labels(name, "installed").inc(len(rows))
@@ -760,10 +772,6 @@ class Worker:
         deferred, self.deferred = self.deferred, []
         for batch, take in deferred:
             self._install(batch, take)
-
-    def _undelivered(self, table: int, ids: list[int], among: list[int]) -> list[int]:
-        """Those of ``among`` whose row has a step in a message of unknown offset."""
-        return [j for j in among if self.pending.has_undelivered((table, ids[j]))]
 
     # ------------------------------------------------------------------------ inspection
     def user_row(self, user_id: str) -> np.ndarray:

@@ -52,6 +52,12 @@ def learner(conn, **learning) -> Worker:
     return w
 
 
+def steps_of(w: Worker, table: int, rid: int) -> np.ndarray:
+    """The local steps the worker holds for row ``rid`` (none if it is not cached)."""
+    slot = w.cache.held(table, rid)
+    return np.zeros((0, W)) if slot is None else w.pending.steps(table, slot)
+
+
 def pump(workers, until, timeout_s=40.0, what="condition"):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -144,7 +150,7 @@ def test_gradients_of_one_linger_window_leave_summed_per_row_in_one_message(conn
     produce(conn, clicks("u10", "i10", 1, prefix="one"))
     pump([w], lambda: w.pending.rows() > 0, what="the first click")
     produce(conn, clicks("u10", "i10", 1, prefix="two"))
-    pump([w], lambda: len(w.pending._steps.get((TABLE_USER, u), ())) >= 2, what="the second")
+    pump([w], lambda: len(steps_of(w, TABLE_USER, u)) >= 2, what="the second")
     w.producer.flush(10)
     assert u not in gradient_rows(conn, TABLE_USER)  # both wait in the outbox
     w.close()  # sends the outbox
@@ -163,8 +169,10 @@ def test_an_update_for_a_row_with_an_unacknowledged_step_waits_without_blocking(
     u8, other = row_id("u8"), row_id("u9")
     w.user_row("u9")  # resident, no steps
     acked = {"now": False}
-    real = w.pending.has_undelivered
-    w.pending.has_undelivered = lambda row: not acked["now"] or real(row)
+    real = w.pending.waiting
+    w.pending.waiting = lambda table, slots: (
+        real(table, slots) | (not acked["now"]) & (w.pending.holds(table, slots))
+    )
     rows = np.ones((2, W), np.float32)
     update = RowBatch(KIND_UPDATES, TABLE_USER, np.array([u8, other]), rows,
                       np.array([7, 7], np.uint64), np.array([1, 1], np.int64),
@@ -203,7 +211,7 @@ def test_a_slice_retried_after_a_redis_error_is_learnt_and_counted_once(conn):
         w.poll_once()
     w._send_outbox()
     assert valid._value.get() - before == 3 and len(calls) >= 2
-    assert len(w.pending._steps[(TABLE_USER, row_id("u14"))]) == 1  # one step, not two
+    assert len(steps_of(w, TABLE_USER, row_id("u14"))) == 1  # one step, not two
     w.close()
 
 

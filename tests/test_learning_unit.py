@@ -131,66 +131,177 @@ def test_lru_evicts_the_least_recently_used():
     assert "b" not in lru and lru.peek("a") == 0
 
 
+def check_lists(p: PendingSteps) -> None:
+    """The pool's structure: every held step is on exactly one list (its own row's, in the
+    order taken, ending at the row's tail), every other step is free, and the count agrees."""
+    reached = []
+    for lists in p._tables.values():
+        slots = np.flatnonzero(lists.head >= 0)
+        assert (lists.tail[slots] >= 0).all() and (lists.tail[lists.head < 0] == -1).all()
+        pos, steps = p._walk(lists, slots)
+        assert (p._slot[steps] == slots[pos]).all()
+        last = np.full(len(slots), -1)
+        last[pos] = steps  # the walk goes first steps, then second ones, ...: the last wins
+        assert (lists.tail[slots] == last).all() and (p._next[last] == -1).all()
+        reached.append(steps)
+    held = np.concatenate(reached) if reached else np.zeros(0, np.int64)
+    free = p._free[: p._free_n]
+    assert len(set(held.tolist())) == len(held) == len(p)
+    assert not set(held.tolist()) & set(free.tolist())
+    assert len(held) + len(free) == len(p._token)
+    for token, steps in p._by_token.items():
+        assert token > 0 and len(steps)
+
+
 @pytest.mark.parametrize("stepless_installs", ["recorded", "skipped"])
 def test_read_your_writes_bookkeeping_is_exact_under_any_interleaving(stepless_installs):
-    """Model: the global row is the sum of the deltas of applied messages. Whatever the order
-    of local steps, deliveries and installs, serving = global + pending = all local steps.
-    The worker calls ``on_install`` only for rows ``among`` those with steps ("skipped");
-    calling it for every row ("recorded") must give the same."""
-    for seed in range(200):
+    """Model: one partition; the global row is the sum of the deltas of the applied messages.
+    Whatever the order of local steps (a row may repeat within a record), messages carrying
+    steps of several rows, failed sends, deliveries, delivery reports, installs of any subset
+    of rows and evictions: serving = global + pending = all local steps of every row still
+    cached; ``waiting`` names exactly the rows with a step whose report is outstanding. The
+    worker installs only rows that ``holds`` steps ("skipped"); installing every row
+    ("recorded") must give the same."""
+    rows = 6
+    for seed in range(300):
         rng = random.Random(seed)
-        p = PendingSteps()
-        row = ("user", 1)
-        total = 0.0
-        log: list[tuple[int, float]] = []  # (offset, delta) as the partition receives them
-        serving = 0.0
-        sent: list[tuple[int, float]] = []  # (token, delta) sent, not yet delivered
+        p = PendingSteps(capacity=rng.choice([1, 4, 64]))  # tiny pools force growth
+        serving, total = np.zeros(rows), np.zeros(rows)
+        alive = np.ones(rows, bool)  # not evicted
+        log: list[list[tuple[int, float]]] = []  # per offset: the message's (row, delta)
+        unsent: list[tuple[int, int, float]] = []  # (step, row, delta)
+        sent: list[tuple[int, list]] = []  # produced, not acknowledged by the broker yet
+        late: list[tuple[int, int]] = []  # (token, offset): the report not read yet
+        open_rows: dict[int, set[int]] = {}  # token -> rows whose steps it carries
+        installed = np.full(rows, -1)
         tokens = iter(range(1, 10_000))
-        delivered_offsets: list[int] = []
-        last_install = 0
-        late: list[tuple[int, int]] = []
-        for _ in range(rng.randint(1, 40)):
+        for _ in range(rng.randint(1, 80)):
             action = rng.random()
-            if action < 0.4:
-                d = rng.uniform(-1, 1)
+            live = np.flatnonzero(alive).tolist()
+            if action < 0.3 and live:
+                slots = [rng.choice(live) for _ in range(rng.randint(1, 5))]  # may repeat
+                deltas = np.array([rng.uniform(-1, 1) for _ in slots])
+                steps = p.record("user", np.array(slots), deltas[:, None])
+                for s, r, d in zip(steps.tolist(), slots, deltas.tolist(), strict=True):
+                    serving[r] += d
+                    total[r] += d
+                    unsent.append((s, r, d))
+            elif action < 0.42 and unsent:
+                take = rng.sample(unsent, rng.randint(1, len(unsent)))
+                unsent = [u for u in unsent if u not in take]
                 token = next(tokens)
-                p.record(row, np.array([d]), token)
-                serving += d
-                total += d
-                sent.append((token, d))
-            elif action < 0.7 and sent:
-                token, d = sent.pop(0)  # Kafka keeps order within a partition
-                offset = len(log)
-                log.append((offset, d))
-                delivered_offsets.append(offset)
-                late.append((token, offset))
-            if late and rng.random() < 0.5:  # delivery reports come later, in order
-                token, offset = late.pop(0)
-                for _, delta in p.delivered(token, 0, offset):
-                    serving -= float(delta[0])
-            elif log and len(log) - 1 >= last_install:
-                # the worker waits for outstanding delivery reports before it installs
-                while late:
-                    token, offset = late.pop(0)
-                    for _, delta in p.delivered(token, 0, offset):
-                        serving -= float(delta[0])
-                # and installs only newer versions: installs move forward
-                upto = last_install = rng.randint(last_install, len(log) - 1)
-                global_row = sum(d for o, d in log if o <= upto)
-                if stepless_installs == "skipped" and not p.among("user", [1]):
-                    serving = global_row
+                p.assign(np.array([s for s, _, _ in take]), token)
+                sent.append((token, [(r, d) for _, r, d in take]))
+                open_rows[token] = {r for _, r, _ in take}
+            elif action < 0.55 and sent:
+                token, carried = sent.pop(0)  # Kafka keeps the order of one partition
+                if rng.random() < 0.1:
+                    p.failed(token)  # its steps stay local for good
+                    open_rows.pop(token)
                 else:
-                    rest = p.on_install(row, 0, upto)
-                    serving = global_row + (float(rest[0]) if rest is not None else 0.0)
-            assert serving == pytest.approx(total, abs=1e-9), seed
+                    late.append((token, len(log)))
+                    log.append(carried)
+            elif action < 0.7 and late:
+                token, offset = late.pop(0)
+                assert p.delivered(token, 0, offset) == []  # nothing installed past it yet
+                open_rows.pop(token)
+            elif action < 0.93 and log and live:
+                waiting = p.waiting("user", np.arange(rows))
+                expect = set().union(*open_rows.values()) if open_rows else set()
+                assert {r for r in range(rows) if waiting[r]} == expect & set(live)
+                while late:  # the worker reads its outstanding reports before installing
+                    token, offset = late.pop(0)
+                    assert p.delivered(token, 0, offset) == []
+                    open_rows.pop(token)
+                chosen = np.array(sorted(rng.sample(live, rng.randint(1, len(live)))))
+                upto = rng.randint(int(installed[chosen].max()), len(log) - 1)
+                installed[chosen] = upto  # versions only move forward
+                global_rows = np.zeros(rows)
+                for offset in range(upto + 1):
+                    for r, d in log[offset]:
+                        global_rows[r] += d
+                if stepless_installs == "skipped":
+                    stepless = chosen[~p.holds("user", chosen)]
+                    serving[stepless] = global_rows[stepless]
+                    chosen = chosen[p.holds("user", chosen)]
+                rest, kept = p.install("user", chosen, 0, upto)
+                serving[chosen] = global_rows[chosen]
+                if rest is not None:
+                    serving[chosen[kept]] += rest[kept, 0]
+                assert rest is None or not rest[~kept].any()
+            elif live:
+                gone = rng.choice(live)
+                p.forget("user", np.array([gone]))
+                alive[gone] = False
+                unsent = [u for u in unsent if u[1] != gone]
+                assert p.steps("user", gone).shape[0] == 0
+            np.testing.assert_allclose(serving[alive], total[alive], atol=1e-9, err_msg=str(seed))
+            check_lists(p)
 
 
 def test_steps_included_before_their_delivery_report_are_dropped_on_the_report():
     p = PendingSteps()
-    p.record(("user", 1), np.array([1.0]), token=1)
-    assert p.on_install(("user", 1), 0, 10).tolist() == [1.0]  # offset unknown yet: kept
-    assert [d.tolist() for _, d in p.delivered(1, 0, 10)] == [[1.0]]  # it was included
-    assert len(p) == 0
+    steps = p.record("user", np.array([3]), np.array([[1.0]]))
+    p.assign(steps, 1)
+    assert p.waiting("user", np.array([3, 4])).tolist() == [True, False]
+    rest, kept = p.install("user", np.array([3]), 0, 10)  # offset unknown yet: kept
+    assert rest.tolist() == [[1.0]] and kept.tolist() == [True]
+    [(table, slots, deltas)] = p.delivered(1, 0, 10)  # it was included
+    assert (table, slots.tolist(), deltas.tolist()) == ("user", [3], [[1.0]])
+    assert len(p) == 0 and p.rows() == 0
+    check_lists(p)
+
+
+def test_a_slot_named_twice_in_one_record_keeps_its_steps_in_order():
+    p = PendingSteps()
+    steps = p.record("user", np.array([5, 6, 5, 5]), np.arange(8.0).reshape(4, 2))
+    assert len(p) == 4 and p.rows() == 2
+    assert p.steps("user", 5).tolist() == [[0, 1], [4, 5], [6, 7]]
+    p.assign(steps[[0, 1]], 8)  # the first step of 5 and the step of 6
+    p.assign(steps[[2, 3]], 9)
+    p.delivered(8, 0, 20)
+    p.delivered(9, 0, 21)
+    rest, kept = p.install("user", np.array([5, 6]), 0, 20)
+    assert kept.tolist() == [True, False] and rest[0].tolist() == [10.0, 12.0]
+    assert p.steps("user", 5).tolist() == [[4, 5], [6, 7]]
+    check_lists(p)
+
+
+def test_a_failed_message_leaves_its_steps_local_and_a_forgotten_rows_report_is_ignored():
+    p = PendingSteps()
+    a = p.record("user", np.array([1, 2]), np.ones((2, 1)))
+    p.assign(a, 1)
+    p.failed(1)
+    assert not p.waiting("user", np.array([1, 2])).any()  # nothing to wait for
+    rest, kept = p.install("user", np.array([1]), 0, 99)  # no update can include them
+    assert kept.tolist() == [True] and rest.tolist() == [[1.0]]
+    b = p.record("user", np.array([3]), np.ones((1, 1)))
+    p.assign(b, 2)
+    p.forget("user", np.array([3]))
+    c = p.record("item", np.array([3]), np.full((1, 1), 5.0))  # may reuse the freed step
+    p.assign(c, 3)
+    assert p.delivered(2, 0, 0) == []  # the forgotten row's report touches nothing
+    assert p.waiting("item", np.array([3])).tolist() == [True]
+    p.delivered(3, 1, 4)
+    assert p.install("item", np.array([3]), 1, 4)[1].tolist() == [False]
+    assert len(p) == 2 and p.rows() == 2  # the failed steps of rows 1 and 2
+    check_lists(p)
+
+
+def test_bad_input_to_the_bookkeeping_is_refused():
+    p = PendingSteps()
+    with pytest.raises(ValueError):
+        p.record("user", np.array([1, 2]), np.ones((3, 1)))
+    with pytest.raises(ValueError):
+        p.record("user", np.array([-1]), np.ones((1, 1)))
+    steps = p.record("user", np.array([1]), np.ones((1, 1)))
+    with pytest.raises(ValueError):
+        p.record("user", np.array([1]), np.ones((1, 2)))  # another width
+    with pytest.raises(ValueError):
+        p.assign(steps, 0)
+    p.assign(steps, 4)
+    with pytest.raises(ValueError):
+        p.assign(steps, 5)  # already in a message
 
 
 def test_parameter_table_applies_a_log_at_once_exactly_as_message_by_message():
@@ -278,105 +389,6 @@ def test_admission_filter_forgets_rows_unseen_for_a_window():
     assert AdmissionFilter(1, 100).touch("x", 0) and len(AdmissionFilter(1, 100)) == 0
     with pytest.raises(ValueError):
         AdmissionFilter(0, 100)
-
-
-def test_record_many_books_steps_as_record_does():
-    deltas = np.arange(6.0).reshape(3, 2)
-    one, many = PendingSteps(), PendingSteps()
-    for i, d in zip([5, 6, 5], deltas, strict=True):
-        one.record(("user", i), d, token=9)
-    many.record_many("user", [5, 6, 5], deltas, token=9)
-    assert len(one) == len(many) == 3 and one.rows() == many.rows() == 2
-    assert one.delivered(9, 0, 4) == many.delivered(9, 0, 4) == []
-    for i in (5, 6):
-        a, b = one.on_install(("user", i), 0, 3), many.on_install(("user", i), 0, 3)
-        np.testing.assert_array_equal(a, b)
-
-
-def test_steps_recorded_unsent_then_assigned_in_bulk_book_as_one_by_one():
-    deltas = np.arange(6.0).reshape(3, 2)
-    one, many = PendingSteps(), PendingSteps()
-    for i, d in zip([5, 6, 5], deltas, strict=True):
-        one.record(("user", i), d, token=None)
-    many.record_many("user", [5, 6, 5], deltas, token=None)
-    assert not many.has_undelivered(("user", 5))  # not sent: nothing to wait for
-    for i in (5, 6):
-        one.assign(("user", i), 3)
-    many.assign_many("user", [5, 6], 3)
-    assert many.has_undelivered(("user", 5))
-    assert one.delivered(3, 0, 9) == many.delivered(3, 0, 9) == []
-    for i in (5, 6):
-        a, b = one.on_install(("user", i), 0, 8), many.on_install(("user", i), 0, 8)
-        np.testing.assert_array_equal(a, b)  # offset 9 not covered: the steps remain
-    assert many.on_install(("user", 5), 0, 9) is None and len(many) == 1
-
-
-def test_read_your_writes_bookkeeping_forgets_a_message_with_its_last_step():
-    """Random steps on several rows (sent at once or later in bulk), deliveries, installs,
-    evictions and failed sends: after every operation each message's count of open steps
-    equals the steps that carry it, and a message none carries is forgotten (its rows and
-    offset), so the bookkeeping neither leaks nor forgets too early."""
-
-    def check(p: PendingSteps) -> None:
-        carried: dict[int, int] = {}
-        for steps in p._steps.values():
-            for token, _ in steps:
-                if token is not None and token >= 0:
-                    carried[token] = carried.get(token, 0) + 1
-        assert p._open == carried
-        assert set(p._rows_of) <= set(carried) and set(p._delivered) <= set(carried)
-        assert len(p) == sum(len(s) for s in p._steps.values())
-        # the unsent index holds exactly the steps without a message, as the same objects
-        for row, steps in p._steps.items():
-            unsent = [id(s) for s in steps if s[0] is None]
-            assert [id(s) for s in p._unsent.get(row, [])] == unsent, row
-        assert not [row for row, steps in p._unsent.items() if not steps or row not in p._steps]
-
-    for seed in range(100):
-        rng = random.Random(seed)
-        p = PendingSteps()
-        tokens = iter(range(1, 10_000))
-        unsent: list[int] = []
-        sent: list[int] = []
-        offset = 0
-        for _ in range(rng.randint(1, 60)):
-            action = rng.random()
-            ids = rng.sample(range(6), rng.randint(1, 4))
-            if action < 0.25:
-                token = next(tokens)
-                p.record_many("user", ids, np.ones((len(ids), 1)), token)
-                sent.append(token)
-            elif action < 0.4:
-                p.record_many("user", ids, np.ones((len(ids), 1)), None)
-                unsent += ids
-            elif action < 0.45:  # held back one by one (admission), named one by one
-                p.record(("user", ids[0]), np.ones(1), None)
-                if rng.random() < 0.5:
-                    token = next(tokens)
-                    p.assign(("user", ids[0]), token)
-                    sent.append(token)
-                    unsent = [i for i in unsent if i != ids[0]]
-                else:
-                    unsent.append(ids[0])
-            elif action < 0.5 and unsent:
-                token = next(tokens)
-                p.assign_many("user", sorted(set(unsent)), token)
-                unsent.clear()
-                sent.append(token)
-            elif action < 0.7 and sent:
-                token = sent.pop(0)
-                if rng.random() < 0.1:
-                    p.failed(token)
-                else:
-                    p.delivered(token, 0, offset)
-                    offset += 1
-            elif action < 0.9:
-                for i in ids:
-                    p.on_install(("user", i), 0, rng.randint(0, offset))
-            else:
-                p.forget_row(("user", ids[0]))
-                unsent = [i for i in unsent if i != ids[0]]
-            check(p)
 
 
 def test_item_rows_that_fail_to_load_get_no_slot_and_load_on_the_retry():
