@@ -52,11 +52,8 @@ UNSENT = 0
 FAILED = -1
 """The token of a step whose message was not delivered: local for good."""
 _UNKNOWN = -1  # the offset of a step whose delivery report has not arrived
-_POOL_FILL = {
-    "_delta": 0.0, "_token": UNSENT, "_part": -1, "_off": _UNKNOWN, "_next": -1, "_slot": -1,
-    "_table": 0,
-}  # fmt: skip
-"""The pool's arrays, one entry per step, and what a free entry holds."""
+_POOL = ("_delta", "_token", "_part", "_off", "_next", "_slot", "_table")
+"""The pool's arrays, one entry per step; a free entry holds nothing: ``record`` writes it."""
 
 
 class _Lists:
@@ -92,9 +89,9 @@ class PendingSteps:
         self._by_token: dict[int, np.ndarray] = {}
 
     def _alloc_pool(self, capacity: int) -> None:
-        for name, fill in _POOL_FILL.items():
+        for name in _POOL:  # a free entry is written in full when it is taken
             shape = (capacity, self._w) if name == "_delta" else (capacity,)
-            setattr(self, name, np.full(shape, fill, np.float64 if name == "_delta" else np.int64))
+            setattr(self, name, np.empty(shape, np.float64 if name == "_delta" else np.int64))
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: top at the end
         self._free_n = capacity
 
@@ -351,7 +348,7 @@ class PendingSteps:
     def _grow(self, capacity: int) -> None:
         old = len(self._token)
         extra = capacity - old
-        for name in _POOL_FILL:
+        for name in _POOL:
             held = getattr(self, name)
             # a free entry is written in full when it is taken: the new part stays untouched
             # (np.concatenate or np.full write it all, ~15x slower for a large pool)

@@ -41,3 +41,36 @@ def row_ids(keys: list[str]) -> np.ndarray:
         return ids.astype(np.int64)  # a copy, native order
     index = dict(zip(distinct, range(len(distinct)), strict=True))
     return ids[np.fromiter(map(index.__getitem__, keys), np.int64, len(keys))].astype(np.int64)
+
+
+class RowIdMemo:
+    """``row_ids`` that remembers the ids it hashed, up to ``size`` keys (then it starts
+    over): a catalogue's items come back in every batch, and a dict lookup of a key costs
+    about a third of hashing it again (~0.2 against ~0.65 µs in a scratch micro-benchmark).
+
+    >>> memo = RowIdMemo(size=2)
+    >>> memo(["a", "b", "a"]).tolist() == row_ids(["a", "b", "a"]).tolist()
+    True
+    >>> memo(["c", "a"]).tolist() == [row_id("c"), row_id("a")], len(memo)   # full: over
+    (True, 2)
+    """
+
+    def __init__(self, size: int = 200_000) -> None:
+        if size < 1:
+            raise ValueError("size must be >= 1")
+        self.size = size
+        self._ids: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __call__(self, keys: list[str]) -> np.ndarray:
+        known = self._ids
+        distinct = dict.fromkeys(keys)
+        new = [key for key in distinct if key not in known]
+        if new:
+            if len(known) + len(new) > self.size:
+                known.clear()  # and every key of this batch is hashed again
+                new = list(distinct)
+            known.update(zip(new, row_ids(new).tolist(), strict=True))
+        return np.fromiter(map(known.__getitem__, keys), np.int64, len(keys))

@@ -88,3 +88,21 @@ def test_row_ids_of_a_batch_are_row_id_of_each_key():
     assert got.dtype == np.int64 and got.tolist() == [row_id(k) for k in keys]
     assert row_ids(keys[:2]).tolist() == [row_id("u1"), row_id("u2")]  # all distinct
     assert row_ids([]).tolist() == []
+
+
+def test_a_row_id_memo_gives_row_id_of_each_key_across_batches_and_restarts():
+    import random
+
+    from schemas.ids import RowIdMemo
+
+    rng = random.Random(3)
+    pool = [f"i{n}" for n in range(40)] + ["é", "", "x" * 300]
+    memo = RowIdMemo(size=16)  # small: batches overflow it and it starts over
+    widest = 0
+    for _ in range(200):
+        keys = [rng.choice(pool) for _ in range(rng.randint(0, 30))]
+        assert memo(keys).tolist() == [row_id(k) for k in keys]
+        widest = max(widest, len(set(keys)))
+        assert len(memo) <= max(16, widest)  # bounded: only a batch wider than it passes
+    with pytest.raises(ValueError):
+        RowIdMemo(size=0)
