@@ -70,9 +70,14 @@ class EmbeddingCache:
         """Slots of ``ids`` (in order), loading misses from the store or creating them. Each
         distinct id is looked up once (a batch names the same rows many times)."""
         distinct, back = np.unique(np.asarray(ids, np.int64), return_inverse=True)
+        return self.distinct_slots(table, distinct)[back]
+
+    def distinct_slots(self, table: int, ids: np.ndarray) -> np.ndarray:
+        """``slots`` of ids that are distinct already (a caller that grouped them)."""
+        ids = np.asarray(ids, np.int64)
         if table == TABLE_ITEM:
-            return self._item_slots(distinct)[back]
-        return self._user_slots(distinct)[back]
+            return self._item_slots(ids)
+        return self._user_slots(ids)
 
     def _item_slots(self, ids: np.ndarray, load: bool = True) -> np.ndarray:
         """Slots of item ids (they may repeat). Ids not resident get new slots, their rows

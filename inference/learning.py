@@ -121,14 +121,22 @@ def aggregate(
     >>> g.index.tolist()
     [1, 0, 1]
     """
-    keys = np.asarray(keys)
+    distinct, index = np.unique(np.asarray(keys), return_inverse=True)
+    return aggregate_groups(distinct, index, grads, event_ms, counts)
+
+
+def aggregate_groups(
+    distinct: np.ndarray, index: np.ndarray, grads: np.ndarray,
+    event_ms: np.ndarray | None = None, counts: np.ndarray | None = None,
+) -> Grouped:  # fmt: skip
+    """``aggregate`` of rows already grouped: ``distinct`` the sorted distinct keys and
+    ``index`` each row's position in it (``np.unique(keys, return_inverse=True)``)."""
     grads = np.asarray(grads)
-    distinct, index = np.unique(keys, return_inverse=True)
-    index = index.reshape(-1).astype(np.int64, copy=False)
+    index = np.asarray(index).reshape(-1).astype(np.int64, copy=False)
     groups = len(distinct)
     at = torch.from_numpy(index)
     sums = torch.zeros((groups, grads.shape[1]), dtype=torch.float64)
-    if len(keys):
+    if len(index):
         sums.index_add_(0, at, torch.from_numpy(np.ascontiguousarray(grads, np.float64)))
     if counts is None:
         group_counts = np.bincount(index, minlength=groups).astype(np.int64)
@@ -136,7 +144,7 @@ def aggregate(
         group_counts = np.bincount(index, np.asarray(counts, np.int64), minlength=groups).astype(
             np.int64
         )
-    if event_ms is None or not len(keys):
+    if event_ms is None or not len(index):
         newest = np.zeros(groups, np.int64)
     else:
         newest = (

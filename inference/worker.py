@@ -55,7 +55,12 @@ from inference.admission import AdmissionFilter
 from inference.batching import BatchPolicy, EventSlicer, split_expired
 from inference.breaker import CLOSED, HALF_OPEN
 from inference.cache import EmbeddingCache, pick_device
-from inference.learning import aggregate, examples_from_events, logistic_gradients
+from inference.learning import (
+    aggregate,
+    aggregate_groups,
+    examples_from_events,
+    logistic_gradients,
+)
 from inference.modelfile import ModelWatcher
 from inference.pending import PendingSteps
 from inference.recall import RecallRunner
@@ -114,7 +119,7 @@ class Worker:
             self.dim, settings.user_capacity_rows, self._fetch, pick_device(settings.device)
         )
         self.cache.on_evict = lambda table, slots: self.pending.forget(table, slots)
-        self.pending = PendingSteps(capacity=1 << 16)  # untouched until used
+        self.pending = PendingSteps(capacity=1 << 17)  # virtual until used
         self.item_row_ids = RowIdMemo(200_000)  # a catalogue's items come back every slice
         self.producer = Producer(producer_config(conn))
         self.group = f"{conn.topic_prefix}freshrec-workers"
@@ -585,21 +590,21 @@ class Worker:
             q.appendleft(e.item_id)
 
     def learn(self, ex) -> None:
-        user_ids, item_ids = row_ids(ex.users), self.item_row_ids(ex.items)
-        u_slots = self.cache.slots(TABLE_USER, user_ids)
-        i_slots = self.cache.slots(TABLE_ITEM, item_ids)
-        u = self.cache.gather(TABLE_USER, u_slots)
-        v = self.cache.gather(TABLE_ITEM, i_slots)
+        # each table's rows grouped once: for the cache's slots and the gradients' sums
+        users = np.unique(row_ids(ex.users), return_inverse=True)
+        items = np.unique(self.item_row_ids(ex.items), return_inverse=True)
+        user_slots = self.cache.distinct_slots(TABLE_USER, users[0])
+        item_slots = self.cache.distinct_slots(TABLE_ITEM, items[0])
+        u = self.cache.gather(TABLE_USER, user_slots[users[1]])
+        v = self.cache.gather(TABLE_ITEM, item_slots[items[1]])
         gu, gv = logistic_gradients(u, v, ex.labels, ex.weights)
         outgoing: dict[tuple[int, int], list] = defaultdict(list)
-        for table, ids, slots, grads in (
-            (TABLE_USER, user_ids, u_slots, gu),
-            (TABLE_ITEM, item_ids, i_slots, gv),
+        for table, (distinct, index), key_slots, grads in (
+            (TABLE_USER, users, user_slots, gu),
+            (TABLE_ITEM, items, item_slots, gv),
         ):
-            g = aggregate(ids, grads, ex.event_ms)
+            g = aggregate_groups(distinct, index, grads, ex.event_ms)
             keys, sums, counts, newest = g.keys, g.sums, g.counts, g.newest
-            key_slots = np.empty(len(keys), np.int64)
-            key_slots[g.index] = slots  # one id, one slot
             ok = finite_rows(sums)
             rejected = int((~ok).sum())
             if rejected:

@@ -66,11 +66,12 @@ class RowIdMemo:
 
     def __call__(self, keys: list[str]) -> np.ndarray:
         known = self._ids
-        distinct = dict.fromkeys(keys)
-        new = [key for key in distinct if key not in known]
-        if new:
+        found = list(map(known.get, keys))
+        if None in found:  # hash the keys not held, each once
+            new = list(dict.fromkeys(k for k, i in zip(keys, found, strict=True) if i is None))
             if len(known) + len(new) > self.size:
                 known.clear()  # and every key of this batch is hashed again
-                new = list(distinct)
+                new = list(dict.fromkeys(keys))
             known.update(zip(new, row_ids(new).tolist(), strict=True))
-        return np.fromiter(map(known.__getitem__, keys), np.int64, len(keys))
+            found = list(map(known.__getitem__, keys))
+        return np.array(found, np.int64)
