@@ -39,7 +39,14 @@ from tools.benchlib import (
     synthetic_records,
 )
 from tools.produce import events_producer, prepare_events, produce_events, produce_prepared
-from tools.promtext import histogram_quantile, merge, scrape_port, subtract, total
+from tools.promtext import (
+    histogram_quantile,
+    merge,
+    scrape_port,
+    scrape_port_now,
+    subtract,
+    total,
+)
 from tools.world import World, WorldConfig
 
 
@@ -190,13 +197,13 @@ def main() -> None:
                 produce_prepared(conn, ramp, rate_per_s=args.rate, label="ramp", progress=progress,
                                  producer=producer)  # fmt: skip
                 time.sleep(1)
-                base = merge(scrape_port(wport), scrape_port(pport))
+                base = merge(scrape_port_now(wport), scrape_port_now(pport))
                 measured_from = time.time() * 1000
                 stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
                                          producer=producer)  # fmt: skip
                 close_producer(producer, 10)  # before its broker stops
                 time.sleep(3)
-                after = merge(scrape_port(wport), scrape_port(pport))
+                after = merge(scrape_port_now(wport), scrape_port_now(pport))
                 if probe:
                     probe_stop.set()
                     probe.join(30)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import urllib.request
 from collections import defaultdict
 
@@ -77,6 +78,21 @@ def scrape_port(port: int, timeout_s: float = 1.0) -> Samples:
         return scrape(f"http://127.0.0.1:{port}/metrics", timeout_s)
     except OSError:
         return {}
+
+
+def scrape_port_now(port: int, within_s: float = 15.0) -> Samples:
+    """The /metrics of a local process that must answer: asked again until it does (a busy
+    process's metrics thread can miss ``scrape_port``'s 1 s), an error after ``within_s``.
+    A phase's baseline must not be silently empty: the difference against it would then
+    count everything since the process started (a lag run counted its ramp that way)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        samples = scrape_port(port, timeout_s=5.0)
+        if samples:
+            return samples
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the process on port {port} did not serve /metrics")
+        time.sleep(0.1)
 
 
 def merge(*scrapes: Samples) -> Samples:
