@@ -91,7 +91,6 @@ from schemas.rowbatch import (
 )
 
 log = logging.getLogger("freshrec.worker")
-LAG_SAMPLES = 256
 LOOP_PHASES = ("consume", "serve", "learn", "updates", "other")
 """The phases of a loop round, in order (``freshrec_worker_loop_seconds{phase}``)."""
 MAX_ROWS_PER_MESSAGE = 1000
@@ -570,7 +569,8 @@ class Worker:
         m.WORKER_EXAMPLES.labels("negative").inc(int((ex.labels == 0).sum()))
         self.item_pool = (self.item_pool + ex.items)[-10_000:]
         done = time.time()
-        lag = np.maximum(done - ex.event_ms[:LAG_SAMPLES] / 1000, 0.0)
+        # every example: capped per slice, a burst learnt late would weigh as much as a slice
+        lag = np.maximum(done - ex.event_ms / 1000, 0.0)
         m.observe_many(m.FRESHNESS_LAG.labels("local"), lag)
 
     def _remember_clicks(self, events) -> None:
@@ -783,7 +783,7 @@ class Worker:
             rows[kept] += rest[kept]
         times = batch.event_ms[take[newer]]
         self.cache.install_many(table, slots, rows, versions[newer], times)
-        lag = np.maximum(time.time() - times[:LAG_SAMPLES] / 1000, 0.0)
+        lag = np.maximum(time.time() - times / 1000, 0.0)  # every row installed
         m.observe_many(m.FRESHNESS_LAG.labels("served"), lag)
         m.UPDATES_INSTALLED.labels(name, "installed").inc(len(rows))
 
