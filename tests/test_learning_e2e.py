@@ -158,6 +158,44 @@ def test_gradients_of_one_linger_window_leave_summed_per_row_in_one_message(conn
     assert len(counts) == 1 and counts[0] >= 2  # one row carrying both slices' examples
 
 
+def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, monkeypatch):
+    """Three slices whose rows overlap wait in the outbox and leave summed per row, split by
+    partition and by the per-message row cap: every local step is named by the one message
+    that carries its row, and no message names a step of a row it does not carry."""
+    import inference.worker as worker_module
+    from inference.learning import Examples
+
+    monkeypatch.setattr(worker_module, "MAX_ROWS_PER_MESSAGE", 3)  # several per partition
+    s = WorkerSettings(conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000),
+                       user_capacity_rows=1000)  # fmt: skip
+    w = Worker(s)
+    w.start()
+    sent: list[tuple[int, RowBatch]] = []
+    monkeypatch.setattr(w, "_produce_gradients", lambda token, part, b: sent.append((token, b)))
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        n = 40
+        users = [f"ou{k}" for k in rng.integers(0, 15, n)]
+        items = [f"oi{k}" for k in rng.integers(0, 30, n)]
+        w.learn(Examples(users, items, rng.integers(0, 2, n).astype(np.float32),
+                         np.ones(n, np.float32), np.full(n, int(time.time() * 1000))))  # fmt: skip
+    steps_before = len(w.pending)
+    w._send_outbox()
+    assert sent and len({t for t, _ in sent}) == len(sent)
+    p = w.pending
+    named = 0
+    for token, batch in sent:
+        mine = p._by_token[token]  # the steps the message was given
+        assert (p._token[mine] == token).all()
+        table = batch.table
+        slots = set(w.cache.distinct_slots(table, np.sort(batch.ids)).tolist())
+        assert set(p._slot[mine].tolist()) == slots  # each of its rows, no other
+        assert len(batch.ids) <= 3
+        named += len(mine)
+    assert named == steps_before == len(p)  # every step, once
+    w.close()
+
+
 def test_an_update_for_a_row_with_an_unacknowledged_step_waits_without_blocking(conn):
     """The update might include that step (its offset is unknown): the row is installed only
     once the delivery report is in, in a later round; the rest of the batch at once."""
