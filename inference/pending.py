@@ -70,9 +70,7 @@ class _Lists:
         have = len(self.head)
         if need > have:
             for name in ("head", "tail", "inst_part", "inst_off"):
-                grown = np.full(max(need, 2 * have), -1, np.int64)
-                grown[:have] = getattr(self, name)  # not np.concatenate: see _grow
-                setattr(self, name, grown)
+                setattr(self, name, _grown(getattr(self, name), max(need, 2 * have), -1))
 
 
 class PendingSteps:
@@ -348,15 +346,19 @@ class PendingSteps:
     def _grow(self, capacity: int) -> None:
         old = len(self._token)
         extra = capacity - old
-        for name in _POOL:
-            held = getattr(self, name)
-            # a free entry is written in full when it is taken: the new part stays untouched
-            # (np.concatenate or np.full write it all, ~15x slower for a large pool)
-            grown = np.empty((capacity, *held.shape[1:]), held.dtype)
-            grown[:old] = held
-            setattr(self, name, grown)
-        free = np.empty(capacity, np.int64)  # room for every step to be free at once
+        for name in _POOL:  # a free entry is written in full when it is taken: left as is
+            setattr(self, name, _grown(getattr(self, name), capacity))
         n = self._free_n
-        free[:n] = self._free[:n]
+        free = _grown(self._free[:n], capacity)  # room for every step to be free at once
         free[n : n + extra] = np.arange(capacity - 1, old - 1, -1)
         self._free, self._free_n = free, n + extra
+
+
+def _grown(held: np.ndarray, rows: int, fill: int | None = None) -> np.ndarray:
+    """``held`` at the front of a new array of ``rows`` rows, the rest ``fill`` or, without
+    one, untouched memory: np.concatenate (or np.full) writes every new byte, ~15x slower
+    than leaving it for a large pool on this machine, whose first touch of a page is dear."""
+    shape = (rows, *held.shape[1:])
+    out = np.empty(shape, held.dtype) if fill is None else np.full(shape, fill, held.dtype)
+    out[: len(held)] = held
+    return out
