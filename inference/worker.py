@@ -675,14 +675,15 @@ class Worker:
             # the steps of each partition's rows, grouped the same way, each row's in order
             place = np.empty(len(keys), np.int64)
             place[order] = np.arange(len(keys))
-            by_place = np.argsort(place[row_of_step], kind="stable")
-            step_bounds = np.searchsorted(place[row_of_step][by_place], bounds)
+            step_place = place[row_of_step]  # each step's row's position in ``order``
+            by_place = np.argsort(step_place, kind="stable")
+            step_bounds = np.searchsorted(step_place[by_place], bounds)
             for group, group_steps in zip(
                 np.split(order, bounds), np.split(by_place, step_bounds), strict=True
             ):
                 self._emit(table, int(parts[group[0]]), keys[group], sums[group],
                            counts[group], newest[group], created,
-                           place[row_of_step[group_steps]] - place[group[0]],
+                           step_place[group_steps] - place[group[0]],
                            steps[group_steps])  # fmt: skip
         self._outbox_rows, self._outbox_since = 0, None
 
@@ -701,12 +702,12 @@ class Worker:
         """Gradient messages for rows of one table and ``gradients`` partition (at most
         ``MAX_ROWS_PER_MESSAGE`` each); the rows' unsent local steps ``steps`` travel in them
         (``step_row``: the position in ``ids`` of each step's row, ascending)."""
-        step_bounds = np.searchsorted(step_row, np.arange(0, len(ids), MAX_ROWS_PER_MESSAGE))
-        for k, lo in enumerate(range(0, len(ids), MAX_ROWS_PER_MESSAGE)):
+        starts = range(0, len(ids), MAX_ROWS_PER_MESSAGE)
+        step_bounds = np.searchsorted(step_row, [*starts, len(ids)]).tolist()
+        for k, lo in enumerate(starts):
             take = slice(lo, lo + MAX_ROWS_PER_MESSAGE)
             token = next(self.tokens)
-            end = step_bounds[k + 1] if k + 1 < len(step_bounds) else len(steps)
-            self.pending.assign(steps[step_bounds[k] : end], token)
+            self.pending.assign(steps[step_bounds[k] : step_bounds[k + 1]], token)
             self._produce_gradients(
                 token, part,
                 RowBatch(KIND_GRADIENTS, table, ids[take], sums[take].astype(np.float32),
