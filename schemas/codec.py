@@ -151,8 +151,10 @@ def decode_events(
     ``Rejected`` that ``decode_event`` raises for it (same reasons: a value the C decoder
     turns down takes ``decode_event``'s path).
 
-    The hot path of the worker and the streams app: ~1.5 µs an event against ~11 for
-    ``decode_event``, which builds a dict and a dataclass per event.
+    The hot path of the worker and the streams app: ~0.42 µs an event in batches of 7,000
+    (``msgspec`` alone: ~0.36) against ~11 for ``decode_event``, which builds a dict and a
+    dataclass per event. An explicit ``null`` fails the struct's type check in C, so no
+    value is scanned for one.
     """
     decode, bound = _EVENT_DECODER.decode, now_ms + limits.max_clock_skew_ms
     most = limits.max_payload_bytes
@@ -162,7 +164,6 @@ def decode_events(
         values
         and None not in values
         and max(map(len, values)) <= most
-        and b"null" not in b"\x00".join(values)
     ):
         try:
             records = [decode(v) for v in values]
@@ -173,7 +174,7 @@ def decode_events(
                 return records
     out: list[Any] = []
     for value in values:
-        if value is not None and len(value) <= most and b"null" not in value:
+        if value is not None and len(value) <= most:
             try:
                 record = decode(value)
             except (msgspec.ValidationError, msgspec.DecodeError):

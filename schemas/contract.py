@@ -319,10 +319,10 @@ def compile_struct(schema: dict[str, Any], name: str) -> tuple[type, tuple[str, 
     ``max_ts_ms`` itself; None when a property is not a plain scalar.
 
     Like the acceptor it may turn down what the checker would pass (``1.0`` for an
-    integer, a lone surrogate, an integer beyond 64 bits), never the reverse, with one gap
-    the caller must close: an optional property is ``T | None``, so an explicit ``null``,
-    which the schema rejects, decodes; callers send any value that contains ``null`` to
-    the checker.
+    integer, a lone surrogate, an integer beyond 64 bits), never the reverse. An optional
+    property is typed ``T`` with the default None (msgspec does not check a default against
+    the type): absent, it reads None; an explicit ``null``, which the schema rejects, fails
+    the type check in C like any other wrong type.
     """
     if schema.get("type") != "object" or schema.get("additionalProperties", True) is not False:
         return None
@@ -335,7 +335,7 @@ def compile_struct(schema: dict[str, Any], name: str) -> tuple[type, tuple[str, 
             return None
         if sub.get("x-freshrec-timestamp"):
             stamps.append(prop)
-        fields.append((prop, kind) if prop in required else (prop, kind | None, None))
+        fields.append((prop, kind) if prop in required else (prop, kind, None))
     struct = msgspec.defstruct(
         name, fields, kw_only=True, frozen=True, forbid_unknown_fields=True, gc=False
     )

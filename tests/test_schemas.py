@@ -388,7 +388,13 @@ def test_struct_compiler_takes_flat_schemas_and_declines_the_rest():
     assert stamps == ("ts_ms",)
     data = encode_event(records.Event("e1", "click", "u1", "i1", NOW))
     assert msgspec.json.decode(data, type=event).user_id == "u1"
-    for bad in (data.replace(b"}", b',"extra":1}'), data.replace(b'"u1"', b'""')):
+    with_region = encode_event(records.Event("e1", "click", "u1", "i1", NOW, region="r"))
+    assert msgspec.json.decode(data, type=event).region is None  # absent: None
+    for bad in (
+        data.replace(b"}", b',"extra":1}'),
+        data.replace(b'"u1"', b'""'),
+        with_region.replace(b'"r"', b"null"),  # an optional property's explicit null
+    ):
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(bad, type=event)
     assert compile_struct(load_schema("item"), "I") is not None
