@@ -118,7 +118,8 @@ class Worker:
             self.dim, settings.user_capacity_rows, self._fetch, pick_device(settings.device)
         )
         self.cache.on_evict = lambda table, slots: self.pending.forget(table, slots)
-        self.pending = PendingSteps(capacity=1 << 17)  # virtual until used
+        # ~40 MB written now, not page by page inside the first slices
+        self.pending = PendingSteps(capacity=1 << 17, width=self.cache.w, touch=True)
         self.item_row_ids = RowIdMemo(200_000)  # a catalogue's items come back every slice
         self.producer = Producer(producer_config(conn))
         self.group = f"{conn.topic_prefix}freshrec-workers"

@@ -165,7 +165,10 @@ def test_read_your_writes_bookkeeping_is_exact_under_any_interleaving(stepless_i
     rows = 6
     for seed in range(300):
         rng = random.Random(seed)
-        p = PendingSteps(capacity=rng.choice([1, 4, 64]))  # tiny pools force growth
+        # tiny pools force growth; every third pool is laid out (float32) and touched at
+        # construction, as the worker's is
+        laid_out = {"width": 1, "touch": True} if seed % 3 == 0 else {}
+        p = PendingSteps(capacity=rng.choice([1, 4, 64]), **laid_out)
         serving, total = np.zeros(rows), np.zeros(rows)
         alive = np.ones(rows, bool)  # not evicted
         log: list[list[tuple[int, float]]] = []  # per offset: the message's (row, delta)
@@ -180,7 +183,8 @@ def test_read_your_writes_bookkeeping_is_exact_under_any_interleaving(stepless_i
             live = np.flatnonzero(alive).tolist()
             if action < 0.3 and live:
                 slots = [rng.choice(live) for _ in range(rng.randint(1, 5))]  # may repeat
-                deltas = np.array([rng.uniform(-1, 1) for _ in slots])
+                # multiples of 2^-10: float32 sums of them are exact, as the model's are
+                deltas = np.array([rng.randint(-1024, 1024) / 1024 for _ in slots])
                 steps = p.record("user", np.array(slots), deltas[:, None])
                 for s, r, d in zip(steps.tolist(), slots, deltas.tolist(), strict=True):
                     serving[r] += d
@@ -302,6 +306,11 @@ def test_bad_input_to_the_bookkeeping_is_refused():
     p.assign(steps, 4)
     with pytest.raises(ValueError):
         p.assign(steps, 5)  # already in a message
+    laid_out = PendingSteps(capacity=8, width=2, touch=True)
+    with pytest.raises(ValueError):
+        laid_out.record("user", np.array([1]), np.ones((1, 3)))  # not the width given
+    laid_out.record("user", np.array([1]), np.array([[0.1, 2.0]]))  # float64 in: float32 kept
+    assert laid_out.steps("user", 1).dtype == np.float32
 
 
 def test_parameter_table_applies_a_log_at_once_exactly_as_message_by_message():
