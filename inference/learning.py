@@ -109,11 +109,14 @@ def aggregate(
     keys: np.ndarray, grads: np.ndarray, event_ms: np.ndarray | None = None,
     counts: np.ndarray | None = None,
 ) -> Grouped:  # fmt: skip
-    """Per distinct key: the sum of its rows (accumulated in float64 in input order, returned
-    in the rows' dtype), the sum of its ``counts`` (one per row by default) and its newest
+    """Per distinct key: the sum of its rows (accumulated in the rows' dtype, in input
+    order), the sum of its ``counts`` (one per row by default) and its newest
     ``event_ms``. The rows are added with torch's ``index_add_`` (one pass, in input order):
     ``np.add.at`` was an eighth of the worker's event path, and a sort with ``np.add.reduceat``
-    over 65 columns still 2 ms for a slice of 4,000 examples (0.5 ms this way).
+    over 65 columns still 2 ms for a slice of 4,000 examples (0.5 ms this way). Float32 rows
+    are summed in float32: through float64 copies the same sums took 0.88 ms instead of 0.22
+    for 8,000 rows of 65 over 3,000 keys, and a row's gradient sums a few dozen terms at most,
+    far inside float32's precision for a step of lr·g.
 
     >>> g = aggregate(np.array([5, 3, 5]), np.array([[1.0], [2.0], [4.0]]), np.array([7, 8, 9]))
     >>> g.keys.tolist(), g.sums.ravel().tolist(), g.counts.tolist(), g.newest.tolist()
@@ -135,9 +138,11 @@ def aggregate_groups(
     index = np.asarray(index).reshape(-1).astype(np.int64, copy=False)
     groups = len(distinct)
     at = torch.from_numpy(index)
-    sums = torch.zeros((groups, grads.shape[1]), dtype=torch.float64)
+    single = grads.dtype == np.float32  # other dtypes are summed in float64
+    sums = torch.zeros((groups, grads.shape[1]), dtype=torch.float32 if single else torch.float64)
     if len(index):
-        sums.index_add_(0, at, torch.from_numpy(np.ascontiguousarray(grads, np.float64)))
+        src = np.ascontiguousarray(grads, np.float32 if single else np.float64)
+        sums.index_add_(0, at, torch.from_numpy(src))
     if counts is None:
         group_counts = np.bincount(index, minlength=groups).astype(np.int64)
     else:
@@ -153,4 +158,6 @@ def aggregate_groups(
                              include_self=False)
             .numpy()
         )  # fmt: skip
-    return Grouped(distinct, sums.numpy().astype(grads.dtype), group_counts, newest, index)
+    return Grouped(
+        distinct, sums.numpy().astype(grads.dtype, copy=False), group_counts, newest, index
+    )
