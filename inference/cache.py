@@ -150,10 +150,12 @@ class EmbeddingCache:
         versions = np.zeros(len(ids), np.uint64)
         event_ms = np.zeros(len(ids), np.int64)
         rows[found], versions[found], event_ms[found] = got_rows, got_versions, got_event_ms
-        idx = torch.as_tensor(slots, device=self.device)
-        t.rows[idx] = torch.as_tensor(rows, device=self.device)
-        t.version[slots] = versions
-        t.event_ms[slots] = event_ms
+        at = np.asarray(slots, np.int64)
+        t.rows.index_copy_(
+            0, torch.from_numpy(at).to(self.device), torch.from_numpy(rows).to(self.device)
+        )
+        t.version[at] = versions
+        t.event_ms[at] = event_ms
 
     # ---------------------------------------------------------------------------- access
     def table(self, table: int) -> _Table:
