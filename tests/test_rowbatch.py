@@ -106,3 +106,25 @@ def test_a_row_id_memo_gives_row_id_of_each_key_across_batches_and_restarts():
         assert len(memo) <= max(16, widest)  # bounded: only a batch wider than it passes
     with pytest.raises(ValueError):
         RowIdMemo(size=0)
+
+
+def test_encoding_is_the_documented_layout_whatever_the_arrays_given():
+    """Byte for byte the module docstring's layout (header, the four arrays in order, crc32
+    over both), also from arrays of other dtypes and from strided views."""
+    import struct
+    import zlib
+
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((4, 16))  # float64, every other column taken: strided
+    b = RowBatch(
+        KIND_GRADIENTS, TABLE_ITEM, np.array([5, -6, 7, 8], np.int32), wide[:, ::2],
+        [1, 2, 3, 4], np.arange(4) + 1_767_225_600_000, created_ms=12,
+    )  # fmt: skip
+    header = struct.pack("<4sHBBHHIiqq", b"FRRB", 1, KIND_GRADIENTS, TABLE_ITEM, 8, 0, 4, -1, -1, 12)
+    body = (
+        np.array([5, -6, 7, 8], "<i8").tobytes()
+        + wide[:, ::2].astype("<f4").tobytes()
+        + np.array([1, 2, 3, 4], "<u8").tobytes()
+        + (np.arange(4) + 1_767_225_600_000).astype("<i8").tobytes()
+    )
+    assert b.encode() == header + body + struct.pack("<I", zlib.crc32(header + body))
