@@ -661,9 +661,12 @@ class Worker:
         for table, chunks in self.outbox.items():
             if not chunks:
                 continue
-            keys, sums, counts, newest, steps = (
-                np.concatenate(c) for c in zip(*chunks, strict=True)
-            )
+            if len(chunks) == 1:
+                keys, sums, counts, newest, steps = chunks[0]
+            else:
+                keys, sums, counts, newest, steps = (
+                    np.concatenate(c) for c in zip(*chunks, strict=True)
+                )
             row_of_step = np.arange(len(keys))
             if len(chunks) > 1:  # a row may be in several chunks (each chunk's keys differ)
                 g = aggregate(keys, sums.astype(np.float64), newest, counts)
@@ -711,7 +714,7 @@ class Worker:
             self.pending.assign(steps[step_bounds[k] : step_bounds[k + 1]], token)
             self._produce_gradients(
                 token, part,
-                RowBatch(KIND_GRADIENTS, table, ids[take], sums[take].astype(np.float32),
+                RowBatch(KIND_GRADIENTS, table, ids[take], sums[take].astype(np.float32, copy=False),
                          counts[take].astype(np.uint64), newest[take], created_ms=created),
             )  # fmt: skip
 
