@@ -160,11 +160,7 @@ def decode_events(
     most = limits.max_payload_bytes
     (stamp,) = _EVENT_STAMPS
     # the batch where every value passes (nearly all): the same checks, a C call each
-    if (
-        values
-        and None not in values
-        and max(map(len, values)) <= most
-    ):
+    if values and None not in values and max(map(len, values)) <= most:
         try:
             records = [decode(v) for v in values]
         except (msgspec.ValidationError, msgspec.DecodeError):
