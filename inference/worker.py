@@ -669,8 +669,8 @@ class Worker:
                 )
             row_of_step = np.arange(len(keys))
             if len(chunks) > 1:  # a row may be in several chunks (each chunk's keys differ)
-                g = aggregate(keys, sums.astype(np.float64), newest, counts)
-                keys, sums, counts, newest = g.keys, g.sums.astype(np.float32), g.counts, g.newest
+                g = aggregate(keys, sums.astype(np.float32, copy=False), newest, counts)
+                keys, sums, counts, newest = g.keys, g.sums, g.counts, g.newest
                 row_of_step = g.index
             chunks.clear()
             parts = row_partitions(keys, self.grad_partitions)

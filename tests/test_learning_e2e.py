@@ -192,6 +192,12 @@ def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, m
         assert set(p._slot[mine].tolist()) == slots  # each of its rows, no other
         assert len(batch.ids) <= 3
         named += len(mine)
+        # each row's gradient is the sum over the slices: its steps' deltas over -lr
+        at = {slot: j for j, slot in enumerate(w.cache.distinct_slots(table, batch.ids).tolist())}
+        steps_sum = np.zeros(batch.rows.shape, np.float64)
+        for step in mine.tolist():
+            steps_sum[at[int(p._slot[step])]] += p._delta[step]
+        np.testing.assert_allclose(batch.rows, steps_sum / -s.learning.lr, rtol=1e-4, atol=1e-6)
     assert named == steps_before == len(p)  # every step, once
     w.close()
 
