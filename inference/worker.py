@@ -663,13 +663,12 @@ class Worker:
                 continue
             if len(chunks) == 1:
                 keys, sums, counts, newest, steps = chunks[0]
-            else:
+                row_of_step = np.arange(len(keys))
+            else:  # a row may be in several chunks (each chunk's keys differ): summed
                 keys, sums, counts, newest, steps = (
                     np.concatenate(c) for c in zip(*chunks, strict=True)
                 )
-            row_of_step = np.arange(len(keys))
-            if len(chunks) > 1:  # a row may be in several chunks (each chunk's keys differ)
-                g = aggregate(keys, sums.astype(np.float32, copy=False), newest, counts)
+                g = aggregate(keys, sums, newest, counts)  # in the sums' float32
                 keys, sums, counts, newest = g.keys, g.sums, g.counts, g.newest
                 row_of_step = g.index
             chunks.clear()
