@@ -320,6 +320,8 @@ def test_a_request_is_answered_after_a_worker_crash_and_only_once(seeded, model_
 
 
 def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir):
+    from dataclasses import replace
+
     from tools.benchlib import produce_values, synthetic_records
 
     conn = seeded
@@ -341,10 +343,16 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir):
                            ("correlation-id", corr.encode())])  # fmt: skip
         assert p.flush(10) == 0  # queued behind the backlog before the worker starts
         settings = worker_settings(conn, model_dir)
+        # what is tested is the wait behind the backlog, not the recall deadlines: those of
+        # the in-memory channels (20 ms) were once missed on a loaded CI machine (recall took
+        # 31 ms where it takes 3-6 here), and the reply came back degraded
+        sv = settings.serving
+        relaxed = {k: replace(c, deadline_ms=10 * c.deadline_ms) for k, c in sv.channels.items()}
+        settings = replace(settings, serving=replace(sv, channels=relaxed))
         with running_worker(settings):
             reply = fut.result(60)
             wait_for(lambda: learnt._value.get() - before >= n, 120, "the backlog learnt")
-    assert reply.items and not reply.degraded
+    assert reply.items and not reply.degraded, reply.tier_reason
     # answered while the backlog was being learnt, not after it: 0 to ~5,000 events in runs
     # here, those consumed ahead of the request until the event partitions paused
     # (4 × batch_max waiting), against all 60,000 for a worker that learns before it serves
