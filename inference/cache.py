@@ -92,7 +92,7 @@ class EmbeddingCache:
             missing, back = np.unique(ids[miss], return_inverse=True)
             new_slots = self._next_item_slots(len(missing))
             if load:
-                self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots.tolist())
+                self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots)
             self._register_items(missing, new_slots)
             out[miss] = new_slots[back]
         m.CACHE_ROWS.labels("item").set(len(self.item_ids))
@@ -139,7 +139,7 @@ class EmbeddingCache:
         m.CACHE_ROWS.labels("user").set(len(self.user_lru))
         return out
 
-    def _fill(self, table: int, t: _Table, ids: list[int], slots: list[int]) -> None:
+    def _fill(self, table: int, t: _Table, ids: list[int], slots) -> None:
         """One batched store round trip for the misses; the rest created from their ids."""
         found, got_rows, got_versions, got_event_ms = self.fetch(table, ids)
         name = TABLE_NAMES[table]
