@@ -139,7 +139,7 @@ class EmbeddingCache:
         m.CACHE_ROWS.labels("user").set(len(self.user_lru))
         return out
 
-    def _fill(self, table: int, t: _Table, ids: list[int], slots) -> None:
+    def _fill(self, table: int, t: _Table, ids: list[int], slots: np.ndarray | list[int]) -> None:
         """One batched store round trip for the misses; the rest created from their ids."""
         found, got_rows, got_versions, got_event_ms = self.fetch(table, ids)
         name = TABLE_NAMES[table]
