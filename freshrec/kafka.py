@@ -40,6 +40,11 @@ class ClientProfile:
     background_fetch_wait_ms: int
     """Fetch wait of consumers off the request path (gradients, the broadcast): on Tansu each
     idle consumer costs broker CPU per fetch, so these poll less often."""
+    worker_fetch_wait_ms: int
+    """Fetch wait of the worker's events-and-requests consumer. It reads both the request path
+    and the event stream; on Tansu, whose fetches cost CPU in proportion to the record batches
+    the fetched partitions hold, each halving of its fetch rate shows in the event lag's tail
+    (docs/operations.md)."""
     metadata_max_age_ms: int
     topic_metadata_refresh_ms: int
 
@@ -51,6 +56,10 @@ PROFILES: dict[str, ClientProfile] = {
         fetch_wait_max_ms=5,
         producer_linger_ms=2,
         background_fetch_wait_ms=20,
+        # 10, not 5: at 5,000 events/s the worker's local lag p99 was 43-48 ms against 57-67
+        # at 5 (three alternating runs each, tools/bench_learning --only lag); a request waits
+        # up to 5 ms longer at an idle worker (docs/benchmarks.md)
+        worker_fetch_wait_ms=10,
         metadata_max_age_ms=30_000,
         topic_metadata_refresh_ms=5_000,
     ),
@@ -60,6 +69,7 @@ PROFILES: dict[str, ClientProfile] = {
         fetch_wait_max_ms=100,
         producer_linger_ms=5,
         background_fetch_wait_ms=100,
+        worker_fetch_wait_ms=100,  # Apache Kafka answers a waiting fetch when data arrives
         metadata_max_age_ms=300_000,
         topic_metadata_refresh_ms=300_000,
     ),

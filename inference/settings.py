@@ -60,6 +60,9 @@ class WorkerSettings:
     """The budget while no request has arrived for a second: only the first request after
     the quiet waits behind such a slice, and a backlog is learnt faster."""
     poll_timeout_ms: int = 5
+    fetch_wait_ms: int | None = None
+    """``fetch.wait.max.ms`` of the events-and-requests consumer (None: the Kafka profile's
+    ``worker_fetch_wait_ms``, 10 ms ``local``, 100 ms ``production``)."""
     device: str = "auto"
     worker_id: str = ""
     metrics_port: int = 0
@@ -130,6 +133,11 @@ class WorkerSettings:
             event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 16384, minimum=1),
             event_slice_ms=env_float(env, "FRESHREC_EVENT_SLICE_MS", 10.0, positive=True),
             event_slice_idle_ms=env_float(env, "FRESHREC_EVENT_SLICE_IDLE_MS", 40.0, positive=True),
+            fetch_wait_ms=(
+                env_int(env, "FRESHREC_WORKER_FETCH_WAIT_MS", 0, minimum=0)
+                if env.get("FRESHREC_WORKER_FETCH_WAIT_MS")
+                else None
+            ),
             torch_threads=env_int(env, "FRESHREC_TORCH_THREADS", 1, minimum=0),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",

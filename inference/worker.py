@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict, deque
+from typing import Any
 
 import numpy as np
 import redis
@@ -46,6 +47,7 @@ from freshrec.kafka import (
     consumer_config,
     lag_statistics,
     producer_config,
+    profile,
 )
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.partitioner import row_partitions
@@ -97,6 +99,17 @@ MAX_ROWS_PER_MESSAGE = 1000
 OUTBOX_MAX_ROWS = 20_000  # sent before the linger runs out past this many waiting rows
 
 
+def events_consumer_config(settings: WorkerSettings, group: str) -> dict[str, Any]:
+    """The config of the worker's consumer of ``events`` and ``recommend.requests``: a group
+    member with the worker's fetch wait (its setting, else the Kafka profile's)."""
+    fetch_wait = settings.fetch_wait_ms
+    if fetch_wait is None:
+        fetch_wait = profile(settings.conn).worker_fetch_wait_ms
+    return consumer_config(
+        settings.conn, group, **{"fetch.wait.max.ms": fetch_wait}, **lag_statistics("workers")
+    )
+
+
 class Worker:
     """Learning and serving on one thread; ``run`` loops ``poll_once`` until stopped."""
 
@@ -123,7 +136,7 @@ class Worker:
         self.item_row_ids = RowIdMemo(200_000)  # a catalogue's items come back every slice
         self.producer = Producer(producer_config(conn))
         self.group = f"{conn.topic_prefix}freshrec-workers"
-        self.events = Consumer(consumer_config(conn, self.group, **lag_statistics("workers")))
+        self.events = Consumer(events_consumer_config(settings, self.group))
         self.updates = Consumer(consumer_config(conn, None, background=True))
         self.tokens = itertools.count(1)
         self.rng = np.random.default_rng(abs(hash(settings.worker_id)) % (2**32))

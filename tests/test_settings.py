@@ -10,6 +10,7 @@ import pytest
 
 from freshrec.settings import SettingsError, env_float
 from inference.settings import WorkerSettings
+from inference.worker import events_consumer_config
 from param_server.settings import ParamServerSettings
 from streams.settings import StreamsSettings
 
@@ -33,6 +34,22 @@ def test_the_adagrad_initial_accumulator_is_a_setting():
 
 
 @pytest.mark.parametrize(
+    ("env", "wait_ms"),
+    [
+        ({}, 10),
+        ({"FRESHREC_KAFKA_PROFILE": "production"}, 100),
+        ({"FRESHREC_WORKER_FETCH_WAIT_MS": "25"}, 25),
+        ({"FRESHREC_WORKER_FETCH_WAIT_MS": "0", "FRESHREC_KAFKA_PROFILE": "production"}, 0),
+    ],
+)
+def test_the_workers_fetch_wait_is_its_setting_else_the_profiles(env, wait_ms):
+    settings = WorkerSettings.from_env({**BASE, **env})
+    cfg = events_consumer_config(settings, "g")
+    assert cfg["fetch.wait.max.ms"] == wait_ms
+    assert cfg["group.id"] == "g" and cfg["partition.assignment.strategy"] == "range"
+
+
+@pytest.mark.parametrize(
     ("settings", "name", "value", "why"),
     [
         (WorkerSettings, "FRESHREC_LOCAL_LR", "-0.1", "must be >= 0"),
@@ -44,6 +61,8 @@ def test_the_adagrad_initial_accumulator_is_a_setting():
         (WorkerSettings, "FRESHREC_RECALL_DEADLINE_SCALE", "-1", "must be > 0"),
         (WorkerSettings, "FRESHREC_ANN_REFRESH_S", "inf", "not a finite number"),
         (WorkerSettings, "FRESHREC_HOT_DECAY_PER_HOUR", "1.2", "must be <= 1"),
+        (WorkerSettings, "FRESHREC_WORKER_FETCH_WAIT_MS", "-1", "must be >= 0"),
+        (WorkerSettings, "FRESHREC_WORKER_FETCH_WAIT_MS", "soon", "not an integer"),
         (ParamServerSettings, "FRESHREC_GLOBAL_LR", "-1", "must be >= 0"),
         (ParamServerSettings, "FRESHREC_GLOBAL_LR", "inf", "not a finite number"),
         (ParamServerSettings, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", "-0.1", "must be >= 0"),
