@@ -25,6 +25,7 @@ from freshrec.kafka import (
     producer_config,
     profile,
 )
+from freshrec.lifecycle import settle_heap
 from freshrec.settings import ConnectionSettings
 from freshrec.stack import EmbeddedStack, external_services
 from freshrec.topics import ensure_topics
@@ -172,7 +173,14 @@ def raw_consume_best(
     ranged from 0.34M to 1.2M messages/s within an hour on the development machine; noise
     only slows a read, so the fastest is the best estimate of what a plain consumer does, and
     the conservative denominator for a pipeline's share of it (a median read low and flattered
-    the ratio: 15-20% against 11-12.5% for the same runs of the worker)."""
+    the ratio: 15-20% against 11-12.5% for the same runs of the worker).
+
+    This process's heap is frozen first (``settle_heap``, as every FreshRec service freezes
+    its own at start): otherwise the cyclic collector, set off by the Message objects a read
+    creates, walks the benchmark's long-lived objects during each read. In ``bench_streams``'
+    process (~50,000 of them) reads of 200,000 events ran at 1.06-1.09M/s, frozen at
+    1.23-1.36M/s; in ``bench_learning``'s, with torch's, at about half (session 16)."""
+    settle_heap()
     rates = [raw_consume_rate(conn, topic, expected) for _ in range(reads)]
     return max(rates), [round(r) for r in rates]
 
