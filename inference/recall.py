@@ -15,8 +15,9 @@ A channel that misses its deadline is dropped from that batch (its thread finish
 background; its result is discarded) and counted; its breaker sees a failure. Channels that
 only read memory the worker holds (``inline``: the hot, regional and new lists, microseconds
 each) run in the calling thread while the others work: a thread hand-off would cost more than
-they do. Their deadline is checked when they return; one with an injected delay goes to the
-pool like the rest. An open breaker
+they do. Each one's deadline is checked against its own call's time when it returns (not the
+time the inline channels before it took, nor the submissions); one with an injected delay goes
+to the pool like the rest. An open breaker
 skips the channel until its cool-down has passed. A ``delay`` per channel can be injected for
 fault drills (``FRESHREC_RECALL_INJECT_DELAY_MS``).
 """
@@ -118,23 +119,24 @@ class RecallRunner:
                 futures[name] = cf.Future()
             else:
                 futures[name] = self.pool.submit(self._call, name, queries)
-        finished: dict[str, float] = {}  # inline channel -> seconds after start it returned
+        took: dict[str, float] = {}  # inline channel -> seconds its own call took
         for name, fut in futures.items():  # the inline ones, while the pool works
             if name in self.inline:
+                called = time.monotonic()
                 try:
                     fut.set_result(self._call(name, queries))
                 except Exception as exc:
                     fut.set_exception(exc)
-                finished[name] = time.monotonic() - start
+                took[name] = time.monotonic() - called
         for name, fut in futures.items():
             limit = self.configs[name].deadline_ms
             if budget_ms is not None:
                 limit = min(limit, max(budget_ms, 0.0))
             remaining = limit / 1000 - (time.monotonic() - start)
             try:
-                if name in finished:
-                    if finished[name] > limit / 1000:
-                        raise cf.TimeoutError  # it returned, but after its deadline
+                if name in took:
+                    if took[name] > limit / 1000:
+                        raise cf.TimeoutError  # it returned, but took longer than its deadline
                     remaining = 0.0  # done: waiting on other channels does not count
                 lists = fut.result(timeout=max(remaining, 0.0))
             except cf.TimeoutError:

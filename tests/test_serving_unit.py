@@ -381,6 +381,16 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
     result = slow_pool.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     assert result.timed_out == [] and result.per_query == [{"vector": ["vector"], "hot": ["hot"]}]
     slow_pool.close()
+    # each inline channel is held to its own time, not to the time the ones before it took:
+    # 60 + 30 ms in a row, the second with an 80 ms deadline, keeps both
+    in_a_row = RecallRunner(
+        {"hot": where("hot", pause=0.06), "new": where("new", pause=0.03)},
+        {"hot": ChannelConfig(2, 500), "new": ChannelConfig(2, 80)},
+        inline=("hot", "new"),
+    )  # fmt: skip
+    result = in_a_row.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
+    assert result.timed_out == [] and result.per_query == [{"hot": ["hot"], "new": ["new"]}]
+    in_a_row.close()
 
 
 def test_top_k_rows_matches_torch_topk():
