@@ -12,7 +12,7 @@ this process with its heap frozen first (``settle_heap``, as every FreshRec serv
 start): until session 15 the raw reads ran before the worker had frozen it, and the cyclic
 collector, set off by the Message objects a read creates, walked torch's ~184,000 objects
 during each read: the reads came out at about half a plain consumer's rate (0.58-0.77M
-against 1.19-1.30M events/s once frozen, scratch runs) and the ratio at about twice what it is.
+against 1.19-1.30M events/s once frozen, scratch runs) and the ratio at 1.3-2x what it is.
 
 Writes artifacts/bench_learning.json.
 """
