@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from freshrec.kafka import close_producer
 from freshrec.progress import ProgressLine
 from freshrec.stack import free_port
 from freshrec.topics import TopicNames
@@ -129,6 +130,7 @@ def main() -> None:
             before = scrape(f"http://127.0.0.1:{port}/metrics")
             stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
                                      producer=producer)  # fmt: skip
+            close_producer(producer, 10)  # before its broker stops
             time.sleep(2)
             after = scrape(f"http://127.0.0.1:{port}/metrics")
         delta = subtract(after, before, name + "_bucket")
