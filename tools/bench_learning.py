@@ -26,20 +26,20 @@ import threading
 import time
 
 import numpy as np
-from confluent_kafka.admin import AdminClient
 
-from freshrec.kafka import admin_config, close_producer
+from freshrec.kafka import close_producer
 from freshrec.lifecycle import settle_heap
 from freshrec.metrics import PS_ROWS_APPLIED, WORKER_EVENTS
 from freshrec.progress import ProgressLine
 from freshrec.stack import free_port
-from freshrec.topics import TopicNames, ensure_topics
+from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import LOOP_PHASES, Worker
 from param_server.server import ParameterServer
 from param_server.settings import ParamServerSettings
 from tools.benchlib import (
     bench_connection,
+    events_on_own_topics,
     lag_alongside,
     lag_summary,
     produce_values,
@@ -134,14 +134,12 @@ def main() -> None:
         with bench_connection(f"bw{stamp}.") as conn:
             # each worker pass needs a topic its group has not read: the same events on one
             # topic set per pass (a worker's group follows from its topic prefix)
-            passes = [conn] + [
-                conn.with_prefix(f"bw{stamp}{p}.") for p in "bcdefgh"[: args.passes - 1]
-            ]
             records = synthetic_records(world, 5, args.events)
-            for c in passes:
-                if c is not conn:
-                    ensure_topics(AdminClient(admin_config(c)), c.topic_prefix)
-                produce_values(c, TopicNames(c.topic_prefix).events, records)
+            produce_values(conn, TopicNames(conn.topic_prefix).events, records)
+            passes = [conn] + [
+                events_on_own_topics(conn, f"bw{stamp}{p}.", records)
+                for p in "bcdefgh"[: args.passes - 1]
+            ]
             topic = TopicNames(conn.topic_prefix).events
             settle_heap()  # what the worker's start does; the raw reads must not pay for it
             # raw reads and worker passes alternate, so both sides sample the same minutes

@@ -28,7 +28,7 @@ from freshrec.kafka import (
 from freshrec.lifecycle import settle_heap
 from freshrec.settings import ConnectionSettings
 from freshrec.stack import EmbeddedStack, external_services
-from freshrec.topics import ensure_topics
+from freshrec.topics import TopicNames, ensure_topics
 
 
 @contextlib.contextmanager
@@ -109,6 +109,18 @@ def produce_values(
                 p.poll(0.05)
     if p.flush(60):
         raise RuntimeError("benchmark input not delivered")
+
+
+def events_on_own_topics(
+    conn: ConnectionSettings, prefix: str, records: list[tuple[bytes, bytes]]
+) -> ConnectionSettings:
+    """``records`` on the ``events`` topic of a topic set of their own (``prefix``, topics
+    provisioned) on ``conn``'s broker; the connection to it. A new consumer group, or a reader
+    that must not meet another phase's batches, reads there."""
+    own = conn.with_prefix(prefix)
+    ensure_topics(AdminClient(admin_config(own)), prefix)
+    produce_values(own, TopicNames(prefix).events, records)
+    return own
 
 
 def process_tree(pid: int) -> list[int]:
