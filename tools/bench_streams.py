@@ -110,12 +110,11 @@ def main() -> None:
             cold = None
             if validated < len(records):
                 cold = (len(records) - validated) / (time.perf_counter() - start)
-    progress.done(
-        f"freshrec streams from a cold start: {cold:,.0f} events/s"
-        if cold is not None
-        else "freshrec streams from a cold start: not timed, every event was validated by the "
-        "first look (use more --events)"
-    )
+    if cold is None:
+        progress.done("freshrec streams from a cold start: not timed, every event was validated "
+                      "by the first look (use more --events)")  # fmt: skip
+    else:
+        progress.done(f"freshrec streams from a cold start: {cold:,.0f} events/s")
     results["throughput"] = {
         "events": len(records),
         "raw_consume_events_per_s": round(raw),
