@@ -76,6 +76,16 @@ def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int | N
     return value
 
 
+def env_optional_int(
+    env: Mapping[str, str], name: str, *, minimum: int | None = None
+) -> int | None:
+    """``env_int`` for a setting whose absence means "not set" (a default decided
+    elsewhere, e.g. by the Kafka profile): None when unset or empty."""
+    if not env.get(name):
+        return None
+    return env_int(env, name, 0, minimum=minimum)
+
+
 def env_float(
     env: Mapping[str, str], name: str, default: float, *, minimum: float | None = None,
     maximum: float | None = None, positive: bool = False,

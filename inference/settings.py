@@ -8,7 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from freshrec.settings import ConnectionSettings, SettingsError, env_float, env_int, state_dir
+from freshrec.settings import (
+    ConnectionSettings,
+    SettingsError,
+    env_float,
+    env_int,
+    env_optional_int,
+    state_dir,
+)
 from inference.breaker import BreakerConfig
 from inference.degrade import LadderConfig
 from inference.learning import LabelConfig
@@ -133,11 +140,7 @@ class WorkerSettings:
             event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 16384, minimum=1),
             event_slice_ms=env_float(env, "FRESHREC_EVENT_SLICE_MS", 10.0, positive=True),
             event_slice_idle_ms=env_float(env, "FRESHREC_EVENT_SLICE_IDLE_MS", 40.0, positive=True),
-            fetch_wait_ms=(
-                env_int(env, "FRESHREC_WORKER_FETCH_WAIT_MS", 0, minimum=0)
-                if env.get("FRESHREC_WORKER_FETCH_WAIT_MS")
-                else None
-            ),
+            fetch_wait_ms=env_optional_int(env, "FRESHREC_WORKER_FETCH_WAIT_MS", minimum=0),
             torch_threads=env_int(env, "FRESHREC_TORCH_THREADS", 1, minimum=0),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",

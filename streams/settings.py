@@ -10,6 +10,7 @@ from freshrec.settings import (
     SettingsError,
     env_float,
     env_int,
+    env_optional_int,
     env_str,
 )
 from schemas.codec import CodecLimits
@@ -64,7 +65,6 @@ class StreamsSettings:
             smoothing=Smoothing(),
             price_cap=env_float(env, "FRESHREC_PRICE_CAP", 1000.0, positive=True),
         )
-        fetch = env.get("FRESHREC_STREAMS_FETCH_WAIT_MS")
         validate = env_str(env, "FRESHREC_STREAMS_VALIDATE", "process")
         if validate not in ("process", "thread"):
             raise SettingsError(
@@ -83,7 +83,7 @@ class StreamsSettings:
             new_item_window_ms=env_int(env, "FRESHREC_NEW_ITEM_WINDOW_MS", 86_400_000, minimum=1),
             publish_interval_ms=env_int(env, "FRESHREC_HOT_PUBLISH_MS", 200, minimum=10),
             features_interval_ms=env_int(env, "FRESHREC_FEATURES_WRITE_MS", 1000, minimum=10),
-            fetch_wait_max_ms=int(fetch) if fetch else None,
+            fetch_wait_max_ms=env_optional_int(env, "FRESHREC_STREAMS_FETCH_WAIT_MS", minimum=0),
             batch_max=env_int(env, "FRESHREC_STREAMS_BATCH_MAX", 5000, minimum=1),
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             validate_process=validate == "process",

@@ -71,6 +71,8 @@ def test_the_workers_fetch_wait_is_its_setting_else_the_profiles(env, wait_ms):
         (StreamsSettings, "FRESHREC_STREAMS_VALIDATE", "fork", "must be 'process' or 'thread'"),
         (StreamsSettings, "FRESHREC_STREAMS_BATCH_MAX", "0", "must be >= 1"),
         (StreamsSettings, "FRESHREC_FEATURES_WRITE_MS", "5", "must be >= 10"),
+        (StreamsSettings, "FRESHREC_STREAMS_FETCH_WAIT_MS", "-5", "must be >= 0"),
+        (StreamsSettings, "FRESHREC_STREAMS_FETCH_WAIT_MS", "5ms", "not an integer"),
     ],
 )
 def test_a_value_a_service_cannot_run_with_is_refused_by_name(settings, name, value, why):
