@@ -61,9 +61,9 @@ class EmbeddingCache:
         self.item_ids: list[int] = []  # by slot
         self.users = _Table(self.w, user_capacity, device)
         self.user_lru = SlotLRU(user_capacity)
-        self.on_evict: Callable[[int, np.ndarray], None] = lambda table, slots: None
-        """Called with the slots whose rows were evicted, once per lookup, before those
-        slots take their new rows."""
+        self.on_evict: Callable[[int, np.ndarray, list[int]], None] = lambda t, slots, ids: None
+        """Called with the slots whose rows were evicted and those rows' ids, once per
+        lookup, before those slots take their new rows."""
 
     # ------------------------------------------------------------------------------ slots
     def slots(self, table: int, ids: np.ndarray) -> np.ndarray:
@@ -113,6 +113,7 @@ class EmbeddingCache:
         out = np.empty(len(ids), np.int64)
         missing: dict[int, int] = {}
         evicted_slots: list[int] = []
+        evicted_ids: list[int] = []
         hits = 0
         for j, i in enumerate(ids.tolist()):
             slot = self.user_lru.get(i)
@@ -122,12 +123,13 @@ class EmbeddingCache:
                     slot, evicted = self.user_lru.admit(i)
                     if evicted is not None:
                         evicted_slots.append(slot)
+                        evicted_ids.append(evicted)
                     missing[i] = slot
             else:
                 hits += 1
             out[j] = slot
         if evicted_slots:
-            self.on_evict(TABLE_USER, np.asarray(evicted_slots, np.int64))
+            self.on_evict(TABLE_USER, np.asarray(evicted_slots, np.int64), evicted_ids)
         m.CACHE_LOOKUPS.labels("user", "device").inc(hits)
         if missing:
             try:

@@ -274,6 +274,19 @@ class PendingSteps:
         lists.inst_part[slots] = lists.inst_off[slots] = -1
         self._release(steps)
 
+    def drop_unsent(self, table: Hashable, steps: np.ndarray) -> None:
+        """Let unsent steps ``steps`` of ``table`` go: their gradients will never be sent
+        (the worker's admission filter forgot their rows)."""
+        steps = np.unique(np.asarray(steps, np.int64))
+        if not len(steps):
+            return
+        if (self._token[steps] != UNSENT).any() or (self._slot[steps] < 0).any():
+            raise ValueError("only steps held and unsent can be dropped")
+        code = self._codes.get(table)
+        if code is None or (self._table[steps] != code).any():
+            raise ValueError(f"steps of another table than {table!r}")
+        self._drop(self._tables[table], steps)
+
     def steps(self, table: Hashable, slot: int) -> np.ndarray:
         """The deltas of one row's steps, in the order they were taken (for inspection)."""
         lists = self._tables.get(table)

@@ -130,7 +130,7 @@ class Worker:
         self.cache = EmbeddingCache(
             self.dim, settings.user_capacity_rows, self._fetch, pick_device(settings.device)
         )
-        self.cache.on_evict = lambda table, slots: self.pending.forget(table, slots)
+        self.cache.on_evict = self._evicted
         # ~40 MB written now, not page by page inside the first slices
         self.pending = PendingSteps(capacity=1 << 17, width=self.cache.w, touch=True)
         self.item_row_ids = RowIdMemo(200_000)  # a catalogue's items come back every slice
@@ -301,8 +301,7 @@ class Worker:
             self._last_commit = now
         if now - self._housekeeping_at > 1.0:
             self._housekeeping_at = now
-            for ref in self.admission.rotate(_now_ms()):  # unseen for a window: forgotten
-                self.unsent.pop(ref, None)
+            self.forget_unadmitted(_now_ms())
             self.models.poll()
             self.recommender.maybe_rebuild_index()
             for name, state in self.recommender.runner.breaker_states().items():
@@ -639,6 +638,29 @@ class Worker:
         self._send(outgoing)
         if self._outbox_rows >= OUTBOX_MAX_ROWS or not self.settings.learning.gradient_linger_ms:
             self._send_outbox()
+
+    def _evicted(self, table: int, slots: np.ndarray, ids: list[int]) -> None:
+        """Rows left the user slab: their local steps go with them (the pool reuses their
+        entries). A row's gradients held back for admission stay, to be sent on admission,
+        but no longer name those steps."""
+        self.pending.forget(table, slots)
+        for rid in ids:
+            held = self.unsent.get((table, rid))
+            if held is not None:
+                held[3] = []
+
+    def forget_unadmitted(self, now_ms: int) -> None:
+        """Rows unseen for a whole admission window are forgotten with the gradients they
+        held back, and with those gradients' local steps: they will never reach the
+        parameter server, and would otherwise stay in the step pool for good (the cached row
+        keeps them until a broadcast of the row, if one ever comes, replaces it)."""
+        gone: dict[int, list[int]] = defaultdict(list)
+        for ref in self.admission.rotate(now_ms):
+            held = self.unsent.pop(ref, None)
+            if held is not None:
+                gone[ref[0]] += held[3]
+        for table, steps in gone.items():
+            self.pending.drop_unsent(table, np.asarray(steps, np.int64))
 
     def _queue(self, table, keys, sums, counts, newest, steps, outgoing) -> None:
         now_ms = _now_ms()

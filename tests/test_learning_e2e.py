@@ -141,6 +141,58 @@ def test_admission_holds_a_rows_gradients_until_its_second_touch_then_sends_thei
     w.close()
 
 
+def _learn_clicks(w: Worker, pairs) -> None:
+    """Learn one click per (user, item), without Kafka: the worker's own ``learn``."""
+    from inference.learning import Examples
+
+    n = len(pairs)
+    w.learn(Examples([u for u, _ in pairs], [i for _, i in pairs], np.ones(n, np.float32),
+                     np.ones(n, np.float32), np.full(n, int(time.time() * 1000))))  # fmt: skip
+
+
+def test_a_held_back_users_steps_do_not_follow_it_out_of_the_slab(conn, monkeypatch):
+    """Admission above 1 and a user evicted while its gradients are held back: its steps go
+    with its slab row and their pool entries are reused, so they must not travel with its
+    gradients when it is admitted later (they would name another step, or one twice)."""
+    s = WorkerSettings(conn, LearningSettings(dim=DIM, admission_touches=3), user_capacity_rows=2)
+    w = Worker(s)
+    w.start()
+    sent: list[tuple[int, RowBatch]] = []
+    monkeypatch.setattr(w, "_produce_gradients", lambda token, part, b: sent.append((token, b)))
+    _learn_clicks(w, [("hA", "hi"), ("hB", "hi")])  # held: one touch each
+    _learn_clicks(w, [("hC", "hi"), ("hD", "hi")])  # hA and hB evicted, their steps released
+    _learn_clicks(w, [("hE", "hi")])  # hC evicted
+    _learn_clicks(w, [("hA", "hi")])  # hA back (hD evicted): its second touch
+    _learn_clicks(w, [("hA", "hi")])  # its third: admitted, its gradients sent
+    ((token, batch),) = [(t, b) for t, b in sent if b.table == TABLE_USER]
+    assert batch.ids.tolist() == [row_id("hA")]
+    p = w.pending
+    steps = p._by_token[token]
+    # the two steps hA took since it came back, each once; the first went with its old row
+    assert len(steps) == 2 and len(set(steps.tolist())) == 2
+    assert (p._slot[steps] == w.cache.held(TABLE_USER, row_id("hA"))).all()
+    assert (p._table[steps] == p._codes[TABLE_USER]).all()
+    w.close()
+
+
+def test_a_row_forgotten_by_admission_leaves_no_steps_behind(conn):
+    """A row unseen for a whole admission window is forgotten with its held gradients; its
+    local steps, which will never reach the parameter server, are let go too (they would
+    stay in the pool for good)."""
+    w = learner(conn, admission_touches=3, admission_window_s=1)
+    t0 = int(time.time() * 1000)
+    w.forget_unadmitted(t0)  # the filter's first generation starts
+    _learn_clicks(w, [("fA", "fi")])
+    assert len(steps_of(w, TABLE_USER, row_id("fA"))) == 1
+    held = len(w.pending)
+    w.forget_unadmitted(t0 + 1_000)  # one window: fA in the previous generation
+    w.forget_unadmitted(t0 + 2_000)  # two: forgotten
+    assert (TABLE_USER, row_id("fA")) not in w.unsent
+    assert len(steps_of(w, TABLE_USER, row_id("fA"))) == 0
+    assert len(w.pending) < held
+    w.close()
+
+
 def test_gradients_of_one_linger_window_leave_summed_per_row_in_one_message(conn):
     s = WorkerSettings(conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000),
                        user_capacity_rows=1000, commit_interval_s=3600.0)  # fmt: skip

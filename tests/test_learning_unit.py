@@ -278,6 +278,22 @@ def test_a_slot_named_twice_in_one_record_keeps_its_steps_in_order():
     check_lists(p)
 
 
+def test_unsent_steps_dropped_leave_the_rest_of_their_rows_in_order():
+    p = PendingSteps()
+    steps = p.record("user", np.array([5, 6, 5, 5]), np.arange(8.0).reshape(4, 2))
+    p.assign(steps[[3]], 4)  # 5's last step is sent
+    p.drop_unsent("user", steps[[0, 2]])  # 5's first two, unsent
+    assert p.steps("user", 5).tolist() == [[6, 7]] and p.steps("user", 6).tolist() == [[2, 3]]
+    assert len(p) == 2
+    with pytest.raises(ValueError, match="held and unsent"):
+        p.drop_unsent("user", steps[[3]])  # sent: its message carries it
+    with pytest.raises(ValueError, match="held and unsent"):
+        p.drop_unsent("user", steps[[0]])  # already gone
+    with pytest.raises(ValueError, match="another table"):
+        p.drop_unsent("item", steps[[1]])
+    check_lists(p)
+
+
 def test_a_failed_message_leaves_its_steps_local_and_a_forgotten_rows_report_is_ignored():
     p = PendingSteps()
     a = p.record("user", np.array([1, 2]), np.ones((2, 1)))
