@@ -754,23 +754,25 @@ class Worker:
 
     def _produce_gradients(self, token: int, part: int, batch: RowBatch) -> None:
         value, key = batch.encode(), row_key(int(batch.ids[0]))
+        name = TABLE_NAMES[batch.table]
         while True:
             try:
                 self.producer.produce(
                     self.names.gradients, value=value, key=key, partition=part,
-                    on_delivery=self._delivered(token),
+                    on_delivery=self._delivered(token, name, len(batch.ids)),
                 )  # fmt: skip
                 break
             except BufferError:
                 self.producer.poll(0.05)
-        name = TABLE_NAMES[batch.table]
         m.GRADIENT_ROWS.labels(name, "sent").inc(len(batch.ids))
         m.GRADIENT_MESSAGES.labels("sent").inc()
 
-    def _delivered(self, token: int):
+    def _delivered(self, token: int, table_name: str, rows: int):
         def callback(err, msg) -> None:
             if err is not None:
-                log.warning("gradient message lost: %s", err)
+                log.warning("gradient message lost (%d %s rows): %s", rows, table_name, err)
+                m.GRADIENT_MESSAGES.labels("lost").inc()
+                m.GRADIENT_ROWS.labels(table_name, "lost").inc(rows)
                 self.pending.failed(token)
                 return
             for table, slots, deltas in self.pending.delivered(

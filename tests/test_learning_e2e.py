@@ -193,6 +193,33 @@ def test_a_row_forgotten_by_admission_leaves_no_steps_behind(conn):
     w.close()
 
 
+def test_a_gradient_message_never_delivered_is_counted_and_its_steps_stay_local(conn, monkeypatch):
+    from confluent_kafka import KafkaError
+
+    from freshrec import metrics as m
+    from inference.pending import FAILED
+    from schemas.rowbatch import TABLE_NAMES
+
+    w = learner(conn)
+    sent: list[tuple[int, RowBatch]] = []
+    monkeypatch.setattr(w, "_produce_gradients", lambda token, part, b: sent.append((token, b)))
+    _learn_clicks(w, [("lost-u", "lost-i")])
+    w._send_outbox()
+    assert len(sent) == 2  # a user row and an item row
+    lost = m.GRADIENT_MESSAGES.labels("lost")
+    lost_rows = m.GRADIENT_ROWS.labels("user", "lost")
+    before, rows_before = lost._value.get(), lost_rows._value.get()
+    steps = [w.pending._by_token[t] for t, _ in sent]
+    for t, b in sent:  # what librdkafka reports once it gives up on a message
+        w._delivered(t, TABLE_NAMES[b.table], len(b.ids))(
+            KafkaError(KafkaError._MSG_TIMED_OUT), None
+        )
+    assert lost._value.get() - before == 2 and lost_rows._value.get() - rows_before == 1
+    assert all((w.pending._token[s] == FAILED).all() for s in steps)
+    assert len(steps_of(w, TABLE_USER, row_id("lost-u"))) == 1  # local for good
+    w.close()
+
+
 def test_gradients_of_one_linger_window_leave_summed_per_row_in_one_message(conn):
     s = WorkerSettings(conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000),
                        user_capacity_rows=1000, commit_interval_s=3600.0)  # fmt: skip
