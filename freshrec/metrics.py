@@ -127,6 +127,11 @@ PS_FLUSH_SECONDS = Histogram(
     "freshrec_ps_flush_seconds", "Time to persist and broadcast one flush", buckets=LAG_BUCKETS_S
 )
 PS_SKIPPED = Counter("freshrec_ps_skipped_messages_total", "Gradient messages skipped", ["reason"])
+PS_BROADCASTS = Counter(
+    "freshrec_ps_broadcast_messages_total",
+    "Update messages on embeddings.updates, by delivery outcome (delivered, failed)",
+    ["outcome"],
+)
 
 
 # ------------------------------------------------------------------------------ serving

@@ -440,8 +440,12 @@ class ParameterServer:
 
     def _record_broadcast(self, err, msg) -> None:
         if err is not None:
+            # the rows are persisted; workers see them at their next update, or load them
+            # from Redis when they start
             log.warning("update broadcast failed: %s", err)
+            m.PS_BROADCASTS.labels("failed").inc()
             return
+        m.PS_BROADCASTS.labels("delivered").inc()
         p = msg.partition()
         self._broadcast_positions[p] = max(self._broadcast_positions.get(p, -1), msg.offset())
 

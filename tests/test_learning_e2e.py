@@ -220,6 +220,31 @@ def test_a_gradient_message_never_delivered_is_counted_and_its_steps_stay_local(
     w.close()
 
 
+def test_a_broadcast_that_fails_is_counted_and_moves_no_broadcast_position(conn):
+    from confluent_kafka import KafkaError
+
+    from freshrec import metrics as m
+    from param_server.server import ParameterServer
+    from param_server.settings import ParamServerSettings
+
+    class Delivered:  # a delivery report's message: where it landed
+        def partition(self) -> int:
+            return 1
+
+        def offset(self) -> int:
+            return 41
+
+    ps = ParameterServer(ParamServerSettings(conn, dim=DIM))
+    failed, delivered = m.PS_BROADCASTS.labels("failed"), m.PS_BROADCASTS.labels("delivered")
+    f0, d0 = failed._value.get(), delivered._value.get()
+    ps._record_broadcast(KafkaError(KafkaError._MSG_TIMED_OUT), None)
+    assert failed._value.get() - f0 == 1 and ps._broadcast_positions == {}
+    ps._record_broadcast(None, Delivered())
+    assert delivered._value.get() - d0 == 1 and ps._broadcast_positions == {1: 41}
+    close_producer(ps.producer, 5)
+    ps.consumer.close()
+
+
 def test_gradients_of_one_linger_window_leave_summed_per_row_in_one_message(conn):
     s = WorkerSettings(conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000),
                        user_capacity_rows=1000, commit_interval_s=3600.0)  # fmt: skip
