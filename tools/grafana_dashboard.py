@@ -121,6 +121,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                         "sum by (outcome) (rate(freshrec_updates_installed_total[1m]))",
                         "updates {{outcome}}",
                     ),
+                    (
+                        'sum(rate(freshrec_ps_broadcast_messages_total{outcome="failed"}[1m]))',
+                        "broadcasts failed",
+                    ),
                 ],
                 8,
             ),
