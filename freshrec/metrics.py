@@ -116,6 +116,11 @@ CACHE_LOOKUPS = Counter(
 )  # fmt: skip
 CACHE_ROWS = Gauge("freshrec_cache_rows", "Rows resident on the device", ["table"])
 PENDING_STEPS = Gauge("freshrec_pending_local_steps", "Local steps not yet in a global row")
+PENDING_STEPS_LET_GO = Counter(
+    "freshrec_pending_local_steps_let_go_total",
+    "Local steps whose read-your-writes bookkeeping was let go: the pool was at its bound "
+    "(FRESHREC_MAX_PENDING_STEPS), the parameter server down or far behind",
+)
 PS_ROWS_APPLIED = Counter("freshrec_ps_rows_applied_total", "Rows updated by Adagrad", ["table"])
 PS_ROWS_EVICTED = Counter(
     "freshrec_ps_rows_evicted_total",

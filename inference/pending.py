@@ -14,7 +14,8 @@ local steps (the deltas −lr·g) with the gradient message that carries them, a
   removed from the serving row.
 
 Exact: a step is in the serving row either through the global row or as a pending delta,
-never both, never neither. The worker also waits for the delivery reports of a row's
+never both, never neither — unless the pool reached its bound and ``trim`` let the step go
+(then an update that lacks it installs the row without it, until one that includes it). The worker also waits for the delivery reports of a row's
 messages before it installs an update of that row (``waiting``): the parameter server can
 only have applied a message the broker had acknowledged, so the report decides, and the
 second rule above is then a safety net, not a path the worker takes.
@@ -50,9 +51,9 @@ import numpy as np
 UNSENT = 0
 """The token of a step whose message has not been produced yet."""
 FAILED = -1
-"""The token of a step whose message was not delivered: local for good."""
+"""The token of a step whose message was not delivered: local for good (or until ``trim``)."""
 _UNKNOWN = -1  # the offset of a step whose delivery report has not arrived
-_POOL = ("_delta", "_token", "_part", "_off", "_next", "_slot", "_table")
+_POOL = ("_delta", "_token", "_part", "_off", "_next", "_slot", "_table", "_seq")
 """The pool's arrays, one entry per step; a free entry holds nothing: ``record`` writes it."""
 
 
@@ -91,6 +92,7 @@ class PendingSteps:
             for name in _POOL:
                 getattr(self, name).fill(0)
         self._count = 0
+        self._taken = 0  # steps recorded so far: each step's ``_seq``, its age
         # token -> its steps (pool indices), from ``assign`` to the delivery report
         self._by_token: dict[int, np.ndarray] = {}
 
@@ -135,6 +137,8 @@ class PendingSteps:
         self._next[idx] = -1
         self._slot[idx] = slots
         self._table[idx] = self._codes[table]
+        self._seq[idx] = np.arange(self._taken, self._taken + len(slots))
+        self._taken += len(slots)
         order = np.argsort(slots, kind="stable")
         ordered = slots[order]
         first = np.ones(len(slots), bool)
@@ -286,6 +290,30 @@ class PendingSteps:
         if code is None or (self._table[steps] != code).any():
             raise ValueError(f"steps of another table than {table!r}")
         self._drop(self._tables[table], steps)
+
+    def trim(self, most: int) -> int:
+        """Hold at most ``most`` steps, if sent ones allow: let the oldest steps already in a
+        message go (delivered, in flight or failed; unsent ones are named by the outbox and
+        stay). Their deltas stay in the serving rows, but the bookkeeping no longer knows
+        them: a later install of such a row is its global row plus the steps still held, so
+        a let-go step the update does not include yet is missing from the row until an
+        update that includes it (the parameter server applies in offset order and catches
+        up). The worker's bound for a parameter server down or far behind, where otherwise
+        every step would stay. Returns the number of steps let go."""
+        if most < 0:
+            raise ValueError(f"most must be >= 0, not {most}")
+        excess = self._count - most
+        if excess <= 0:
+            return 0
+        held = np.ones(len(self._token), bool)
+        held[self._free[: self._free_n]] = False
+        candidates = np.flatnonzero(held & (self._token != UNSENT))
+        if len(candidates) > excess:
+            oldest = np.argpartition(self._seq[candidates], excess - 1)[:excess]
+            candidates = candidates[oldest]
+        for code in np.unique(self._table[candidates]).tolist():
+            self._drop(self._tables[self._names[code]], candidates[self._table[candidates] == code])
+        return len(candidates)
 
     def steps(self, table: Hashable, slot: int) -> np.ndarray:
         """The deltas of one row's steps, in the order they were taken (for inspection)."""

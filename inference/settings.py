@@ -44,6 +44,12 @@ class LearningSettings:
     interval: on the embedded broker, whose every fetch costs in proportion to the record
     batches its partitions hold, 20 ms left the worker's local lag p99 at ~90 ms at 5,000
     events/s, 100 ms at ~50 (served p50 +30 ms; docs/benchmarks.md)."""
+    max_pending_steps: int = 1_000_000
+    """Bound of the read-your-writes pool (~316 bytes a step at 64 dimensions: ~0.3 GB).
+    Steps leave the pool as broadcast updates include them; while the parameter server is
+    down or far behind they pile up, and past this bound the oldest sent ones are let go
+    (``PendingSteps.trim``, docs/online-learning.md): learning goes on, and a row may miss
+    such a step between an update that lacks it and one that includes it."""
     labels: LabelConfig = field(default_factory=LabelConfig)
 
 
@@ -103,6 +109,7 @@ class WorkerSettings:
             admission_touches=env_int(env, "FRESHREC_ADMISSION_TOUCHES", 1, minimum=1),
             admission_window_s=env_int(env, "FRESHREC_ADMISSION_WINDOW_S", 3600, minimum=1),
             gradient_linger_ms=env_int(env, "FRESHREC_GRADIENT_LINGER_MS", 100, minimum=0),
+            max_pending_steps=env_int(env, "FRESHREC_MAX_PENDING_STEPS", 1_000_000, minimum=1_000),
         )
         channels = dict(DEFAULT_CHANNELS)
         enabled = env.get("FRESHREC_RECALL_CHANNELS")

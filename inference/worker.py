@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, defaultdict, deque
@@ -174,6 +175,7 @@ class Worker:
         self._answered_unsaved: list[str] = []
         self._events_retry_at = 0.0
         self._housekeeping_at = 0.0
+        self._trim_warned_at = -math.inf
         self.assigned = 0
         self.snapshots = SnapshotRefresher(
             self.redis, self.keys, settings.hot_k, weights=settings.hot_weights,
@@ -638,6 +640,26 @@ class Worker:
         self._send(outgoing)
         if self._outbox_rows >= OUTBOX_MAX_ROWS or not self.settings.learning.gradient_linger_ms:
             self._send_outbox()
+        if len(self.pending) > self.settings.learning.max_pending_steps:
+            self._trim_pending()
+
+    def _trim_pending(self) -> None:
+        """The read-your-writes pool is at its bound (no broadcast has taken steps out of
+        it for a while): let the oldest sent steps go, down to 90% of it, so that this
+        happens once in many slices."""
+        most = self.settings.learning.max_pending_steps
+        held = len(self.pending)
+        let_go = self.pending.trim(most * 9 // 10)
+        m.PENDING_STEPS_LET_GO.inc(let_go)
+        self.stats["pending_let_go"] += let_go
+        now = time.monotonic()
+        if now - self._trim_warned_at > 60:
+            self._trim_warned_at = now
+            log.warning(
+                "read-your-writes pool at its bound (%d local steps, FRESHREC_MAX_PENDING_STEPS"
+                " %d): let the oldest %d go; is the parameter server running and broadcasting?",
+                held, most, let_go,
+            )  # fmt: skip
 
     def _evicted(self, table: int, slots: np.ndarray, ids: list[int]) -> None:
         """Rows left the user slab: their local steps go with them (the pool reuses their

@@ -409,6 +409,37 @@ def test_read_your_writes_local_steps_survive_slow_broadcasts_and_converge(conn,
     w.close()
 
 
+def test_with_the_parameter_server_down_the_step_pool_stays_bounded_and_rows_converge(
+    conn, tmp_path
+):
+    """No broadcast takes steps out of the read-your-writes pool while the parameter server
+    is down: past its bound the oldest sent steps are let go and learning goes on; once the
+    server is back every row still ends as the server's row."""
+    from freshrec import metrics as m
+
+    w = learner(conn, max_pending_steps=40)
+    let_go = m.PENDING_STEPS_LET_GO._value.get()
+    users = [f"pb{k}-{j}" for k in range(10) for j in range(6)]
+    for k in range(10):
+        _learn_clicks(w, [(f"pb{k}-{j}", f"pi{j % 3}") for j in range(6)])  # 9 steps a slice
+        w._send_outbox()
+        w.producer.flush(10)  # sent and delivered: steps the next trim may let go
+        assert len(w.pending) <= 40 + 9
+    assert w.stats["pending_let_go"] > 0
+    assert m.PENDING_STEPS_LET_GO._value.get() - let_go == w.stats["pending_let_go"]
+    with service(conn, "param-server", tmp_path / "ps.log", **ENV):
+
+        def converged() -> bool:
+            for u in users:
+                got = redis_row(conn, "user", row_id(u))
+                if got is None or not np.allclose(w.user_row(u), got[0], rtol=1e-5, atol=1e-6):
+                    return False
+            return len(w.pending) == 0
+
+        pump([w], converged, timeout_s=40, what="every row to be the parameter server's")
+    w.close()
+
+
 def gradient_messages(
     n_messages: int, seed: int = 0, poison: bool = False
 ) -> list[tuple[int, bytes]]:

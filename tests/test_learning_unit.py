@@ -315,6 +315,53 @@ def test_a_failed_message_leaves_its_steps_local_and_a_forgotten_rows_report_is_
     check_lists(p)
 
 
+def test_trimming_lets_the_oldest_sent_steps_go_and_keeps_the_unsent_ones():
+    p = PendingSteps()
+    a = p.record("user", np.array([1, 2]), np.array([[1.0], [2.0]]))
+    p.assign(a, 1)
+    p.delivered(1, 0, 5)
+    b = p.record("user", np.array([1]), np.array([[4.0]]))
+    p.assign(b, 2)  # in flight
+    c = p.record("item", np.array([1]), np.array([[8.0]]))
+    p.assign(c, 3)
+    p.failed(3)
+    p.record("user", np.array([2]), np.array([[16.0]]))  # unsent: the outbox names it
+    assert p.trim(5) == 0 and len(p) == 5
+    assert p.trim(3) == 2  # the two oldest sent: message 1's
+    assert p.steps("user", 1).tolist() == [[4.0]] and p.steps("user", 2).tolist() == [[16.0]]
+    check_lists(p)
+    # an update that does not include a let-go step: the row is its global row plus the
+    # steps still held, so it misses that step until an update includes it
+    rest, kept = p.install("user", np.array([2]), 0, 4)
+    assert rest.tolist() == [[16.0]] and kept.tolist() == [True]
+    assert p.trim(0) == 2  # every sent step (message 2's in flight, 3's failed), not the unsent
+    assert len(p) == 1 and p.steps("user", 2).tolist() == [[16.0]]
+    assert p.delivered(2, 0, 6) == []  # a let-go step's report touches nothing
+    assert p.waiting("user", np.array([1])).tolist() == [False]
+    check_lists(p)
+    with pytest.raises(ValueError):
+        p.trim(-1)
+
+
+def test_trimming_a_large_pool_lets_go_exactly_the_oldest_and_the_pool_reuses_them():
+    p = PendingSteps(capacity=16)
+    rng = np.random.default_rng(3)
+    taken = []
+    for token in range(1, 41):
+        slots = rng.integers(0, 30, 25)
+        steps = p.record("user", slots, np.full((25, 1), float(token)))
+        p.assign(steps, token)
+        taken.append(steps)
+    assert p.trim(600) == 400  # the steps of the first 16 messages
+    held = sorted(np.concatenate([p.steps("user", s)[:, 0] for s in range(30)]).tolist())
+    assert held == sorted(float(t) for t in range(17, 41) for _ in range(25))
+    check_lists(p)
+    size = len(p._token)
+    p.record("user", np.arange(400) % 30, np.zeros((400, 1)))  # into the released entries
+    assert len(p) == 1000 and len(p._token) == size
+    check_lists(p)
+
+
 def test_bad_input_to_the_bookkeeping_is_refused():
     p = PendingSteps()
     with pytest.raises(ValueError):

@@ -63,6 +63,7 @@ def test_the_workers_fetch_wait_is_its_setting_else_the_profiles(env, wait_ms):
         (WorkerSettings, "FRESHREC_HOT_DECAY_PER_HOUR", "1.2", "must be <= 1"),
         (WorkerSettings, "FRESHREC_WORKER_FETCH_WAIT_MS", "-1", "must be >= 0"),
         (WorkerSettings, "FRESHREC_WORKER_FETCH_WAIT_MS", "soon", "not an integer"),
+        (WorkerSettings, "FRESHREC_MAX_PENDING_STEPS", "10", "must be >= 1000"),
         (ParamServerSettings, "FRESHREC_GLOBAL_LR", "-1", "must be >= 0"),
         (ParamServerSettings, "FRESHREC_GLOBAL_LR", "inf", "not a finite number"),
         (ParamServerSettings, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", "-0.1", "must be >= 0"),

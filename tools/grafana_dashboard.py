@@ -70,6 +70,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 "short",
                 [
                     ("sum(freshrec_pending_local_steps)", "pending local steps"),
+                    (
+                        "sum(rate(freshrec_pending_local_steps_let_go_total[1m]))",
+                        "steps let go /s (pool at its bound)",
+                    ),
                     ("sum(freshrec_worker_event_backlog)", "worker event backlog"),
                 ],
                 12,
