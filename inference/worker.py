@@ -65,6 +65,7 @@ from inference.learning import (
     logistic_gradients,
 )
 from inference.modelfile import ModelWatcher
+from inference.offsets import OffsetGate
 from inference.pending import PendingSteps
 from inference.recall import RecallRunner
 from inference.serving import IN_MEMORY_CHANNELS, Inbound, Recommender
@@ -170,6 +171,8 @@ class Worker:
         self.backlog: deque[Message] = deque()
         self.paused: list[TopicPartition] = []
         self.processed: dict[tuple[str, int], int] = {}
+        """Offsets to commit: requests answered, events whose gradients the broker holds."""
+        self.gate = OffsetGate()  # learnt events' offsets until their gradients are delivered
         self._committed: dict[tuple[str, int], int] = {}
         self.answered: OrderedDict[str, None] = OrderedDict()
         self._answered_unsaved: list[str] = []
@@ -489,8 +492,7 @@ class Worker:
             return
         topic = self.names.events
         for partition, msg in {msg.partition(): msg for msg in chunk}.items():  # its last
-            key = (topic, partition)
-            self.processed[key] = max(self.processed.get(key, 0), msg.offset() + 1)
+            self.gate.learnt((topic, partition), msg.offset() + 1)
 
     def _flow_control(self) -> None:
         high = max(4 * self.settings.batch_max, 2 * self.slicer.size(time.monotonic()))
@@ -504,8 +506,14 @@ class Worker:
             self.paused = []
 
     def _commit(self, sync: bool = False) -> None:
-        if self._outbox_rows:  # no offset is committed before its events' gradients left
+        """Commit what is done: answered requests, and learnt events whose gradient messages
+        the broker has acknowledged (``OffsetGate``): a crash between handing gradients to
+        the producer and their delivery must not leave their events committed."""
+        if self._outbox_rows:
             self._send_outbox()
+        self.gate.seal()  # every learnt event's gradients are produced now
+        for key, offset in self.gate.ready().items():
+            self.processed[key] = max(self.processed.get(key, 0), offset)
         changed = [
             TopicPartition(t, p, o)
             for (t, p), o in self.processed.items()
@@ -542,6 +550,7 @@ class Worker:
         for key in gone:
             self.processed.pop(key, None)
             self._committed.pop(key, None)
+        self.gate.forget(gone)  # gradients undelivered after the flush: the next owner relearns
         self.paused = []
         self.assigned = 0
         m.ASSIGNED_PARTITIONS.labels("worker").set(0)
@@ -777,6 +786,7 @@ class Worker:
     def _produce_gradients(self, token: int, part: int, batch: RowBatch) -> None:
         value, key = batch.encode(), row_key(int(batch.ids[0]))
         name = TABLE_NAMES[batch.table]
+        self.gate.produced(token)
         while True:
             try:
                 self.producer.produce(
@@ -791,6 +801,7 @@ class Worker:
 
     def _delivered(self, token: int, table_name: str, rows: int):
         def callback(err, msg) -> None:
+            self.gate.reported(token)
             if err is not None:
                 log.warning("gradient message lost (%d %s rows): %s", rows, table_name, err)
                 m.GRADIENT_MESSAGES.labels("lost").inc()

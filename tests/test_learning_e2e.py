@@ -336,6 +336,47 @@ def test_an_update_for_a_row_with_an_unacknowledged_step_waits_without_blocking(
     w.close()
 
 
+def test_events_are_committed_only_once_the_broker_holds_their_gradients(conn):
+    """A crash after the gradients were handed to the producer but before the broker took
+    them must not find their events committed: the partition's next owner would start after
+    those events, and the gradients died with the producer's queue."""
+    from confluent_kafka import TopicPartition
+
+    w = learner(conn)
+    real = w.producer
+
+    class Stalled:  # the gradients sit in the producer: handed over, not delivered
+        def __init__(self) -> None:
+            self.held: list[dict] = []
+
+        def produce(self, topic, **kw):
+            if topic == w.names.gradients:
+                self.held.append(kw)
+            else:
+                real.produce(topic, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    w.producer = stalled = Stalled()
+    produce(conn, clicks("oc-u", "oc-i", 5))
+    pump([w], lambda: len(stalled.held) == 2 and not w.backlog, what="the gradients to leave")
+    w._commit(sync=True)
+    parts = [TopicPartition(w.names.events, p) for p in range(w._partitions(w.names.events))]
+
+    def committed() -> int:
+        return sum(max(tp.offset, 0) for tp in w.events.committed(parts, timeout=10))
+
+    assert committed() == 0
+    for kw in stalled.held:  # the broker takes them
+        real.produce(w.names.gradients, **kw)
+    assert real.flush(10) == 0
+    w._commit(sync=True)
+    assert committed() == 5
+    w.producer = real
+    w.close()
+
+
 def test_a_slice_retried_after_a_redis_error_is_learnt_and_counted_once(conn):
     """Rows that cannot be loaded (Redis down) put the slice back to be learnt later: its
     events are counted when it is learnt, once, and its local steps are taken once."""

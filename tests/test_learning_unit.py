@@ -362,6 +362,40 @@ def test_trimming_a_large_pool_lets_go_exactly_the_oldest_and_the_pool_reuses_th
     check_lists(p)
 
 
+def test_event_offsets_wait_for_the_delivery_of_every_gradient_message_before_them():
+    from inference.offsets import OffsetGate
+
+    g = OffsetGate()
+    e0, e1 = ("events", 0), ("events", 1)
+    g.learnt(e0, 10)
+    g.learnt(e1, 4)
+    g.produced(1)
+    g.produced(2)
+    g.seal()  # the events up to here: messages 1 and 2
+    g.learnt(e0, 20)
+    g.learnt(e0, 15)  # offsets only move forward
+    assert g.ready() == {}  # nothing reported
+    g.produced(3)
+    g.seal()
+    g.seal()  # nothing learnt since: no group
+    assert g.waiting() == 2
+    g.reported(2)
+    g.reported(3)  # the later group's message is in, an earlier one is not
+    assert g.ready() == {} and g.waiting() == 2
+    g.reported(1)  # a failed delivery reports too: its events are not learnt again
+    assert g.ready() == {e0: 20, e1: 4} and g.waiting() == 0
+    assert g.ready() == {}
+    g.learnt(e0, 30)
+    g.learnt(e1, 9)
+    g.seal()  # no message since the last delivered one: ready at once
+    g.learnt(e1, 12)
+    g.forget([e1])  # revoked: neither the sealed offset nor the learnt one is committed
+    g.seal()
+    assert g.ready() == {e0: 30}
+    with pytest.raises(ValueError):
+        g.produced(3)  # tokens rise
+
+
 def test_bad_input_to_the_bookkeeping_is_refused():
     p = PendingSteps()
     with pytest.raises(ValueError):

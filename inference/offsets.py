@@ -1,0 +1,77 @@
+"""Which event offsets a worker may commit: those whose gradients the broker holds. Pure.
+
+A worker learns a slice of events, and their gradients leave later: summed in the outbox for
+up to ``FRESHREC_GRADIENT_LINGER_MS``, then handed to the producer, then acknowledged by the
+broker. Committing an event's offset before its gradients are acknowledged would lose them to
+a crash in between (the next owner of the partition starts after the committed offset, and
+the producer's queue died with the process). So offsets wait here:
+
+- ``learnt(key, offset)``: events of ``key`` (topic, partition) up to ``offset`` are learnt;
+  their gradients are in the outbox or already produced;
+- ``produced(token)`` / ``reported(token)``: a gradient message left, and its delivery report
+  (success or failure: a failure is counted as lost, and no retry of the events would help)
+  came back. Tokens rise with every message;
+- ``seal()``: everything learnt so far has its gradients produced (the outbox was just
+  sent): the learnt offsets wait for the messages produced up to now;
+- ``ready()``: the offsets of every sealed group whose messages have all been reported.
+
+Gradients held back by admission (threshold above 1) are not messages yet: their events
+commit without them, as the touch counts themselves live in memory only.
+
+>>> g = OffsetGate()
+>>> g.learnt(("events", 0), 10); g.produced(1); g.seal()
+>>> g.ready()
+{}
+>>> g.reported(1); g.ready()
+{('events', 0): 10}
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Iterable
+
+
+class OffsetGate:
+    def __init__(self) -> None:
+        self._learnt: dict[Hashable, int] = {}
+        self._sealed: deque[tuple[int, dict[Hashable, int]]] = deque()
+        self._open: set[int] = set()  # produced, not reported
+        self._last = 0  # the last token produced
+
+    def learnt(self, key: Hashable, offset: int) -> None:
+        self._learnt[key] = max(self._learnt.get(key, offset), offset)
+
+    def produced(self, token: int) -> None:
+        if token <= self._last:
+            raise ValueError(f"tokens rise: {token} after {self._last}")
+        self._open.add(token)
+        self._last = token
+
+    def reported(self, token: int) -> None:
+        self._open.discard(token)
+
+    def seal(self) -> None:
+        if self._learnt:
+            self._sealed.append((self._last, self._learnt))
+            self._learnt = {}
+
+    def ready(self) -> dict[Hashable, int]:
+        oldest_open = min(self._open, default=math.inf)
+        out: dict[Hashable, int] = {}
+        while self._sealed and self._sealed[0][0] < oldest_open:
+            for key, offset in self._sealed.popleft()[1].items():
+                out[key] = max(out.get(key, offset), offset)
+        return out
+
+    def waiting(self) -> int:
+        """Sealed groups whose messages are not all reported yet."""
+        return len(self._sealed)
+
+    def forget(self, keys: Iterable[Hashable]) -> None:
+        """Partitions no longer this worker's: their offsets are not its to commit."""
+        gone = set(keys)
+        for offsets in (self._learnt, *(o for _, o in self._sealed)):
+            for key in gone & offsets.keys():
+                del offsets[key]
