@@ -75,3 +75,51 @@ class OffsetGate:
         for offsets in (self._learnt, *(o for _, o in self._sealed)):
             for key in gone & offsets.keys():
                 del offsets[key]
+
+
+class RequestOffsets:
+    """Per partition of ``recommend.requests``: the offset below which every request is done
+    (answered and the reply delivered, or dropped as expired, duplicate or failed). Pure.
+
+    Requests finish out of order: a batch's replies go to different reply topics, an
+    expired request is done at once while an earlier one's reply is in flight. Committing
+    past a request still in flight would lose it to a crash: the partition's next owner
+    would start after it. So the committable offset is the lowest one still open, or, with
+    none open, one past the last done.
+
+    >>> r = RequestOffsets()
+    >>> r.accepted(0, 3); r.accepted(0, 4); r.done(0, 4)
+    >>> r.committable()
+    {0: 3}
+    >>> r.done(0, 3); r.committable()
+    {0: 5}
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[int, set[int]] = {}
+        self._next: dict[int, int] = {}
+
+    def accepted(self, partition: int, offset: int) -> None:
+        self._open.setdefault(partition, set()).add(offset)
+
+    def done(self, partition: int, offset: int) -> None:
+        """A request that was never ``accepted`` (its partition forgotten) is ignored."""
+        open_ = self._open.get(partition)
+        if open_ is None or offset not in open_:
+            return
+        open_.discard(offset)
+        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
+
+    def committable(self) -> dict[int, int]:
+        out = {}
+        for partition, open_ in self._open.items():
+            if open_:
+                out[partition] = min(open_)
+            elif partition in self._next:
+                out[partition] = self._next[partition]
+        return out
+
+    def forget(self, partitions: Iterable[int]) -> None:
+        for partition in partitions:
+            self._open.pop(partition, None)
+            self._next.pop(partition, None)

@@ -65,7 +65,7 @@ from inference.learning import (
     logistic_gradients,
 )
 from inference.modelfile import ModelWatcher
-from inference.offsets import OffsetGate
+from inference.offsets import OffsetGate, RequestOffsets
 from inference.pending import PendingSteps
 from inference.recall import RecallRunner
 from inference.serving import IN_MEMORY_CHANNELS, Inbound, Recommender
@@ -173,6 +173,7 @@ class Worker:
         self.processed: dict[tuple[str, int], int] = {}
         """Offsets to commit: requests answered, events whose gradients the broker holds."""
         self.gate = OffsetGate()  # learnt events' offsets until their gradients are delivered
+        self.request_offsets = RequestOffsets()  # commit no request before an earlier open one
         self._committed: dict[tuple[str, int], int] = {}
         self.answered: OrderedDict[str, None] = OrderedDict()
         self._answered_unsaved: list[str] = []
@@ -338,6 +339,7 @@ class Worker:
 
     # ---------------------------------------------------------------------------- requests
     def _accept_request(self, msg) -> None:
+        self.request_offsets.accepted(msg.partition(), msg.offset())
         headers = dict(msg.headers() or [])
         reply_to = (headers.get("reply-to") or b"").decode(errors="replace") or (
             self.names.recommend_replies
@@ -422,10 +424,13 @@ class Worker:
         rid = reply.request_id
 
         def delivered(err, msg) -> None:
-            if err is not None:
+            if err is not None:  # librdkafka gave up (message.timeout.ms, 5 min by default)
                 log.warning("reply to %s lost: %s", topic, err)
                 m.REQUESTS.labels("reply_failed").inc()
-                return  # not committed: the request is redelivered after a restart
+                # done all the same: long past its deadline, it would only expire if it were
+                # read again, and an open request holds back its partition's commits
+                self._done_request(partition, offset)
+                return
             if reply.tier != "error":
                 self._remember_answered(rid)
             self._done_request(partition, offset)
@@ -461,9 +466,7 @@ class Worker:
             del self._answered_unsaved[: -self.settings.answered_memory]  # retried later
 
     def _done_request(self, partition: int, offset: int) -> None:
-        if partition >= 0:
-            key = (self.names.recommend_requests, partition)
-            self.processed[key] = max(self.processed.get(key, 0), offset + 1)
+        self.request_offsets.done(partition, offset)
 
     def _model_changed(self, models) -> None:
         m.MODEL_INFO.clear()
@@ -514,6 +517,10 @@ class Worker:
         self.gate.seal()  # every learnt event's gradients are produced now
         for key, offset in self.gate.ready().items():
             self.processed[key] = max(self.processed.get(key, 0), offset)
+        requests = self.names.recommend_requests
+        for partition, offset in self.request_offsets.committable().items():
+            key = (requests, partition)
+            self.processed[key] = max(self.processed.get(key, 0), offset)
         changed = [
             TopicPartition(t, p, o)
             for (t, p), o in self.processed.items()
@@ -551,6 +558,7 @@ class Worker:
             self.processed.pop(key, None)
             self._committed.pop(key, None)
         self.gate.forget(gone)  # gradients undelivered after the flush: the next owner relearns
+        self.request_offsets.forget(p for t, p in gone if t == self.names.recommend_requests)
         self.paused = []
         self.assigned = 0
         m.ASSIGNED_PARTITIONS.labels("worker").set(0)

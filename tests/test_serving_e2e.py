@@ -151,6 +151,62 @@ class _Bridge:
         return self.fut.result()
 
 
+def test_no_request_is_committed_while_an_earlier_one_of_its_partition_is_unanswered(
+    conn, model_dir
+):
+    """Requests finish out of order (replies to different topics, an expired one done at
+    once): a commit past one whose reply is still in flight would lose it to a crash."""
+    from confluent_kafka import TopicPartition
+
+    from inference.worker import Worker
+
+    names = TopicNames(conn.topic_prefix)
+    w = Worker(worker_settings(conn, model_dir))
+    w.start()
+    real = w.producer
+
+    class FirstReplyStalled:  # the first reply sits in the producer, the second is delivered
+        def __init__(self) -> None:
+            self.held: list[dict] = []
+
+        def produce(self, topic, **kw):
+            if topic == names.recommend_replies and not self.held:
+                self.held.append(kw)
+            else:
+                real.produce(topic, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    w.producer = stalled = FirstReplyStalled()
+    p = Producer(producer_config(conn))
+    for _ in range(2):  # invalid requests: answered at once with an error reply
+        p.produce(names.recommend_requests, key=b"same-partition", value=b"{}")
+    assert p.flush(10) == 0
+    invalid = m.REQUESTS.labels("invalid")
+    before, deadline = invalid._value.get(), time.monotonic() + 30
+    while invalid._value.get() - before < 2 or not stalled.held:
+        assert time.monotonic() < deadline, "the requests were not read"
+        w.poll_once()
+    assert real.flush(10) == 0  # the second reply is delivered
+    w._commit(sync=True)
+    parts = [
+        TopicPartition(names.recommend_requests, q)
+        for q in range(w._partitions(names.recommend_requests))
+    ]
+
+    def committed() -> list[int]:
+        return [tp.offset for tp in w.events.committed(parts, timeout=10) if tp.offset >= 0]
+
+    assert committed() in ([], [0])  # nothing past the first request: its reply is in flight
+    real.produce(names.recommend_replies, **stalled.held[0])
+    assert real.flush(10) == 0
+    w._commit(sync=True)
+    assert committed() == [2]
+    w.producer = real
+    w.close()
+
+
 def test_an_expired_request_is_not_worked_on(seeded, model_dir):
     conn = seeded
     with running_worker(worker_settings(conn, model_dir)), client_for(conn) as client:

@@ -615,3 +615,25 @@ def test_the_index_build_thread_lowers_its_own_priority_only():
     thread.join()
     assert seen["build"] >= 10  # a thread can only lower its own priority
     assert os.getpriority(os.PRIO_PROCESS, 0) == before
+
+
+def test_a_requests_offset_is_committable_only_once_every_earlier_request_is_done():
+    from inference.offsets import RequestOffsets
+
+    r = RequestOffsets()
+    assert r.committable() == {}
+    for offset in (7, 8, 9):
+        r.accepted(0, offset)
+    r.accepted(1, 2)
+    r.done(0, 9)  # expired at once, say: 7 and 8 are still in flight
+    r.done(0, 8)
+    assert r.committable() == {0: 7, 1: 2}
+    r.done(0, 7)
+    r.done(0, 7)  # a second report changes nothing
+    r.done(0, 3)  # nor one never accepted
+    assert r.committable() == {0: 10, 1: 2}
+    r.accepted(0, 10)
+    assert r.committable()[0] == 10
+    r.forget([1])  # revoked: not this worker's to commit
+    r.done(1, 2)
+    assert r.committable() == {0: 10}
