@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from confluent_kafka import Producer
@@ -58,6 +58,31 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+class HeldProducer:
+    """A worker's producer whose messages to the topics ``hold`` picks sit in it, handed
+    over but never delivered, until ``release``; the rest go through to ``real``."""
+
+    def __init__(self, real, hold: Callable[[str], bool]) -> None:
+        self.real, self.hold = real, hold
+        self.held: list[tuple[str, dict]] = []
+
+    def produce(self, topic, **kw) -> None:
+        if self.hold(topic):
+            self.held.append((topic, kw))
+        else:
+            self.real.produce(topic, **kw)
+
+    def release(self) -> None:
+        """The broker takes what was held."""
+        for topic, kw in self.held:
+            self.real.produce(topic, **kw)
+        self.held.clear()
+        assert self.real.flush(10) == 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
 
 
 def produce(conn, events: list[Event] | None = None, items: list[Item] | None = None, raw=()):

@@ -38,7 +38,7 @@ from schemas.ids import row_id
 from schemas.records import Event
 from schemas.rowbatch import KIND_GRADIENTS, RowBatch
 
-from .streams_harness import private_redis, produce, service, stop, wait_for
+from .streams_harness import HeldProducer, private_redis, produce, service, stop, wait_for
 
 DIM = 8
 W = DIM + 1
@@ -344,23 +344,9 @@ def test_events_are_committed_only_once_the_broker_holds_their_gradients(conn):
 
     w = learner(conn)
     real = w.producer
-
-    class Stalled:  # the gradients sit in the producer: handed over, not delivered
-        def __init__(self) -> None:
-            self.held: list[dict] = []
-
-        def produce(self, topic, **kw):
-            if topic == w.names.gradients:
-                self.held.append(kw)
-            else:
-                real.produce(topic, **kw)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    w.producer = stalled = Stalled()
+    w.producer = held = HeldProducer(real, lambda topic: topic == w.names.gradients)
     produce(conn, clicks("oc-u", "oc-i", 5))
-    pump([w], lambda: len(stalled.held) == 2 and not w.backlog, what="the gradients to leave")
+    pump([w], lambda: len(held.held) == 2 and not w.backlog, what="the gradients to leave")
     w._commit(sync=True)
     parts = [TopicPartition(w.names.events, p) for p in range(w._partitions(w.names.events))]
 
@@ -368,9 +354,7 @@ def test_events_are_committed_only_once_the_broker_holds_their_gradients(conn):
         return sum(max(tp.offset, 0) for tp in w.events.committed(parts, timeout=10))
 
     assert committed() == 0
-    for kw in stalled.held:  # the broker takes them
-        real.produce(w.names.gradients, **kw)
-    assert real.flush(10) == 0
+    held.release()  # the broker takes them
     w._commit(sync=True)
     assert committed() == 5
     w.producer = real

@@ -36,7 +36,7 @@ from .serving_harness import (
     train_models,
     worker_settings,
 )
-from .streams_harness import private_redis, produce, service, stop, wait_for
+from .streams_harness import HeldProducer, private_redis, produce, service, stop, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -164,28 +164,17 @@ def test_no_request_is_committed_while_an_earlier_one_of_its_partition_is_unansw
     w = Worker(worker_settings(conn, model_dir))
     w.start()
     real = w.producer
-
-    class FirstReplyStalled:  # the first reply sits in the producer, the second is delivered
-        def __init__(self) -> None:
-            self.held: list[dict] = []
-
-        def produce(self, topic, **kw):
-            if topic == names.recommend_replies and not self.held:
-                self.held.append(kw)
-            else:
-                real.produce(topic, **kw)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    w.producer = stalled = FirstReplyStalled()
+    # the first reply sits in the producer, the second is delivered
+    w.producer = held = HeldProducer(
+        real, lambda topic: topic == names.recommend_replies and not held.held
+    )
     p = Producer(producer_config(conn))
     for _ in range(2):  # invalid requests: answered at once with an error reply
         p.produce(names.recommend_requests, key=b"same-partition", value=b"{}")
     assert p.flush(10) == 0
     invalid = m.REQUESTS.labels("invalid")
     before, deadline = invalid._value.get(), time.monotonic() + 30
-    while invalid._value.get() - before < 2 or not stalled.held:
+    while invalid._value.get() - before < 2 or not held.held:
         assert time.monotonic() < deadline, "the requests were not read"
         w.poll_once()
     assert real.flush(10) == 0  # the second reply is delivered
@@ -199,8 +188,7 @@ def test_no_request_is_committed_while_an_earlier_one_of_its_partition_is_unansw
         return [tp.offset for tp in w.events.committed(parts, timeout=10) if tp.offset >= 0]
 
     assert committed() in ([], [0])  # nothing past the first request: its reply is in flight
-    real.produce(names.recommend_replies, **stalled.held[0])
-    assert real.flush(10) == 0
+    held.release()
     w._commit(sync=True)
     assert committed() == [2]
     w.producer = real
