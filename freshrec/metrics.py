@@ -89,6 +89,14 @@ FRESHNESS_LAG = Histogram(
     ["stage"],
     buckets=LAG_BUCKETS_S,
 )
+FRESHNESS_EVENT_TIME = Gauge(
+    "freshrec_freshness_event_timestamp_seconds",
+    "The newest event time (seconds since the epoch) that has reached each stage: local "
+    "(learnt by this worker), global_applied (persisted by this parameter server), served "
+    "(in a broadcast row this worker installed). local minus served is how far the global "
+    "path is behind, and keeps growing while it is down, when the lag histograms only stop",
+    ["stage"],
+)
 WORKER_EVENTS = Counter("freshrec_worker_events_total", "Events read by the worker", ["outcome"])
 WORKER_LOOP_SECONDS = Histogram(
     "freshrec_worker_loop_seconds",

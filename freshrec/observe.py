@@ -21,6 +21,7 @@ from tools.promtext import Samples, histogram_quantile, merge, scrape, subtract,
 
 STAGES = ("local", "global_applied", "served")
 LAG = "freshrec_freshness_lag_seconds"
+NEWEST = "freshrec_freshness_event_timestamp_seconds"
 
 
 def targets_file(state: Path) -> Path:
@@ -60,6 +61,11 @@ class Headline:
     t: float
     freshness_p50_ms: dict[str, float | None] = field(default_factory=dict)
     freshness_p99_ms: dict[str, float | None] = field(default_factory=dict)
+    behind_s: dict[str, float | None] = field(default_factory=dict)
+    """How far the global path is behind the worker's learning, in seconds of event time:
+    ``served`` (rows installed from the broadcast) and ``global_applied`` (rows persisted by
+    the parameter server), each the newest event time learnt minus the newest it reached.
+    Unlike the lag histograms it keeps growing while that path is down."""
     consumer_lag: dict[str, float] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)
     latency_ms: dict[str, float | None] = field(default_factory=dict)
@@ -123,6 +129,18 @@ def headline(before: tuple[float, Samples, dict], after: tuple[float, Samples, d
     h.freshness_p99_ms["hot_list"] = _ms(
         histogram_quantile(hot, "freshrec_hot_list_lag_seconds", 0.99)
     )
+    newest = {
+        stage: max(
+            (v for labels, v in s1.get(NEWEST, []) if labels.get("stage") == stage and v > 0),
+            default=None,
+        )
+        for stage in STAGES
+    }
+    for stage in ("global_applied", "served"):
+        reached, learnt = newest[stage], newest["local"]
+        h.behind_s[stage] = (
+            None if reached is None or learnt is None else round(max(learnt - reached, 0.0), 2)
+        )
     for labels, v in s1.get("freshrec_consumer_lag_messages", []):
         key = f"{labels.get('group', '?')}/{labels.get('topic', '?')}"
         h.consumer_lag[key] = h.consumer_lag.get(key, 0.0) + v

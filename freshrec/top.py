@@ -25,6 +25,10 @@ def render(h: Headline) -> str:
             f"  {stage:<9}{_f(h.freshness_p50_ms.get(stage), 'ms'):>10}"
             f"{_f(h.freshness_p99_ms.get(stage), 'ms'):>10}"
         )
+    behind = "  ".join(
+        f"{stage} {'–' if v is None else f'{v:.2f} s'}" for stage, v in h.behind_s.items()
+    )
+    lines.append(f"{'behind':<11}{behind or '–'}  (event time, vs what the workers learnt)")
     r = h.rates
     lines.append(
         f"events/s   counted {_f(r.get('events_counted'))}  learnt {_f(r.get('events_learnt'))}"

@@ -158,6 +158,9 @@ class Worker:
         self.grad_partitions = self._partitions(self.names.gradients)
         self.stats = defaultdict(int)
         self._loop_phases = [m.WORKER_LOOP_SECONDS.labels(phase) for phase in LOOP_PHASES]
+        self._newest_local_ms = self._newest_served_ms = 0  # event times reached, ms
+        self._newest_local = m.FRESHNESS_EVENT_TIME.labels("local")
+        self._newest_served = m.FRESHNESS_EVENT_TIME.labels("served")
         self._last_commit = time.monotonic()
         # ---- serving
         sv = settings.serving
@@ -604,6 +607,8 @@ class Worker:
         # every example: capped per slice, a burst learnt late would weigh as much as a slice
         lag = np.maximum(done - ex.event_ms / 1000, 0.0)
         m.observe_many(m.FRESHNESS_LAG.labels("local"), lag)
+        self._newest_local_ms = max(self._newest_local_ms, int(ex.event_ms.max()))
+        self._newest_local.set(self._newest_local_ms / 1000)
 
     def _remember_clicks(self, events) -> None:
         """The last clicks per user (bounded), for the i2i channel of this worker."""
@@ -867,6 +872,8 @@ class Worker:
         self.cache.install_many(table, slots, rows, versions[newer], times)
         lag = np.maximum(time.time() - times / 1000, 0.0)  # every row installed
         m.observe_many(m.FRESHNESS_LAG.labels("served"), lag)
+        self._newest_served_ms = max(self._newest_served_ms, int(times.max()))
+        self._newest_served.set(self._newest_served_ms / 1000)
         m.UPDATES_INSTALLED.labels(name, "installed").inc(len(rows))
 
     def _install_deferred(self) -> None:

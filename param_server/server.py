@@ -94,6 +94,7 @@ class ParameterServer:
         self.owned: set[int] = set()
         self.update_partitions = 1
         self._last_flush = time.monotonic()
+        self._newest_applied_ms = 0  # the newest event time persisted so far
         self._evicted_at = time.monotonic()
         self._paused = False
         self._field_expiry: str | None = None
@@ -373,6 +374,9 @@ class ParameterServer:
             m.FRESHNESS_LAG.labels("global_applied"),
             np.maximum(persisted_ms - times, 0.0) / 1000,
         )
+        if len(times):
+            self._newest_applied_ms = max(self._newest_applied_ms, int(times.max()))
+            m.FRESHNESS_EVENT_TIME.labels("global_applied").set(self._newest_applied_ms / 1000)
         self._broadcast(done.snapshot, done.offsets)
         m.PS_FLUSHES.labels("ok").inc()
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - done.started)

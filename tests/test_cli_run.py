@@ -53,6 +53,8 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
     top = freshrec(tmp_path, "top", "--once")
     top_out, _ = top.communicate(timeout=60)
     assert top.returncode == 0 and "freshness" in top_out and "requests/s" in top_out, top_out
+    behind = re.search(r"behind\s+global_applied ([\d.]+) s\s+served ([\d.]+) s", top_out)
+    assert behind and all(0 <= float(v) < 60 for v in behind.groups()), top_out
     proc.wait(timeout=240)
     reader.join(10)
     out = "".join(lines)
@@ -90,6 +92,11 @@ def check_service_metrics(targets: dict[str, str]) -> None:
                              stage="global_applied")  # fmt: skip
     assert 0 < p99 < 60
     assert histogram_quantile(second["streams"], "freshrec_hot_list_lag_seconds", 0.99) > 0
+    newest = "freshrec_freshness_event_timestamp_seconds"
+    learnt, served = (total(w1, newest, stage=s) for s in ("local", "served"))
+    applied = total(second["param-server"], newest, stage="global_applied")
+    # the server is scraped after the worker: it may have persisted a little past ``learnt``
+    assert 0 <= learnt - served < 60 and -5 < learnt - applied < 60, (learnt, served, applied)
     for name, group in (("worker", "workers"), ("param-server", "param-server"),
                         ("streams", "streams-validate")):  # fmt: skip
         lags = [v for labels, v in second[name].get("freshrec_consumer_lag_messages", [])
@@ -119,10 +126,10 @@ def check_dashboard_in_chromium(url: str) -> None:
              "--disable-background-networking", "--virtual-time-budget=5000"]  # fmt: skip
     dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=90)
     points = dict(re.findall(r'id="(\w+)" data-points="(\d+)"', dom.stdout))
-    assert set(points) >= {"fresh99", "fresh50", "lag", "rates", "latency", "tiers"}, dom.stdout[
-        -2000:
-    ]
-    for chart in ("fresh99", "rates", "latency", "lag"):
+    assert set(points) >= {"fresh99", "fresh50", "behind", "lag", "rates", "latency", "tiers"}, (
+        dom.stdout[-2000:]
+    )
+    for chart in ("fresh99", "behind", "rates", "latency", "lag"):
         assert int(points[chart]) > 0, points
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"

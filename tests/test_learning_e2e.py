@@ -465,6 +465,38 @@ def test_with_the_parameter_server_down_the_step_pool_stays_bounded_and_rows_con
     w.close()
 
 
+def test_the_newest_event_time_of_each_stage_is_exposed(conn):
+    """``freshrec_freshness_event_timestamp_seconds``: the newest event time the worker learnt,
+    the parameter server persisted, and the worker installed from its broadcast."""
+    import threading
+
+    from freshrec import metrics as m
+    from param_server.server import ParameterServer
+    from param_server.settings import ParamServerSettings
+
+    newest = {s: m.FRESHNESS_EVENT_TIME.labels(s) for s in ("local", "global_applied", "served")}
+    w = learner(conn)
+    t0 = int(time.time() * 1000)
+    produce(conn, clicks("nt-u", "nt-i", 3, t0))
+    want = (t0 + 2) / 1000  # the third click's
+
+    def reached(stage: str) -> bool:
+        return newest[stage]._value.get() == pytest.approx(want, abs=1e-6)
+
+    pump([w], lambda: reached("local"), what="the clicks to be learnt")
+    ps = ParameterServer(ParamServerSettings(conn, dim=DIM, flush_interval_ms=20))
+    stop_ps = threading.Event()
+    thread = threading.Thread(target=ps.run, args=(stop_ps,), daemon=True)
+    thread.start()
+    try:
+        pump([w], lambda: reached("served"), what="the broadcast rows to be installed")
+        assert reached("global_applied") and reached("local")
+    finally:
+        stop_ps.set()
+        thread.join(30)
+    w.close()
+
+
 def gradient_messages(
     n_messages: int, seed: int = 0, poison: bool = False
 ) -> list[tuple[int, bytes]]:

@@ -5,7 +5,8 @@ A private embedded stack, a worker and a parameter server as their own processes
 SIGKILLed; ``--outage`` seconds later a new one starts (it resumes from the offsets in Redis).
 Every ``--every`` seconds the worker's metrics are sampled: events learnt, local steps pending
 in its read-your-writes pool (``FRESHREC_MAX_PENDING_STEPS`` set to ``--bound``), steps let
-go at the bound, broadcast rows installed. Reported: the learning rate before, during and
+go at the bound, broadcast rows installed, and how far the served rows are behind in event
+time (``freshrec_freshness_event_timestamp_seconds``, local minus served). Reported: the learning rate before, during and
 after the outage, the pool's peak, the steps let go, and how long after the restart the pool
 was back to its size before the kill (the new server caught up with the gradients that
 waited in Kafka).
@@ -41,6 +42,21 @@ def _rate(samples: list[dict], since: float, until: float) -> float:
         return 0.0
     first, last = inside[0], inside[-1]
     return (last["events"] - first["events"]) / (last["t_s"] - first["t_s"])
+
+
+def _behind(samples) -> float | None:
+    """Seconds of event time the rows installed from the broadcast trail the events learnt."""
+    local, served = (
+        total(samples, "freshrec_freshness_event_timestamp_seconds", stage=stage)
+        for stage in ("local", "served")
+    )
+    return round(local - served, 2) if local and served else None
+
+
+def _most(samples) -> float | None:
+    values = [s["served_behind_local_s"] for s in samples]
+    values = [v for v in values if v is not None]
+    return max(values, default=None)
 
 
 def main() -> None:
@@ -101,11 +117,13 @@ def main() -> None:
                 "pending_steps": total(s, "freshrec_pending_local_steps"),
                 "let_go": total(s, "freshrec_pending_local_steps_let_go_total"),
                 "rows_installed": total(s, "freshrec_updates_installed_total"),
+                "served_behind_local_s": _behind(s),
             }
             samples.append(sample)
             print(f"{now:5.1f} s  events {sample['events']:>9,.0f}  pending steps "
                   f"{sample['pending_steps']:>7,.0f}  let go {sample['let_go']:>7,.0f}  rows "
-                  f"installed {sample['rows_installed']:>9,.0f}", flush=True)  # fmt: skip
+                  f"installed {sample['rows_installed']:>9,.0f}  served behind local "
+                  f"{sample['served_behind_local_s']} s", flush=True)  # fmt: skip
             if not feed.is_alive() and restarted_at is not None:
                 break
         feed.join()
@@ -128,6 +146,14 @@ def main() -> None:
                 "after": round(_rate(samples, restarted_at, events_s)),
             },
             "pending_steps_before_kill_max": level,
+            "served_behind_local_s_max": {
+                "before": _most(before),
+                # from the kill until the pool is back (the new server caught up)
+                "outage": _most(
+                    s for s in samples if killed_at < s["t_s"] and (not back or s["t_s"] < back)
+                ),
+                "after_recovery": _most(s for s in samples if back and s["t_s"] >= back),
+            },
             "pending_steps_max": max(s["pending_steps"] for s in samples),
             "steps_let_go": samples[-1]["let_go"],
             "pool_back_to_its_level_after_restart_s": (

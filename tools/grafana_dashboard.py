@@ -43,6 +43,23 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 12,
             ),
             (
+                "Global path behind local (event time; grows while it is down)",
+                "s",
+                [
+                    (
+                        'max(freshrec_freshness_event_timestamp_seconds{stage="local"}) - '
+                        'max(freshrec_freshness_event_timestamp_seconds{stage="served"})',
+                        "served behind local",
+                    ),
+                    (
+                        'max(freshrec_freshness_event_timestamp_seconds{stage="local"}) - '
+                        'max(freshrec_freshness_event_timestamp_seconds{stage="global_applied"})',
+                        "applied behind local",
+                    ),
+                ],
+                12,
+            ),
+            (
                 "Consumer lag (from the consumers' fetch responses)",
                 "short",
                 [
