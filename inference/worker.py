@@ -499,6 +499,8 @@ class Worker:
         topic = self.names.events
         for partition, msg in {msg.partition(): msg for msg in chunk}.items():  # its last
             self.gate.learnt((topic, partition), msg.offset() + 1)
+        if not self._outbox_rows:  # nothing waits in the outbox: all of it is produced
+            self.gate.seal()
 
     def _flow_control(self) -> None:
         high = max(4 * self.settings.batch_max, 2 * self.slicer.size(time.monotonic()))
@@ -516,8 +518,7 @@ class Worker:
         the broker has acknowledged (``OffsetGate``): a crash between handing gradients to
         the producer and their delivery must not leave their events committed."""
         if self._outbox_rows:
-            self._send_outbox()
-        self.gate.seal()  # every learnt event's gradients are produced now
+            self._send_outbox()  # which seals what was learnt: its gradients are produced
         for key, offset in self.gate.ready().items():
             self.processed[key] = max(self.processed.get(key, 0), offset)
         requests = self.names.recommend_requests
@@ -768,6 +769,7 @@ class Worker:
                            step_place[group_steps] - place[group[0]],
                            steps[group_steps])  # fmt: skip
         self._outbox_rows, self._outbox_since = 0, None
+        self.gate.seal()  # what was learnt so far has its gradients produced now
 
     def _send(self, outgoing) -> None:
         """Rows admitted in this slice (admission threshold above 1), per table and partition."""
