@@ -108,6 +108,26 @@ class Observer:
         return {"targets": self.targets, "points": [h.__dict__ for h in hist]}
 
 
+def behind(samples: Samples) -> dict[str, float | None]:
+    """``Headline.behind_s`` of one scrape (any number of services merged): per stage of the
+    global path, the newest event time learnt minus the newest it reached, in seconds (None
+    until both are known)."""
+    newest = {
+        stage: max(
+            (v for labels, v in samples.get(NEWEST, []) if labels.get("stage") == stage and v > 0),
+            default=None,
+        )
+        for stage in STAGES
+    }
+    learnt = newest["local"]
+    return {
+        stage: None
+        if newest[stage] is None or learnt is None
+        else round(max(learnt - newest[stage], 0.0), 2)
+        for stage in ("global_applied", "served")
+    }
+
+
 def headline(before: tuple[float, Samples, dict], after: tuple[float, Samples, dict]) -> Headline:
     t0, s0, _ = before
     t1, s1, up = after
@@ -129,18 +149,7 @@ def headline(before: tuple[float, Samples, dict], after: tuple[float, Samples, d
     h.freshness_p99_ms["hot_list"] = _ms(
         histogram_quantile(hot, "freshrec_hot_list_lag_seconds", 0.99)
     )
-    newest = {
-        stage: max(
-            (v for labels, v in s1.get(NEWEST, []) if labels.get("stage") == stage and v > 0),
-            default=None,
-        )
-        for stage in STAGES
-    }
-    for stage in ("global_applied", "served"):
-        reached, learnt = newest[stage], newest["local"]
-        h.behind_s[stage] = (
-            None if reached is None or learnt is None else round(max(learnt - reached, 0.0), 2)
-        )
+    h.behind_s = behind(s1)
     for labels, v in s1.get("freshrec_consumer_lag_messages", []):
         key = f"{labels.get('group', '?')}/{labels.get('topic', '?')}"
         h.consumer_lag[key] = h.consumer_lag.get(key, 0.0) + v

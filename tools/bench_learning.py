@@ -42,6 +42,7 @@ from tools.benchlib import (
     events_on_own_topics,
     lag_alongside,
     lag_summary,
+    learning_world,
     produce_values,
     raw_consume_rate,
     raw_lag,
@@ -58,7 +59,6 @@ from tools.promtext import (
     subtract,
     total,
 )
-from tools.world import World, WorldConfig
 
 
 def counter(name: str, **labels: str) -> float:
@@ -126,7 +126,7 @@ def main() -> None:
                     help="linger.ms of the lag phase's event producer (default: the profile's)")  # fmt: skip
     args = ap.parse_args()
     progress = ProgressLine()
-    world = World(WorldConfig(seed=5, n_users=1_000_000, n_items=100_000))
+    world = learning_world()
     results: dict = {}
 
     if args.only in (None, "throughput"):

@@ -29,6 +29,12 @@ from freshrec.lifecycle import settle_heap
 from freshrec.settings import ConnectionSettings
 from freshrec.stack import EmbeddedStack, external_services
 from freshrec.topics import TopicNames, ensure_topics
+from tools.world import World, WorldConfig
+
+
+def learning_world() -> World:
+    """The synthetic traffic of ``bench_learning`` and the drills: 1M users, 100k items."""
+    return World(WorldConfig(seed=5, n_users=1_000_000, n_items=100_000))
 
 
 @contextlib.contextmanager

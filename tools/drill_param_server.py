@@ -6,10 +6,10 @@ SIGKILLed; ``--outage`` seconds later a new one starts (it resumes from the offs
 Every ``--every`` seconds the worker's metrics are sampled: events learnt, local steps pending
 in its read-your-writes pool (``FRESHREC_MAX_PENDING_STEPS`` set to ``--bound``), steps let
 go at the bound, broadcast rows installed, and how far the served rows are behind in event
-time (``freshrec_freshness_event_timestamp_seconds``, local minus served). Reported: the learning rate before, during and
-after the outage, the pool's peak, the steps let go, and how long after the restart the pool
-was back to its size before the kill (the new server caught up with the gradients that
-waited in Kafka).
+time (``freshrec_freshness_event_timestamp_seconds``, local minus served). Reported: the
+learning rate before, during and after the outage, the pool's peak, the steps let go, how
+far the served rows fell behind, and how long after the restart the pool was back to its
+size before the kill (the new server caught up with the gradients that waited in Kafka).
 
     .venv/bin/python -m tools.drill_param_server [--rate 5000] [--before 12] [--outage 20]
                                                  [--after 25] [--bound 50000] [--every 2.5]
@@ -28,11 +28,11 @@ import threading
 import time
 from pathlib import Path
 
+from freshrec.observe import behind
 from freshrec.stack import free_port
-from tools.benchlib import bench_connection, save, service_process
+from tools.benchlib import bench_connection, learning_world, save, service_process
 from tools.produce import produce_events
 from tools.promtext import scrape_port_now, total
-from tools.world import World, WorldConfig
 
 
 def _rate(samples: list[dict], since: float, until: float) -> float:
@@ -42,15 +42,6 @@ def _rate(samples: list[dict], since: float, until: float) -> float:
         return 0.0
     first, last = inside[0], inside[-1]
     return (last["events"] - first["events"]) / (last["t_s"] - first["t_s"])
-
-
-def _behind(samples) -> float | None:
-    """Seconds of event time the rows installed from the broadcast trail the events learnt."""
-    local, served = (
-        total(samples, "freshrec_freshness_event_timestamp_seconds", stage=stage)
-        for stage in ("local", "served")
-    )
-    return round(local - served, 2) if local and served else None
 
 
 def _most(samples) -> float | None:
@@ -71,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.bound < 1000 or min(args.before, args.outage, args.after) <= 0:
         ap.error("--bound must be >= 1000 and every phase longer than 0 s")
-    world = World(WorldConfig(seed=5, n_users=1_000_000, n_items=100_000))
+    world = learning_world()
     logs = Path(tempfile.mkdtemp(prefix="freshrec-drill-"))
     samples: list[dict] = []
     worker_port, ps_port = free_port(), free_port()
@@ -117,7 +108,7 @@ def main() -> None:
                 "pending_steps": total(s, "freshrec_pending_local_steps"),
                 "let_go": total(s, "freshrec_pending_local_steps_let_go_total"),
                 "rows_installed": total(s, "freshrec_updates_installed_total"),
-                "served_behind_local_s": _behind(s),
+                "served_behind_local_s": behind(s)["served"],
             }
             samples.append(sample)
             print(f"{now:5.1f} s  events {sample['events']:>9,.0f}  pending steps "

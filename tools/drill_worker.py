@@ -32,10 +32,9 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from freshrec.kafka import consumer_config
 from freshrec.stack import free_port
 from freshrec.topics import TopicNames
-from tools.benchlib import bench_connection, save, service_process
+from tools.benchlib import bench_connection, learning_world, save, service_process
 from tools.produce import produce_events
 from tools.promtext import scrape_port_now, total
-from tools.world import World, WorldConfig
 
 LEARNT = "freshrec_worker_events_total"
 
@@ -77,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 < args.kill_at < args.duration:
         ap.error("--kill-at must fall inside --duration")
-    world = World(WorldConfig(seed=5, n_users=1_000_000, n_items=100_000))
+    world = learning_world()
     logs = Path(tempfile.mkdtemp(prefix="freshrec-drill-"))
     ports = {"a": free_port(), "b": free_port()}
     samples: list[dict] = []
