@@ -57,6 +57,10 @@ STREAMS_BATCH_SIZE = Histogram(
 CATALOGUE_RECORDS = Counter(
     "freshrec_streams_catalogue_records_total", "Item records written to the catalogue in Redis"
 )
+CATALOGUE_DELETES = Counter(
+    "freshrec_streams_catalogue_deletes_total",
+    "Items removed from the catalogue in Redis by a tombstone on the items topic",
+)
 STREAMS_BATCH_SECONDS = Histogram(
     "freshrec_streams_batch_seconds", "Time to process one agent batch", ["stage"],
     buckets=LAG_BUCKETS_S,

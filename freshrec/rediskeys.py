@@ -19,6 +19,8 @@ class RedisKeys:
         self.item_region = f"{p}item:region"
         self.item_created_ms = f"{p}item:created_ms"
         self.new_items = f"{p}items:new"  # zset, score = created_at_ms
+        # counter: bumped by every catalogue write (sets and deletions); workers reload on a move
+        self.catalogue_version = f"{p}items:version"
         # serving features of items (global scope), hashes, field = item_id
         self.item_feature = {
             name: f"{p}item:{name}"

@@ -2,7 +2,9 @@
 
 Item records (``items``) are decoded with the ``schemas/`` codec; rejects go to
 ``events.dlq``; good ones are written to Redis (price, category, creation time, region, the
-new-items index) and their prices handed to the count stage. It runs as a confluent-kafka batch
+new-items index) and their prices handed to the count stage. A tombstone (the item id as key,
+a null value) removes the item from all of those (``catalogue_log``); every write bumps
+``items:version``, which tells the workers to reload the catalogue. It runs as a confluent-kafka batch
 consumer (group ``{prefix}freshrec-streams-catalogue``) on a thread of the streams process, not
 as a faust agent: faust's agents share one consumer, and an agent that lags stops delivery to
 the others, so loading a 100k-item catalogue through faust (a few thousand records per second)
@@ -27,6 +29,7 @@ from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_item, encode_dead_letter
 from schemas.contract import Rejected
 from schemas.records import Item
+from streams.catalogue_log import final_ops, tombstone_item_id
 from streams.settings import StreamsSettings
 from streams.validate import SERVICE, log
 
@@ -45,6 +48,15 @@ def queue_catalogue(pipe, keys: RedisKeys, items: Sequence[Item], new_since_ms: 
     if fresh:
         pipe.zadd(keys.new_items, fresh)
     pipe.zremrangebyscore(keys.new_items, "-inf", f"({new_since_ms}")
+
+
+def queue_deletions(pipe, keys: RedisKeys, item_ids: Sequence[str]) -> None:
+    """The Redis writes that remove items from the catalogue, queued on ``pipe``. Their
+    features and decayed counts stay (the count stage owns them; an event for the item would
+    write them again): the catalogue is what serving reads."""
+    for key in (keys.item_price, keys.item_category, keys.item_created_ms, keys.item_region):
+        pipe.hdel(key, *item_ids)
+    pipe.zrem(keys.new_items, *item_ids)
 
 
 class CatalogueStage:
@@ -82,10 +94,15 @@ class CatalogueStage:
 
     def process(self, msgs) -> None:
         now = int(time.time() * 1000)
-        items = []
+        ops: list[tuple[str, Item | None]] = []
         for msg in msgs:
+            value = msg.value()
             try:
-                items.append(decode_item(msg.value(), now, self.settings.limits))
+                if value is None:  # a tombstone: delete the key's item
+                    ops.append((tombstone_item_id(msg.key()), None))
+                else:
+                    item = decode_item(value, now, self.settings.limits)
+                    ops.append((item.item_id, item))
             except Rejected as rej:
                 m.DEAD_LETTERS.labels(str(rej.reason)).inc()
                 letter = dead_letter(
@@ -93,13 +110,23 @@ class CatalogueStage:
                     key=msg.key(), value=msg.value(), now_ms=now, service=SERVICE,
                 )  # fmt: skip
                 self.producer.produce(self.names.events_dlq, encode_dead_letter(letter))
-        if not items:
+        if not ops:
             return
+        sets, deleted = final_ops(ops)  # the batch's last record of each item decides
+        items = list(sets.values())
         pipe = self.redis.pipeline(transaction=False)
-        queue_catalogue(pipe, self.keys, items, now - self.settings.new_item_window_ms)
+        if items:
+            queue_catalogue(pipe, self.keys, items, now - self.settings.new_item_window_ms)
+        if deleted:
+            queue_deletions(pipe, self.keys, deleted)
+        pipe.incr(self.keys.catalogue_version)
         pipe.execute()
-        self.prices.put({i.item_id: i.price for i in items})
-        m.CATALOGUE_RECORDS.inc(len(items))
+        if items:
+            self.prices.put({i.item_id: i.price for i in items})
+            m.CATALOGUE_RECORDS.inc(len(items))
+        if deleted:
+            m.CATALOGUE_DELETES.inc(len(deleted))
+            log.info("catalogue: %d item(s) deleted by tombstones", len(deleted))
 
     def _commit(self) -> None:
         try:

@@ -329,3 +329,54 @@ def test_pipelined_sends_do_not_wait_for_a_busy_redis(conn):
         writer.drain()
         assert client.llen(b"frozen") == 50
         writer.close()
+
+
+def test_a_tombstone_on_items_deletes_the_item_and_one_without_a_key_is_a_dead_letter(conn):
+    import queue
+    import threading
+
+    from confluent_kafka import Producer
+
+    from freshrec.kafka import producer_config
+    from schemas.codec import encode_item
+    from streams.catalogue import CatalogueStage
+    from streams.settings import StreamsSettings
+
+    names, keys = TopicNames(conn.topic_prefix), RedisKeys(conn.topic_prefix)
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    now = int(time.time() * 1000)
+    produce(conn, items=[Item(f"i{j}", "c1", 10.0 + j, now) for j in range(4)])  # all new
+    p = Producer(producer_config(conn))
+    p.produce(names.items, key=b"i1", value=None)  # deleted
+    p.produce(names.items, key=b"i2", value=None)  # deleted, then set again: the last decides
+    p.produce(names.items, key=b"i2", value=encode_item(Item("i2", "c2", 99.0, now)))
+    p.produce(names.items, key=b"i9", value=None)  # never set: nothing to delete, no error
+    p.produce(names.items, value=None)  # no key: no item to delete
+    assert p.flush(15) == 0
+    stage = CatalogueStage(StreamsSettings(conn), queue.SimpleQueue())
+    stop = threading.Event()
+    t = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        wait_for(
+            lambda: r.hget(keys.item_category, "i2") == b"c2" and r.hlen(keys.item_category) == 3,
+            60, "the catalogue after the tombstones",
+        )  # fmt: skip
+        for key in (keys.item_price, keys.item_category, keys.item_created_ms):
+            assert sorted(x.decode() for x in r.hkeys(key)) == ["i0", "i2", "i3"]
+        assert r.zscore(keys.new_items, "i1") is None and r.zscore(keys.new_items, "i0")
+        assert float(r.hget(keys.item_price, "i2")) == 99.0
+        assert int(r.get(keys.catalogue_version)) >= 1  # what tells the workers to reload
+        consumer = Consumer(consumer_config(conn, f"{conn.topic_prefix}dlq-reader"))
+        consumer.subscribe([names.events_dlq])
+        letters = []
+        deadline = time.monotonic() + 30
+        while not letters and time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is not None and not msg.error():
+                letters.append(decode_dead_letter(msg.value(), now))
+        consumer.close()
+        assert [(d.reason, d.source_topic) for d in letters] == [("empty_id", names.items)]
+    finally:
+        stop.set()
+        t.join(15)

@@ -30,7 +30,7 @@ PURE_MODULES = ["streams/decay.py", "streams/dedupe.py", "streams/hotlist.py", "
                 "inference/breaker.py", "inference/rerank.py", "inference/merge.py", "inference/pending.py",
                 "inference/learning.py", "inference/lru.py", "param_server/adagrad.py", "param_server/rows.py",
                 "freshrec/hashing.py", "freshrec/idindex.py", "inference/degrade.py", "inference/resultcache.py",
-                "inference/features.py"]  # fmt: skip
+                "inference/features.py", "inference/offsets.py", "streams/catalogue_log.py"]  # fmt: skip
 IO_PACKAGES = {"confluent_kafka", "aiokafka", "faust", "redis", "socket", "requests", "mode"}
 
 
@@ -409,3 +409,28 @@ def test_vectorised_apply_is_bit_for_bit_the_event_by_event_rule(seed):
     assert fast.n_items > 50 and fast.late > 0 and fast.skipped > 0 and len(fast.scopes) == 4
     big = sum(len(b) >= 16 for b in log)
     assert big - sum(n >= 16 for n in fallbacks) >= big // 2  # most took the vectorised path
+
+
+def test_the_last_record_of_an_item_in_a_batch_decides_set_or_delete():
+    from streams.catalogue_log import final_ops
+
+    sets, deleted = final_ops(
+        [("i1", "v1"), ("i2", "v2"), ("i1", None), ("i3", None), ("i3", "v3"), ("i2", "v2b")]
+    )
+    assert sets == {"i3": "v3", "i2": "v2b"} and deleted == ["i1"]
+    assert final_ops([]) == ({}, [])
+
+
+def test_a_tombstone_needs_an_item_id_as_its_key():
+    from schemas.contract import Reason, Rejected
+    from streams.catalogue_log import MAX_ITEM_ID, tombstone_item_id
+
+    assert tombstone_item_id("i-ü".encode()) == "i-ü"
+    assert tombstone_item_id(b"x" * MAX_ITEM_ID) == "x" * MAX_ITEM_ID
+    for key, reason in [
+        (None, Reason.EMPTY_ID), (b"", Reason.EMPTY_ID), (b"\xff\xfe", Reason.INVALID_VALUE),
+        (b"x" * (MAX_ITEM_ID + 1), Reason.ID_TOO_LONG),
+    ]:  # fmt: skip
+        with pytest.raises(Rejected) as exc:
+            tombstone_item_id(key)
+        assert exc.value.reason == reason
