@@ -196,7 +196,11 @@ class Recommender:
             newer = torch.arange(index.size, size, device=items.device)
             newer = newer[named[index.size : size]]
             nprobe = self.settings.ann_nprobe or auto_nprobe(len(index.centroids))
-            return index.search(q, items, n, nprobe, extra=newer)
+            found = index.search(q, items, n, nprobe, extra=newer)
+            # the index holds what was in the catalogue when it was built: an item deleted
+            # since stays in it until the next build, and is dropped here
+            listed = named[:size].cpu().numpy()
+            return [s[listed[s]] for s in found]
         return list(
             exact_search(q, items[:size], self.unnamed_bias[:size], min(n, self.named_count))
         )
@@ -358,7 +362,8 @@ class Recommender:
                     self.results.put(self._cache_key(r), versions[j], items, now_ms)
             elif tier == CACHED:
                 items = self.results.get(self._cache_key(r), versions[j], now_ms) or []
-                items = [i for i in items if i[0] not in set(r.exclude)][: r.k]
+                excluded = set(r.exclude)
+                items = [i for i in items if i[0] not in excluded and self._listed(i[0])][: r.k]
             else:
                 tier = HOT
                 items = self._hot_items(r)
@@ -558,6 +563,13 @@ class Recommender:
             out[j] = list(zip(names, scores, channels, strict=True))
         return out
 
+    def _listed(self, name: str) -> bool:
+        """Whether an item may be served: it is in the catalogue snapshot (any item before
+        one is loaded). Hot lists and cached replies can still name an item the catalogue
+        has deleted since; the channels that recall by slot see catalogue items only."""
+        cat = self.snap.catalogue
+        return cat is None or name in cat.index
+
     def _categories(self, slots: np.ndarray) -> list[int]:
         """Category numbers of cache slots (-1: not in the catalogue snapshot)."""
         cat = self.snap.catalogue
@@ -587,7 +599,7 @@ class Recommender:
         excluded = set(r.exclude)
         out = []
         for entry in ranked:
-            if entry[0] not in excluded:
+            if entry[0] not in excluded and self._listed(entry[0]):
                 out.append(entry)
                 if len(out) == r.k:
                     break

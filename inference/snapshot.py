@@ -1,7 +1,8 @@
 """What the worker caches from Redis for serving, refreshed on a background thread.
 
-- the catalogue (category, price, region of every item), reloaded when it grows or every
-  ``catalogue_refresh_s``;
+- the catalogue (category, price, region of every item), reloaded when the streams app
+  writes to it (``items:version`` moves: items set or deleted), when its size changes, and
+  every ``catalogue_refresh_s``;
 - item features (smoothed CTR/CVR, hot score) every ``features_refresh_s`` — the "cached
   features" that ``pc`` devices rank with and everyone falls back to when Redis is down;
 - the merged global and per-region hot lists every ``hot_refresh_s`` (the streams app
@@ -87,6 +88,7 @@ class SnapshotRefresher:
         self._catalogue_at = 0.0
         self._features_at = 0.0
         self._catalogue_len = -1
+        self._catalogue_version: bytes | None = b"?"  # never a stored value: the first load
         self._hot_cache: dict[str, tuple[int, list[str]]] = {}
 
     # ------------------------------------------------------------------------- thread
@@ -137,13 +139,18 @@ class SnapshotRefresher:
         old = self.snapshot
         cat = old.catalogue
         k = self.keys
-        size = self.redis.hlen(k.item_category)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(k.catalogue_version)
+        pipe.hlen(k.item_category)
+        version, size = pipe.execute()
         if (
             cat is None
+            or version != self._catalogue_version
             or size != self._catalogue_len
             or now - self._catalogue_at > self.catalogue_refresh_s
         ):
             cat = self._load_catalogue()
+            self._catalogue_version = version
             self._catalogue_len = size
             self._catalogue_at = now
             self._features_at = 0.0

@@ -490,3 +490,102 @@ def test_bench_serving_ranks_on_the_chosen_device_and_summarises_the_parts_it_ra
             text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable},
         )  # fmt: skip
         assert checks.returncode == 2 and "no CUDA device" in checks.stderr
+
+
+def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_dir):
+    """A tombstone on ``items`` removes the item from the catalogue in Redis (the streams
+    app: tests/test_streams_e2e.py); here the catalogue stage's writes are replayed, and the
+    worker must stop serving the item from every source that can still name it: the IVF
+    index built before the deletion, u0's cached reply, and the hot list."""
+    from dataclasses import replace
+
+    import redis as redis_lib
+
+    from freshrec.rediskeys import RedisKeys
+    from inference.recall import RecallQuery
+    from streams.catalogue import queue_deletions
+
+    conn = seeded
+    base = worker_settings(conn, model_dir)
+    settings = replace(
+        base, device="cpu", serving=replace(base.serving, ann_min_items=100, ann_nprobe=4)
+    )
+    ctx = {"device": "pc", "region": "north"}
+    with running_worker(settings) as w, client_for(conn) as client:
+        rec = w.recommender
+        wait_for(lambda: rec.ann is not None, 20, "the background index build")
+        first = client.recommend("u0", 10, context=ctx, timeout_s=10)  # cached for u0 now
+        assert first.tier == "full" and len(first.items) == 10
+        query = RecallQuery("u0", np.asarray(w.user_row("u0")), None)
+        vector = rec._vector([query], 20)[0]
+        gone = list(dict.fromkeys(
+            [rec.name_of_slot[s] for s in vector[:5]] + [i.item_id for i in first.items[:5]]
+            + rec.snap.hot["global"][:3]
+        ))  # fmt: skip
+        gone_slots = [rec.slot_of[g] for g in gone]
+        assert np.isin(gone_slots, rec.ann.order).any()  # the index holds some of them
+        r = redis_lib.Redis.from_url(conn.redis_url)
+        keys = RedisKeys(conn.topic_prefix)
+        pipe = r.pipeline(transaction=False)
+        queue_deletions(pipe, keys, gone)
+        pipe.incr(keys.catalogue_version)
+        pipe.execute()
+        # the refresher reloads the catalogue; the worker adopts it with its next batch
+        wait_for(
+            lambda: not set(gone) & set(rec.snapshots.snapshot.catalogue.index),
+            10, "the catalogue reload",
+        )  # fmt: skip
+        served = lambda reply: {i.item_id for i in reply.items}  # noqa: E731
+        # the cached tier: u0's last full reply, less the deleted items (five of its ten, at
+        # least)
+        rec.full_failed_until = time.monotonic() + 60
+        cached = client.recommend("u0", 10, context=ctx, timeout_s=10)
+        assert cached.tier == "cached" and cached.items
+        assert served(cached) == served(first) - set(gone)
+        assert not set(gone) & set(rec.slot_of)  # adopted with that batch
+        rec.full_failed_until = 0.0
+        # the full tier, its vector channel answering from the old index
+        again = client.recommend("u0", 10, context=ctx, timeout_s=10)
+        assert again.tier == "full" and len(again.items) == 10
+        assert not served(again) & set(gone)
+        assert not set(rec._vector([query], 20)[0].tolist()) & set(gone_slots)
+        assert np.isin(gone_slots, rec.ann.order).any()  # the same index: nothing rebuilt it
+        # the hot tier
+        hot = rec._hot_items(RecommendRequest(request_id="h", user_id="u0", k=50))
+        listed = [n for n in rec.snap.hot["global"] if n not in set(gone)]
+        assert [name for name, *_ in hot] == listed[:50]
+        assert len(listed) <= len(rec.snap.hot["global"]) - 3  # the list still names them
+
+
+def test_the_catalogue_reloads_when_the_streams_app_writes_it_not_only_when_it_grows(
+    redis_client, prefix
+):
+    from freshrec.rediskeys import RedisKeys
+    from inference.snapshot import SnapshotRefresher
+    from schemas.records import Item
+    from streams.catalogue import queue_catalogue, queue_deletions
+
+    keys = RedisKeys(prefix)
+    now = int(time.time() * 1000)
+
+    def write(sets=(), deletes=(), bump=True):  # what the catalogue stage does with a batch
+        pipe = redis_client.pipeline(transaction=False)
+        if sets:
+            queue_catalogue(pipe, keys, [Item(i, c, 1.0, now) for i, c in sets], now)
+        if deletes:
+            queue_deletions(pipe, keys, list(deletes))
+        if bump:
+            pipe.incr(keys.catalogue_version)
+        pipe.execute()
+
+    write(sets=[("a", "c1"), ("b", "c2")])
+    refresher = SnapshotRefresher(redis_client, keys, catalogue_refresh_s=3600)
+    refresher.refresh_once()
+    assert refresher.snapshot.catalogue.names == ["a", "b"]
+    write(sets=[("c", "c3")], deletes=["a"])  # one out, one in: the size stays 2
+    refresher.refresh_once()
+    cat = refresher.snapshot.catalogue
+    assert cat.names == ["b", "c"] and cat.category_names == ["c2", "c3"]
+    write(sets=[("b", "c9")], bump=False)  # a write that skips the counter waits for the hour
+    refresher.refresh_once()
+    assert refresher.snapshot.catalogue.category_names == ["c2", "c3"]
