@@ -127,6 +127,11 @@ CACHE_LOOKUPS = Counter(
     ["table", "tier"],
 )  # fmt: skip
 CACHE_ROWS = Gauge("freshrec_cache_rows", "Rows resident on the device", ["table"])
+CACHE_ROWS_EXPIRED = Counter(
+    "freshrec_cache_rows_expired_total",
+    "Rows a worker dropped after the row TTL without a touch (items outside the catalogue)",
+    ["table"],
+)
 PENDING_STEPS = Gauge("freshrec_pending_local_steps", "Local steps not yet in a global row")
 PENDING_STEPS_LET_GO = Counter(
     "freshrec_pending_local_steps_let_go_total",

@@ -1,9 +1,11 @@
 """EmbeddingCache: the item table resident on the device, hot users in an LRU slab.
 
 Items are shared by all users, so the whole item table lives on the device (CUDA when
-available, else CPU) and grows as items appear. Users are many: a fixed-capacity slab holds
-the recently used ones; a miss is fetched from Redis in one batched round trip (``HMGET``);
-a row found nowhere is created from its id (``param_server.rows.initial_rows``).
+available, else CPU) and grows as items appear; an item no event or broadcast has touched for
+the row TTL leaves it (``expire_items``: the worker keeps the catalogue's), its slot reused.
+Users are many: a fixed-capacity slab holds the recently used ones; a miss is fetched from
+Redis in one batched round trip (``HMGET``); a row found nowhere is created from its id
+(``param_server.rows.initial_rows``).
 
 Rows are full-width (dim + 1). Alongside each row the cache keeps the version and newest
 event time of the global row it last installed.
@@ -11,6 +13,7 @@ event time of the global row it last installed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -52,13 +55,20 @@ class _Table:
 
 
 class EmbeddingCache:
-    def __init__(self, dim: int, user_capacity: int, fetch: Fetch, device: torch.device) -> None:
+    def __init__(
+        self, dim: int, user_capacity: int, fetch: Fetch, device: torch.device,
+        clock: Callable[[], int] = lambda: int(time.time() * 1000),
+    ) -> None:  # fmt: skip
         self.dim, self.w = dim, width(dim)
         self.device = device
         self.fetch = fetch
+        self.clock = clock
+        """Milliseconds now: when an item slot was last looked up (``item_seen_ms``)."""
         self.items = _Table(self.w, 1024, device)
         self.item_index = IdIndex()
-        self.item_ids: list[int] = []  # by slot
+        self.item_ids: list[int] = []  # by slot, up to the highest slot ever taken
+        self.item_seen_ms = np.zeros(1024, np.int64)  # by slot
+        self._free_items: list[int] = []  # expired slots, taken again first
         self.users = _Table(self.w, user_capacity, device)
         self.user_lru = SlotLRU(user_capacity)
         self.on_evict: Callable[[int, np.ndarray, list[int]], None] = lambda t, slots, ids: None
@@ -95,19 +105,73 @@ class EmbeddingCache:
                 self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots)
             self._register_items(missing, new_slots)
             out[miss] = new_slots[back]
-        m.CACHE_ROWS.labels("item").set(len(self.item_ids))
+        self.item_seen_ms[out] = self.clock()
+        m.CACHE_ROWS.labels("item").set(self.item_rows)
         return out
 
+    @property
+    def item_rows(self) -> int:
+        """Item rows held (slots taken and not expired)."""
+        return len(self.item_ids) - len(self._free_items)
+
     def _next_item_slots(self, n: int) -> np.ndarray:
-        """The next ``n`` free item slots (zero rows, version 0), the table grown to hold them."""
-        need = len(self.item_ids) + n
+        """``n`` item slots to fill: expired ones first (the free list's last, left on it
+        until ``_register_items`` takes them: a failed load gives nothing back), then new ones
+        past the highest slot taken (zero rows, version 0), the table grown to hold them."""
+        reuse = min(n, len(self._free_items))
+        reused = self._free_items[len(self._free_items) - reuse :]
+        start = len(self.item_ids)
+        need = start + n - reuse
         if need > len(self.items.rows):
-            self.items.grow(max(need, 2 * len(self.items.rows)))
-        return np.arange(len(self.item_ids), need, dtype=np.int64)
+            capacity = max(need, 2 * len(self.items.rows))
+            self.items.grow(capacity)
+            self.item_seen_ms = np.concatenate(
+                [self.item_seen_ms, np.zeros(capacity - len(self.item_seen_ms), np.int64)]
+            )
+        return np.concatenate(
+            [np.asarray(reused, np.int64), np.arange(start, need, dtype=np.int64)]
+        )
 
     def _register_items(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Hold ``ids`` at ``slots`` (from ``_next_item_slots``: reused ones, then new ones in
+        order past the highest slot taken)."""
         self.item_index.insert(ids, slots)
-        self.item_ids.extend(ids.tolist())
+        again = slots < len(self.item_ids)
+        reused = int(again.sum())
+        if reused:
+            del self._free_items[len(self._free_items) - reused :]
+        for slot, rid in zip(slots[again].tolist(), ids[again].tolist(), strict=True):
+            self.item_ids[slot] = rid
+        self.item_ids.extend(ids[~again].tolist())
+
+    def expire_items(self, unseen_since_ms: int, keep: np.ndarray | None = None) -> int:
+        """Let the item rows go that no lookup has touched since ``unseen_since_ms`` (the
+        worker's events, broadcast installs and catalogue loads all look items up), except
+        the slots ``keep`` marks (a bool mask over the first slots; the catalogue's). Their
+        slots are reused; ``on_evict`` hears of them first. Returns how many went."""
+        n = len(self.item_ids)
+        stale = self.item_seen_ms[:n] < unseen_since_ms
+        if self._free_items:
+            stale[self._free_items] = False
+        if keep is not None:
+            k = min(len(keep), n)
+            stale[:k] &= ~np.asarray(keep[:k], bool)
+        slots = np.flatnonzero(stale)
+        if not len(slots):
+            return 0
+        ids = [self.item_ids[s] for s in slots.tolist()]
+        self.on_evict(TABLE_ITEM, slots, ids)
+        self.items.rows[torch.as_tensor(slots, device=self.device)] = 0.0
+        self.items.version[slots] = 0
+        self.items.event_ms[slots] = 0
+        self._free_items.extend(slots.tolist())
+        live = np.ones(n, bool)
+        live[self._free_items] = False
+        held = np.flatnonzero(live)
+        self.item_index.rebuild(np.asarray(self.item_ids, np.int64)[held], held)
+        m.CACHE_ROWS_EXPIRED.labels("item").inc(len(slots))
+        m.CACHE_ROWS.labels("item").set(self.item_rows)
+        return len(slots)
 
     def _user_slots(self, ids: np.ndarray) -> np.ndarray:
         out = np.empty(len(ids), np.int64)

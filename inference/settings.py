@@ -62,6 +62,10 @@ class WorkerSettings:
     conn: ConnectionSettings
     learning: LearningSettings = field(default_factory=LearningSettings)
     user_capacity_rows: int = 200_000
+    row_ttl_s: int = 30 * 86_400
+    """Item rows that no event and no broadcast update has touched this long leave the item
+    table, unless the catalogue lists them (0: never). The parameter server's setting of the
+    same name lets such rows expire in Redis and leave its memory."""
     batch_max: int = 2000
     """Messages per consume call."""
     event_slice: int = 16384
@@ -143,6 +147,7 @@ class WorkerSettings:
             conn=ConnectionSettings.from_env(env),
             learning=learning,
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
+            row_ttl_s=env_int(env, "FRESHREC_ROW_TTL_S", 30 * 86_400, minimum=0),
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),
             event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 16384, minimum=1),
             event_slice_ms=env_float(env, "FRESHREC_EVENT_SLICE_MS", 10.0, positive=True),

@@ -182,6 +182,7 @@ class Worker:
         self._answered_unsaved: list[str] = []
         self._events_retry_at = 0.0
         self._housekeeping_at = 0.0
+        self._expired_at = time.monotonic()
         self._trim_warned_at = -math.inf
         self.assigned = 0
         self.snapshots = SnapshotRefresher(
@@ -311,6 +312,10 @@ class Worker:
         if now - self._housekeeping_at > 1.0:
             self._housekeeping_at = now
             self.forget_unadmitted(_now_ms())
+            ttl = self.settings.row_ttl_s
+            if ttl and now - self._expired_at > min(60.0, max(1.0, ttl / 10)):
+                self._expired_at = now
+                self.expire_items(_now_ms())
             self.models.poll()
             self.recommender.maybe_rebuild_index()
             for name, state in self.recommender.runner.breaker_states().items():
@@ -685,14 +690,28 @@ class Worker:
             )  # fmt: skip
 
     def _evicted(self, table: int, slots: np.ndarray, ids: list[int]) -> None:
-        """Rows left the user slab: their local steps go with them (the pool reuses their
-        entries). A row's gradients held back for admission stay, to be sent on admission,
-        but no longer name those steps."""
+        """Rows left the user slab or the item table: their local steps go with them (the
+        pool reuses their entries). A row's gradients held back for admission stay, to be
+        sent on admission, but no longer name those steps."""
         self.pending.forget(table, slots)
         for rid in ids:
             held = self.unsent.get((table, rid))
             if held is not None:
                 held[3] = []
+
+    def expire_items(self, now_ms: int) -> int:
+        """Item rows that no event, broadcast update or catalogue load has touched for
+        ``row_ttl_s`` leave the table, their slots reused, unless the catalogue lists them.
+        The parameter server's rows expire after as long in Redis; touched again, such an
+        item is loaded from Redis if its row is still there, else created from its id."""
+        named = self.recommender.named.cpu().numpy()
+        gone = self.cache.expire_items(now_ms - self.settings.row_ttl_s * 1000, keep=named)
+        if gone:
+            log.info(
+                "item table: %d rows untouched for %d s let go, %d held",
+                gone, self.settings.row_ttl_s, self.cache.item_rows,
+            )  # fmt: skip
+        return gone
 
     def forget_unadmitted(self, now_ms: int) -> None:
         """Rows unseen for a whole admission window are forgotten with the gradients they

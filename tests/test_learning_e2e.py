@@ -22,6 +22,7 @@ from param_server.rows import (
     TABLE_ITEM,
     TABLE_USER,
     decode_row,
+    initial_rows,
     row_key,
     updates_since_creation,
     version_floor,
@@ -956,3 +957,38 @@ def test_a_revoke_served_while_redis_is_down_persists_no_offset_ahead_of_its_row
     assert interrupted[0].keys() == uninterrupted[0].keys()
     for k, (row, version) in uninterrupted[0].items():
         assert interrupted[0][k][1] == version and np.array_equal(interrupted[0][k][0], row)
+
+
+def test_items_untouched_for_the_row_ttl_leave_the_table_catalogue_items_stay(conn):
+    """The worker's item table is bounded like the store's: an item that no event and no
+    broadcast has touched for ``FRESHREC_ROW_TTL_S`` leaves it, with its local steps, and
+    its slot is reused; an item the catalogue lists stays (serving needs its row)."""
+    from freshrec.rediskeys import RedisKeys
+    from schemas.records import Item
+    from streams.catalogue import queue_catalogue
+
+    keys = RedisKeys(conn.topic_prefix)
+    pipe = redis_lib.Redis.from_url(conn.redis_url).pipeline(transaction=False)
+    queue_catalogue(pipe, keys, [Item("xk", "c1", 1.0, 1_700_000_000_000)], 0)
+    pipe.execute()
+    w = learner(conn)  # the catalogue adopted at start: xk is listed
+    now = [int(time.time() * 1000)]
+    w.cache.clock = lambda: now[0]
+    _learn_clicks(w, [("xu", "xk"), ("xu", "xg")])
+    now[0] += 10_000
+    _learn_clicks(w, [("xu", "xr")])  # touched 10 s later
+    slot_g = w.cache.held(TABLE_ITEM, row_id("xg"))
+    assert len(steps_of(w, TABLE_ITEM, row_id("xg"))) == 1
+    held = len(w.pending)
+    ttl_ms = w.settings.row_ttl_s * 1000
+    assert w.expire_items(now[0] + ttl_ms - 5_000) == 1  # xg: untouched for the TTL
+    assert w.cache.held(TABLE_ITEM, row_id("xg")) is None
+    assert len(w.pending.steps(TABLE_ITEM, slot_g)) == 0 and len(w.pending) == held - 1
+    assert w.cache.held(TABLE_ITEM, row_id("xk")) is not None  # listed: stays, untouched
+    assert w.cache.held(TABLE_ITEM, row_id("xr")) is not None
+    # a new item takes the slot, from its initial row (nothing of xg's left in it)
+    np.testing.assert_array_equal(
+        w.item_row("xn"), initial_rows(np.array([row_id("xn")]), TABLE_ITEM, DIM)[0]
+    )
+    assert w.cache.held(TABLE_ITEM, row_id("xn")) == slot_g
+    w.close()

@@ -538,3 +538,53 @@ def test_item_rows_that_fail_to_load_get_no_slot_and_load_on_the_retry():
     got = cache.slots(TABLE_ITEM, many)
     assert len(set(got.tolist())) == 3000 and cache.held(TABLE_ITEM, 3999) == got[-1]
     assert cache.slots(TABLE_ITEM, np.array([12, 3999])).tolist() == [slots[1], got[-1]]
+
+
+def test_items_untouched_since_a_time_leave_the_table_and_their_slots_are_reused():
+    import torch
+
+    from inference.cache import EmbeddingCache
+
+    now = [1_000]
+    outage = [False]
+
+    def fetch(table, ids):
+        if outage[0]:
+            raise ConnectionError("injected outage")
+        return np.zeros(len(ids), bool), np.zeros((0, 5)), np.zeros(0, np.uint64), np.zeros(0)
+
+    cache = EmbeddingCache(4, 8, fetch, torch.device("cpu"), clock=lambda: now[0])
+    evicted = []
+    cache.on_evict = lambda table, slots, ids: evicted.append((table, slots.tolist(), ids))
+    first = cache.slots(TABLE_ITEM, np.arange(10, 16))  # six items at t = 1000
+    now[0] = 5_000
+    cache.slots(TABLE_ITEM, np.array([10, 11]))  # two touched again
+    keep = np.zeros(3, bool)
+    keep[first[2]] = True  # e.g. in the catalogue
+    cache.add(TABLE_ITEM, first, np.ones((6, 5), np.float32))
+    assert cache.expire_items(unseen_since_ms=4_000, keep=keep) == 3
+    gone = first[3:].tolist()
+    assert evicted == [(TABLE_ITEM, gone, [13, 14, 15])]
+    assert [cache.held(TABLE_ITEM, i) for i in (10, 11, 12, 13, 14, 15)] == [
+        *first[:3],
+        None,
+        None,
+        None,
+    ]
+    assert cache.item_rows == 3 and not cache.gather(TABLE_ITEM, np.array(gone)).any()
+    assert cache.expire_items(unseen_since_ms=4_000, keep=keep) == 0  # nothing twice
+    # a failed load takes no free slot; the retry gets them, the table does not grow
+    outage[0] = True
+    with pytest.raises(ConnectionError):
+        cache.slots(TABLE_ITEM, np.array([20, 21]))
+    outage[0] = False
+    rows_before = len(cache.items.rows)
+    got = cache.slots(TABLE_ITEM, np.array([20, 21, 22, 23]))
+    assert sorted(got[:3].tolist()) == sorted(gone) and got[3] == len(first)
+    assert len(cache.items.rows) == rows_before and cache.item_rows == 7
+    assert [cache.item_ids[s] for s in got.tolist()] == [20, 21, 22, 23]
+    assert (
+        cache.gather(TABLE_ITEM, got[:1])[0].tolist()
+        == initial_rows(np.array([20]), TABLE_ITEM, 4)[0].tolist()
+    )
+    assert cache.slots(TABLE_ITEM, np.array([13])).tolist() == [len(first) + 1]  # back: anew

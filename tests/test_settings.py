@@ -26,6 +26,12 @@ def test_defaults_parse_for_every_service():
     ).validate_process
     assert worker.learning.lr == ps.adagrad.lr == 0.05
     assert ps.adagrad.initial_accumulator == 0.0
+    # one row TTL: the store's rows and the worker's item rows expire after as long
+    assert worker.row_ttl_s == ps.row_ttl_s == 30 * 86_400
+    ttl = {**BASE, "FRESHREC_ROW_TTL_S": "0"}
+    assert (
+        WorkerSettings.from_env(ttl).row_ttl_s == ParamServerSettings.from_env(ttl).row_ttl_s == 0
+    )
 
 
 def test_the_adagrad_initial_accumulator_is_a_setting():
@@ -64,6 +70,7 @@ def test_the_workers_fetch_wait_is_its_setting_else_the_profiles(env, wait_ms):
         (WorkerSettings, "FRESHREC_WORKER_FETCH_WAIT_MS", "-1", "must be >= 0"),
         (WorkerSettings, "FRESHREC_WORKER_FETCH_WAIT_MS", "soon", "not an integer"),
         (WorkerSettings, "FRESHREC_MAX_PENDING_STEPS", "10", "must be >= 1000"),
+        (WorkerSettings, "FRESHREC_ROW_TTL_S", "-1", "must be >= 0"),
         (ParamServerSettings, "FRESHREC_GLOBAL_LR", "-1", "must be >= 0"),
         (ParamServerSettings, "FRESHREC_GLOBAL_LR", "inf", "not a finite number"),
         (ParamServerSettings, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", "-0.1", "must be >= 0"),
