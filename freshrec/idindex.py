@@ -6,15 +6,18 @@ against 4.3 ms here). This is an open-addressing table (linear probing, Fibonacc
 the id's bits, load ≤ 1/2) whose every operation is a few numpy passes over the batch: one
 pass per probe step, and with load ≤ 1/2 almost every id is settled in the first two.
 
-Ids are inserted once (``insert`` refuses ids already held) and never removed one by one:
-a table that forgets rows rebuilds its index (``rebuild``), which is what eviction does anyway.
+Ids are inserted once (``insert`` refuses ids already held). ``delete`` leaves a tombstone
+in an id's bucket (probes go on past it; inserts take only empty buckets), so it costs what
+a lookup of the deleted ids costs; tombstones count towards the load until the next growth
+or ``rebuild`` clears them.
 
 >>> ix = IdIndex()
 >>> ix.insert(np.array([7, -3, 2**62]), np.array([0, 1, 2]))
 >>> ix.lookup(np.array([2**62, 8, 7])).tolist()
 [2, -1, 0]
->>> len(ix)
-3
+>>> ix.delete(np.array([7]))
+>>> ix.lookup(np.array([7, -3])).tolist(), len(ix)
+([-1, 1], 2)
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ class IdIndex:
         self.mask = buckets - 1
         self.keys = np.zeros(buckets, np.int64)
         self.vals = np.zeros(buckets, np.int64)
-        self.used = np.zeros(buckets, bool)
+        self.used = np.zeros(buckets, bool)  # taken: by a held id or a tombstone
+        self.live = np.zeros(buckets, bool)  # taken by a held id
+        self.deleted = 0  # tombstones
         self._claim = np.zeros(buckets, np.int64)  # scratch: which id won a bucket
 
     def __len__(self) -> int:
@@ -49,6 +54,14 @@ class IdIndex:
         """The slot of each id, -1 where it is not held."""
         ids = np.ascontiguousarray(ids, np.int64)
         out = np.full(len(ids), -1, np.int64)
+        found = self._buckets(ids)
+        hit = found >= 0
+        out[hit] = self.vals[found[hit]]
+        return out
+
+    def _buckets(self, ids: np.ndarray) -> np.ndarray:
+        """The bucket that holds each id, -1 where it is not held."""
+        out = np.full(len(ids), -1, np.int64)
         if not self.size or not len(ids):
             return out
         pos = self._home(ids)
@@ -56,12 +69,20 @@ class IdIndex:
         while len(todo):
             p = pos[todo]
             used = self.used[p]
-            hit = used & (self.keys[p] == ids[todo])
-            out[todo[hit]] = self.vals[p[hit]]
+            hit = self.live[p] & (self.keys[p] == ids[todo])
+            out[todo[hit]] = p[hit]
             go_on = used & ~hit  # an empty bucket ends the probe: not held
             todo = todo[go_on]
             pos[todo] = (p[go_on] + 1) & self.mask
         return out
+
+    def delete(self, ids: np.ndarray) -> None:
+        """Stop holding ``ids`` (those not held are ignored)."""
+        at = self._buckets(np.ascontiguousarray(ids, np.int64))
+        at = np.unique(at[at >= 0])
+        self.live[at] = False
+        self.size -= len(at)
+        self.deleted += len(at)
 
     def insert(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Hold ``ids`` (distinct, none held yet) at ``slots``. An id repeated or already
@@ -72,7 +93,7 @@ class IdIndex:
             raise ValueError(f"{len(ids)} ids for {len(slots)} slots")
         if not len(ids):
             return
-        if 2 * (self.size + len(ids)) > len(self.keys):
+        if 2 * (self.size + self.deleted + len(ids)) > len(self.keys):
             self._grow(self.size + len(ids))
         self._place(ids, slots)
 
@@ -90,17 +111,17 @@ class IdIndex:
             # a probe checks every bucket of its id's chain, so it meets the id if it is held
             # or placed by this call, except the bucket it lost: check the winner there
             lost_to = self._claim[free_p[~won]]
-            if (used & (self.keys[p] == ids[todo])).any() or (
+            if (self.live[p] & (self.keys[p] == ids[todo])).any() or (
                 ids[lost_to] == ids[free_todo[~won]]
             ).any():
                 # nothing displaces entries: freeing this call's buckets restores the index
                 for buckets in taken:
-                    self.used[buckets] = False
+                    self.used[buckets] = self.live[buckets] = False
                 raise ValueError("ids must be distinct and not held yet")
             buckets, takers = free_p[won], free_todo[won]
             self.keys[buckets] = ids[takers]
             self.vals[buckets] = slots[takers]
-            self.used[buckets] = True
+            self.used[buckets] = self.live[buckets] = True
             taken.append(buckets)
             placed = np.zeros(len(ids), bool)
             placed[takers] = True
@@ -110,7 +131,8 @@ class IdIndex:
         self.size += len(ids)
 
     def _grow(self, needed: int) -> None:
-        keys, vals = self.keys[self.used], self.vals[self.used]
+        """Re-place the held ids in a table for ``needed`` (tombstones are left behind)."""
+        keys, vals = self.keys[self.live], self.vals[self.live]
         buckets = len(self.keys)
         while 2 * needed > buckets:
             buckets *= 2
@@ -125,4 +147,5 @@ class IdIndex:
 
     def clear(self) -> None:
         self.used[:] = False
-        self.size = 0
+        self.live[:] = False
+        self.size = self.deleted = 0

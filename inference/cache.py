@@ -165,10 +165,7 @@ class EmbeddingCache:
         self.items.version[slots] = 0
         self.items.event_ms[slots] = 0
         self._free_items.extend(slots.tolist())
-        live = np.ones(n, bool)
-        live[self._free_items] = False
-        held = np.flatnonzero(live)
-        self.item_index.rebuild(np.asarray(self.item_ids, np.int64)[held], held)
+        self.item_index.delete(np.asarray(ids, np.int64))
         m.CACHE_ROWS_EXPIRED.labels("item").inc(len(slots))
         m.CACHE_ROWS.labels("item").set(self.item_rows)
         return len(slots)
