@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: spreads any id over the top bits
+EMPTY, HELD, DELETED = 0, 1, 2  # a bucket's state; DELETED: a tombstone
 
 
 class IdIndex:
@@ -37,8 +38,7 @@ class IdIndex:
         self.mask = buckets - 1
         self.keys = np.zeros(buckets, np.int64)
         self.vals = np.zeros(buckets, np.int64)
-        self.used = np.zeros(buckets, bool)  # taken: by a held id or a tombstone
-        self.live = np.zeros(buckets, bool)  # taken by a held id
+        self.state = np.zeros(buckets, np.int8)  # EMPTY, HELD or DELETED
         self.deleted = 0  # tombstones
         self._claim = np.zeros(buckets, np.int64)  # scratch: which id won a bucket
 
@@ -68,10 +68,10 @@ class IdIndex:
         todo = np.arange(len(ids))
         while len(todo):
             p = pos[todo]
-            used = self.used[p]
-            hit = self.live[p] & (self.keys[p] == ids[todo])
+            state = self.state[p]
+            hit = (state == HELD) & (self.keys[p] == ids[todo])
             out[todo[hit]] = p[hit]
-            go_on = used & ~hit  # an empty bucket ends the probe: not held
+            go_on = (state != EMPTY) & ~hit  # an empty bucket ends the probe: not held
             todo = todo[go_on]
             pos[todo] = (p[go_on] + 1) & self.mask
         return out
@@ -80,7 +80,7 @@ class IdIndex:
         """Stop holding ``ids`` (those not held are ignored)."""
         at = self._buckets(np.ascontiguousarray(ids, np.int64))
         at = np.unique(at[at >= 0])
-        self.live[at] = False
+        self.state[at] = DELETED
         self.size -= len(at)
         self.deleted += len(at)
 
@@ -103,7 +103,8 @@ class IdIndex:
         taken = []
         while len(todo):
             p = pos[todo]
-            used = self.used[p]
+            state = self.state[p]
+            used = state != EMPTY
             # of the ids arriving at one free bucket, one takes it; the rest probe on
             free_p, free_todo = p[~used], todo[~used]
             self._claim[free_p] = free_todo
@@ -111,17 +112,17 @@ class IdIndex:
             # a probe checks every bucket of its id's chain, so it meets the id if it is held
             # or placed by this call, except the bucket it lost: check the winner there
             lost_to = self._claim[free_p[~won]]
-            if (self.live[p] & (self.keys[p] == ids[todo])).any() or (
+            if ((state == HELD) & (self.keys[p] == ids[todo])).any() or (
                 ids[lost_to] == ids[free_todo[~won]]
             ).any():
                 # nothing displaces entries: freeing this call's buckets restores the index
                 for buckets in taken:
-                    self.used[buckets] = self.live[buckets] = False
+                    self.state[buckets] = EMPTY
                 raise ValueError("ids must be distinct and not held yet")
             buckets, takers = free_p[won], free_todo[won]
             self.keys[buckets] = ids[takers]
             self.vals[buckets] = slots[takers]
-            self.used[buckets] = self.live[buckets] = True
+            self.state[buckets] = HELD
             taken.append(buckets)
             placed = np.zeros(len(ids), bool)
             placed[takers] = True
@@ -132,7 +133,8 @@ class IdIndex:
 
     def _grow(self, needed: int) -> None:
         """Re-place the held ids in a table for ``needed`` (tombstones are left behind)."""
-        keys, vals = self.keys[self.live], self.vals[self.live]
+        held = self.state == HELD
+        keys, vals = self.keys[held], self.vals[held]
         buckets = len(self.keys)
         while 2 * needed > buckets:
             buckets *= 2
@@ -146,6 +148,5 @@ class IdIndex:
         self.insert(ids, slots)
 
     def clear(self) -> None:
-        self.used[:] = False
-        self.live[:] = False
+        self.state[:] = EMPTY
         self.size = self.deleted = 0

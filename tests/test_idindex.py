@@ -59,11 +59,11 @@ def test_an_insert_of_a_held_or_repeated_id_is_refused_and_changes_nothing(bad):
     ix.insert(np.array([1, 9, 17, 33]), np.array([0, 1, 2, 3]))
     ix.insert(np.array([25]), np.array([4]))
     ix.delete(np.array([25]))  # a tombstone in 1's chain: probes go on past it
-    before = (ix.keys.copy(), ix.vals.copy(), ix.used.copy(), len(ix))
+    before = (ix.keys.copy(), ix.vals.copy(), ix.state.copy(), len(ix))
     with pytest.raises(ValueError, match="distinct and not held"):
         ix.insert(np.array(bad), np.arange(len(bad)) + 10)
     assert all(
-        np.array_equal(a, b) for a, b in zip(before[:3], (ix.keys, ix.vals, ix.used), strict=True)
+        np.array_equal(a, b) for a, b in zip(before[:3], (ix.keys, ix.vals, ix.state), strict=True)
     )
     assert len(ix) == before[3]
     assert ix.lookup(np.array([1, 9, 17, 33, 5, 6, 2])).tolist() == [0, 1, 2, 3, -1, -1, -1]
