@@ -138,9 +138,17 @@ def check_dashboard_in_chromium(url: str) -> None:
     assert shot.exists() and shot.stat().st_size > 10_000
 
 
+def _sigint_as_from_a_terminal() -> None:
+    """A test runner started in the background of a shell without job control has SIGINT
+    ignored (POSIX), and a child inherits that: Python then keeps it ignored. Ctrl-C must
+    reach the run as it does from a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_the_run_and_its_stack(tmp_path):
     proc = freshrec(tmp_path, "run", "--items", "500", "--users", "1000", "--rate", "200",
-                    "--train-impressions", "20000")  # fmt: skip
+                    "--train-impressions", "20000",
+                    preexec_fn=_sigint_as_from_a_terminal)  # fmt: skip
     lines: list[str] = []
     deadline = time.monotonic() + 120
     for line in proc.stdout:
