@@ -85,6 +85,28 @@ class HeldProducer:
         return getattr(self.real, name)
 
 
+def dead_letters(conn, topic: str, n: int, timeout_s: float = 30.0) -> list:
+    """The first ``n`` dead letters on ``topic`` (fewer if ``timeout_s`` passes first), read
+    by a new consumer group from the beginning."""
+    from confluent_kafka import Consumer
+
+    from freshrec.kafka import consumer_config
+    from schemas.codec import decode_dead_letter
+
+    consumer = Consumer(consumer_config(conn, f"{conn.topic_prefix}dlq-reader-{time.time_ns()}"))
+    consumer.subscribe([topic])
+    letters = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(letters) < n and time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is not None and not msg.error():
+                letters.append(decode_dead_letter(msg.value(), int(time.time() * 1000)))
+    finally:
+        consumer.close()
+    return letters
+
+
 def produce(conn, events: list[Event] | None = None, items: list[Item] | None = None, raw=()):
     names = TopicNames(conn.topic_prefix)
     p = Producer(producer_config(conn))

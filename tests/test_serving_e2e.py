@@ -15,16 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import consumer_config, producer_config
+from freshrec.kafka import producer_config
 from freshrec.topics import TopicNames
 from inference.client import RecommendTimeout, SyncRecommendClient
 from inference.modelfile import read_manifest, write_manifest
 from inference.rerank import space_categories
 from param_server.rows import TABLE_ITEM
-from schemas.codec import decode_dead_letter, encode_request
+from schemas.codec import encode_request
 from schemas.records import Event, RecommendRequest
 from tools.world import World
 
@@ -36,7 +36,15 @@ from .serving_harness import (
     train_models,
     worker_settings,
 )
-from .streams_harness import HeldProducer, private_redis, produce, service, stop, wait_for
+from .streams_harness import (
+    HeldProducer,
+    dead_letters,
+    private_redis,
+    produce,
+    service,
+    stop,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +125,10 @@ def test_invalid_request_gets_an_error_reply_and_a_dead_letter(seeded, model_dir
         p.flush(10)
         reply = fut.result(20)
         assert reply.tier == "error" and "k" in reply.tier_reason
-        c = Consumer(consumer_config(conn, f"dlq-{uuid.uuid4().hex[:6]}"))
-        c.subscribe([names.recommend_requests_dlq])
-        deadline = time.monotonic() + 30
-        letter = None
-        while letter is None and time.monotonic() < deadline:
-            msg = c.poll(0.5)
-            if msg is not None and not msg.error():
-                letter = decode_dead_letter(msg.value(), int(time.time() * 1000))
-        c.close()
-        assert letter is not None and letter.source_topic == names.recommend_requests
+        letters = dead_letters(conn, names.recommend_requests_dlq, 1)
+        assert len(letters) == 1
+        (letter,) = letters
+        assert letter.source_topic == names.recommend_requests
         assert letter.reason == "invalid_value" and letter.service == "worker"
 
 

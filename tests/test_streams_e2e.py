@@ -14,12 +14,9 @@ import time
 
 import pytest
 import redis as redis_lib
-from confluent_kafka import Consumer
 
-from freshrec.kafka import consumer_config
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
-from schemas.codec import decode_dead_letter
 from schemas.records import Event, Item
 from streams.hotlist import HotWeights, merge_hot_lists
 from streams.sink import read_hot_lists
@@ -27,6 +24,7 @@ from streams.sink import read_hot_lists
 from .streams_harness import (
     brute_force,
     close,
+    dead_letters,
     private_redis,
     produce,
     service,
@@ -147,15 +145,7 @@ def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn
             and abs(float(r.hget(keys.item_feature["clicks"], "i1")) - 20) < 1e-3,
             60, "20 clicks on i1",
         )  # fmt: skip
-        consumer = Consumer(consumer_config(conn, f"{conn.topic_prefix}dlq-reader"))
-        consumer.subscribe([TopicNames(conn.topic_prefix).events_dlq])
-        letters = []
-        deadline = time.monotonic() + 30
-        while len(letters) < len(poison) and time.monotonic() < deadline:
-            msg = consumer.poll(0.2)
-            if msg is not None and not msg.error():
-                letters.append(decode_dead_letter(msg.value(), now))
-        consumer.close()
+        letters = dead_letters(conn, TopicNames(conn.topic_prefix).events_dlq, len(poison))
         assert [d.reason for d in letters] == [reason for _, _, reason in poison]
         assert [base64.b64decode(d.value_b64) for d in letters] == [v for _, v, _ in poison]
         assert all(d.source_topic == TopicNames(conn.topic_prefix).events for d in letters)
@@ -367,15 +357,7 @@ def test_a_tombstone_on_items_deletes_the_item_and_one_without_a_key_is_a_dead_l
         assert r.zscore(keys.new_items, "i1") is None and r.zscore(keys.new_items, "i0")
         assert float(r.hget(keys.item_price, "i2")) == 99.0
         assert int(r.get(keys.catalogue_version)) >= 1  # what tells the workers to reload
-        consumer = Consumer(consumer_config(conn, f"{conn.topic_prefix}dlq-reader"))
-        consumer.subscribe([names.events_dlq])
-        letters = []
-        deadline = time.monotonic() + 30
-        while not letters and time.monotonic() < deadline:
-            msg = consumer.poll(0.2)
-            if msg is not None and not msg.error():
-                letters.append(decode_dead_letter(msg.value(), now))
-        consumer.close()
+        letters = dead_letters(conn, names.events_dlq, 1)
         assert [(d.reason, d.source_topic) for d in letters] == [("empty_id", names.items)]
     finally:
         stop.set()
