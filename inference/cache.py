@@ -41,6 +41,7 @@ class _Table:
         self.rows = torch.zeros((capacity, w), dtype=torch.float32, device=device)
         self.version = np.zeros(capacity, np.uint64)
         self.event_ms = np.zeros(capacity, np.int64)
+        self.seen_ms = np.zeros(capacity, np.int64)  # last looked up (items: for expiry)
 
     def grow(self, capacity: int) -> None:
         extra = capacity - len(self.rows)
@@ -52,6 +53,7 @@ class _Table:
         self.rows = torch.cat([self.rows, pad])
         self.version = np.concatenate([self.version, np.zeros(extra, np.uint64)])
         self.event_ms = np.concatenate([self.event_ms, np.zeros(extra, np.int64)])
+        self.seen_ms = np.concatenate([self.seen_ms, np.zeros(extra, np.int64)])
 
 
 class EmbeddingCache:
@@ -63,11 +65,10 @@ class EmbeddingCache:
         self.device = device
         self.fetch = fetch
         self.clock = clock
-        """Milliseconds now: when an item slot was last looked up (``item_seen_ms``)."""
+        """Milliseconds now: when an item slot was last looked up (``items.seen_ms``)."""
         self.items = _Table(self.w, 1024, device)
         self.item_index = IdIndex()
         self.item_ids: list[int] = []  # by slot, up to the highest slot ever taken
-        self.item_seen_ms = np.zeros(1024, np.int64)  # by slot
         self._free_items: list[int] = []  # expired slots, taken again first
         self.users = _Table(self.w, user_capacity, device)
         self.user_lru = SlotLRU(user_capacity)
@@ -105,7 +106,7 @@ class EmbeddingCache:
                 self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots)
             self._register_items(missing, new_slots)
             out[miss] = new_slots[back]
-        self.item_seen_ms[out] = self.clock()
+        self.items.seen_ms[out] = self.clock()
         m.CACHE_ROWS.labels("item").set(self.item_rows)
         return out
 
@@ -123,11 +124,7 @@ class EmbeddingCache:
         start = len(self.item_ids)
         need = start + n - reuse
         if need > len(self.items.rows):
-            capacity = max(need, 2 * len(self.items.rows))
-            self.items.grow(capacity)
-            self.item_seen_ms = np.concatenate(
-                [self.item_seen_ms, np.zeros(capacity - len(self.item_seen_ms), np.int64)]
-            )
+            self.items.grow(max(need, 2 * len(self.items.rows)))
         return np.concatenate(
             [np.asarray(reused, np.int64), np.arange(start, need, dtype=np.int64)]
         )
@@ -150,7 +147,7 @@ class EmbeddingCache:
         the slots ``keep`` marks (a bool mask over the first slots; the catalogue's). Their
         slots are reused; ``on_evict`` hears of them first. Returns how many went."""
         n = len(self.item_ids)
-        stale = self.item_seen_ms[:n] < unseen_since_ms
+        stale = self.items.seen_ms[:n] < unseen_since_ms
         if self._free_items:
             stale[self._free_items] = False
         if keep is not None:
