@@ -42,12 +42,30 @@ def _sigterm_as_interrupt() -> None:
 
 
 def add_world_options(p: argparse.ArgumentParser, items: int = 100_000) -> None:
-    p.add_argument("--users", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_USERS",
-                   default=1_000_000, help="users in the synthetic world")  # fmt: skip
-    p.add_argument("--items", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_ITEMS",
-                   default=items, help="items in the synthetic world")  # fmt: skip
-    p.add_argument("--seed", type=int, action=EnvDefault, envvar="FRESHREC_WORLD_SEED",
-                   default=7, help="seed of the synthetic world")  # fmt: skip
+    p.add_argument(
+        "--users",
+        type=int,
+        action=EnvDefault,
+        envvar="FRESHREC_WORLD_USERS",
+        default=1_000_000,
+        help="users in the synthetic world",
+    )
+    p.add_argument(
+        "--items",
+        type=int,
+        action=EnvDefault,
+        envvar="FRESHREC_WORLD_ITEMS",
+        default=items,
+        help="items in the synthetic world",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        action=EnvDefault,
+        envvar="FRESHREC_WORLD_SEED",
+        default=7,
+        help="seed of the synthetic world",
+    )
 
 
 def world_from_args(args: argparse.Namespace):
@@ -67,19 +85,39 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="the whole pipeline on the embedded stack, with traffic")
-    run.add_argument("--duration", type=float, default=None,
-                     help="seconds to run (default: until Ctrl-C)")  # fmt: skip
-    run.add_argument("--rate", type=float, action=EnvDefault, envvar="FRESHREC_EVENT_RATE",
-                     default=100.0, help="background synthetic events per second")  # fmt: skip
-    run.add_argument("--requests", type=float, action=EnvDefault,
-                     envvar="FRESHREC_REQUEST_RATE", default=20.0,
-                     help="closed-loop recommendation requests per second")  # fmt: skip
+    run.add_argument(
+        "--duration", type=float, default=None, help="seconds to run (default: until Ctrl-C)"
+    )
+    run.add_argument(
+        "--rate",
+        type=float,
+        action=EnvDefault,
+        envvar="FRESHREC_EVENT_RATE",
+        default=100.0,
+        help="background synthetic events per second",
+    )
+    run.add_argument(
+        "--requests",
+        type=float,
+        action=EnvDefault,
+        envvar="FRESHREC_REQUEST_RATE",
+        default=20.0,
+        help="closed-loop recommendation requests per second",
+    )
     run.add_argument("--workers", type=int, default=1, help="inference workers to start")
-    run.add_argument("--dashboard-port", type=int, default=8050,
-                     help="port of the built-in dashboard (0: any free port)")  # fmt: skip
-    run.add_argument("--train-impressions", type=int, default=None,
-                     help="impressions for offline training when no models are cached "
-                          "(default: 10 per item, 50k to 1M)")  # fmt: skip
+    run.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=8050,
+        help="port of the built-in dashboard (0: any free port)",
+    )
+    run.add_argument(
+        "--train-impressions",
+        type=int,
+        default=None,
+        help="impressions for offline training when no models are cached "
+        "(default: 10 per item, 50k to 1M)",
+    )
     # 20k items: with 100k everything still runs on two cores, but most replies come from
     # the hot tier (see docs/benchmarks.md); `--items 100000` runs the larger world
     add_world_options(run, items=20_000)
@@ -129,9 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("top", "the same headline figures as a live table in the terminal"),
     ):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--targets", default=None,
-                       help="name=host:port,... of /metrics endpoints "
-                            "(default: the services of the running `freshrec run`)")  # fmt: skip
+        p.add_argument(
+            "--targets",
+            default=None,
+            help="name=host:port,... of /metrics endpoints "
+            "(default: the services of the running `freshrec run`)",
+        )
         if name == "dashboard":
             p.add_argument("--host", default="127.0.0.1")
             p.add_argument("--port", type=int, default=8050)
@@ -146,21 +187,40 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="offline training: starting embeddings and both ranking models"
     )
     add_world_options(train)
-    train.add_argument("--impressions", type=int, default=1_000_000,
-                       help="logged impressions to train on")  # fmt: skip
-    train.add_argument("--l2", type=float, default=2.0,
-                       help="two-tower L2 penalty (default 2.0; see docs/serving.md)")  # fmt: skip
-    train.add_argument("--tower-share", type=float, default=1.0,
-                       help="share of the training logs for the two-tower model; the ranking "
-                            "models learn from the rest (1.0: both from all)")  # fmt: skip
+    train.add_argument(
+        "--impressions", type=int, default=1_000_000, help="logged impressions to train on"
+    )
+    train.add_argument(
+        "--l2",
+        type=float,
+        default=2.0,
+        help="two-tower L2 penalty (default 2.0; see docs/serving.md)",
+    )
+    train.add_argument(
+        "--tower-share",
+        type=float,
+        default=1.0,
+        help="share of the training logs for the two-tower model; the ranking "
+        "models learn from the rest (1.0: both from all)",
+    )
     train.add_argument("--tower-epochs", type=int, default=3, help="two-tower epochs (default 3)")
-    train.add_argument("--out", default=None,
-                       help="model directory [env FRESHREC_MODEL_DIR; default .freshrec/models]")  # fmt: skip
-    train.add_argument("--load", choices=("auto", "yes", "no"), default="auto",
-                       help="write the starting embeddings to Redis (auto: if a stack is set)")  # fmt: skip
-    train.add_argument("--if-missing", action="store_true",
-                       help="do nothing when the directory already holds models of this world "
-                            "trained with this configuration")  # fmt: skip
+    train.add_argument(
+        "--out",
+        default=None,
+        help="model directory [env FRESHREC_MODEL_DIR; default .freshrec/models]",
+    )
+    train.add_argument(
+        "--load",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="write the starting embeddings to Redis (auto: if a stack is set)",
+    )
+    train.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when the directory already holds models of this world "
+        "trained with this configuration",
+    )
     train.set_defaults(func=commands.cmd_train)
 
     rec = sub.add_parser("recommend", help="ask the workers for recommendations over Kafka")
@@ -195,9 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except (
-        StackError, TopicMismatchError, SettingsError, TimeoutError, ServiceDied,
-        RecommendError, RecommendTimeout, ModelFileError,
-    ) as exc:  # fmt: skip
+        StackError,
+        TopicMismatchError,
+        SettingsError,
+        TimeoutError,
+        ServiceDied,
+        RecommendError,
+        RecommendTimeout,
+        ModelFileError,
+    ) as exc:
         print(f"freshrec: error: {exc}", file=sys.stderr)
         return 2
 

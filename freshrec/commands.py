@@ -266,9 +266,14 @@ def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest
             (TABLE_USER, "user_ids", "user_rows"),
         ):
             written += seed_rows(
-                r, keys, table, tensors[ids].numpy(), tensors[rows].numpy(),
-                version=1, event_ms=int(manifest["created_ms"]),
-            )  # fmt: skip
+                r,
+                keys,
+                table,
+                tensors[ids].numpy(),
+                tensors[rows].numpy(),
+                version=1,
+                event_ms=int(manifest["created_ms"]),
+            )
     finally:
         r.close()
     return written
@@ -284,9 +289,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     progress = ProgressLine()
     try:
         config = TrainConfig(
-            impressions=args.impressions, l2=args.l2, tower_share=args.tower_share,
+            impressions=args.impressions,
+            l2=args.l2,
+            tower_share=args.tower_share,
             tower_epochs=args.tower_epochs,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         raise SystemExit(f"freshrec train: {exc}") from None
     if args.if_missing:
@@ -320,9 +327,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     context = {k: v for k, v in (("device", args.device), ("region", args.region)) if v}
     exclude = [x for x in args.exclude.split(",") if x]
     with SyncRecommendClient(
-        conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix, timeout_s=args.timeout,
+        conn.kafka_bootstrap_servers,
+        topic_prefix=conn.topic_prefix,
+        timeout_s=args.timeout,
         profile=conn.kafka_profile,
-    ) as client:  # fmt: skip
+    ) as client:
         started = time.monotonic()
         reply = client.recommend(args.user, args.k, context=context or None, exclude=exclude)
         elapsed = (time.monotonic() - started) * 1000
@@ -423,18 +432,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             manifest["version"],
         )
         services = ServiceGroup(
-            {**os.environ, **ctx.conn_env, "FRESHREC_MODEL_DIR": str(models),
-             "FRESHREC_EMBEDDING_DIM": str(manifest["dim"])},
+            {
+                **os.environ,
+                **ctx.conn_env,
+                "FRESHREC_MODEL_DIR": str(models),
+                "FRESHREC_EMBEDDING_DIM": str(manifest["dim"]),
+            },
             state_dir() / "run" / "logs",
-        )  # fmt: skip
+        )
         try:
             ports = {"streams": free_port(), "param-server": free_port()}
             for n in range(args.workers):
                 ports[f"worker-{n}" if args.workers > 1 else "worker"] = free_port()
             for name, port in ports.items():
                 command = "worker" if name.startswith("worker") else name
-                services.start(name, command, FRESHREC_METRICS_PORT=str(port),
-                               FRESHREC_WORKER_ID=name)  # fmt: skip
+                services.start(
+                    name, command, FRESHREC_METRICS_PORT=str(port), FRESHREC_WORKER_ID=name
+                )
             produce_items(ctx.conn, world, progress)
 
             def waiting(names: list[str]) -> None:
@@ -458,11 +472,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             try:
                 with StatusPoller(ports) as status:
                     stats = produce_events(
-                        ctx.conn, world, rate_per_s=args.rate, duration_s=args.duration,
-                        stop=stop, progress=progress, seed=args.seed,
+                        ctx.conn,
+                        world,
+                        rate_per_s=args.rate,
+                        duration_s=args.duration,
+                        stop=stop,
+                        progress=progress,
+                        seed=args.seed,
                         suffix=lambda: f"{loop.stats.line()} | {status.text}",
                         label="background events",
-                    )  # fmt: skip
+                    )
                     stop.set()
                     if loop_thread:
                         loop_thread.join(15)

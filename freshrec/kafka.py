@@ -109,9 +109,12 @@ def producer_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any
 
 
 def consumer_config(
-    conn: ConnectionSettings, group_id: str | None, *, background: bool = False,
+    conn: ConnectionSettings,
+    group_id: str | None,
+    *,
+    background: bool = False,
     **overrides: Any,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """A consumer; ``group_id=None`` makes a group-less one for ``assign()`` (broadcast reads);
     ``background`` ones (off the request path) use the profile's longer fetch wait."""
     p = profile(conn)

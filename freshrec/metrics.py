@@ -51,9 +51,11 @@ STREAMS_COUNTED = Counter(
     "freshrec_streams_counted_events_total", "Events counted into item state (after repartition)"
 )
 STREAMS_BATCH_SIZE = Histogram(
-    "freshrec_streams_batch_messages", "Messages per agent batch", ["stage"],
+    "freshrec_streams_batch_messages",
+    "Messages per agent batch",
+    ["stage"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
-)  # fmt: skip
+)
 CATALOGUE_RECORDS = Counter(
     "freshrec_streams_catalogue_records_total", "Item records written to the catalogue in Redis"
 )
@@ -62,9 +64,11 @@ CATALOGUE_DELETES = Counter(
     "Items removed from the catalogue in Redis by a tombstone on the items topic",
 )
 STREAMS_BATCH_SECONDS = Histogram(
-    "freshrec_streams_batch_seconds", "Time to process one agent batch", ["stage"],
+    "freshrec_streams_batch_seconds",
+    "Time to process one agent batch",
+    ["stage"],
     buckets=LAG_BUCKETS_S,
-)  # fmt: skip
+)
 STREAMS_LATE = Counter("freshrec_streams_late_events_total", "Events older than the grace period")
 STREAMS_REPLAYED = Counter(
     "freshrec_streams_replayed_events_total", "Repartitioned events skipped as already counted"
@@ -78,8 +82,9 @@ STREAMS_STAGE_LAG = Histogram(
     "freshrec_streams_stage_lag_seconds",
     "Event time to a point in the streams app: repartitioned (the events.by_item record's "
     "timestamp) or counted (persisted); the hot-list lag adds publishing",
-    ["stage"], buckets=LAG_BUCKETS_S,
-)  # fmt: skip
+    ["stage"],
+    buckets=LAG_BUCKETS_S,
+)
 HOT_LIST_PUBLISHES = Counter("freshrec_hot_list_publishes_total", "Hot lists published", ["scope"])
 STREAMS_PARTITIONS = Gauge(
     "freshrec_streams_item_partitions", "events.by_item partitions owned by this instance"
@@ -123,9 +128,10 @@ UPDATES_INSTALLED = Counter(
     "freshrec_updates_installed_total", "Broadcast rows by fate in the worker", ["table", "outcome"]
 )
 CACHE_LOOKUPS = Counter(
-    "freshrec_cache_lookups_total", "Embedding rows looked up, by the tier that had them",
+    "freshrec_cache_lookups_total",
+    "Embedding rows looked up, by the tier that had them",
     ["table", "tier"],
-)  # fmt: skip
+)
 CACHE_ROWS = Gauge("freshrec_cache_rows", "Rows resident on the device", ["table"])
 CACHE_ROWS_EXPIRED = Counter(
     "freshrec_cache_rows_expired_total",
@@ -171,13 +177,15 @@ REQUEST_SECONDS = Histogram(
     buckets=LAG_BUCKETS_S,
 )
 REQUEST_BATCH_SIZE = Histogram(
-    "freshrec_request_batch_size", "Requests per dynamic batch",
+    "freshrec_request_batch_size",
+    "Requests per dynamic batch",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-)  # fmt: skip
+)
 DEGRADED = Counter(
-    "freshrec_degraded_replies_total", "Replies below the full tier or degraded, by reason",
+    "freshrec_degraded_replies_total",
+    "Replies below the full tier or degraded, by reason",
     ["tier", "reason"],
-)  # fmt: skip
+)
 RECALL_CALLS = Counter(
     "freshrec_recall_calls_total",
     "Recall channel calls per batch, by outcome (ok, timeout, error, breaker_open)",

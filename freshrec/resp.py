@@ -49,9 +49,12 @@ def pack_pairs(command: bytes, key: bytes, fields: list[bytes], values: list[byt
 
 
 def pack_fixed(
-    command: bytes, key: bytes, fields: np.ndarray, values: np.ndarray | None = None,
+    command: bytes,
+    key: bytes,
+    fields: np.ndarray,
+    values: np.ndarray | None = None,
     prefix: tuple[bytes, ...] = (),
-) -> bytes:  # fmt: skip
+) -> bytes:
     """``command key [prefix...] f1 [v1] f2 [v2] ...`` with ``fields`` (n, a) and ``values``
     (n, b) as ``uint8`` matrices: every field is ``a`` bytes, every value ``b``.
 
@@ -130,9 +133,9 @@ def pack_ragged(command: bytes, key: bytes, fields: Fields, values: np.ndarray) 
 
 
 FLOAT_TEXT_WIDTH = 22
-_DIGITS5 = np.frombuffer(
-    b"".join(b"%05d" % i for i in range(100_000)), np.uint8
-).reshape(100_000, 5)  # fmt: skip
+_DIGITS5 = np.frombuffer(b"".join(b"%05d" % i for i in range(100_000)), np.uint8).reshape(
+    100_000, 5
+)
 
 
 def float_text(values) -> np.ndarray:

@@ -87,9 +87,14 @@ def env_optional_int(
 
 
 def env_float(
-    env: Mapping[str, str], name: str, default: float, *, minimum: float | None = None,
-    maximum: float | None = None, positive: bool = False,
-) -> float:  # fmt: skip
+    env: Mapping[str, str],
+    name: str,
+    default: float,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+) -> float:
     """A finite number from ``env``, within [minimum, maximum] (and > 0 if ``positive``)."""
     raw = env.get(name)
     if raw is None or raw == "":

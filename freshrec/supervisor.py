@@ -40,9 +40,12 @@ class ServiceGroup:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "freshrec.cli", *args],
-                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,
-            )  # fmt: skip
+            )
         self.children.append((name, proc))
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return proc

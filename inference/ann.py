@@ -89,9 +89,16 @@ class IVFIndex:
 
     @classmethod
     def build(
-        cls, rows: torch.Tensor, eligible: torch.Tensor, cells: int, *, iters: int = 8,
-        sample: int = 50_000, seed: int = 0, chunk: int = 65_536,
-    ) -> IVFIndex:  # fmt: skip
+        cls,
+        rows: torch.Tensor,
+        eligible: torch.Tensor,
+        cells: int,
+        *,
+        iters: int = 8,
+        sample: int = 50_000,
+        seed: int = 0,
+        chunk: int = 65_536,
+    ) -> IVFIndex:
         """Spherical k-means on a sample of the eligible rows (directions only: assigned
         by inner product, rows of large norm pulled most of the table into a few cells —
         1,000 rows a probed cell at 500k items where the mean is 177), then every eligible
@@ -126,9 +133,14 @@ class IVFIndex:
         return cls(centroids.numpy(), order.numpy(), offsets, block, len(rows))
 
     def search(
-        self, queries: torch.Tensor, rows: torch.Tensor, k: int, nprobe: int = 8,
-        extra: torch.Tensor | None = None, overfetch: int = 2,
-    ) -> list[np.ndarray]:  # fmt: skip
+        self,
+        queries: torch.Tensor,
+        rows: torch.Tensor,
+        k: int,
+        nprobe: int = 8,
+        extra: torch.Tensor | None = None,
+        overfetch: int = 2,
+    ) -> list[np.ndarray]:
         """Top-``k`` slots per query, best first, by the current ``rows``: the
         ``overfetch`` × k best of its ``nprobe`` nearest cells by the build's rows, plus
         every ``extra`` slot (items added since the build), re-scored with ``rows``."""

@@ -58,9 +58,13 @@ class _Table:
 
 class EmbeddingCache:
     def __init__(
-        self, dim: int, user_capacity: int, fetch: Fetch, device: torch.device,
+        self,
+        dim: int,
+        user_capacity: int,
+        fetch: Fetch,
+        device: torch.device,
         clock: Callable[[], int] = lambda: int(time.time() * 1000),
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.dim, self.w = dim, width(dim)
         self.device = device
         self.fetch = fetch
@@ -259,9 +263,13 @@ class EmbeddingCache:
         t.event_ms[slot] = event_ms
 
     def install_many(
-        self, table: int, slots: np.ndarray, rows: np.ndarray, versions: np.ndarray,
+        self,
+        table: int,
+        slots: np.ndarray,
+        rows: np.ndarray,
+        versions: np.ndarray,
         event_ms: np.ndarray,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``install`` for many rows (distinct slots) in one device copy."""
         t = self.table(table)
         t.rows[torch.as_tensor(slots, device=self.device)] = torch.as_tensor(

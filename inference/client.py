@@ -69,10 +69,17 @@ class RecommendClient:
     ``recommend.replies``), which every client reads in full and filters by correlation id."""
 
     def __init__(
-        self, bootstrap_servers: str, *, topic_prefix: str = "", reply_topic: str | None = None,
-        own_reply_topic: bool = False, timeout_s: float = 2.0, profile: str = "local",
-        client_id: str | None = None, keep_latencies: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        bootstrap_servers: str,
+        *,
+        topic_prefix: str = "",
+        reply_topic: str | None = None,
+        own_reply_topic: bool = False,
+        timeout_s: float = 2.0,
+        profile: str = "local",
+        client_id: str | None = None,
+        keep_latencies: bool = False,
+    ) -> None:
         self.bootstrap = bootstrap_servers
         self.names = TopicNames(topic_prefix)
         self.client_id = client_id or f"freshrec-client-{uuid.uuid4().hex[:8]}"
@@ -103,15 +110,20 @@ class RecommendClient:
         if self.own_reply_topic:
             await asyncio.get_running_loop().run_in_executor(None, self._create_reply_topic)
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap, client_id=self.client_id, linger_ms=0,
+            bootstrap_servers=self.bootstrap,
+            client_id=self.client_id,
+            linger_ms=0,
             partitioner=DefaultPartitioner(),
-        )  # fmt: skip
+        )
         await self._producer.start()
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap, client_id=self.client_id, group_id=None,
-            enable_auto_commit=False, fetch_max_wait_ms=self.profile.fetch_wait_max_ms,
+            bootstrap_servers=self.bootstrap,
+            client_id=self.client_id,
+            group_id=None,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=self.profile.fetch_wait_max_ms,
             auto_offset_reset="latest",
-        )  # fmt: skip
+        )
         await self._consumer.start()
         parts = await self._partitions(self.reply_topic)
         tps = [TopicPartition(self.reply_topic, p) for p in parts]
@@ -174,10 +186,16 @@ class RecommendClient:
 
     # ---------------------------------------------------------------------------- calls
     async def recommend(
-        self, user_id: str, k: int = 20, *, context: Mapping[str, Any] | RequestContext | None = None,
-        exclude: Iterable[str] = (), timeout_s: float | None = None,
-        deadline_ms: int | None = None, request_id: str | None = None,
-    ) -> RecommendReply:  # fmt: skip
+        self,
+        user_id: str,
+        k: int = 20,
+        *,
+        context: Mapping[str, Any] | RequestContext | None = None,
+        exclude: Iterable[str] = (),
+        timeout_s: float | None = None,
+        deadline_ms: int | None = None,
+        request_id: str | None = None,
+    ) -> RecommendReply:
         """Send one request and await its reply; ``RecommendTimeout`` after ``timeout_s``
         (the request's deadline defaults to the same moment, so the worker does not work on
         a request nobody waits for)."""
@@ -188,9 +206,12 @@ class RecommendClient:
         self._seq += 1
         request = RecommendRequest(
             request_id=request_id or f"{self.client_id}-{self._seq}",
-            user_id=user_id, k=k, context=context, exclude=tuple(exclude),
+            user_id=user_id,
+            k=k,
+            context=context,
+            exclude=tuple(exclude),
             deadline_ms=deadline_ms if deadline_ms is not None else now_ms + int(timeout * 1000),
-        )  # fmt: skip
+        )
         return await self.send(request, timeout)
 
     async def send(
@@ -206,10 +227,14 @@ class RecommendClient:
         self._pending[corr] = (fut, started)
         try:
             await self._producer.send(
-                self.names.recommend_requests, encode_request(request),
+                self.names.recommend_requests,
+                encode_request(request),
                 key=request.user_id.encode(),
-                headers=[("reply-to", self.reply_topic.encode()), ("correlation-id", corr.encode())],
-            )  # fmt: skip
+                headers=[
+                    ("reply-to", self.reply_topic.encode()),
+                    ("correlation-id", corr.encode()),
+                ],
+            )
             self.stats.sent += 1
             reply = await asyncio.wait_for(fut, timeout)
         except TimeoutError:

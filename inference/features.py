@@ -116,9 +116,13 @@ class FeatureEncoder:
             ]
         ).astype(np.int64)
         return RankInputs(
-            user.astype(np.float32), item.astype(np.float32), dense, sparse, cross,
+            user.astype(np.float32),
+            item.astype(np.float32),
+            dense,
+            sparse,
+            cross,
             None if owner is None else np.asarray(owner, np.int64),
-        )  # fmt: skip
+        )
 
 
 def recent_category_share(recent_categories: list[int], item_categories: np.ndarray) -> np.ndarray:

@@ -75,9 +75,12 @@ def examples_from_events(
             weights.append(1.0)
             times.append(times[src])
     return Examples(
-        users, items, np.asarray(labels, np.float32), np.asarray(weights, np.float32),
+        users,
+        items,
+        np.asarray(labels, np.float32),
+        np.asarray(weights, np.float32),
         np.asarray(times, np.int64),
-    )  # fmt: skip
+    )
 
 
 def logistic_gradients(
@@ -106,9 +109,11 @@ class Grouped:
 
 
 def aggregate(
-    keys: np.ndarray, grads: np.ndarray, event_ms: np.ndarray | None = None,
+    keys: np.ndarray,
+    grads: np.ndarray,
+    event_ms: np.ndarray | None = None,
     counts: np.ndarray | None = None,
-) -> Grouped:  # fmt: skip
+) -> Grouped:
     """Per distinct key: the sum of its rows (in input order; float32 rows accumulated in
     float32, others in float64; returned in the rows' dtype), the sum of its ``counts`` (one per row by default) and its newest
     ``event_ms``. The rows are added with torch's ``index_add_`` (one pass, in input order):
@@ -129,9 +134,12 @@ def aggregate(
 
 
 def aggregate_groups(
-    distinct: np.ndarray, index: np.ndarray, grads: np.ndarray,
-    event_ms: np.ndarray | None = None, counts: np.ndarray | None = None,
-) -> Grouped:  # fmt: skip
+    distinct: np.ndarray,
+    index: np.ndarray,
+    grads: np.ndarray,
+    event_ms: np.ndarray | None = None,
+    counts: np.ndarray | None = None,
+) -> Grouped:
     """``aggregate`` of rows already grouped: ``distinct`` the sorted distinct keys and
     ``index`` each row's position in it (``np.unique(keys, return_inverse=True)``)."""
     grads = np.asarray(grads)
@@ -154,10 +162,11 @@ def aggregate_groups(
     else:
         newest = (
             torch.zeros(groups, dtype=torch.int64)
-            .scatter_reduce_(0, at, torch.from_numpy(np.asarray(event_ms, np.int64)), "amax",
-                             include_self=False)
+            .scatter_reduce_(
+                0, at, torch.from_numpy(np.asarray(event_ms, np.int64)), "amax", include_self=False
+            )
             .numpy()
-        )  # fmt: skip
+        )
     return Grouped(
         distinct, sums.numpy().astype(grads.dtype, copy=False), group_counts, newest, index
     )

@@ -16,9 +16,11 @@ import numpy as np
 
 
 def merge_channels(
-    results: Mapping[str, Sequence[str]], quotas: Mapping[str, int], budget: int,
+    results: Mapping[str, Sequence[str]],
+    quotas: Mapping[str, int],
+    budget: int,
     exclude: frozenset[str] = frozenset(),
-) -> list[tuple[str, tuple[str, ...]]]:  # fmt: skip
+) -> list[tuple[str, tuple[str, ...]]]:
     found_by: dict[str, list[str]] = {}
     order: list[str] = []
     for with_quotas in (True, False):  # quotas first, then fill what they left, by priority
@@ -40,9 +42,11 @@ def merge_channels(
 
 
 def merge_slot_arrays(
-    results: Mapping[str, np.ndarray], quotas: Mapping[str, int], budget: int,
+    results: Mapping[str, np.ndarray],
+    quotas: Mapping[str, int],
+    budget: int,
     exclude: np.ndarray | None = None,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """``merge_channels`` on non-negative integer ids (cache slots), vectorised with one
     boolean mask over the id space: the same selection and order (each channel's list must be
     free of repeats, as top-k and hot lists are). Which channels found an item is left to

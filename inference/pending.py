@@ -350,9 +350,13 @@ class PendingSteps:
         return np.concatenate(positions), np.concatenate(steps)
 
     def _relink(
-        self, lists: _Lists, slots: np.ndarray, pos: np.ndarray, steps: np.ndarray,
+        self,
+        lists: _Lists,
+        slots: np.ndarray,
+        pos: np.ndarray,
+        steps: np.ndarray,
         keep: np.ndarray,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Rebuild the lists of ``slots`` from their walked steps, keeping ``keep``."""
         self._release(steps[~keep])
         pos, steps = pos[keep], steps[keep]

@@ -56,12 +56,17 @@ class WideDeep(nn.Module):
         u, v = user[:, : self.dim], item[:, : self.dim]
         deep_in = torch.cat(
             [
-                u * v, u, v, dense,
-                self.cat(sparse[:, 0]), self.device(sparse[:, 1]),
-                self.hour(sparse[:, 2]), self.region(sparse[:, 3]),
+                u * v,
+                u,
+                v,
+                dense,
+                self.cat(sparse[:, 0]),
+                self.device(sparse[:, 1]),
+                self.hour(sparse[:, 2]),
+                self.region(sparse[:, 3]),
             ],
             dim=1,
-        )  # fmt: skip
+        )
         wide = self.wide_dense(dense) + self.wide_cross(cross)
         return (wide + self.deep(deep_in)).squeeze(1)
 
@@ -87,11 +92,12 @@ class WideDeep(nn.Module):
         ctx = sparse[starts.clamp(max=max(n - 1, 0))]  # a request's context: its first pair's
         u = users[:, :d]
         per_request = (
-            u @ w_user.T + b
+            u @ w_user.T
+            + b
             + self.device(ctx[:, 1]) @ w_dev.T
             + self.hour(ctx[:, 2]) @ w_hour.T
             + self.region(ctx[:, 3]) @ w_region.T
-        )  # fmt: skip
+        )
         # per request: [W_v + W_p·diag(u) | W_d | W_cat] against [v | dense | cat embedding],
         # candidates padded to the longest request so one batched product does all of them
         mixed = torch.cat(

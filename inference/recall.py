@@ -77,10 +77,13 @@ class RecallResult:
 
 class RecallRunner:
     def __init__(
-        self, channels: Mapping[str, Channel], configs: Mapping[str, ChannelConfig],
-        breaker: BreakerConfig | None = None, delays_ms: Mapping[str, float] | None = None,
+        self,
+        channels: Mapping[str, Channel],
+        configs: Mapping[str, ChannelConfig],
+        breaker: BreakerConfig | None = None,
+        delays_ms: Mapping[str, float] | None = None,
         inline: Collection[str] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         unknown = set(configs) - set(channels)
         if unknown:
             raise ValueError(f"no such recall channel: {', '.join(sorted(unknown))}")

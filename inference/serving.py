@@ -99,10 +99,16 @@ class Inbound:
 
 class Recommender:
     def __init__(
-        self, settings: ServingSettings, cache: EmbeddingCache, client: redis.Redis,
-        keys: RedisKeys, snapshots: SnapshotRefresher, models: ModelWatcher,
-        runner_factory, worker_id: str,
-    ) -> None:  # fmt: skip
+        self,
+        settings: ServingSettings,
+        cache: EmbeddingCache,
+        client: redis.Redis,
+        keys: RedisKeys,
+        snapshots: SnapshotRefresher,
+        models: ModelWatcher,
+        runner_factory,
+        worker_id: str,
+    ) -> None:
         self.settings = settings
         self.cache = cache
         self.redis = client
@@ -139,9 +145,14 @@ class Recommender:
         """Recent clicks the i2i channel read from Redis for the current batch."""
         """The worker's own view of a user's recent clicks, newest first."""
         self.runner: RecallRunner = runner_factory(
-            {"vector": self._vector, "i2i": self._i2i, "hot": self._hot,
-             "region": self._region, "new": self._new}
-        )  # fmt: skip
+            {
+                "vector": self._vector,
+                "i2i": self._i2i,
+                "hot": self._hot,
+                "region": self._region,
+                "new": self._new,
+            }
+        )
         self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
 
     # ------------------------------------------------------------------------ snapshot
@@ -235,8 +246,12 @@ class Recommender:
                 m.ANN_INDEX_ITEMS.set(len(index.order))
                 m.ANN_BUILD_SECONDS.set(took)
                 m.ANN_BUILT_AT.set(time.time())
-                log.info("IVF index: %d items in %d cells, built in %.1fs",
-                         len(index.order), len(index.centroids), took)  # fmt: skip
+                log.info(
+                    "IVF index: %d items in %d cells, built in %.1fs",
+                    len(index.order),
+                    len(index.centroids),
+                    took,
+                )
             except Exception as exc:  # exact search goes on
                 log.error("IVF index build failed: %s", exc)
             finally:
@@ -270,8 +285,9 @@ class Recommender:
         # one query row per user: the clicked items' recency-weighted mean embedding (newest
         # first), searched within the clicked items' categories only
         get = self.slot_of.get
-        clicked = [[x for x in (get(name) for name in recents[j][:10]) if x is not None]
-                   for j in users]  # fmt: skip
+        clicked = [
+            [x for x in (get(name) for name in recents[j][:10]) if x is not None] for j in users
+        ]
         keep = [row for row, c in enumerate(clicked) if c]
         if not keep:
             return out
@@ -338,14 +354,17 @@ class Recommender:
             choices.append(
                 self.ladder.choose(
                     Situation(
-                        device=device, budget_ms=budget_left, queue_depth=queue_depth,
+                        device=device,
+                        budget_ms=budget_left,
+                        queue_depth=queue_depth,
                         cached=self.results.peek_valid(key, versions[j], now_ms),
                         full_ok=models is not None and time.monotonic() >= self.full_failed_until,
                         light_ok=models is not None,
-                        full_cost_ms=self.full_cost_ms, light_cost_ms=self.light_cost_ms,
+                        full_cost_ms=self.full_cost_ms,
+                        light_cost_ms=self.light_cost_ms,
                     )
                 )
-            )  # fmt: skip
+            )
         ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
         features_note = self._rank(reqs, user_rows, merged, choices, ranked, models)
         if features_note:
@@ -378,17 +397,21 @@ class Recommender:
             reason_text = reason if not degraded else f"{reason}; degraded: {'; '.join(degraded)}"
             replies.append(
                 RecommendReply(
-                    request_id=r.request_id, user_id=r.user_id,
+                    request_id=r.request_id,
+                    user_id=r.user_id,
                     items=tuple(ReplyItem(i, sc, ch) for i, sc, ch in items),
-                    tier=tier, tier_reason=reason_text[:256], degraded=bool(degraded),
+                    tier=tier,
+                    tier_reason=reason_text[:256],
+                    degraded=bool(degraded),
                     served_at_ms=int(time.time() * 1000),
                     model_version=models.version if models else None,
-                    user_embedding_version=int(versions[j]), user_embedding_age_ms=ages[j],
+                    user_embedding_version=int(versions[j]),
+                    user_embedding_age_ms=ages[j],
                     item_table_version=item_table_version,
                     timings_ms={k: round(v, 3) for k, v in timings.items()},
                     worker=self.worker_id,
                 )
-            )  # fmt: skip
+            )
             m.REPLIES.labels(tier).inc()
             for stage, value in timings.items():
                 _stage_histogram(stage, tier).observe(value / 1000)
@@ -625,9 +648,12 @@ def category_members(categories: np.ndarray, slots: np.ndarray) -> dict[int, np.
 
 
 def search_within_categories(
-    items: torch.Tensor, queries: np.ndarray, allowed: list[np.ndarray],
-    members: dict[int, np.ndarray], n: int,
-) -> list[np.ndarray]:  # fmt: skip
+    items: torch.Tensor,
+    queries: np.ndarray,
+    allowed: list[np.ndarray],
+    members: dict[int, np.ndarray],
+    n: int,
+) -> list[np.ndarray]:
     """For each query row, the ``n`` best slots by ``query · items[slot]`` (best first) among
     the members of its ``allowed`` categories (unknown ones, < 0, allow nothing). Cost is
     proportional to those members, not to the table: the i2i channel on a 100k-item

@@ -65,10 +65,18 @@ def _decode_hash(raw: dict) -> dict[str, str]:
 
 class SnapshotRefresher:
     def __init__(
-        self, client: redis.Redis, keys: RedisKeys, hot_k: int = 500, *,
-        weights: HotWeights | None = None, rate_per_hour: float = 0.95, hot_refresh_s: float = 0.5, features_refresh_s: float = 5.0,
-        catalogue_refresh_s: float = 60.0, new_items: int = 200,
-    ) -> None:  # fmt: skip
+        self,
+        client: redis.Redis,
+        keys: RedisKeys,
+        hot_k: int = 500,
+        *,
+        weights: HotWeights | None = None,
+        rate_per_hour: float = 0.95,
+        hot_refresh_s: float = 0.5,
+        features_refresh_s: float = 5.0,
+        catalogue_refresh_s: float = 60.0,
+        new_items: int = 200,
+    ) -> None:
         self.redis = client
         self.keys = keys
         self.hot_k = hot_k
@@ -175,8 +183,9 @@ class SnapshotRefresher:
         buckets: dict[str, int] = {}
         category = np.fromiter(
             (buckets.setdefault(cats[n], bucket(cats[n], CATEGORY_BUCKETS)) for n in names),
-            np.int64, len(names),
-        )  # fmt: skip
+            np.int64,
+            len(names),
+        )
         price = np.fromiter((float(prices.get(n, 0.0)) for n in names), np.float32, len(names))
         return Catalogue(
             names=names,

@@ -315,14 +315,27 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
     t_train, t_valid = (as_tensors(x, torch.device("cpu")) for x in (x_train, x_valid))
     torch.manual_seed(cfg.seed)
     full = WideDeep(cfg.dim)
-    fits = {"wide_deep": _fit(full, (t_train, y[rank_idx], w[rank_idx], None),
-                              (t_valid, y[valid_idx], w[valid_idx], None),
-                              cfg, rng, progress, "wide&deep")}  # fmt: skip
+    fits = {
+        "wide_deep": _fit(
+            full,
+            (t_train, y[rank_idx], w[rank_idx], None),
+            (t_valid, y[valid_idx], w[valid_idx], None),
+            cfg,
+            rng,
+            progress,
+            "wide&deep",
+        )
+    }
     light = LightRanker(cfg.dim)
     fits["light"] = _fit(
-        light, (t_train, y[rank_idx], w[rank_idx], _logits(full, x_train)),
-        (t_valid, y[valid_idx], w[valid_idx], _logits(full, x_valid)), cfg, rng, progress, "light",
-    )  # fmt: skip
+        light,
+        (t_train, y[rank_idx], w[rank_idx], _logits(full, x_train)),
+        (t_valid, y[valid_idx], w[valid_idx], _logits(full, x_valid)),
+        cfg,
+        rng,
+        progress,
+        "light",
+    )
     metrics = {
         "auc_two_tower": auc(y[test_idx], tower_scores),
         "auc_wide_deep": auc(y[test_idx], _logits(full, x_test)),

@@ -125,9 +125,10 @@ class Worker:
         # Timeouts: a stopped Redis must fail calls quickly (serving degrades, learning waits)
         # instead of hanging the loop that also answers requests.
         self.redis = redis.Redis.from_url(
-            conn.redis_url, socket_timeout=settings.redis_timeout_s,
+            conn.redis_url,
+            socket_timeout=settings.redis_timeout_s,
             socket_connect_timeout=settings.redis_timeout_s,
-        )  # fmt: skip
+        )
         self.dim = settings.learning.dim
         self.cache = EmbeddingCache(
             self.dim, settings.user_capacity_rows, self._fetch, pick_device(settings.device)
@@ -167,9 +168,12 @@ class Worker:
         self.policy = BatchPolicy(settings.max_batch, settings.max_wait_ms)
         most = settings.event_slice
         self.slicer = EventSlicer(
-            settings.event_slice_ms, settings.event_slice_idle_ms, min(64, most), most,
+            settings.event_slice_ms,
+            settings.event_slice_idle_ms,
+            min(64, most),
+            most,
             min(256, most),
-        )  # fmt: skip
+        )
         self.requests: deque[Inbound] = deque()
         self.backlog: deque[Message] = deque()
         self.paused: list[TopicPartition] = []
@@ -186,18 +190,29 @@ class Worker:
         self._trim_warned_at = -math.inf
         self.assigned = 0
         self.snapshots = SnapshotRefresher(
-            self.redis, self.keys, settings.hot_k, weights=settings.hot_weights,
+            self.redis,
+            self.keys,
+            settings.hot_k,
+            weights=settings.hot_weights,
             rate_per_hour=settings.hot_decay_per_hour,
-        )  # fmt: skip
+        )
         self.models = ModelWatcher(settings.model_dir, self.cache.device, self.dim)
         self.recommender = Recommender(
-            sv, self.cache, self.redis, self.keys, self.snapshots, self.models,
+            sv,
+            self.cache,
+            self.redis,
+            self.keys,
+            self.snapshots,
+            self.models,
             lambda channels: RecallRunner(
-                channels, sv.channels, settings.breaker, settings.recall_delays_ms,
+                channels,
+                sv.channels,
+                settings.breaker,
+                settings.recall_delays_ms,
                 inline=IN_MEMORY_CHANNELS,
             ),
             settings.worker_id,
-        )  # fmt: skip
+        )
         self.recent: OrderedDict[str, deque[str]] = OrderedDict()
         self.recommender.recent_clicks = lambda u: list(self.recent.get(u, ()))
 
@@ -221,8 +236,9 @@ class Worker:
         if self.models.load_now() is None:
             log.warning(
                 "no ranking models (%s): serving from the hot list until `freshrec train` "
-                "writes them", self.models.last_error,
-            )  # fmt: skip
+                "writes them",
+                self.models.last_error,
+            )
         else:
             m.MODEL_INFO.labels(self.models.version).set(1)
             m.MODEL_RELOADS.labels("ok").inc()
@@ -238,14 +254,19 @@ class Worker:
         )
         self.events.subscribe(
             [self.names.events, self.names.recommend_requests],
-            on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke,
-        )  # fmt: skip
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_revoke,
+        )
         del items
         log.info(
             "worker %s: %d item rows, device %s, broadcast from %s, %d objects settled",
-            self.settings.worker_id, len(self.cache.item_ids), self.cache.device,
-            positions or "the beginning", settle_heap(),
-        )  # fmt: skip
+            self.settings.worker_id,
+            len(self.cache.item_ids),
+            self.cache.device,
+            positions or "the beginning",
+            settle_heap(),
+        )
 
     def close(self) -> None:
         self.snapshots.stop()
@@ -359,16 +380,25 @@ class Worker:
         except Rejected as rej:
             m.REQUESTS.labels("invalid").inc()
             letter = dead_letter(
-                rej, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-                key=msg.key(), value=msg.value(), now_ms=now, service="worker",
-            )  # fmt: skip
+                rej,
+                topic=msg.topic(),
+                partition=msg.partition(),
+                offset=msg.offset(),
+                key=msg.key(),
+                value=msg.value(),
+                now_ms=now,
+                service="worker",
+            )
             self._produce(self.names.recommend_requests_dlq, None, encode_dead_letter(letter))
             error = RecommendReply(
                 request_id=(corr or b"unknown").decode(errors="replace")[:128] or "unknown",
-                user_id="unknown", items=(), tier="error",
+                user_id="unknown",
+                items=(),
+                tier="error",
                 tier_reason=f"invalid request: {rej.reason}: {rej.detail}"[:256],
-                served_at_ms=now, worker=self.settings.worker_id,
-            )  # fmt: skip
+                served_at_ms=now,
+                worker=self.settings.worker_id,
+            )
             self._reply(reply_to, corr, error, msg.partition(), msg.offset())
             return
         self.requests.append(Inbound(req, reply_to, corr, now, msg.partition(), msg.offset()))
@@ -686,8 +716,10 @@ class Worker:
             log.warning(
                 "read-your-writes pool at its bound (%d local steps, FRESHREC_MAX_PENDING_STEPS"
                 " %d): let the oldest %d go; is the parameter server running and broadcasting?",
-                held, most, let_go,
-            )  # fmt: skip
+                held,
+                most,
+                let_go,
+            )
 
     def _evicted(self, table: int, slots: np.ndarray, ids: list[int]) -> None:
         """Rows left the user slab or the item table: their local steps go with them (the
@@ -709,8 +741,10 @@ class Worker:
         if gone:
             log.info(
                 "item table: %d rows untouched for %d s let go, %d held",
-                gone, self.settings.row_ttl_s, self.cache.item_rows,
-            )  # fmt: skip
+                gone,
+                self.settings.row_ttl_s,
+                self.cache.item_rows,
+            )
         return gone
 
     def forget_unadmitted(self, now_ms: int) -> None:
@@ -731,9 +765,14 @@ class Worker:
         held_back = 0
         parts = row_partitions(keys, self.grad_partitions).tolist()
         for k, part, g, c, t, step in zip(
-            keys.tolist(), parts, sums, counts.tolist(), newest.tolist(), steps.tolist(),
+            keys.tolist(),
+            parts,
+            sums,
+            counts.tolist(),
+            newest.tolist(),
+            steps.tolist(),
             strict=True,
-        ):  # fmt: skip
+        ):
             ref = (table, k)
             admitted = self.admission.touch(ref, now_ms)
             held = self.unsent.get(ref)
@@ -783,10 +822,17 @@ class Worker:
             for group, group_steps in zip(
                 np.split(order, bounds), np.split(by_place, step_bounds), strict=True
             ):
-                self._emit(table, int(parts[group[0]]), keys[group], sums[group],
-                           counts[group], newest[group], created,
-                           step_place[group_steps] - place[group[0]],
-                           steps[group_steps])  # fmt: skip
+                self._emit(
+                    table,
+                    int(parts[group[0]]),
+                    keys[group],
+                    sums[group],
+                    counts[group],
+                    newest[group],
+                    created,
+                    step_place[group_steps] - place[group[0]],
+                    steps[group_steps],
+                )
         self._outbox_rows, self._outbox_since = 0, None
         self.gate.seal()  # what was learnt so far has its gradients produced now
 
@@ -796,10 +842,16 @@ class Worker:
         for (table, part), rows in outgoing.items():
             step_row = [j for j, r in enumerate(rows) for _ in r[4]]
             self._emit(
-                table, part, np.array([r[0] for r in rows], np.int64), np.stack([r[1] for r in rows]),
-                np.array([r[2] for r in rows]), np.array([r[3] for r in rows], np.int64), created,
-                np.array(step_row, np.int64), np.array([s for r in rows for s in r[4]], np.int64),
-            )  # fmt: skip
+                table,
+                part,
+                np.array([r[0] for r in rows], np.int64),
+                np.stack([r[1] for r in rows]),
+                np.array([r[2] for r in rows]),
+                np.array([r[3] for r in rows], np.int64),
+                created,
+                np.array(step_row, np.int64),
+                np.array([s for r in rows for s in r[4]], np.int64),
+            )
 
     def _emit(self, table, part, ids, sums, counts, newest, created, step_row, steps) -> None:
         """Gradient messages for rows of one table and ``gradients`` partition (at most
@@ -812,10 +864,18 @@ class Worker:
             token = next(self.tokens)
             self.pending.assign(steps[step_bounds[k] : step_bounds[k + 1]], token)
             self._produce_gradients(
-                token, part,
-                RowBatch(KIND_GRADIENTS, table, ids[take], sums[take].astype(np.float32, copy=False),
-                         counts[take].astype(np.uint64), newest[take], created_ms=created),
-            )  # fmt: skip
+                token,
+                part,
+                RowBatch(
+                    KIND_GRADIENTS,
+                    table,
+                    ids[take],
+                    sums[take].astype(np.float32, copy=False),
+                    counts[take].astype(np.uint64),
+                    newest[take],
+                    created_ms=created,
+                ),
+            )
 
     def _produce_gradients(self, token: int, part: int, batch: RowBatch) -> None:
         value, key = batch.encode(), row_key(int(batch.ids[0]))
@@ -824,9 +884,12 @@ class Worker:
         while True:
             try:
                 self.producer.produce(
-                    self.names.gradients, value=value, key=key, partition=part,
+                    self.names.gradients,
+                    value=value,
+                    key=key,
+                    partition=part,
                     on_delivery=self._delivered(token, name, len(batch.ids)),
-                )  # fmt: skip
+                )
                 break
             except BufferError:
                 self.producer.poll(0.05)

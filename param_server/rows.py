@@ -115,8 +115,12 @@ def decode_rows(blobs: list[bytes | None], w: int):
         bad = next(len(b) for b in present if len(b) != size)
         raise ValueError(f"row blob of {bad} bytes does not fit width {w}")
     packed = np.frombuffer(b"".join(present), _blob_dtype(w))
-    return (found, packed["row"].copy(), packed["version"].astype(np.uint64),
-            packed["event_ms"].astype(np.int64))  # fmt: skip
+    return (
+        found,
+        packed["row"].copy(),
+        packed["version"].astype(np.uint64),
+        packed["event_ms"].astype(np.int64),
+    )
 
 
 def decode_row(blob: bytes, w: int) -> tuple[np.ndarray, int, int]:

@@ -152,11 +152,17 @@ class ParameterServer:
         if self.settings.row_ttl_s > 0:
             self._field_expiry = self._redis_retry(lambda: field_expiry(self.redis, self.keys))
             if self._field_expiry is None:
-                log.warning("this Redis has no hash field expiry (Redis < 7.4, Valkey < 9): rows in "
-                            "Redis will not expire; they still leave this server's memory")  # fmt: skip
+                log.warning(
+                    "this Redis has no hash field expiry (Redis < 7.4, Valkey < 9): rows in "
+                    "Redis will not expire; they still leave this server's memory"
+                )
         self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
-        log.info("parameter server on %s (dim %d), %d objects settled", topic,
-                 self.settings.dim, settle_heap())  # fmt: skip
+        log.info(
+            "parameter server on %s (dim %d), %d objects settled",
+            topic,
+            self.settings.dim,
+            settle_heap(),
+        )
         try:
             while not stop.is_set():
                 self.poll_once()
@@ -285,8 +291,10 @@ class ParameterServer:
             versions = np.zeros(n, np.uint64)
             event_ms = np.zeros(n, np.int64)
             rows[got.found], versions[got.found], event_ms[got.found] = (
-                got.rows, got.versions, got.event_ms
-            )  # fmt: skip
+                got.rows,
+                got.versions,
+                got.event_ms,
+            )
             if not got.found.all():
                 absent = ~got.found
                 rows[absent] = initial_rows(ids[absent], table, self.settings.dim)
@@ -324,24 +332,38 @@ class ParameterServer:
         for p, tables in self.dirty.items():
             for t, parts in tables.items():
                 slots, tab = np.unique(np.concatenate(parts)), self.tables[t]
-                rows = (tab.ids[slots], tab.rows[slots], tab.accum[slots], tab.version[slots],
-                        tab.event_ms[slots])  # fmt: skip
+                rows = (
+                    tab.ids[slots],
+                    tab.rows[slots],
+                    tab.accum[slots],
+                    tab.version[slots],
+                    tab.event_ms[slots],
+                )
                 snapshot.setdefault(p, {})[t] = rows
                 by_table[t].append(rows)
-        out = {t: tuple(np.concatenate(col) for col in zip(*parts, strict=True))
-               for t, parts in by_table.items()}  # fmt: skip
+        out = {
+            t: tuple(np.concatenate(col) for col in zip(*parts, strict=True))
+            for t, parts in by_table.items()
+        }
         offsets = {p: self.applied[p] for p in self.dirty}
         owners = {p: self.owner[p] for p in self.dirty}
         payload, replies = pack_persist(
-            self.keys, out, offsets, ttl_ms=self.settings.row_ttl_s * 1000,
+            self.keys,
+            out,
+            offsets,
+            ttl_ms=self.settings.row_ttl_s * 1000,
             expiry=self._field_expiry,
-        )  # fmt: skip
+        )
         self._inflight = _Persist(
-            self._persister.submit(
-                persist_fenced, self.redis, self.keys, payload, replies, owners
-            ),
-            payload, replies, snapshot, offsets, owners, self.dirty_rows, time.perf_counter(),
-        )  # fmt: skip
+            self._persister.submit(persist_fenced, self.redis, self.keys, payload, replies, owners),
+            payload,
+            replies,
+            snapshot,
+            offsets,
+            owners,
+            self.dirty_rows,
+            time.perf_counter(),
+        )
         self.dirty.clear()
         self.dirty_rows = 0
 
@@ -356,10 +378,13 @@ class ParameterServer:
         except REDIS_DOWN:
             # the retry serves rebalance callbacks: a revoke's flush may finish this one
             owned = self._redis_retry(
-                lambda: self._inflight is not done or persist_fenced(
-                    self.redis, self.keys, done.payload, done.replies, done.owners
+                lambda: (
+                    self._inflight is not done
+                    or persist_fenced(
+                        self.redis, self.keys, done.payload, done.replies, done.owners
+                    )
                 )
-            )  # fmt: skip
+            )
             if self._inflight is not done:  # finished (and broadcast) inside the retry
                 return
         self._inflight = None
@@ -396,10 +421,7 @@ class ParameterServer:
         )
 
     def _evict_due(self) -> bool:
-        return (
-            self.settings.row_ttl_s > 0
-            and time.monotonic() - self._evicted_at >= EVICT_EVERY_S
-        )  # fmt: skip
+        return self.settings.row_ttl_s > 0 and time.monotonic() - self._evicted_at >= EVICT_EVERY_S
 
     def _maybe_evict(self) -> None:
         """Rows not updated for ``row_ttl_s`` leave memory (checked once a minute, by a
@@ -425,13 +447,22 @@ class ParameterServer:
                 for lo in range(0, len(ids), MAX_ROWS_PER_MESSAGE):
                     chunk = slice(lo, lo + MAX_ROWS_PER_MESSAGE)
                     batch = RowBatch(
-                        KIND_UPDATES, t, ids[chunk], rows[chunk], versions[chunk],
-                        event_ms[chunk], partition=p, offset=offsets[p], created_ms=created,
-                    )  # fmt: skip
+                        KIND_UPDATES,
+                        t,
+                        ids[chunk],
+                        rows[chunk],
+                        versions[chunk],
+                        event_ms[chunk],
+                        partition=p,
+                        offset=offsets[p],
+                        created_ms=created,
+                    )
                     self._produce(
-                        self.names.embeddings_updates, batch.encode(),
-                        p % self.update_partitions, self._record_broadcast,
-                    )  # fmt: skip
+                        self.names.embeddings_updates,
+                        batch.encode(),
+                        p % self.update_partitions,
+                        self._record_broadcast,
+                    )
         self.producer.poll(0)
 
     def _produce(self, topic: str, value: bytes, partition: int, cb) -> None:

@@ -78,9 +78,12 @@ HPEXPIRE = "HPEXPIRE"
 
 
 def pack_persist(
-    keys: RedisKeys, tables: dict[int, tuple[np.ndarray, ...]], applied: dict[int, int],
-    ttl_ms: int = 0, expiry: str | None = HSETEX,
-) -> tuple[bytes, int]:  # fmt: skip
+    keys: RedisKeys,
+    tables: dict[int, tuple[np.ndarray, ...]],
+    applied: dict[int, int],
+    ttl_ms: int = 0,
+    expiry: str | None = HSETEX,
+) -> tuple[bytes, int]:
     """One MULTI/EXEC, packed, and the number of replies it gets: for each table (ids, rows,
     accumulators, versions, event times) the rows and accumulators — with ``ttl_ms`` and an
     ``expiry`` command (``HSETEX`` or ``HPEXPIRE``, see ``field_expiry``), each field expires
@@ -116,9 +119,13 @@ def claim_partitions(r: redis.Redis, keys: RedisKeys, owners: dict[int, str]) ->
 
 
 def persist_fenced(
-    r: redis.Redis, keys: RedisKeys, payload: bytes, replies: int, owners: dict[int, str],
+    r: redis.Redis,
+    keys: RedisKeys,
+    payload: bytes,
+    replies: int,
+    owners: dict[int, str],
     attempts: int = 20,
-) -> bool:  # fmt: skip
+) -> bool:
     """Run a ``pack_persist`` transaction only while every partition in ``owners`` is still
     owned by its token: ``WATCH`` the owner hash, check it, then ``MULTI``/``EXEC`` on the same
     connection. A claim in between (another instance's assignment) aborts the ``EXEC``, and
@@ -180,9 +187,15 @@ def broadcast_offsets(r: redis.Redis, keys: RedisKeys) -> dict[int, int]:
 
 
 def seed_rows(
-    r: redis.Redis, keys: RedisKeys, table: int, ids: np.ndarray, rows: np.ndarray,
-    version: int, event_ms: int, chunk: int = 5000,
-) -> int:  # fmt: skip
+    r: redis.Redis,
+    keys: RedisKeys,
+    table: int,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    version: int,
+    event_ms: int,
+    chunk: int = 5000,
+) -> int:
     """Write starting rows (offline training) where no row exists yet (HSETNX), so a reload
     never moves a row that online learning has already refined back in time. Returns how
     many rows were written."""

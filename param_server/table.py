@@ -46,9 +46,13 @@ class ParamTable:
         return self.index.lookup(ids)
 
     def add(
-        self, ids: np.ndarray, rows: np.ndarray, accum: np.ndarray, versions: np.ndarray,
+        self,
+        ids: np.ndarray,
+        rows: np.ndarray,
+        accum: np.ndarray,
+        versions: np.ndarray,
         event_ms: np.ndarray,
-    ) -> np.ndarray:  # fmt: skip
+    ) -> np.ndarray:
         """Hold new rows (ids not held yet, distinct); returns their slots."""
         n = len(ids)
         self._reserve(self.size + n)
@@ -89,9 +93,13 @@ class ParamTable:
         return ok
 
     def apply_log(
-        self, slots: np.ndarray, grads: np.ndarray, event_ms: np.ndarray, message: np.ndarray,
+        self,
+        slots: np.ndarray,
+        grads: np.ndarray,
+        event_ms: np.ndarray,
+        message: np.ndarray,
         cfg: AdagradConfig,
-    ) -> tuple[np.ndarray, int, int]:  # fmt: skip
+    ) -> tuple[np.ndarray, int, int]:
         """Several gradient messages at once, with exactly the result of ``apply`` on each in
         turn: ``message`` numbers the entries' messages in log order. A row's updates do not
         depend on other rows, so the k-th message touching each row is applied to all those

@@ -264,10 +264,21 @@ def compile_accept(schema: dict[str, Any]) -> Acceptor:
     return env["accept"]
 
 
-_SCALAR_KEYWORDS = frozenset({
-    "type", "const", "enum", "minLength", "maxLength", "minimum", "maximum", "description",
-    "x-freshrec-id", "x-freshrec-timestamp", "x-freshrec-reason",
-})  # fmt: skip
+_SCALAR_KEYWORDS = frozenset(
+    {
+        "type",
+        "const",
+        "enum",
+        "minLength",
+        "maxLength",
+        "minimum",
+        "maximum",
+        "description",
+        "x-freshrec-id",
+        "x-freshrec-timestamp",
+        "x-freshrec-reason",
+    }
+)
 """The keywords of a property schema that the fast paths (acceptor, struct) understand."""
 
 
@@ -294,9 +305,10 @@ def _scalar_condition(schema: dict[str, Any], env: dict[str, Any], tag: str) -> 
             terms.append(f"len(x) <= {int(schema['maxLength'])}")
     elif kind in ("integer", "number"):
         terms.append(
-            "type(x) is int" if kind == "integer"
+            "type(x) is int"
+            if kind == "integer"
             else "(type(x) is int or (type(x) is float and -B < x < B))"
-        )  # fmt: skip
+        )
         for key, op in (("minimum", ">="), ("maximum", "<=")):
             if key in schema:
                 env[f"{tag}{key}"] = schema[key]
@@ -362,8 +374,12 @@ def _struct_type(schema: dict[str, Any]) -> Any:
         base = int
     elif kind == "number":  # within ±2⁶³ like the acceptor (a longer integer literal: checker)
         lo, hi = schema.get("minimum"), schema.get("maximum")
-        meta = {"ge": lo, "gt": -_FLOAT_EXACT if lo is None else None,
-                "le": hi, "lt": _FLOAT_EXACT if hi is None else None}  # fmt: skip
+        meta = {
+            "ge": lo,
+            "gt": -_FLOAT_EXACT if lo is None else None,
+            "le": hi,
+            "lt": _FLOAT_EXACT if hi is None else None,
+        }
         base = float
     elif kind == "boolean":
         return bool

@@ -105,8 +105,11 @@ class RowBatch:
         parts: list = [header]
         crc = zlib.crc32(header)
         for values, layout in (
-            (self.ids, "<i8"), (self.rows, "<f4"), (self.versions, "<u8"), (self.event_ms, "<i8")
-        ):  # fmt: skip
+            (self.ids, "<i8"),
+            (self.rows, "<f4"),
+            (self.versions, "<u8"),
+            (self.event_ms, "<i8"),
+        ):
             view = memoryview(np.ascontiguousarray(values, layout).reshape(-1)).cast("B")
             crc = zlib.crc32(view, crc)
             parts.append(view)

@@ -192,9 +192,11 @@ class StreamsApp:
                 self.states[partition] = state
                 m.STREAMS_PARTITIONS.set(len(self.states))
                 log.info(
-                    "partition %d: restored %d items, offsets %s", partition, state.n_items,
+                    "partition %d: restored %d items, offsets %s",
+                    partition,
+                    state.n_items,
                     state.applied,
-                )  # fmt: skip
+                )
         return state
 
     async def _count_batch(self, batch) -> None:
@@ -347,9 +349,11 @@ def _start_validate_process(
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=run_validate_process, name="freshrec-streams-validate", daemon=True,
+        target=run_validate_process,
+        name="freshrec-streams-validate",
+        daemon=True,
         args=(settings, by_item_partitions, os.getpid(), writer, logging.getLogger().level),
-    )  # fmt: skip
+    )
     proc.start()
     writer.close()
     threading.Thread(

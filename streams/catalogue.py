@@ -70,9 +70,11 @@ class CatalogueStage:
         # Catalogue records are rare next to events; a long fetch wait keeps this consumer
         # from costing the broker a fetch every few milliseconds.
         self.consumer = background_consumer(
-            conn, "freshrec-streams-catalogue", "streams-catalogue",
+            conn,
+            "freshrec-streams-catalogue",
+            "streams-catalogue",
             **{"fetch.wait.max.ms": CATALOGUE_FETCH_WAIT_MS},
-        )  # fmt: skip
+        )
         self.producer = Producer(producer_config(conn))
         self.redis = redis.Redis.from_url(conn.redis_url)
 
@@ -106,9 +108,15 @@ class CatalogueStage:
             except Rejected as rej:
                 m.DEAD_LETTERS.labels(str(rej.reason)).inc()
                 letter = dead_letter(
-                    rej, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-                    key=msg.key(), value=msg.value(), now_ms=now, service=SERVICE,
-                )  # fmt: skip
+                    rej,
+                    topic=msg.topic(),
+                    partition=msg.partition(),
+                    offset=msg.offset(),
+                    key=msg.key(),
+                    value=msg.value(),
+                    now_ms=now,
+                    service=SERVICE,
+                )
                 self.producer.produce(self.names.events_dlq, encode_dead_letter(letter))
         if not ops:
             return

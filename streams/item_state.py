@@ -146,9 +146,14 @@ class ItemPartitionState:
         return self.apply_columns(*by_item_columns(list(events)))
 
     def apply_columns(
-        self, parts: list[int], offsets: list[int], item_ids: list[str], codes: list[int],
-        ts_ms: list[int], regions: list[str | None],
-    ) -> int:  # fmt: skip
+        self,
+        parts: list[int],
+        offsets: list[int],
+        item_ids: list[str],
+        codes: list[int],
+        ts_ms: list[int],
+        regions: list[str | None],
+    ) -> int:
         """``apply`` for a batch given as columns (the ``events.by_item`` record's layout).
 
         Vectorised over the batch (one by-item message: hundreds of events) where that is
@@ -315,9 +320,11 @@ class ItemPartitionState:
             scores = hot_scores(clicks[active], cvr[active, s], pn[active], self.config.weights)
             best = active[top_k_indices(scores, k, names[active])]
             out[scope] = (
-                names[best].tolist(), clicks[best].tolist(), cvr[best, s].tolist(),
+                names[best].tolist(),
+                clicks[best].tolist(),
+                cvr[best, s].tolist(),
                 pn[best].tolist(),
-            )  # fmt: skip
+            )
         return out
 
     def hot_lists(self, k: int, partition: int, published_ms: int) -> dict[str, HotList]:

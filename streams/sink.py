@@ -48,11 +48,19 @@ class StreamsSink:
         return [
             # every command over many items is packed with numpy, not pair by pair (at a
             # backlog a batch touches most items)
-            pack_ragged(b"HSET", k.streams_rows(partition).encode(), _fields(state, touched),
-                        rows.view(np.uint8).reshape(len(touched), -1)),
-            pack_pairs(b"HSET", k.streams_meta(partition).encode(),
-                       [f.encode() for f in meta], [v.encode() for v in meta.values()]),
-        ]  # fmt: skip
+            pack_ragged(
+                b"HSET",
+                k.streams_rows(partition).encode(),
+                _fields(state, touched),
+                rows.view(np.uint8).reshape(len(touched), -1),
+            ),
+            pack_pairs(
+                b"HSET",
+                k.streams_meta(partition).encode(),
+                [f.encode() for f in meta],
+                [v.encode() for v in meta.values()],
+            ),
+        ]
 
     def feature_commands(self, state: ItemPartitionState) -> list[bytes]:
         """The serving features (``item:{impressions,…,hot}``, ``item:as_of_ms``) of the
@@ -80,8 +88,14 @@ class StreamsSink:
             out.append(pack_ragged(b"HSET", k.item_feature[name].encode(), ids, float_text(values)))
         # the event time these counts are decayed to; items untouched since keep older ones
         as_of = np.frombuffer(b"%d" % t, np.uint8)
-        out.append(pack_ragged(b"HSET", k.item_features_as_of.encode(), ids,
-                               np.broadcast_to(as_of, (len(idx), len(as_of)))))  # fmt: skip
+        out.append(
+            pack_ragged(
+                b"HSET",
+                k.item_features_as_of.encode(),
+                ids,
+                np.broadcast_to(as_of, (len(idx), len(as_of))),
+            )
+        )
         return out
 
     async def restore(self, partition: int, config) -> ItemPartitionState:
@@ -99,8 +113,9 @@ class StreamsSink:
         scopes = set()
         for partition, lists in payloads.items():
             for scope, payload in lists.items():
-                commands.append(pack(b"HSET", self.keys.hot(scope).encode(),
-                                     str(partition).encode(), payload))  # fmt: skip
+                commands.append(
+                    pack(b"HSET", self.keys.hot(scope).encode(), str(partition).encode(), payload)
+                )
             scopes.update(lists)
         if scopes:
             commands.append(

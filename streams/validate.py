@@ -169,9 +169,15 @@ class ValidateStage:
                 continue
             m.DEAD_LETTERS.labels(str(e.reason)).inc()
             letter = dead_letter(
-                e, topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-                key=msg.key(), value=msg.value(), now_ms=now, service=SERVICE,
-            )  # fmt: skip
+                e,
+                topic=msg.topic(),
+                partition=msg.partition(),
+                offset=msg.offset(),
+                key=msg.key(),
+                value=msg.value(),
+                now_ms=now,
+                service=SERVICE,
+            )
             self._produce(self.names.events_dlq, encode_dead_letter(letter), None)
         return kept_msgs, kept
 
@@ -228,9 +234,12 @@ class ValidateStage:
 
 
 def run_validate_process(
-    settings: StreamsSettings, by_item_partitions: int, parent_pid: int, metrics_conn,
+    settings: StreamsSettings,
+    by_item_partitions: int,
+    parent_pid: int,
+    metrics_conn,
     log_level: int = logging.INFO,
-) -> None:  # fmt: skip
+) -> None:
     """Entry point of the validate stage as its own process (``multiprocessing``, spawn):
     the streams process's other stages then have its core and GIL to themselves. Stops on
     SIGTERM or when the parent dies (committing what it delivered); its metrics reach

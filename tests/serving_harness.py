@@ -34,10 +34,13 @@ def seed_redis(conn, model_dir: Path, redis_url: str | None = None) -> None:
 
 def worker_settings(conn, model_dir: Path, **overrides) -> WorkerSettings:
     s = WorkerSettings(
-        conn, LearningSettings(dim=DIM), user_capacity_rows=5000, model_dir=model_dir,
+        conn,
+        LearningSettings(dim=DIM),
+        user_capacity_rows=5000,
+        model_dir=model_dir,
         breaker=BreakerConfig(window=20, min_calls=5, threshold=0.1, cooldown_ms=500),
         worker_id="test-worker",
-    )  # fmt: skip
+    )
     return replace(s, **overrides)
 
 

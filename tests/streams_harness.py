@@ -42,8 +42,10 @@ def service(conn, command: str, log_path: Path, **extra: str) -> Iterator[subpro
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "freshrec.cli", *command.split()],
-            env=service_env(conn, **extra), stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            env=service_env(conn, **extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         yield proc
     finally:
@@ -170,9 +172,21 @@ def private_redis(conn) -> Iterator[tuple]:
     from freshrec.stack import free_port, redis_binary
 
     port = free_port()
-    proc = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            redis_binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
 
     def pings() -> bool:

@@ -26,8 +26,12 @@ def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.Popen(
         [sys.executable, "-m", "freshrec.cli", *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
@@ -35,8 +39,22 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
     and prints served requests, a nonzero CTR and freshness figures; nothing left behind.
     While it runs: every service's /metrics has the named series with plausible values, the
     dashboard renders with data in headless Chromium (screenshot saved), `freshrec top` prints."""
-    proc = freshrec(tmp_path, "run", "--duration", "40", "--items", "2000", "--users", "10000",
-                    "--rate", "100", "--requests", "20", "--dashboard-port", "0")  # fmt: skip
+    proc = freshrec(
+        tmp_path,
+        "run",
+        "--duration",
+        "40",
+        "--items",
+        "2000",
+        "--users",
+        "10000",
+        "--rate",
+        "100",
+        "--requests",
+        "20",
+        "--dashboard-port",
+        "0",
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
@@ -88,8 +106,9 @@ def check_service_metrics(targets: dict[str, str]) -> None:
     for stage in ("local", "served"):
         p99 = histogram_quantile(w1, "freshrec_freshness_lag_seconds", 0.99, stage=stage)
         assert 0 < p99 < 60, (stage, p99)
-    p99 = histogram_quantile(second["param-server"], "freshrec_freshness_lag_seconds", 0.99,
-                             stage="global_applied")  # fmt: skip
+    p99 = histogram_quantile(
+        second["param-server"], "freshrec_freshness_lag_seconds", 0.99, stage="global_applied"
+    )
     assert 0 < p99 < 60
     assert histogram_quantile(second["streams"], "freshrec_hot_list_lag_seconds", 0.99) > 0
     newest = "freshrec_freshness_event_timestamp_seconds"
@@ -97,18 +116,27 @@ def check_service_metrics(targets: dict[str, str]) -> None:
     applied = total(second["param-server"], newest, stage="global_applied")
     # the server is scraped after the worker: it may have persisted a little past ``learnt``
     assert 0 <= learnt - served < 60 and -5 < learnt - applied < 60, (learnt, served, applied)
-    for name, group in (("worker", "workers"), ("param-server", "param-server"),
-                        ("streams", "streams-validate")):  # fmt: skip
-        lags = [v for labels, v in second[name].get("freshrec_consumer_lag_messages", [])
-                if labels["group"] == group]  # fmt: skip
+    for name, group in (
+        ("worker", "workers"),
+        ("param-server", "param-server"),
+        ("streams", "streams-validate"),
+    ):
+        lags = [
+            v
+            for labels, v in second[name].get("freshrec_consumer_lag_messages", [])
+            if labels["group"] == group
+        ]
         assert lags and all(0 <= v < 1e6 for v in lags), (name, lags)
     rising = [
-        ("worker", "freshrec_worker_events_total"), ("worker", "freshrec_requests_total"),
-        ("worker", "freshrec_replies_total"), ("worker", "freshrec_recall_calls_total"),
-        ("worker", "freshrec_cache_lookups_total"), ("worker", "freshrec_updates_installed_total"),
+        ("worker", "freshrec_worker_events_total"),
+        ("worker", "freshrec_requests_total"),
+        ("worker", "freshrec_replies_total"),
+        ("worker", "freshrec_recall_calls_total"),
+        ("worker", "freshrec_cache_lookups_total"),
+        ("worker", "freshrec_updates_installed_total"),
         ("param-server", "freshrec_ps_rows_applied_total"),
         ("streams", "freshrec_streams_counted_events_total"),
-    ]  # fmt: skip
+    ]
     for name, metric in rising:
         assert total(second[name], metric) > total(first[name], metric), (name, metric)
     assert histogram_quantile(w1, "freshrec_request_seconds", 0.99, stage="total") > 0
@@ -122,8 +150,14 @@ def check_dashboard_in_chromium(url: str) -> None:
     assert chromium, (
         "Debian's chromium is needed: `make test` installs it (apt-get install chromium)"
     )
-    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu",
-             "--disable-background-networking", "--virtual-time-budget=5000"]  # fmt: skip
+    flags = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--virtual-time-budget=5000",
+    ]
     dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=90)
     points = dict(re.findall(r'id="(\w+)" data-points="(\d+)"', dom.stdout))
     assert set(points) >= {"fresh99", "fresh50", "behind", "lag", "rates", "latency", "tiers"}, (
@@ -133,8 +167,11 @@ def check_dashboard_in_chromium(url: str) -> None:
         assert int(points[chart]) > 0, points
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
-    subprocess.run([*flags, "--window-size=1400,1150", f"--screenshot={shot}", url],
-                   capture_output=True, timeout=90)  # fmt: skip
+    subprocess.run(
+        [*flags, "--window-size=1400,1150", f"--screenshot={shot}", url],
+        capture_output=True,
+        timeout=90,
+    )
     assert shot.exists() and shot.stat().st_size > 10_000
 
 
@@ -146,9 +183,19 @@ def _sigint_as_from_a_terminal() -> None:
 
 
 def test_ctrl_c_stops_the_run_and_its_stack(tmp_path):
-    proc = freshrec(tmp_path, "run", "--items", "500", "--users", "1000", "--rate", "200",
-                    "--train-impressions", "20000",
-                    preexec_fn=_sigint_as_from_a_terminal)  # fmt: skip
+    proc = freshrec(
+        tmp_path,
+        "run",
+        "--items",
+        "500",
+        "--users",
+        "1000",
+        "--rate",
+        "200",
+        "--train-impressions",
+        "20000",
+        preexec_fn=_sigint_as_from_a_terminal,
+    )
     lines: list[str] = []
     deadline = time.monotonic() + 120
     for line in proc.stdout:

@@ -111,12 +111,38 @@ def test_bench_freshness_runs_an_arm_end_to_end(tmp_path):
     the cohort through a drift, and writes its figures (real broker and Redis)."""
     env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.bench_freshness", "--arms", "online",
-         "--cohort", "20", "--rate", "10", "--before", "4", "--after", "4", "--window", "4",
-         "--items", "2000", "--users", "10000", "--train-impressions", "20000",
-         "--models", str(tmp_path / "models"), "--out", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tools.bench_freshness",
+            "--arms",
+            "online",
+            "--cohort",
+            "20",
+            "--rate",
+            "10",
+            "--before",
+            "4",
+            "--after",
+            "4",
+            "--window",
+            "4",
+            "--items",
+            "2000",
+            "--users",
+            "10000",
+            "--train-impressions",
+            "20000",
+            "--models",
+            str(tmp_path / "models"),
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_freshness.json").read_text())
     online = result["arms"]["online"]

@@ -52,13 +52,28 @@ def test_kafkajs_produces_and_consumes_events_with_the_same_partitioning(conn):
     producer.produce(topic, key=b"u-python", value=encode_event(from_python))
     assert producer.flush(10) == 0
 
-    js_event = {"schema_version": 1, "event_id": "js-1", "event_type": "impression",
-                "user_id": "u-js", "item_id": "i2", "ts_ms": now}  # fmt: skip
+    js_event = {
+        "schema_version": 1,
+        "event_id": "js-1",
+        "event_type": "impression",
+        "user_id": "u-js",
+        "item_id": "i2",
+        "ts_ms": now,
+    }
     out = subprocess.run(
-        [_bin("node"), "produce_consume.js", conn.kafka_bootstrap_servers, topic,
-         json.dumps(js_event), "u-js"],
-        cwd=INTEROP, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            _bin("node"),
+            "produce_consume.js",
+            conn.kafka_bootstrap_servers,
+            topic,
+            json.dumps(js_event),
+            "u-js",
+        ],
+        cwd=INTEROP,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     seen = [json.loads(line) for line in out.stdout.splitlines()]
     by_key = {m["key"]: m for m in seen}

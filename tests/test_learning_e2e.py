@@ -147,8 +147,15 @@ def _learn_clicks(w: Worker, pairs) -> None:
     from inference.learning import Examples
 
     n = len(pairs)
-    w.learn(Examples([u for u, _ in pairs], [i for _, i in pairs], np.ones(n, np.float32),
-                     np.ones(n, np.float32), np.full(n, int(time.time() * 1000))))  # fmt: skip
+    w.learn(
+        Examples(
+            [u for u, _ in pairs],
+            [i for _, i in pairs],
+            np.ones(n, np.float32),
+            np.ones(n, np.float32),
+            np.full(n, int(time.time() * 1000)),
+        )
+    )
 
 
 def test_a_held_back_users_steps_do_not_follow_it_out_of_the_slab(conn, monkeypatch):
@@ -247,8 +254,12 @@ def test_a_broadcast_that_fails_is_counted_and_moves_no_broadcast_position(conn)
 
 
 def test_gradients_of_one_linger_window_leave_summed_per_row_in_one_message(conn):
-    s = WorkerSettings(conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000),
-                       user_capacity_rows=1000, commit_interval_s=3600.0)  # fmt: skip
+    s = WorkerSettings(
+        conn,
+        LearningSettings(dim=DIM, gradient_linger_ms=60_000),
+        user_capacity_rows=1000,
+        commit_interval_s=3600.0,
+    )
     w = Worker(s)
     w.start()
     u = row_id("u10")
@@ -271,8 +282,9 @@ def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, m
     from inference.learning import Examples
 
     monkeypatch.setattr(worker_module, "MAX_ROWS_PER_MESSAGE", 3)  # several per partition
-    s = WorkerSettings(conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000),
-                       user_capacity_rows=1000)  # fmt: skip
+    s = WorkerSettings(
+        conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000), user_capacity_rows=1000
+    )
     w = Worker(s)
     w.start()
     sent: list[tuple[int, RowBatch]] = []
@@ -282,8 +294,15 @@ def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, m
         n = 40
         users = [f"ou{k}" for k in rng.integers(0, 15, n)]
         items = [f"oi{k}" for k in rng.integers(0, 30, n)]
-        w.learn(Examples(users, items, rng.integers(0, 2, n).astype(np.float32),
-                         np.ones(n, np.float32), np.full(n, int(time.time() * 1000))))  # fmt: skip
+        w.learn(
+            Examples(
+                users,
+                items,
+                rng.integers(0, 2, n).astype(np.float32),
+                np.ones(n, np.float32),
+                np.full(n, int(time.time() * 1000)),
+            )
+        )
     steps_before = len(w.pending)
     w._send_outbox()
     assert sent and len({t for t, _ in sent}) == len(sent)
@@ -323,9 +342,16 @@ def test_an_update_for_a_row_with_an_unacknowledged_step_waits_without_blocking(
         real(table, slots) | (not acked["now"]) & (w.pending.holds(table, slots))
     )
     rows = np.ones((2, W), np.float32)
-    update = RowBatch(KIND_UPDATES, TABLE_USER, np.array([u8, other]), rows,
-                      np.array([7, 7], np.uint64), np.array([1, 1], np.int64),
-                      partition=0, offset=0)  # fmt: skip
+    update = RowBatch(
+        KIND_UPDATES,
+        TABLE_USER,
+        np.array([u8, other]),
+        rows,
+        np.array([7, 7], np.uint64),
+        np.array([1, 1], np.int64),
+        partition=0,
+        offset=0,
+    )
     w.on_update(update.encode())
     users = w.cache.users
     assert users.version[w.cache.held(TABLE_USER, other)] == 7  # installed at once
@@ -568,8 +594,11 @@ def reference_tables(services, tmp_path_factory):
 
     prefix = f"ref{uuid.uuid4().hex[:8]}."
     conn = services.conn(prefix)
-    ensure_topics(AdminClient(admin_config(conn)), prefix,
-                  catalogue_with({n: TEST_PARTITIONS for n in ("events", "recommend.requests", "gradients")}))  # fmt: skip
+    ensure_topics(
+        AdminClient(admin_config(conn)),
+        prefix,
+        catalogue_with({n: TEST_PARTITIONS for n in ("events", "recommend.requests", "gradients")}),
+    )
     gradient_stream(conn, N_MESSAGES)
     with service(conn, "param-server", tmp_path_factory.mktemp("ref") / "ps.log", **ENV):
         wait_for(lambda: applied_total(conn) == N_MESSAGES, 60, "reference run")
@@ -632,8 +661,12 @@ def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
     thread = threading.Thread(target=ps.run, args=(stop_ps,), daemon=True)
     updates = Consumer(consumer_config(conn, None))
     parts = updates.list_topics(names.embeddings_updates, timeout=10).topics
-    updates.assign([TopicPartition(names.embeddings_updates, q, OFFSET_BEGINNING)
-                    for q in parts[names.embeddings_updates].partitions])  # fmt: skip
+    updates.assign(
+        [
+            TopicPartition(names.embeddings_updates, q, OFFSET_BEGINNING)
+            for q in parts[names.embeddings_updates].partitions
+        ]
+    )
     thread.start()
     try:
         send(conn, messages)
@@ -647,8 +680,7 @@ def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
                 stored = r.hmget(keys.embeddings("user"), [row_key(i) for i in batch.ids])
                 assert all(b is not None for b in stored), "broadcast before persisted"
                 versions = [decode_row(b, W)[1] for b in stored]
-                assert all(v >= u for v, u in zip(versions, batch.versions.tolist(),
-                                                  strict=True))  # fmt: skip
+                assert all(v >= u for v, u in zip(versions, batch.versions.tolist(), strict=True))
                 assert applied_offsets(r, keys)[batch.partition] >= batch.offset
                 seen += 1
     finally:
@@ -767,8 +799,14 @@ def test_rows_not_updated_for_the_ttl_expire_and_come_back_at_a_newer_version(co
 
     def one(t_ms: int) -> list[tuple[int, bytes]]:
         g = np.full((1, W), 0.1, np.float32)
-        batch = RowBatch(KIND_GRADIENTS, TABLE_USER, np.array([row], np.int64), g,
-                         np.ones(1, np.uint64), np.array([t_ms]))  # fmt: skip
+        batch = RowBatch(
+            KIND_GRADIENTS,
+            TABLE_USER,
+            np.array([row], np.int64),
+            g,
+            np.ones(1, np.uint64),
+            np.array([t_ms]),
+        )
         return [(part, batch.encode())]
 
     env = {**ENV, "FRESHREC_ROW_TTL_S": "2"}
@@ -895,8 +933,14 @@ def test_a_revoke_served_while_redis_is_down_persists_no_offset_ahead_of_its_row
 
     def grad(ids, j):
         g = np.full((len(ids), W), 0.1 * (j + 1), np.float32)
-        return RowBatch(KIND_GRADIENTS, TABLE_USER, np.array(ids, np.int64), g,
-                        np.ones(len(ids), np.uint64), np.full(len(ids), t0 + j))  # fmt: skip
+        return RowBatch(
+            KIND_GRADIENTS,
+            TABLE_USER,
+            np.array(ids, np.int64),
+            g,
+            np.ones(len(ids), np.uint64),
+            np.full(len(ids), t0 + j),
+        )
 
     first, second = grad([1, 2], 0), grad([2, 3], 1)  # row 3 is not held: it is loaded
 

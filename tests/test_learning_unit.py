@@ -32,8 +32,10 @@ def test_labels_clicked_impressions_are_not_negatives_and_conversions_weigh_more
         events, LabelConfig(conversion_weight=3.0), np.random.default_rng(0), []
     )
     assert list(zip(ex.items, ex.labels.tolist(), ex.weights.tolist(), strict=True)) == [
-        ("i1", 1.0, 1.0), ("i2", 0.0, 1.0), ("i3", 1.0, 3.0),
-    ]  # fmt: skip
+        ("i1", 1.0, 1.0),
+        ("i2", 0.0, 1.0),
+        ("i3", 1.0, 3.0),
+    ]
 
 
 def test_a_batch_without_negatives_gets_sampled_ones():
@@ -427,8 +429,13 @@ def test_parameter_table_applies_a_log_at_once_exactly_as_message_by_message():
         one_by_one, at_once = ParamTable(w, 2), ParamTable(w, 2)  # tiny: forces growth
         start = rng.standard_normal((n_rows, w)).astype(np.float32)
         for t in (one_by_one, at_once):
-            t.add(np.arange(n_rows) * 7, start, np.zeros((n_rows, w), np.float32),
-                  np.zeros(n_rows, np.uint64), np.zeros(n_rows, np.int64))  # fmt: skip
+            t.add(
+                np.arange(n_rows) * 7,
+                start,
+                np.zeros((n_rows, w), np.float32),
+                np.zeros(n_rows, np.uint64),
+                np.zeros(n_rows, np.int64),
+            )
         messages = []
         for _ in range(int(rng.integers(1, 12))):
             size = int(rng.integers(1, 10))  # rows may repeat within a message
@@ -440,11 +447,13 @@ def test_parameter_table_applies_a_log_at_once_exactly_as_message_by_message():
         for slots, grads, times in messages:
             one_by_one.apply(slots, grads, times, cfg)
         seq = np.concatenate([np.full(len(s), k) for k, (s, _, _) in enumerate(messages)])
-        at_once.apply_log(*(np.concatenate(parts) for parts in zip(*messages, strict=True)),
-                          seq, cfg)  # fmt: skip
+        at_once.apply_log(
+            *(np.concatenate(parts) for parts in zip(*messages, strict=True)), seq, cfg
+        )
         for field in ("rows", "accum", "version", "event_ms"):
-            assert np.array_equal(getattr(one_by_one, field)[:n_rows],
-                                  getattr(at_once, field)[:n_rows]), field  # fmt: skip
+            assert np.array_equal(
+                getattr(one_by_one, field)[:n_rows], getattr(at_once, field)[:n_rows]
+            ), field
         assert np.isfinite(at_once.rows[:n_rows]).all()
 
 
@@ -517,8 +526,12 @@ def test_item_rows_that_fail_to_load_get_no_slot_and_load_on_the_retry():
             outage[0] = False
             raise ConnectionError("injected outage")
         hits = [stored[i] for i in ids if i in stored]
-        return (np.array([i in stored for i in ids]), np.array([h[0] for h in hits]).reshape(-1, 5),
-                np.array([h[1] for h in hits], np.uint64), np.array([h[2] for h in hits]))  # fmt: skip
+        return (
+            np.array([i in stored for i in ids]),
+            np.array([h[0] for h in hits]).reshape(-1, 5),
+            np.array([h[1] for h in hits], np.uint64),
+            np.array([h[2] for h in hits]),
+        )
 
     cache = EmbeddingCache(4, 8, fetch, torch.device("cpu"))
     ids = np.array([11, 12, 11])

@@ -117,9 +117,14 @@ def test_encoding_is_the_documented_layout_whatever_the_arrays_given():
     rng = np.random.default_rng(3)
     wide = rng.standard_normal((4, 16))  # float64, every other column taken: strided
     b = RowBatch(
-        KIND_GRADIENTS, TABLE_ITEM, np.array([5, -6, 7, 8], np.int32), wide[:, ::2],
-        [1, 2, 3, 4], np.arange(4) + 1_767_225_600_000, created_ms=12,
-    )  # fmt: skip
+        KIND_GRADIENTS,
+        TABLE_ITEM,
+        np.array([5, -6, 7, 8], np.int32),
+        wide[:, ::2],
+        [1, 2, 3, 4],
+        np.arange(4) + 1_767_225_600_000,
+        created_ms=12,
+    )
     header = struct.pack(
         "<4sHBBHHIiqq", b"FRRB", 1, KIND_GRADIENTS, TABLE_ITEM, 8, 0, 4, -1, -1, 12
     )

@@ -194,15 +194,25 @@ def test_item_request_reply_round_trip():
     item = records.Item("i9", "c3", 19.99, NOW - 1000, region="east")
     assert decode_item(encode_item(item), NOW) == item
     req = records.RecommendRequest(
-        "r1", "u1", k=5, context=records.RequestContext("low_end", "west", NOW),
-        exclude=("i1", "i2"), deadline_ms=NOW + 100,
-    )  # fmt: skip
+        "r1",
+        "u1",
+        k=5,
+        context=records.RequestContext("low_end", "west", NOW),
+        exclude=("i1", "i2"),
+        deadline_ms=NOW + 100,
+    )
     assert decode_request(encode_request(req), NOW) == req
     assert decode_request(b'{"schema_version":1,"request_id":"r","user_id":"u"}', NOW).k == 20
     reply = records.RecommendReply(
-        "r1", "u1", (records.ReplyItem("i3", 0.75, ("vector", "hot")),), "full", "ok", NOW,
-        model_version="m1", timings_ms={"total": 3.5},
-    )  # fmt: skip
+        "r1",
+        "u1",
+        (records.ReplyItem("i3", 0.75, ("vector", "hot")),),
+        "full",
+        "ok",
+        NOW,
+        model_version="m1",
+        timings_ms={"total": 3.5},
+    )
     decoded = decode_reply(encode_reply(reply), NOW)
     assert decoded == reply
     jsonschema.validate(json.loads(encode_reply(reply)), load_schema("reply"))
@@ -223,9 +233,15 @@ def test_dead_letter_envelope_keeps_reason_origin_and_original_bytes():
         decode_event(bad, NOW)
     except Rejected as rej:
         letter = dead_letter(
-            rej, topic="events", partition=3, offset=42, key=b"u1", value=bad, now_ms=NOW,
+            rej,
+            topic="events",
+            partition=3,
+            offset=42,
+            key=b"u1",
+            value=bad,
+            now_ms=NOW,
             service="test",
-        )  # fmt: skip
+        )
     encoded = encode_dead_letter(letter)
     jsonschema.validate(json.loads(encoded), load_schema("deadletter"))
     back = decode_dead_letter(encoded, NOW)
@@ -245,11 +261,20 @@ def test_reply_encoder_writes_every_field():
     from schemas.records import RecommendReply, ReplyItem
 
     reply = RecommendReply(
-        request_id="r", user_id="u", items=(ReplyItem("i", 0.5, ("vector",)),), tier="full",
-        tier_reason="ok", served_at_ms=1_767_225_600_000, degraded=True, model_version="m",
-        user_embedding_version=3, user_embedding_age_ms=4, item_table_version=5,
-        timings_ms={"total": 1.0}, worker="w",
-    )  # fmt: skip
+        request_id="r",
+        user_id="u",
+        items=(ReplyItem("i", 0.5, ("vector",)),),
+        tier="full",
+        tier_reason="ok",
+        served_at_ms=1_767_225_600_000,
+        degraded=True,
+        model_version="m",
+        user_embedding_version=3,
+        user_embedding_age_ms=4,
+        item_table_version=5,
+        timings_ms={"total": 1.0},
+        worker="w",
+    )
     encoded = json.loads(encode_reply(reply))
     assert set(encoded) == {f.name for f in dataclasses.fields(RecommendReply)}
     assert decode_reply(encode_reply(reply), 1_767_225_600_000) == reply
@@ -266,10 +291,36 @@ def test_reply_encoder_writes_every_field():
 def _mutations(rng, obj: dict) -> dict:
     """``obj`` with one field swapped for an edge value of some JSON type (or removed/added)."""
     edge = [
-        None, True, False, 0, -1, 1, 1.0, -0.0, 1.5, 2**63, -(2**63), 2**64, 10**30, 1e308,
-        "", "x", "x" * 65, "x" * 129, "click", "impression", "high_end", [], {}, [1], {"a": 1},
-        946_684_800_000, 946_684_799_999, NOW + 600_000, NOW + 600_001,
-    ]  # fmt: skip
+        None,
+        True,
+        False,
+        0,
+        -1,
+        1,
+        1.0,
+        -0.0,
+        1.5,
+        2**63,
+        -(2**63),
+        2**64,
+        10**30,
+        1e308,
+        "",
+        "x",
+        "x" * 65,
+        "x" * 129,
+        "click",
+        "impression",
+        "high_end",
+        [],
+        {},
+        [1],
+        {"a": 1},
+        946_684_800_000,
+        946_684_799_999,
+        NOW + 600_000,
+        NOW + 600_001,
+    ]
     out = dict(obj)
     key = rng.choice([*out, "extra"])
     roll = rng.random()
@@ -291,15 +342,21 @@ def test_fast_path_accepts_only_what_the_strict_path_accepts_with_equal_values(n
     item = records.Item("i1", "c1", 9.5, NOW, "r", "t")
     context = records.RequestContext("pc", "r", NOW)
     request = records.RecommendRequest("q1", "u1", 10, context, ("i1",), NOW + 50)
-    encoded = {"event": encode_event(event), "item": encode_item(item),
-               "request": encode_request(request)}  # fmt: skip
+    encoded = {
+        "event": encode_event(event),
+        "item": encode_item(item),
+        "request": encode_request(request),
+    }
     base = json.loads(encoded[name])
     check = _checker(name)
     accept = _acceptor(name)
     raw_cases = [
-        b'{"a":NaN}', b'[1e400]', b'{"ts_ms":123456789012345678901234567890}',
-        b'"\\ud800"', b"\xef\xbb\xbf{}",
-    ]  # fmt: skip
+        b'{"a":NaN}',
+        b"[1e400]",
+        b'{"ts_ms":123456789012345678901234567890}',
+        b'"\\ud800"',
+        b"\xef\xbb\xbf{}",
+    ]
     rng = np.random.default_rng(7)
     cases = [json.dumps(_mutations(rng, base)).encode() for _ in range(3000)]
     cases += [json.dumps(base).encode(), *raw_cases]
@@ -334,14 +391,22 @@ def test_batch_event_decode_agrees_with_decode_event_on_every_value():
     rng = np.random.default_rng(11)
     cases: list = [json.dumps(_mutations(rng, base)).encode() for _ in range(3000)]
     cases += [
-        encode_event(event), None, b"", b"{}", b"[]", b'{"a":NaN}', b'"\\ud800"', b"\xff{",
-        encode_event(event).replace(b'"u1"', b'"u\\ud800"'), encode_event(event) + b" ",
+        encode_event(event),
+        None,
+        b"",
+        b"{}",
+        b"[]",
+        b'{"a":NaN}',
+        b'"\\ud800"',
+        b"\xff{",
+        encode_event(event).replace(b'"u1"', b'"u\\ud800"'),
+        encode_event(event) + b" ",
         encode_event(event).replace(b'"region":"r"', b'"region":null'),
         encode_event(event).replace(b"2.5", b"1e400"),
         encode_event(event).replace(b"2.5", b"123456789012345678901234567890"),
         encode_event(event).replace(b'"ts_ms":', b'"ts_ms":1.0,"ts_ms":'),
         b"x" * 20_000,
-    ]  # fmt: skip
+    ]
     got = decode_events(cases, NOW)
     assert len(got) == len(cases)
     passed = 0
@@ -366,8 +431,17 @@ def test_batch_event_decode_of_clean_batches_with_one_bad_value_each():
 
     good = [encode_event(records.Event(f"e{i}", "click", "u1", "i1", NOW - i)) for i in range(6)]
     ahead = encode_event(records.Event("late", "click", "u1", "i1", NOW + 11 * 60_000))
-    bad = [None, b"", b"{}", b"[]", b'{"a":NaN}', b"x" * 20_000, ahead,
-           good[0].replace(b'"i1"', b"null"), good[0].replace(b'"click"', b'"clack"')]  # fmt: skip
+    bad = [
+        None,
+        b"",
+        b"{}",
+        b"[]",
+        b'{"a":NaN}',
+        b"x" * 20_000,
+        ahead,
+        good[0].replace(b'"i1"', b"null"),
+        good[0].replace(b'"click"', b'"clack"'),
+    ]
     whole = decode_events(good, NOW)
     assert [e.event_id for e in whole] == [f"e{i}" for i in range(6)]
     for value in bad:

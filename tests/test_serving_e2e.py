@@ -74,8 +74,13 @@ def test_request_reply_through_the_broker(seeded, model_dir):
     conn = seeded
     with running_worker(worker_settings(conn, model_dir)) as w, client_for(conn) as client:
         # u0 is the world's most active user: it has a trained starting row
-        reply = client.recommend("u0", 10, context={"device": "pc", "region": "north"},
-                                 exclude=["i0", "i1"], timeout_s=10)  # fmt: skip
+        reply = client.recommend(
+            "u0",
+            10,
+            context={"device": "pc", "region": "north"},
+            exclude=["i0", "i1"],
+            timeout_s=10,
+        )
         assert reply.request_id.startswith(client.client.client_id)
         assert reply.user_id == "u0" and len(reply.items) == 10
         assert reply.tier == "full" and not reply.degraded
@@ -119,9 +124,15 @@ def test_invalid_request_gets_an_error_reply_and_a_dead_letter(seeded, model_dir
         corr = uuid.uuid4().hex
         bad = json.dumps({"schema_version": 1, "request_id": "r1", "user_id": "u1", "k": 0})
         fut = client._call(_expect(client.client, corr), 5)
-        p.produce(names.recommend_requests, bad.encode(), key=b"u1",
-                  headers=[("reply-to", client.client.reply_topic.encode()),
-                           ("correlation-id", corr.encode())])  # fmt: skip
+        p.produce(
+            names.recommend_requests,
+            bad.encode(),
+            key=b"u1",
+            headers=[
+                ("reply-to", client.client.reply_topic.encode()),
+                ("correlation-id", corr.encode()),
+            ],
+        )
         p.flush(10)
         reply = fut.result(20)
         assert reply.tier == "error" and "k" in reply.tier_reason
@@ -242,10 +253,15 @@ def test_a_users_clicks_move_their_next_recommendations_within_a_second(seeded, 
         target = int(np.argmin(counts))
         clicked = world.category_items[target][:12]
         now = int(time.time() * 1000)
-        produce(conn, [
-            Event(f"mv-{user}-{i}-{j}", "click", user, World.item_id(int(i)), now + j, None, "pc")
-            for j, i in enumerate(clicked)
-        ])  # fmt: skip
+        produce(
+            conn,
+            [
+                Event(
+                    f"mv-{user}-{i}-{j}", "click", user, World.item_id(int(i)), now + j, None, "pc"
+                )
+                for j, i in enumerate(clicked)
+            ],
+        )
         sent = time.monotonic()
         time.sleep(1.0)
         after = {}
@@ -270,8 +286,9 @@ def test_a_slow_channel_is_dropped_its_breaker_opens_and_closes_after_recovery(s
         timed_out_before = counter(m.RECALL_CALLS, "vector", "timeout")
         for j in range(6):
             started = time.monotonic()
-            reply = client.recommend(f"u{10 + j}", 5, timeout_s=5,
-                                     deadline_ms=int(time.time() * 1000) + 250)  # fmt: skip
+            reply = client.recommend(
+                f"u{10 + j}", 5, timeout_s=5, deadline_ms=int(time.time() * 1000) + 250
+            )
             assert (time.monotonic() - started) < 1.0  # within its deadline (+ Kafka)
             assert reply.items, "the other channels still fill the reply"
             if j == 0:
@@ -384,9 +401,15 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir):
         )
         p = Producer(producer_config(conn))
         request = RecommendRequest("backlog-1", "u3", 5)
-        p.produce(names.recommend_requests, encode_request(request), key=b"u3",
-                  headers=[("reply-to", client.client.reply_topic.encode()),
-                           ("correlation-id", corr.encode())])  # fmt: skip
+        p.produce(
+            names.recommend_requests,
+            encode_request(request),
+            key=b"u3",
+            headers=[
+                ("reply-to", client.client.reply_topic.encode()),
+                ("correlation-id", corr.encode()),
+            ],
+        )
         assert p.flush(10) == 0  # queued behind the backlog before the worker starts
         settings = worker_settings(conn, model_dir)
         # what is tested is the wait behind the backlog, not the recall deadlines: those of
@@ -420,10 +443,20 @@ def test_kafkajs_asks_for_recommendations_with_the_documented_protocol(seeded, m
     names = TopicNames(conn.topic_prefix)
     with running_worker(worker_settings(conn, model_dir)):
         out = subprocess.run(
-            [_bin("node"), "request_reply.js", conn.kafka_bootstrap_servers,
-             names.recommend_requests, names.recommend_replies, "u0", "7"],
-            cwd=INTEROP, capture_output=True, text=True, timeout=90,
-        )  # fmt: skip
+            [
+                _bin("node"),
+                "request_reply.js",
+                conn.kafka_bootstrap_servers,
+                names.recommend_requests,
+                names.recommend_replies,
+                "u0",
+                "7",
+            ],
+            cwd=INTEROP,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout.strip().splitlines()[-1])
     assert reply["user_id"] == "u0" and len(reply["items"]) == 7 and reply["tier"] == "full"
@@ -476,21 +509,27 @@ def test_bench_serving_ranks_on_the_chosen_device_and_summarises_the_parts_it_ra
     assert "recall" not in text and "req/s" not in text  # parts not run are not reported
     bad = subprocess.run(
         [sys.executable, "-m", "tools.bench_serving", "--parts", "ranking,bogus"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--parts takes some of ranking,recall" in bad.stderr
     if not torch.cuda.is_available():
         bad = subprocess.run(
             [sys.executable, "-m", "tools.bench_serving", "--device", "cuda"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert bad.returncode == 2 and "--device cuda:" in bad.stderr
         # the GPU checks script says there is nothing to check, rather than failing somewhere
         checks = subprocess.run(
             ["bash", str(Path(__file__).parents[1] / "tools" / "gpu_checks.sh"), str(tmp_path)],
             capture_output=True,
-            text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable},
-        )  # fmt: skip
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
         assert checks.returncode == 2 and "no CUDA device" in checks.stderr
 
 
@@ -520,10 +559,13 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
         assert first.tier == "full" and len(first.items) == 10
         query = RecallQuery("u0", np.asarray(w.user_row("u0")), None)
         vector = rec._vector([query], 20)[0]
-        gone = list(dict.fromkeys(
-            [rec.name_of_slot[s] for s in vector[:5]] + [i.item_id for i in first.items[:5]]
-            + rec.snap.hot["global"][:3]
-        ))  # fmt: skip
+        gone = list(
+            dict.fromkeys(
+                [rec.name_of_slot[s] for s in vector[:5]]
+                + [i.item_id for i in first.items[:5]]
+                + rec.snap.hot["global"][:3]
+            )
+        )
         gone_slots = [rec.slot_of[g] for g in gone]
         assert np.isin(gone_slots, rec.ann.order).any()  # the index holds some of them
         r = redis_lib.Redis.from_url(conn.redis_url)
@@ -535,8 +577,9 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
         # the refresher reloads the catalogue; the worker adopts it with its next batch
         wait_for(
             lambda: not set(gone) & set(rec.snapshots.snapshot.catalogue.index),
-            10, "the catalogue reload",
-        )  # fmt: skip
+            10,
+            "the catalogue reload",
+        )
         served = lambda reply: {i.item_id for i in reply.items}  # noqa: E731
         # the cached tier: u0's last full reply, less the deleted items (five of its ten, at
         # least)

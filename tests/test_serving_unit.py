@@ -63,8 +63,13 @@ def test_event_slices_stay_within_their_bounds():
     s = EventSlicer(budget_ms=10, least=64, most=500, start=256)
     s.observe(100, 1.0)  # 10 ms an event: never fewer than least
     assert s.size(now=0.0) == 64
-    bad_ones = (dict(budget_ms=0), dict(idle_budget_ms=0), dict(least=0), dict(start=5000),
-                dict(least=300))  # fmt: skip
+    bad_ones = (
+        dict(budget_ms=0),
+        dict(idle_budget_ms=0),
+        dict(least=0),
+        dict(start=5000),
+        dict(least=300),
+    )
     for bad in bad_ones:
         with pytest.raises(ValueError):
             EventSlicer(**{"least": 64, "most": 4096, "start": 256, **bad})
@@ -221,8 +226,9 @@ def test_recent_category_share_and_encoding():
     assert ctx[1, 2] == 0 and 0 < ctx[0, 2] < 16
     u = np.ones((2, 5), np.float32)
     v = np.full((2, 5), 0.5, np.float32)
-    x = enc.encode(u, v, np.array([[10.0, 0.1, 0.2, 3.0]] * 2, np.float32),
-                   np.array([4, 7]), ctx, shares[:2])  # fmt: skip
+    x = enc.encode(
+        u, v, np.array([[10.0, 0.1, 0.2, 3.0]] * 2, np.float32), np.array([4, 7]), ctx, shares[:2]
+    )
     assert x.dense.shape == (2, len(DENSE)) and x.dense[0, 0] == pytest.approx(2.5)
     assert x.dense[0, 5] == pytest.approx(0.75) and x.sparse.shape == (2, 4)
     assert (x.cross >= 0).all() and len(set(x.cross[0])) == 3
@@ -240,17 +246,19 @@ def test_models_score_a_batch_in_one_pass_and_round_trip_through_files(tmp_path)
         read_manifest,
         save_model,
         write_manifest,
-    )  # fmt: skip
+    )
     from inference.ranking import LightRanker, WideDeep, score
 
     rng = np.random.default_rng(0)
     enc = FeatureEncoder()
     n = 50
     x = enc.encode(
-        rng.standard_normal((n, 9)).astype(np.float32), rng.standard_normal((n, 9)).astype(np.float32),
-        rng.random((n, 4)).astype(np.float32), rng.integers(0, 128, n),
+        rng.standard_normal((n, 9)).astype(np.float32),
+        rng.standard_normal((n, 9)).astype(np.float32),
+        rng.random((n, 4)).astype(np.float32),
+        rng.integers(0, 128, n),
         enc.context(["pc"] * n, ["north"] * n, [0] * n),
-    )  # fmt: skip
+    )
     cpu = torch.device("cpu")
     full, light = WideDeep(8), LightRanker(8)
     batched = score(full, x, cpu)
@@ -294,9 +302,12 @@ def test_recent_share_in_training_only_sees_earlier_slates():
 
     # one user, two slates: clicks in slate 1 (t=1) inform slate 2 (t=2), not slate 1 itself
     logs = Logs(
-        users=np.array([0, 0, 0, 0]), items=np.array([0, 1, 0, 1]), t_ms=np.array([1, 1, 2, 2]),
-        clicked=np.array([True, False, False, False]), converted=np.zeros(4, bool),
-    )  # fmt: skip
+        users=np.array([0, 0, 0, 0]),
+        items=np.array([0, 1, 0, 1]),
+        t_ms=np.array([1, 1, 2, 2]),
+        clicked=np.array([True, False, False, False]),
+        converted=np.zeros(4, bool),
+    )
     cats = np.array([7, 8])
     assert recent_shares(logs, cats).tolist() == [0.0, 0.0, 1.0, 0.0]
 
@@ -355,9 +366,13 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
 
     runner = RecallRunner(
         {"vector": where("vector"), "hot": where("hot"), "new": where("new", pause=0.05)},
-        {"vector": ChannelConfig(2, 500), "hot": ChannelConfig(2, 500), "new": ChannelConfig(2, 20)},
+        {
+            "vector": ChannelConfig(2, 500),
+            "hot": ChannelConfig(2, 500),
+            "new": ChannelConfig(2, 20),
+        },
         inline=("hot", "new"),
-    )  # fmt: skip
+    )
     result = runner.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     me = threading.current_thread().name
     assert seen["hot"] == me and seen["new"] == me and seen["vector"] != me
@@ -366,9 +381,11 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
     runner.close()
     # an injected delay sends an inline channel to the pool, where its deadline can be enforced
     delayed = RecallRunner(
-        {"hot": where("hot")}, {"hot": ChannelConfig(2, 500)}, delays_ms={"hot": 1.0},
+        {"hot": where("hot")},
+        {"hot": ChannelConfig(2, 500)},
+        delays_ms={"hot": 1.0},
         inline=("hot",),
-    )  # fmt: skip
+    )
     assert delayed.inline == set()
     delayed.close()
     # an inline channel that returned in time is kept however long a pooled one then takes:
@@ -377,7 +394,7 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
         {"vector": where("vector", pause=0.08), "hot": where("hot")},
         {"vector": ChannelConfig(2, 500), "hot": ChannelConfig(2, 20)},
         inline=("hot",),
-    )  # fmt: skip
+    )
     result = slow_pool.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     assert result.timed_out == [] and result.per_query == [{"vector": ["vector"], "hot": ["hot"]}]
     slow_pool.close()
@@ -387,7 +404,7 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
         {"hot": where("hot", pause=0.06), "new": where("new", pause=0.03)},
         {"hot": ChannelConfig(2, 500), "new": ChannelConfig(2, 80)},
         inline=("hot", "new"),
-    )  # fmt: skip
+    )
     result = in_a_row.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     assert result.timed_out == [] and result.per_query == [{"hot": ["hot"], "new": ["new"]}]
     in_a_row.close()
@@ -426,16 +443,24 @@ def test_grouped_wide_deep_equals_the_per_pair_forward():
         n = len(owner)
         users = rng.standard_normal((b, 17)).astype(np.float32)
         items = rng.standard_normal((n, 17)).astype(np.float32)
-        ctx = enc.context(["pc", "low_end", "high_end", None, "pc"][:b],
-                          ["north", None, "south", "east", "west"][:b],
-                          [1_767_225_600_000 + j * 3_600_000 for j in range(b)])  # fmt: skip
-        args = (items, rng.random((n, 4)).astype(np.float32), rng.integers(0, 128, n),
-                ctx[owner], rng.random(n).astype(np.float32))  # fmt: skip
+        ctx = enc.context(
+            ["pc", "low_end", "high_end", None, "pc"][:b],
+            ["north", None, "south", "east", "west"][:b],
+            [1_767_225_600_000 + j * 3_600_000 for j in range(b)],
+        )
+        args = (
+            items,
+            rng.random((n, 4)).astype(np.float32),
+            rng.integers(0, 128, n),
+            ctx[owner],
+            rng.random(n).astype(np.float32),
+        )
         grouped = enc.encode(users, *args, owner=owner)
         per_pair = enc.encode(users[owner], *args)
         cpu = torch.device("cpu")
-        np.testing.assert_allclose(score(model, grouped, cpu), score(model, per_pair, cpu),
-                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(
+            score(model, grouped, cpu), score(model, per_pair, cpu), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_lru_discard_frees_the_slot_for_reuse():
@@ -460,9 +485,11 @@ def test_vectorised_slot_merge_selects_like_the_reference():
         budget = int(rng.integers(1, 50))
         exclude = rng.choice(60, size=5, replace=False)
         ref = merge_channels(
-            {c: [str(x) for x in a] for c, a in results.items()}, quotas, budget,
+            {c: [str(x) for x in a] for c, a in results.items()},
+            quotas,
+            budget,
             frozenset(str(x) for x in exclude),
-        )  # fmt: skip
+        )
         got = merge_slot_arrays(results, quotas, budget, exclude)
         assert [str(x) for x in got] == [item for item, _ in ref]
         # the same channels per item (their order is not part of the contract)

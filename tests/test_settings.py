@@ -98,7 +98,9 @@ def test_a_service_started_with_a_bad_value_exits_with_the_reason():
     proc = subprocess.run(
         [sys.executable, "-m", "freshrec.cli", "param-server"],
         env={**BASE, "FRESHREC_GLOBAL_LR": "-1", "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "FRESHREC_GLOBAL_LR=-1 must be >= 0" in proc.stderr + proc.stdout

@@ -45,8 +45,17 @@ def world_events(seed: int, n: int, t0: int, id_prefix: str) -> list[Event]:
     for j in range(n):
         item = f"i{min(int(rng.expovariate(0.15)), 29)}"
         kind = rng.choices(["impression", "click", "conversion"], [0.7, 0.25, 0.05])[0]
-        out.append(Event(f"{id_prefix}{j}", kind, f"u{rng.randint(0, 40)}", item,
-                         t0 + rng.randint(0, 120_000), rng.choice(REGIONS), "pc"))  # fmt: skip
+        out.append(
+            Event(
+                f"{id_prefix}{j}",
+                kind,
+                f"u{rng.randint(0, 40)}",
+                item,
+                t0 + rng.randint(0, 120_000),
+                rng.choice(REGIONS),
+                "pc",
+            )
+        )
     return out
 
 
@@ -128,23 +137,55 @@ def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn
     good = [Event(f"g{j}", "click", "u1", "i1", now - 1000 + j, "north", "pc") for j in range(20)]
     poison = [
         (b"u1", b"{not json", "malformed_json"),
-        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"hover","user_id":"u1","item_id":"i1","ts_ms":%d}' % now, "unknown_event_type"),
-        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","ts_ms":%d}' % now, "missing_field"),
-        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":%d,"value":NaN}' % now, "non_finite_number"),
-        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"","item_id":"i1","ts_ms":%d}' % now, "empty_id"),
-        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":5}', "timestamp_too_old"),
-        (b"u1", b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":%d}' % (now + 86_400_000), "timestamp_in_future"),
-    ]  # fmt: skip
+        (
+            b"u1",
+            b'{"schema_version":1,"event_id":"x","event_type":"hover","user_id":"u1","item_id":"i1","ts_ms":%d}'
+            % now,
+            "unknown_event_type",
+        ),
+        (
+            b"u1",
+            b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","ts_ms":%d}'
+            % now,
+            "missing_field",
+        ),
+        (
+            b"u1",
+            b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":%d,"value":NaN}'
+            % now,
+            "non_finite_number",
+        ),
+        (
+            b"u1",
+            b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"","item_id":"i1","ts_ms":%d}'
+            % now,
+            "empty_id",
+        ),
+        (
+            b"u1",
+            b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":5}',
+            "timestamp_too_old",
+        ),
+        (
+            b"u1",
+            b'{"schema_version":1,"event_id":"x","event_type":"click","user_id":"u1","item_id":"i1","ts_ms":%d}'
+            % (now + 86_400_000),
+            "timestamp_in_future",
+        ),
+    ]
     with service(conn, "streams", tmp_path / "streams.log", **SETTINGS):
         produce(conn, good[:10], raw=[(k, v) for k, v, _ in poison])
         produce(conn, good[10:] + good[:5])  # five replays of the same event ids
         r = redis_lib.Redis.from_url(conn.redis_url)
         keys = RedisKeys(conn.topic_prefix)
         wait_for(
-            lambda: r.hget(keys.item_feature["clicks"], "i1") is not None
-            and abs(float(r.hget(keys.item_feature["clicks"], "i1")) - 20) < 1e-3,
-            60, "20 clicks on i1",
-        )  # fmt: skip
+            lambda: (
+                r.hget(keys.item_feature["clicks"], "i1") is not None
+                and abs(float(r.hget(keys.item_feature["clicks"], "i1")) - 20) < 1e-3
+            ),
+            60,
+            "20 clicks on i1",
+        )
         letters = dead_letters(conn, TopicNames(conn.topic_prefix).events_dlq, len(poison))
         assert [d.reason for d in letters] == [reason for _, _, reason in poison]
         assert [base64.b64decode(d.value_b64) for d in letters] == [v for _, v, _ in poison]
@@ -255,12 +296,18 @@ def test_the_validate_process_reports_through_the_parent_and_dies_with_it(conn, 
         child = _validate_pid(tmp_path / "p1.log")
         assert not _gone(child)
         stop(proc, signal.SIGKILL)
-        wait_for(lambda: _gone(child) or f"validate process {child} still running", 10,
-                 "the validate process to follow its parent")  # fmt: skip
+        wait_for(
+            lambda: _gone(child) or f"validate process {child} still running",
+            10,
+            "the validate process to follow its parent",
+        )
 
     with service(conn, "streams", tmp_path / "p2.log", **SETTINGS) as proc:
-        wait_for(lambda: "validate stage: process" in (tmp_path / "p2.log").read_text(), 60,
-                 "the second instance's validate process")  # fmt: skip
+        wait_for(
+            lambda: "validate stage: process" in (tmp_path / "p2.log").read_text(),
+            60,
+            "the second instance's validate process",
+        )
         os.kill(_validate_pid(tmp_path / "p2.log"), signal.SIGKILL)
         assert proc.wait(30) == 1
     assert "the validate process exited with code -9" in (tmp_path / "p2.log").read_text()
@@ -284,8 +331,12 @@ def test_pipelined_writes_land_in_order_and_an_error_reply_raises_on_drain(redis
     assert redis_client.lrange(key, 0, -1) == [b"a", b"b", b"c"]
     # an error reply (a list command on a string key) between two good writes
     redis_client.set(key + ":s", "x")
-    writer.send(pack(b"RPUSH", key.encode(), b"d") + pack(b"LPUSH", (key + ":s").encode(), b"y")
-                + pack(b"RPUSH", key.encode(), b"e"), 3)  # fmt: skip
+    writer.send(
+        pack(b"RPUSH", key.encode(), b"d")
+        + pack(b"LPUSH", (key + ":s").encode(), b"y")
+        + pack(b"RPUSH", key.encode(), b"e"),
+        3,
+    )
     with pytest.raises(redis_lib.ResponseError, match="WRONGTYPE"):
         writer.drain()
     assert writer.pending == 0
@@ -350,8 +401,9 @@ def test_a_tombstone_on_items_deletes_the_item_and_one_without_a_key_is_a_dead_l
     try:
         wait_for(
             lambda: r.hget(keys.item_category, "i2") == b"c2" and r.hlen(keys.item_category) == 3,
-            60, "the catalogue after the tombstones",
-        )  # fmt: skip
+            60,
+            "the catalogue after the tombstones",
+        )
         for key in (keys.item_price, keys.item_category, keys.item_created_ms):
             assert sorted(x.decode() for x in r.hkeys(key)) == ["i0", "i2", "i3"]
         assert r.zscore(keys.new_items, "i1") is None and r.zscore(keys.new_items, "i0")

@@ -25,12 +25,31 @@ from streams.hotlist import (
 from streams.item_state import CLICK, CONVERSION, IMPRESSION, ItemPartitionState, StateConfig
 
 T0 = 1_767_225_600_000
-PURE_MODULES = ["streams/decay.py", "streams/dedupe.py", "streams/hotlist.py", "streams/item_state.py",
-                "tools/world.py", "tools/traffic.py", "tools/pacing.py", "inference/batching.py",
-                "inference/breaker.py", "inference/rerank.py", "inference/merge.py", "inference/pending.py",
-                "inference/learning.py", "inference/lru.py", "param_server/adagrad.py", "param_server/rows.py",
-                "freshrec/hashing.py", "freshrec/idindex.py", "inference/degrade.py", "inference/resultcache.py",
-                "inference/features.py", "inference/offsets.py", "streams/catalogue_log.py"]  # fmt: skip
+PURE_MODULES = [
+    "streams/decay.py",
+    "streams/dedupe.py",
+    "streams/hotlist.py",
+    "streams/item_state.py",
+    "tools/world.py",
+    "tools/traffic.py",
+    "tools/pacing.py",
+    "inference/batching.py",
+    "inference/breaker.py",
+    "inference/rerank.py",
+    "inference/merge.py",
+    "inference/pending.py",
+    "inference/learning.py",
+    "inference/lru.py",
+    "param_server/adagrad.py",
+    "param_server/rows.py",
+    "freshrec/hashing.py",
+    "freshrec/idindex.py",
+    "inference/degrade.py",
+    "inference/resultcache.py",
+    "inference/features.py",
+    "inference/offsets.py",
+    "streams/catalogue_log.py",
+]
 IO_PACKAGES = {"confluent_kafka", "aiokafka", "faust", "redis", "socket", "requests", "mode"}
 
 
@@ -92,8 +111,16 @@ def test_decay_rate_is_validated():
     ],
 )
 def test_each_weight_of_the_hot_formula_moves_the_ranking(weights, winner):
-    lists = [HotList(T0, [HotEntry("clicky", 10, 0.05, 0.1), HotEntry("converting", 1, 0.9, 0.1),
-                          HotEntry("pricey", 1, 0.05, 0.9)])]  # fmt: skip
+    lists = [
+        HotList(
+            T0,
+            [
+                HotEntry("clicky", 10, 0.05, 0.1),
+                HotEntry("converting", 1, 0.9, 0.1),
+                HotEntry("pricey", 1, 0.05, 0.9),
+            ],
+        )
+    ]
     (best, score), *_ = merge_hot_lists(lists, 3, weights, 0.95)
     assert best.item_id == winner
     e = best
@@ -174,8 +201,14 @@ def make_state(**over) -> ItemPartitionState:
 
 def test_item_state_counts_decay_and_per_region_scopes():
     s = make_state()
-    s.apply([(0, 0, "i1", IMPRESSION, T0, "north", 0), (0, 1, "i1", CLICK, T0, "north", 0),
-             (0, 2, "i1", CLICK, T0 + HOUR_MS, "south", 0), (0, 3, "i2", CONVERSION, T0 + HOUR_MS, None, 5)])  # fmt: skip
+    s.apply(
+        [
+            (0, 0, "i1", IMPRESSION, T0, "north", 0),
+            (0, 1, "i1", CLICK, T0, "north", 0),
+            (0, 2, "i1", CLICK, T0 + HOUR_MS, "south", 0),
+            (0, 3, "i2", CONVERSION, T0 + HOUR_MS, None, 5),
+        ]
+    )
     dec = s.decayed(T0 + HOUR_MS)
     i1 = s.slots["i1"]
     assert dec[i1, 0, CLICK] == pytest.approx(0.95 + 1.0)
@@ -201,8 +234,13 @@ def test_a_region_named_like_the_global_scope_counts_once():
 
 def test_late_events_beyond_grace_are_counted_and_dropped():
     s = make_state(late_grace_ms=60_000)
-    s.apply([(0, 0, "i1", CLICK, T0 + 120_000, None, 0), (0, 1, "i1", CLICK, T0 + 70_000, None, 0),
-             (0, 2, "i1", CLICK, T0, None, 0)])  # fmt: skip
+    s.apply(
+        [
+            (0, 0, "i1", CLICK, T0 + 120_000, None, 0),
+            (0, 1, "i1", CLICK, T0 + 70_000, None, 0),
+            (0, 2, "i1", CLICK, T0, None, 0),
+        ]
+    )
     assert s.late == 1
     assert s.decayed(T0 + 120_000)[0, 0, CLICK] == pytest.approx(1 + 0.95 ** (50_000 / HOUR_MS))
 
@@ -210,8 +248,20 @@ def test_late_events_beyond_grace_are_counted_and_dropped():
 def test_item_state_snapshot_round_trip_is_exact():
     s = make_state()
     rng = random.Random(2)
-    s.apply([(rng.randint(0, 3), o, f"i{rng.randint(0, 50)}", rng.randint(0, 2), T0 + o * 1000,
-              rng.choice(["north", "south", None]), 0) for o in range(2000)])  # fmt: skip
+    s.apply(
+        [
+            (
+                rng.randint(0, 3),
+                o,
+                f"i{rng.randint(0, 50)}",
+                rng.randint(0, 2),
+                T0 + o * 1000,
+                rng.choice(["north", "south", None]),
+                0,
+            )
+            for o in range(2000)
+        ]
+    )
     s.set_prices({"i1": 9.5})
     back = ItemPartitionState.restore(
         s.config, s.snapshot_meta(), s.snapshot_rows(list(range(s.n_items)))
@@ -271,8 +321,11 @@ def test_child_metrics_merge_sums_counters_and_histograms_and_keeps_parent_gauge
     merged.children["validate"] = snapshot(child)
     assert all(f.name.startswith("freshrec_") for f in merged.children["validate"])
     text = generate_latest(merged).decode()
-    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-           for f in _families(text) for s in f.samples}  # fmt: skip
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in _families(text)
+        for s in f.samples
+    }
     assert got[("freshrec_t_events_total", (("outcome", "valid"),))] == 7
     assert got[("freshrec_t_events_total", (("outcome", "rejected"),))] == 1
     assert got[("freshrec_t_seconds_count", (("stage", "validate"),))] == 2
@@ -286,14 +339,21 @@ def test_child_metrics_merge_sums_counters_and_histograms_and_keeps_parent_gauge
     assert 'freshrec_t_events_total{outcome="valid"} 7.0' in only
     assert "freshrec_t_seconds" not in only and "freshrec_t_lag" not in only
     # each label set's histogram samples stay together (the text format requires it)
-    stages = [s.labels["stage"] for f in merge_families(parent.collect(), [snapshot(child)])
-              if f.name == "freshrec_t_seconds" for s in f.samples]  # fmt: skip
+    stages = [
+        s.labels["stage"]
+        for f in merge_families(parent.collect(), [snapshot(child)])
+        if f.name == "freshrec_t_seconds"
+        for s in f.samples
+    ]
     assert stages == sorted(stages, key=stages.index)  # no label set interleaved with another
     assert len(set(stages)) == 2
     # a counter's _created is the earlier of the two, not a sum
-    created = [s.value for f in merge_families(parent.collect(), [snapshot(child)])
-               for s in f.samples if s.name == "freshrec_t_events_created"
-               and s.labels["outcome"] == "valid"]  # fmt: skip
+    created = [
+        s.value
+        for f in merge_families(parent.collect(), [snapshot(child)])
+        for s in f.samples
+        if s.name == "freshrec_t_events_created" and s.labels["outcome"] == "valid"
+    ]
     assert len(created) == 1 and created[0] < 2e9
 
 
@@ -322,8 +382,10 @@ def test_ragged_packing_equals_redis_py_packing_for_ids_of_any_length():
     from freshrec.resp import Fields, pack_ragged
 
     rng = random.Random(5)
-    ids = [f"i{rng.randint(0, 10 ** rng.randint(0, 12))}".encode() + b"\xc3\xa9" * rng.randint(0, 2)
-           for _ in range(300)]  # fmt: skip
+    ids = [
+        f"i{rng.randint(0, 10 ** rng.randint(0, 12))}".encode() + b"\xc3\xa9" * rng.randint(0, 2)
+        for _ in range(300)
+    ]
     values = np.frombuffer(bytes(rng.randrange(256) for _ in range(300 * 7)), np.uint8)
     values = values.reshape(300, 7)
     # the same pairs, grouped by field length (stable): a hash does not tell the orders apart
@@ -343,8 +405,21 @@ def test_fixed_width_float_text_reads_back_within_float64_precision():
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal(20_000) * 10.0 ** rng.integers(-290, 290, 20_000)
-    edges = [0.0, -0.0, 1e-301, 1.0, 10.0, 1e-3, 0.1, 9.999999999999999, 0.9999999999999999,
-             999999999999999.9, 123456.789, 5e-300, 9.9e299]  # fmt: skip
+    edges = [
+        0.0,
+        -0.0,
+        1e-301,
+        1.0,
+        10.0,
+        1e-3,
+        0.1,
+        9.999999999999999,
+        0.9999999999999999,
+        999999999999999.9,
+        123456.789,
+        5e-300,
+        9.9e299,
+    ]
     x = np.concatenate([x, edges, np.negative(edges)])
     text = float_text(x)
     assert text.shape == (len(x), FLOAT_TEXT_WIDTH)
@@ -361,8 +436,19 @@ def test_fixed_width_float_text_reads_back_within_float64_precision():
 
 
 def _state_fields(s: ItemPartitionState):
-    return (s.item_ids, s.slots, dict(s.scopes), s.applied, s.watermark_ms, s.late, s.skipped,
-            s.touched, s.new_slots, s.decay.landmark_ms, s.counts[: s.n_items].tobytes())  # fmt: skip
+    return (
+        s.item_ids,
+        s.slots,
+        dict(s.scopes),
+        s.applied,
+        s.watermark_ms,
+        s.late,
+        s.skipped,
+        s.touched,
+        s.new_slots,
+        s.decay.landmark_ms,
+        s.counts[: s.n_items].tobytes(),
+    )
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -389,9 +475,17 @@ def test_vectorised_apply_is_bit_for_bit_the_event_by_event_rule(seed):
                 if rng.random() < 0.97
                 else -rng.choice([50_000, 90_000])
             )
-            batch.append((part, offsets[part], f"i{rng.randrange(200)}", rng.randrange(3), t,
-                          rng.choice([None, "global", "north", "south", "east", "west", "up"]),
-                          0.0))  # fmt: skip
+            batch.append(
+                (
+                    part,
+                    offsets[part],
+                    f"i{rng.randrange(200)}",
+                    rng.randrange(3),
+                    t,
+                    rng.choice([None, "global", "north", "south", "east", "west", "up"]),
+                    0.0,
+                )
+            )
         roll = rng.random()
         if roll < 0.15 and log:
             batch = rng.choice(log)  # a replayed message
@@ -428,9 +522,11 @@ def test_a_tombstone_needs_an_item_id_as_its_key():
     assert tombstone_item_id("i-ü".encode()) == "i-ü"
     assert tombstone_item_id(b"x" * MAX_ITEM_ID) == "x" * MAX_ITEM_ID
     for key, reason in [
-        (None, Reason.EMPTY_ID), (b"", Reason.EMPTY_ID), (b"\xff\xfe", Reason.INVALID_VALUE),
+        (None, Reason.EMPTY_ID),
+        (b"", Reason.EMPTY_ID),
+        (b"\xff\xfe", Reason.INVALID_VALUE),
         (b"x" * (MAX_ITEM_ID + 1), Reason.ID_TOO_LONG),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises(Rejected) as exc:
             tombstone_item_id(key)
         assert exc.value.reason == reason

@@ -37,12 +37,21 @@ def test_ranking_models_stop_on_validation_loss_and_keep_their_best_epoch():
 
     model = Model()
     cfg = TrainConfig(batch=64, rank_epochs=50, rank_patience=2)
-    fit = _fit(model, ((x,), y, np.ones(n, np.float32), None),
-               ((x_valid,), y_valid, np.ones(256, np.float32), None),
-               cfg, rng, lambda s: None, "noise")  # fmt: skip
+    fit = _fit(
+        model,
+        ((x,), y, np.ones(n, np.float32), None),
+        ((x_valid,), y_valid, np.ones(256, np.float32), None),
+        cfg,
+        rng,
+        lambda s: None,
+        "noise",
+    )
     with torch.inference_mode():
-        kept = float(torch.nn.functional.binary_cross_entropy_with_logits(
-            model(x_valid), torch.from_numpy(y_valid)))  # fmt: skip
+        kept = float(
+            torch.nn.functional.binary_cross_entropy_with_logits(
+                model(x_valid), torch.from_numpy(y_valid)
+            )
+        )
     assert fit["epochs"] == fit["best_epoch"] + cfg.rank_patience < cfg.rank_epochs
     assert abs(kept - fit["validation_loss"]) < 1e-4  # the best epoch's weights, not the last
 

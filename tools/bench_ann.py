@@ -70,9 +70,13 @@ def timings(search, queries: torch.Tensor, reps: int) -> dict:
 
 
 def bench_size(
-    n: int, nprobes: list[str], k: int, reps: int, progress: ProgressLine,
+    n: int,
+    nprobes: list[str],
+    k: int,
+    reps: int,
+    progress: ProgressLine,
     device: torch.device = torch.device("cpu"),
-) -> dict:  # fmt: skip
+) -> dict:
     progress.done(f"{n:,} items: rows and queries")
     rows, queries = rows_and_queries(n, 32 * reps)
     out: dict = {"items": n, "k": k}
@@ -103,8 +107,10 @@ def bench_size(
         nprobe = min(nprobe, len(index.centroids))
         progress.done(f"{n:,} items: IVF search, nprobe {nprobe} ({label})")
         found = [
-            f for i in range(0, len(queries), 32) for f in index.search(queries[i : i + 32], rows, k, nprobe)
-        ]  # fmt: skip
+            f
+            for i in range(0, len(queries), 32)
+            for f in index.search(queries[i : i + 32], rows, k, nprobe)
+        ]
         recall = np.mean(
             [len(set(f.tolist()) & set(e.tolist())) / k for f, e in zip(found, exact, strict=True)]
         )
@@ -144,11 +150,17 @@ def summary(results: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", default="100000,200000,500000,1000000")
-    ap.add_argument("--nprobe", default="auto,32,128",
-                    help="cells a query probes; auto: the worker's default (4%% of the cells, at least 64)")  # fmt: skip
+    ap.add_argument(
+        "--nprobe",
+        default="auto,32,128",
+        help="cells a query probes; auto: the worker's default (4%% of the cells, at least 64)",
+    )
     ap.add_argument("--reps", type=int, default=20, help="timed batches per measurement")
-    ap.add_argument("--device", default="cpu",
-                    help="where the rows live: cpu (exact and IVF), or cuda (exact only)")  # fmt: skip
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the rows live: cpu (exact and IVF), or cuda (exact only)",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.items.split(",")]
     nprobes = args.nprobe.split(",")

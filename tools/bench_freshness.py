@@ -72,23 +72,46 @@ def main() -> None:
     ap.add_argument("--before", type=float, default=60.0, help="seconds before the drift")
     ap.add_argument("--after", type=float, default=60.0, help="seconds after it")
     ap.add_argument("--window", type=float, default=10.0, help="seconds per CTR window")
-    ap.add_argument("--drift-fraction", type=float, default=0.5,
-                    help="share of the users whose main interest moves")  # fmt: skip
-    ap.add_argument("--arms", default="online,frozen",
-                    help=f"comma-separated: {', '.join(ARMS)}, lr=X, local=X, global=X, "
-                         "FRESHREC_NAME=VALUE; terms of one arm joined by +")  # fmt: skip
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run the arms this many times, alternating (A B A B ...)")  # fmt: skip
+    ap.add_argument(
+        "--drift-fraction",
+        type=float,
+        default=0.5,
+        help="share of the users whose main interest moves",
+    )
+    ap.add_argument(
+        "--arms",
+        default="online,frozen",
+        help=f"comma-separated: {', '.join(ARMS)}, lr=X, local=X, global=X, "
+        "FRESHREC_NAME=VALUE; terms of one arm joined by +",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the arms this many times, alternating (A B A B ...)",
+    )
     ap.add_argument("--items", type=int, default=20_000)
     ap.add_argument("--users", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=5)
-    ap.add_argument("--train-impressions", type=int, default=200_000,
-                    help="logged impressions the models are trained on")  # fmt: skip
-    ap.add_argument("--out", type=Path, default=Path("artifacts"),
-                    help="directory for bench_freshness.json and the services' logs")  # fmt: skip
-    ap.add_argument("--models", type=Path, default=None,
-                    help="model directory: reused when it holds this world's models, else "
-                         "trained into and kept (default: trained into a temporary one)")  # fmt: skip
+    ap.add_argument(
+        "--train-impressions",
+        type=int,
+        default=200_000,
+        help="logged impressions the models are trained on",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("artifacts"),
+        help="directory for bench_freshness.json and the services' logs",
+    )
+    ap.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        help="model directory: reused when it holds this world's models, else "
+        "trained into and kept (default: trained into a temporary one)",
+    )
     args = ap.parse_args()
     try:
         arms = {a.strip(): arm_env(a.strip()) for a in args.arms.split(",") if a.strip()}
@@ -109,10 +132,14 @@ def main() -> None:
     cohort = choose_cohort(world, args.cohort, args.seed)
     results: dict = {
         "world": {"seed": args.seed, "users": args.users, "items": args.items},
-        "cohort": len(cohort), "rate_per_s": args.rate, "before_s": args.before,
-        "after_s": args.after, "window_s": args.window, "drift_fraction": args.drift_fraction,
+        "cohort": len(cohort),
+        "rate_per_s": args.rate,
+        "before_s": args.before,
+        "after_s": args.after,
+        "window_s": args.window,
+        "drift_fraction": args.drift_fraction,
         "arms": {},
-    }  # fmt: skip
+    }
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
         models = args.models or Path(tmp)
         if not (models / "manifest.json").exists():
@@ -220,9 +247,15 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
 
         wait_until_assigned(ports, 120, waiting)
         loop = ClosedLoop(
-            conn, world, args.rate, seed=args.seed, users=cohort,
-            drift_after_s=args.before, drift_fraction=args.drift_fraction, window_s=args.window,
-        )  # fmt: skip
+            conn,
+            world,
+            args.rate,
+            seed=args.seed,
+            users=cohort,
+            drift_after_s=args.before,
+            drift_fraction=args.drift_fraction,
+            window_s=args.window,
+        )
         stop = threading.Event()
         thread = loop.run_in_thread(stop)
         try:
@@ -324,7 +357,9 @@ def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
     when the loop stopped) are left out."""
     w, span = stats.windows, stats.windows.window_s
     return {
-        "requests": stats.sent, "replied": stats.replied, "timeouts": stats.timeouts,
+        "requests": stats.sent,
+        "replied": stats.replied,
+        "timeouts": stats.timeouts,
         "latency_p50_ms": round(stats.p(50, False), 1),
         "latency_p99_ms": round(stats.p(99, False), 1),
         "ctr": round(stats.ctr, 4),
@@ -340,7 +375,7 @@ def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
             for g in GROUPS
         },
         "curve": [c for c in w.curve() if c["from_s"] < end_s],
-    }  # fmt: skip
+    }
 
 
 def summary_line(r: dict) -> str:

@@ -114,16 +114,33 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--rate", type=float, default=5000.0)
     ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--ramp", type=float, default=5.0,
-                    help="seconds at the full rate before the lag is measured")  # fmt: skip
+    ap.add_argument(
+        "--ramp",
+        type=float,
+        default=5.0,
+        help="seconds at the full rate before the lag is measured",
+    )
     ap.add_argument("--only", choices=["throughput", "lag"], help="run one of the two phases")
-    ap.add_argument("--passes", type=int, default=3, choices=range(1, 9), metavar="1..8",
-                    help="raw reads and worker passes of the throughput phase (alternating)")  # fmt: skip
-    ap.add_argument("--alongside", action="store_true",
-                    help="also read the events with a plain consumer beside the pipeline "
-                    "(a diagnostic: it adds load of its own)")  # fmt: skip
-    ap.add_argument("--producer-linger-ms", type=int, default=None,
-                    help="linger.ms of the lag phase's event producer (default: the profile's)")  # fmt: skip
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        choices=range(1, 9),
+        metavar="1..8",
+        help="raw reads and worker passes of the throughput phase (alternating)",
+    )
+    ap.add_argument(
+        "--alongside",
+        action="store_true",
+        help="also read the events with a plain consumer beside the pipeline "
+        "(a diagnostic: it adds load of its own)",
+    )
+    ap.add_argument(
+        "--producer-linger-ms",
+        type=int,
+        default=None,
+        help="linger.ms of the lag phase's event producer (default: the profile's)",
+    )
     args = ap.parse_args()
     progress = ProgressLine()
     world = learning_world()
@@ -153,8 +170,10 @@ def main() -> None:
                     # the parameter server below applies the first pass's gradients
                     msgs1, rows1 = gradient_counts()
                     grad_msgs, grad_rows = msgs1 - msgs0, rows1 - rows0
-                progress.done(f"pass {i + 1}: raw consume {raw_reads[-1]:,.0f} events/s, "
-                              f"worker event path {worker_rates[-1]:,.0f} events/s")  # fmt: skip
+                progress.done(
+                    f"pass {i + 1}: raw consume {raw_reads[-1]:,.0f} events/s, "
+                    f"worker event path {worker_rates[-1]:,.0f} events/s"
+                )
             raw, worker_rate = max(raw_reads), max(worker_rates)
             progress.done(
                 f"fastest of {len(passes)}: raw {raw:,.0f}, worker {worker_rate:,.0f} events/s "
@@ -208,8 +227,10 @@ def main() -> None:
         ramp, steady = steady[: int(args.rate * args.ramp)], steady[int(args.rate * args.ramp) :]
         with bench_connection(f"br{int(time.time())}.") as conn:
             floor = raw_lag(conn, steady, args.rate, ramp=ramp, linger_ms=args.producer_linger_ms)
-            progress.done(f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, "
-                          f"p99 {floor['p99_ms']} ms")  # fmt: skip
+            progress.done(
+                f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, "
+                f"p99 {floor['p99_ms']} ms"
+            )
 
         with bench_connection(f"bf{int(time.time())}.") as conn:
             # worker and parameter server as their own processes, as in production
@@ -242,13 +263,20 @@ def main() -> None:
                 # (new users' rows loaded or created at once, tables growing) comes first
                 # one producer for the ramp and the measured phase (see events_producer)
                 producer = events_producer(conn, args.producer_linger_ms)
-                produce_prepared(conn, ramp, rate_per_s=args.rate, label="ramp", progress=progress,
-                                 producer=producer)  # fmt: skip
+                produce_prepared(
+                    conn,
+                    ramp,
+                    rate_per_s=args.rate,
+                    label="ramp",
+                    progress=progress,
+                    producer=producer,
+                )
                 time.sleep(1)
                 base = merge(scrape_port_now(wport), scrape_port_now(pport))
                 measured_from = time.time() * 1000
-                stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
-                                         producer=producer)  # fmt: skip
+                stats = produce_prepared(
+                    conn, steady, rate_per_s=args.rate, progress=progress, producer=producer
+                )
                 close_producer(producer, 10)  # before its broker stops
                 time.sleep(3)
                 after = merge(scrape_port_now(wport), scrape_port_now(pport))
@@ -259,8 +287,10 @@ def main() -> None:
             if probe:
                 sent, lags = np.load(probe_out)
                 alongside = lag_summary(lags[sent >= measured_from], sent[sent >= measured_from])
-                progress.done(f"plain consumer beside the pipeline: p50 {alongside['p50_ms']} "
-                              f"ms, p99 {alongside['p99_ms']} ms")  # fmt: skip
+                progress.done(
+                    f"plain consumer beside the pipeline: p50 {alongside['p50_ms']} "
+                    f"ms, p99 {alongside['p99_ms']} ms"
+                )
             lag = {
                 stage: p50_p99(base, after, "freshrec_freshness_lag_seconds", stage=stage)
                 for stage in ("local", "global_applied", "served")
@@ -273,7 +303,9 @@ def main() -> None:
                 for phase in LOOP_PHASES
             }
             results["freshness_lag"] = {
-                "rate_events_per_s": args.rate, "duration_s": args.duration, "events": stats.delivered,
+                "rate_events_per_s": args.rate,
+                "duration_s": args.duration,
+                "events": stats.delivered,
                 "ramp_s": args.ramp,
                 "note": "worker and parameter server as separate processes; measured after a ramp "
                 "at the full rate; histogram buckets; "
@@ -285,7 +317,7 @@ def main() -> None:
                 "raw_kafka_alongside": alongside,
                 **lag,
                 "worker_loop_phases": loop,
-            }  # fmt: skip
+            }
     save("bench_learning", results)
 
 

@@ -69,14 +69,24 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--items", type=int, default=20_000)
     ap.add_argument("--saturation-requests", type=int, default=3000)
-    ap.add_argument("--max-waits", default=str(WorkerSettings.max_wait_ms),
-                    help="dynamic-batching waits (ms) to run the latency test with, e.g. 0,2,5")  # fmt: skip
-    ap.add_argument("--device", default="auto",
-                    help="the worker's device (FRESHREC_DEVICE): auto, cpu, cuda, cuda:1 ...")  # fmt: skip
+    ap.add_argument(
+        "--max-waits",
+        default=str(WorkerSettings.max_wait_ms),
+        help="dynamic-batching waits (ms) to run the latency test with, e.g. 0,2,5",
+    )
+    ap.add_argument(
+        "--device",
+        default="auto",
+        help="the worker's device (FRESHREC_DEVICE): auto, cpu, cuda, cuda:1 ...",
+    )
     ap.add_argument("--parts", default=",".join(PARTS), help="which measurements to run")
-    ap.add_argument("--models", type=Path, default=None,
-                    help="model directory: reused when it holds the benchmark world's models, "
-                         "else trained into (default: a temporary one)")  # fmt: skip
+    ap.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        help="model directory: reused when it holds the benchmark world's models, "
+        "else trained into (default: a temporary one)",
+    )
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not parts or set(parts) - set(PARTS):
@@ -122,8 +132,9 @@ def _with_prefix(conn: ConnectionSettings, prefix: str) -> ConnectionSettings:
 
 
 def _worker(conn, models, device: torch.device, **overrides) -> Worker:
-    s = WorkerSettings(conn, LearningSettings(dim=DIM), model_dir=models, worker_id="bench",
-                       device=str(device))  # fmt: skip
+    s = WorkerSettings(
+        conn, LearningSettings(dim=DIM), model_dir=models, worker_id="bench", device=str(device)
+    )
     return Worker(replace(s, **overrides))
 
 
@@ -133,10 +144,16 @@ def _inbound(world: World, n: int, seed: int = 0) -> list[Inbound]:
     users = world.sample_users(rng, n)
     ctx = RequestContext("pc", "north", now)
     return [
-        Inbound(RecommendRequest(f"b{seed}-{j}", World.user_id(int(u)), 20, ctx,
-                                 deadline_ms=now + 600_000), "x", None, now)
+        Inbound(
+            RecommendRequest(
+                f"b{seed}-{j}", World.user_id(int(u)), 20, ctx, deadline_ms=now + 600_000
+            ),
+            "x",
+            None,
+            now,
+        )
         for j, u in enumerate(users.tolist())
-    ]  # fmt: skip
+    ]
 
 
 # --------------------------------------------------------------------------------- ranking
@@ -158,16 +175,27 @@ def bench_ranking(
     def inputs(rows: int, users: int):
         owner = np.repeat(np.arange(users), rows // users) if users > 1 else None
         return enc.encode(
-            rng.standard_normal((users if owner is not None else rows, dim + 1)).astype(np.float32) * 0.1,
+            rng.standard_normal((users if owner is not None else rows, dim + 1)).astype(np.float32)
+            * 0.1,
             rng.standard_normal((rows, dim + 1)).astype(np.float32) * 0.1,
-            rng.random((rows, 4)).astype(np.float32), rng.integers(0, 128, rows),
+            rng.random((rows, 4)).astype(np.float32),
+            rng.integers(0, 128, rows),
             enc.context(["pc"] * rows, ["north"] * rows, [int(time.time() * 1000)] * rows),
-            rng.random(rows).astype(np.float32), owner=owner,
-        )  # fmt: skip
+            rng.random(rows).astype(np.float32),
+            owner=owner,
+        )
 
     x = inputs(n, 1)
-    rows = [type(x)(x.user[i : i + 1], x.item[i : i + 1], x.dense[i : i + 1],
-                    x.sparse[i : i + 1], x.cross[i : i + 1]) for i in range(n)]  # fmt: skip
+    rows = [
+        type(x)(
+            x.user[i : i + 1],
+            x.item[i : i + 1],
+            x.dense[i : i + 1],
+            x.sparse[i : i + 1],
+            x.cross[i : i + 1],
+        )
+        for i in range(n)
+    ]
     # fp16 on CUDA: one pass and 500 passes round differently
     atol = 1e-5 if device.type == "cpu" else 5e-3
     out: dict = {}
@@ -181,16 +209,18 @@ def bench_ranking(
         batched = score(model, x, device)
         assert np.allclose(serial, batched, atol=atol), np.abs(serial - batched).max()
         out[label] = {
-            "batched_ms": round(batched_ms, 3), "serial_ms": round(serial_ms, 2),
+            "batched_ms": round(batched_ms, 3),
+            "serial_ms": round(serial_ms, 2),
             "speedup": round(serial_ms / batched_ms, 1),
-        }  # fmt: skip
+        }
     progress.done(f"ranking on {device}: a dynamic batch, {n_req} requests x {n} candidates")
     grouped = inputs(n * n_req, n_req)
     out["dynamic_batch"] = {
-        "requests": n_req, "candidates": n * n_req,
+        "requests": n_req,
+        "candidates": n * n_req,
         "wide_deep_ms": round(_median_ms(lambda: score(ms.full, grouped, device), reps=20), 2),
         "light_ms": round(_median_ms(lambda: score(ms.light, grouped, device), reps=20), 2),
-    }  # fmt: skip
+    }
     return out
 
 
@@ -233,9 +263,15 @@ def bench_recall(conn, models: Path, device: torch.device, progress: ProgressLin
         vector = _median_ms(lambda: runner._call("vector", queries), reps=reps)
     finally:
         w.close()
-    return {"batch": 32, "slow_channel": "i2i", "slow_ms": 30, "parallel_ms": round(parallel, 2),
-            "serial_ms": round(serial, 2), "speedup": round(serial / parallel, 2),
-            "vector_channel_ms": round(vector, 2)}  # fmt: skip
+    return {
+        "batch": 32,
+        "slow_channel": "i2i",
+        "slow_ms": 30,
+        "parallel_ms": round(parallel, 2),
+        "serial_ms": round(serial, 2),
+        "speedup": round(serial / parallel, 2),
+        "vector_channel_ms": round(vector, 2),
+    }
 
 
 # ----------------------------------------------------------------------------------- serve
@@ -286,14 +322,25 @@ def bench_batching(
         names = TopicNames(prefix)
         p = Producer(producer_config(c2))
         for b in _inbound(world, n, seed=max_batch):
-            p.produce(names.recommend_requests, encode_request(b.request),
-                      key=b.request.user_id.encode(),
-                      headers=[("reply-to", names.recommend_replies.encode()),
-                               ("correlation-id", b.request.request_id.encode())])  # fmt: skip
+            p.produce(
+                names.recommend_requests,
+                encode_request(b.request),
+                key=b.request.user_id.encode(),
+                headers=[
+                    ("reply-to", names.recommend_replies.encode()),
+                    ("correlation-id", b.request.request_id.encode()),
+                ],
+            )
         p.flush(30)
-        w = _worker(c2, models, device, max_batch=max_batch,
-                    serving=replace(WorkerSettings(c2).serving,
-                                    ladder=LadderConfig(queue_depth_limit=10**9)))  # fmt: skip
+        w = _worker(
+            c2,
+            models,
+            device,
+            max_batch=max_batch,
+            serving=replace(
+                WorkerSettings(c2).serving, ladder=LadderConfig(queue_depth_limit=10**9)
+            ),
+        )
         w.start()
         served = 0
         first = last = None
@@ -313,11 +360,12 @@ def bench_batching(
         timings = _reply_timings(c2, names.recommend_replies, n)
         service = np.asarray([t["total"] - t["queue"] for t in timings])
         out[f"max_batch_{max_batch}"] = {
-            "requests": served, "seconds": round(elapsed, 2),
+            "requests": served,
+            "seconds": round(elapsed, 2),
             "requests_per_s": round(served / max(elapsed, 1e-9), 1),
             "batch_time_p50_ms": round(float(np.percentile(service, 50)), 2),
             "batch_time_p99_ms": round(float(np.percentile(service, 99)), 2),
-        }  # fmt: skip
+        }
     b, s = out["max_batch_32"], out["max_batch_1"]
     out["throughput_ratio"] = round(b["requests_per_s"] / max(s["requests_per_s"], 1e-9), 2)
     out["p99_cost_ms"] = round(b["batch_time_p99_ms"] - s["batch_time_p99_ms"], 2)
@@ -360,10 +408,17 @@ def bench_latency(
         c2 = _with_prefix(conn, prefix)
         if wait is not None:
             seed_world(conn.redis_url, prefix, world, models)
-            ctx = service_process(c2, "worker", free_port(), {
-                "FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM),
-                "FRESHREC_MAX_WAIT_MS": str(wait),
-                "FRESHREC_DEVICE": str(device or "auto")})  # fmt: skip
+            ctx = service_process(
+                c2,
+                "worker",
+                free_port(),
+                {
+                    "FRESHREC_MODEL_DIR": str(models),
+                    "FRESHREC_EMBEDDING_DIM": str(DIM),
+                    "FRESHREC_MAX_WAIT_MS": str(wait),
+                    "FRESHREC_DEVICE": str(device or "auto"),
+                },
+            )
         else:
             ctx = _echo_process(c2)
         with ctx:
@@ -384,8 +439,11 @@ def _echo_process(conn):
     import subprocess
     import sys
 
-    env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers,
-               FRESHREC_TOPIC_PREFIX=conn.topic_prefix)  # fmt: skip
+    env = dict(
+        os.environ,
+        KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers,
+        FRESHREC_TOPIC_PREFIX=conn.topic_prefix,
+    )
     proc = subprocess.Popen([sys.executable, "-m", "tools.echo"], env=env)
     try:
         yield proc
@@ -396,8 +454,12 @@ def _echo_process(conn):
 
 async def _paced(conn, world: World, rate: float, duration: float) -> dict:
     rng = np.random.default_rng(int(rate))
-    async with RecommendClient(conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix,
-                               timeout_s=5.0, keep_latencies=True) as client:  # fmt: skip
+    async with RecommendClient(
+        conn.kafka_bootstrap_servers,
+        topic_prefix=conn.topic_prefix,
+        timeout_s=5.0,
+        keep_latencies=True,
+    ) as client:
         # warm up: the first request waits for the group join
         for _ in range(60):
             try:
@@ -430,29 +492,39 @@ async def _paced(conn, world: World, rate: float, duration: float) -> dict:
             await asyncio.wait(tasks, timeout=10)
         lat = np.asarray(client.stats.latencies_ms)
     return {
-        "sent": sent, "answered": len(lat), "timeouts": timeouts,
+        "sent": sent,
+        "answered": len(lat),
+        "timeouts": timeouts,
         "achieved_per_s": round(len(lat) / duration, 1),
         "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
         "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
-    }  # fmt: skip
+    }
 
 
 def summary(r: dict) -> str:
     lines = [f"device {r.get('device', 'cpu')}" + (f" ({r['gpu']})" if r.get("gpu") else "")]
     for label, v in r.get("ranking", {}).items():
         if label == "dynamic_batch":
-            lines.append(f"ranking a dynamic batch ({v['requests']} requests, {v['candidates']} "
-                         f"candidates): wide&deep {v['wide_deep_ms']} ms, light {v['light_ms']} ms")  # fmt: skip
+            lines.append(
+                f"ranking a dynamic batch ({v['requests']} requests, {v['candidates']} "
+                f"candidates): wide&deep {v['wide_deep_ms']} ms, light {v['light_ms']} ms"
+            )
             continue
-        lines.append(f"ranking {label}: 500 candidates batched {v['batched_ms']} ms vs serial "
-                     f"{v['serial_ms']} ms = {v['speedup']}x")  # fmt: skip
+        lines.append(
+            f"ranking {label}: 500 candidates batched {v['batched_ms']} ms vs serial "
+            f"{v['serial_ms']} ms = {v['speedup']}x"
+        )
     if rc := r.get("recall"):
-        lines.append(f"recall (i2i +30 ms): parallel {rc['parallel_ms']} ms vs serial "
-                     f"{rc['serial_ms']} ms = {rc['speedup']}x; vector channel alone "
-                     f"{rc['vector_channel_ms']} ms for {rc['batch']} requests")  # fmt: skip
+        lines.append(
+            f"recall (i2i +30 ms): parallel {rc['parallel_ms']} ms vs serial "
+            f"{rc['serial_ms']} ms = {rc['speedup']}x; vector channel alone "
+            f"{rc['vector_channel_ms']} ms for {rc['batch']} requests"
+        )
     for label, v in r.get("serve", {}).items():
-        lines.append(f"serve in-process, {label}: {v['median_ms']} ms (recall {v['recall_ms']}, "
-                     f"rank {v['rank_ms']}, rerank {v['rerank_ms']})")  # fmt: skip
+        lines.append(
+            f"serve in-process, {label}: {v['median_ms']} ms (recall {v['recall_ms']}, "
+            f"rank {v['rank_ms']}, rerank {v['rerank_ms']})"
+        )
     if b := r.get("batching"):
         lines.append(
             f"dynamic batching: {b['max_batch_32']['requests_per_s']} req/s (max_batch 32) vs "

@@ -111,8 +111,10 @@ def main() -> None:
             if validated < len(records):
                 cold = (len(records) - validated) / (time.perf_counter() - start)
     if cold is None:
-        progress.done("freshrec streams from a cold start: not timed, every event was validated "
-                      "by the first look (use more --events)")  # fmt: skip
+        progress.done(
+            "freshrec streams from a cold start: not timed, every event was validated "
+            "by the first look (use more --events)"
+        )
     else:
         progress.done(f"freshrec streams from a cold start: {cold:,.0f} events/s")
     results["throughput"] = {
@@ -129,8 +131,9 @@ def main() -> None:
     steady = prepare_events(world, int(args.rate * args.duration), seed=4)
     with bench_connection(f"br{int(time.time())}.") as conn:
         floor = raw_lag(conn, steady, args.rate)
-        progress.done(f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, "
-                      f"p99 {floor['p99_ms']} ms")  # fmt: skip
+        progress.done(
+            f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, p99 {floor['p99_ms']} ms"
+        )
 
     with bench_connection(f"bl{int(time.time())}.") as conn:
         port = free_port()
@@ -143,8 +146,9 @@ def main() -> None:
             time.sleep(1.0)
             name = "freshrec_hot_list_lag_seconds"
             before = scrape(f"http://127.0.0.1:{port}/metrics")
-            stats = produce_prepared(conn, steady, rate_per_s=args.rate, progress=progress,
-                                     producer=producer)  # fmt: skip
+            stats = produce_prepared(
+                conn, steady, rate_per_s=args.rate, progress=progress, producer=producer
+            )
             close_producer(producer, 10)  # before its broker stops
             time.sleep(2)
             after = scrape(f"http://127.0.0.1:{port}/metrics")
@@ -152,21 +156,41 @@ def main() -> None:
         stages = subtract(after, before, "freshrec_streams_batch_seconds_bucket")
         stage_ms = {
             stage: {
-                "p50_ms": round(1000 * histogram_quantile(
-                    stages, "freshrec_streams_batch_seconds", 0.50, stage=stage), 1),
-                "p99_ms": round(1000 * histogram_quantile(
-                    stages, "freshrec_streams_batch_seconds", 0.99, stage=stage), 1),
+                "p50_ms": round(
+                    1000
+                    * histogram_quantile(
+                        stages, "freshrec_streams_batch_seconds", 0.50, stage=stage
+                    ),
+                    1,
+                ),
+                "p99_ms": round(
+                    1000
+                    * histogram_quantile(
+                        stages, "freshrec_streams_batch_seconds", 0.99, stage=stage
+                    ),
+                    1,
+                ),
             }
             for stage in ("validate", "validate_commit", "count", "publish")
-        }  # fmt: skip
+        }
         lags = subtract(after, before, "freshrec_streams_stage_lag_seconds_bucket")
         for stage in ("repartitioned", "counted"):
             stage_ms[f"event_to_{stage}"] = {
-                "p50_ms": round(1000 * histogram_quantile(
-                    lags, "freshrec_streams_stage_lag_seconds", 0.50, stage=stage), 1),
-                "p99_ms": round(1000 * histogram_quantile(
-                    lags, "freshrec_streams_stage_lag_seconds", 0.99, stage=stage), 1),
-            }  # fmt: skip
+                "p50_ms": round(
+                    1000
+                    * histogram_quantile(
+                        lags, "freshrec_streams_stage_lag_seconds", 0.50, stage=stage
+                    ),
+                    1,
+                ),
+                "p99_ms": round(
+                    1000
+                    * histogram_quantile(
+                        lags, "freshrec_streams_stage_lag_seconds", 0.99, stage=stage
+                    ),
+                    1,
+                ),
+            }
         results["hot_list_lag"] = {
             "rate_events_per_s": args.rate,
             "duration_s": args.duration,

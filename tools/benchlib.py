@@ -66,19 +66,23 @@ def service_process(
     Its output goes to ``log`` when given (else nowhere)."""
     env = dict(os.environ)
     env.update(
-        KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers, REDIS_URL=conn.redis_url,
-        FRESHREC_TOPIC_PREFIX=conn.topic_prefix, FRESHREC_METRICS_PORT=str(port),
+        KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers,
+        REDIS_URL=conn.redis_url,
+        FRESHREC_TOPIC_PREFIX=conn.topic_prefix,
+        FRESHREC_METRICS_PORT=str(port),
         **(extra or {}),
-    )  # fmt: skip
+    )
     with contextlib.ExitStack() as files:
         out = subprocess.DEVNULL
         if log is not None:
             log.parent.mkdir(parents=True, exist_ok=True)
             out = files.enter_context(log.open("w"))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "freshrec.cli", command], env=env,
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [sys.executable, "-m", "freshrec.cli", command],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         try:
             yield proc
         finally:
@@ -258,9 +262,12 @@ def lag_summary(lags, sent) -> dict:
 
 
 def raw_lag(
-    conn: ConnectionSettings, records: list, rate_per_s: float, ramp: list = (),
+    conn: ConnectionSettings,
+    records: list,
+    rate_per_s: float,
+    ramp: list = (),
     linger_ms: int | None = None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """The floor under any pipeline's lag: event time -> a plain consumer (``LagReader``),
     with ``records`` from ``tools.produce.prepare_events`` sent at ``rate_per_s`` as in the
     measured phase, after the ``ramp`` records (sent first at the same rate, not measured, as

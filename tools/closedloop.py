@@ -67,11 +67,13 @@ class CtrWindows:
                 cell[1] += clicks
         return [
             {
-                "from_s": n * self.window_s, "impressions": imps, "clicks": clicks,
+                "from_s": n * self.window_s,
+                "impressions": imps,
+                "clicks": clicks,
                 "ctr": round(clicks / imps, 4) if imps else None,
             }
             for n, (imps, clicks) in sorted(sums.items())
-        ]  # fmt: skip
+        ]
 
     def ctr(self, group: str, from_s: float, to_s: float) -> float | None:
         """CTR over the windows that start in [from_s, to_s); None without impressions."""
@@ -142,11 +144,20 @@ class ClosedLoop:
     category; ``World.drifts`` names them). ``window_s``: the CTR windows of ``stats``."""
 
     def __init__(
-        self, conn: ConnectionSettings, world: World, rate_per_s: float, *, k: int = 10,
-        seed: int = 1, timeout_s: float = 2.0, concurrency: int = 256,
-        users: np.ndarray | None = None, drift_after_s: float | None = None,
-        drift_fraction: float = 0.5, window_s: float = 10.0,
-    ) -> None:  # fmt: skip
+        self,
+        conn: ConnectionSettings,
+        world: World,
+        rate_per_s: float,
+        *,
+        k: int = 10,
+        seed: int = 1,
+        timeout_s: float = 2.0,
+        concurrency: int = 256,
+        users: np.ndarray | None = None,
+        drift_after_s: float | None = None,
+        drift_fraction: float = 0.5,
+        window_s: float = 10.0,
+    ) -> None:
         if users is not None and len(users) == 0:
             raise ValueError("a cohort needs at least one user")
         if not 0.0 <= drift_fraction <= 1.0:
@@ -174,9 +185,11 @@ class ClosedLoop:
         sem = asyncio.Semaphore(self.concurrency)
         tasks: set[asyncio.Task] = set()
         async with RecommendClient(
-            self.conn.kafka_bootstrap_servers, topic_prefix=self.conn.topic_prefix,
-            timeout_s=self.timeout_s, profile=self.conn.kafka_profile,
-        ) as client:  # fmt: skip
+            self.conn.kafka_bootstrap_servers,
+            topic_prefix=self.conn.topic_prefix,
+            timeout_s=self.timeout_s,
+            profile=self.conn.kafka_profile,
+        ) as client:
             self.stats.started = time.monotonic()
             if self.drift_after_s is not None:
                 at_ms = int(time.time() * 1000 + 1000 * self.drift_after_s)
@@ -210,9 +223,10 @@ class ClosedLoop:
             started = time.monotonic()
             try:
                 reply = await client.recommend(
-                    uid, self.k, context={"device": device, "region": region,
-                                          "ts_ms": int(time.time() * 1000)},
-                )  # fmt: skip
+                    uid,
+                    self.k,
+                    context={"device": device, "region": region, "ts_ms": int(time.time() * 1000)},
+                )
             except RecommendTimeout:
                 self.stats.timeouts += 1
                 return

@@ -70,19 +70,23 @@ def main() -> None:
     with (
         bench_connection(f"dr{int(time.time())}.") as conn,
         service_process(
-            conn, "worker", worker_port, {"FRESHREC_MAX_PENDING_STEPS": str(args.bound)},
+            conn,
+            "worker",
+            worker_port,
+            {"FRESHREC_MAX_PENDING_STEPS": str(args.bound)},
             log=logs / "worker.log",
         ),
         contextlib.ExitStack() as servers,
-    ):  # fmt: skip
+    ):
         ps = servers.enter_context(
             service_process(conn, "param-server", ps_port, log=logs / "param-server-1.log")
         )
         produce_events(conn, world, rate_per_s=200, duration_s=3.0, seed=1)  # warm-up (joins)
         feed = threading.Thread(
-            target=produce_events, args=(conn, world),
+            target=produce_events,
+            args=(conn, world),
             kwargs={"rate_per_s": args.rate, "duration_s": events_s, "seed": 2},
-        )  # fmt: skip
+        )
         t0 = time.monotonic()
         feed.start()
         killed_at = restarted_at = None
@@ -111,10 +115,13 @@ def main() -> None:
                 "served_behind_local_s": behind(s)["served"],
             }
             samples.append(sample)
-            print(f"{now:5.1f} s  events {sample['events']:>9,.0f}  pending steps "
-                  f"{sample['pending_steps']:>7,.0f}  let go {sample['let_go']:>7,.0f}  rows "
-                  f"installed {sample['rows_installed']:>9,.0f}  served behind local "
-                  f"{sample['served_behind_local_s']} s", flush=True)  # fmt: skip
+            print(
+                f"{now:5.1f} s  events {sample['events']:>9,.0f}  pending steps "
+                f"{sample['pending_steps']:>7,.0f}  let go {sample['let_go']:>7,.0f}  rows "
+                f"installed {sample['rows_installed']:>9,.0f}  served behind local "
+                f"{sample['served_behind_local_s']} s",
+                flush=True,
+            )
             if not feed.is_alive() and restarted_at is not None:
                 break
         feed.join()

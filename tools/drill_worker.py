@@ -85,11 +85,13 @@ def main() -> None:
         group = f"{conn.topic_prefix}freshrec-workers"
         with (
             service_process(conn, "param-server", free_port(), log=logs / "param-server.log"),
-            service_process(conn, "worker", ports["a"], {"FRESHREC_WORKER_ID": "a"},
-                            log=logs / "worker-a.log") as worker_a,
-            service_process(conn, "worker", ports["b"], {"FRESHREC_WORKER_ID": "b"},
-                            log=logs / "worker-b.log"),
-        ):  # fmt: skip
+            service_process(
+                conn, "worker", ports["a"], {"FRESHREC_WORKER_ID": "a"}, log=logs / "worker-a.log"
+            ) as worker_a,
+            service_process(
+                conn, "worker", ports["b"], {"FRESHREC_WORKER_ID": "b"}, log=logs / "worker-b.log"
+            ),
+        ):
             deadline = time.monotonic() + 60
             while not all(
                 total(scrape_port_now(port), "freshrec_assigned_partitions") > 0
@@ -100,10 +102,12 @@ def main() -> None:
                 time.sleep(0.5)
             stats: list = []
             feed = threading.Thread(
-                target=lambda: stats.append(produce_events(
-                    conn, world, rate_per_s=args.rate, duration_s=args.duration, seed=2
-                ))
-            )  # fmt: skip
+                target=lambda: stats.append(
+                    produce_events(
+                        conn, world, rate_per_s=args.rate, duration_s=args.duration, seed=2
+                    )
+                )
+            )
             t0 = time.monotonic()
             feed.start()
             a_last = None
@@ -114,8 +118,9 @@ def main() -> None:
                     a_last = total(scrape_port_now(ports["a"]), LEARNT, outcome="valid")
                     os.kill(worker_a.pid, signal.SIGKILL)
                     killed_at = now
-                    print(f"{now:5.1f} s  worker A SIGKILLed after learning {a_last:,.0f}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"{now:5.1f} s  worker A SIGKILLed after learning {a_last:,.0f}", flush=True
+                    )
                 s = scrape_port_now(ports["b"])
                 sample = {
                     "t_s": round(now, 1),
@@ -123,11 +128,16 @@ def main() -> None:
                     "b_partitions": total(s, "freshrec_assigned_partitions"),
                 }
                 samples.append(sample)
-                print(f"{now:5.1f} s  worker B: learnt {sample['b_learnt']:>8,.0f}  partitions "
-                      f"{sample['b_partitions']:.0f}", flush=True)  # fmt: skip
-                if not feed.is_alive() and len(samples) > 3 and all(
-                    x["b_learnt"] == sample["b_learnt"] for x in samples[-3:]
-                ):  # fmt: skip
+                print(
+                    f"{now:5.1f} s  worker B: learnt {sample['b_learnt']:>8,.0f}  partitions "
+                    f"{sample['b_partitions']:.0f}",
+                    flush=True,
+                )
+                if (
+                    not feed.is_alive()
+                    and len(samples) > 3
+                    and all(x["b_learnt"] == sample["b_learnt"] for x in samples[-3:])
+                ):
                     break
                 if now > args.duration + 120:
                     raise SystemExit("worker B did not finish within two minutes of the feed")

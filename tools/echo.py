@@ -37,9 +37,15 @@ def main() -> None:
                 continue
             headers = dict(msg.headers() or [])
             req = json.loads(msg.value())
-            reply = {"schema_version": 1, "request_id": req["request_id"],
-                     "user_id": req["user_id"], "items": [], "tier": "hot",
-                     "tier_reason": "echo", "served_at_ms": int(time.time() * 1000)}  # fmt: skip
+            reply = {
+                "schema_version": 1,
+                "request_id": req["request_id"],
+                "user_id": req["user_id"],
+                "items": [],
+                "tier": "hot",
+                "tier_reason": "echo",
+                "served_at_ms": int(time.time() * 1000),
+            }
             producer.produce(
                 headers.get("reply-to", names.recommend_replies.encode()).decode(),
                 json.dumps(reply).encode(),

@@ -289,32 +289,56 @@ def build() -> dict:
     y = 0
     pid = 1
     for row_title, row in ROWS:
-        panels.append({"type": "row", "title": row_title, "id": pid, "collapsed": False,
-                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})  # fmt: skip
+        panels.append(
+            {
+                "type": "row",
+                "title": row_title,
+                "id": pid,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+            }
+        )
         pid += 1
         y += 1
         x = 0
         for title, unit, targets, width in row:
             if x + width > 24:
                 x, y = 0, y + 8
-            panels.append({
-                "type": "timeseries", "title": title, "id": pid, "datasource": DS,
-                "gridPos": {"h": 8, "w": width, "x": x, "y": y},
-                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-                "targets": [
-                    {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(65 + i)}
-                    for i, (expr, legend) in enumerate(targets)
-                ],
-            })  # fmt: skip
+            panels.append(
+                {
+                    "type": "timeseries",
+                    "title": title,
+                    "id": pid,
+                    "datasource": DS,
+                    "gridPos": {"h": 8, "w": width, "x": x, "y": y},
+                    "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                    "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                    "targets": [
+                        {
+                            "datasource": DS,
+                            "expr": expr,
+                            "legendFormat": legend,
+                            "refId": chr(65 + i),
+                        }
+                        for i, (expr, legend) in enumerate(targets)
+                    ],
+                }
+            )
             pid += 1
             x += width
         y += 8
     return {
-        "uid": "freshrec", "title": "FreshRec", "schemaVersion": 39, "version": 1,
-        "refresh": "5s", "time": {"from": "now-15m", "to": "now"}, "tags": ["freshrec"],
-        "panels": panels, "templating": {"list": []}, "annotations": {"list": []},
-    }  # fmt: skip
+        "uid": "freshrec",
+        "title": "FreshRec",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "5s",
+        "time": {"from": "now-15m", "to": "now"},
+        "tags": ["freshrec"],
+        "panels": panels,
+        "templating": {"list": []},
+        "annotations": {"list": []},
+    }
 
 
 def render() -> str:
