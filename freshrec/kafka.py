@@ -243,3 +243,31 @@ def close_producer(producer, timeout_s: float) -> int:
     if not left:
         producer.close()
     return left
+
+
+def produce(
+    producer,
+    topic: str,
+    value: bytes | None,
+    key: bytes | None = None,
+    *,
+    partition: int | None = None,
+    headers=None,
+    on_delivery=None,
+) -> None:
+    """``producer.produce``, waiting for deliveries to drain while librdkafka's local queue
+    is full (``BufferError``) instead of failing. Other errors (a message the client
+    refuses, an invalid topic name: ``KafkaException``) are the caller's to handle."""
+    kwargs: dict[str, Any] = {"value": value, "key": key}
+    if partition is not None:
+        kwargs["partition"] = partition
+    if headers:
+        kwargs["headers"] = headers
+    if on_delivery is not None:
+        kwargs["on_delivery"] = on_delivery
+    while True:
+        try:
+            producer.produce(topic, **kwargs)
+            return
+        except BufferError:
+            producer.poll(0.05)

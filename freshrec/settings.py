@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from freshrec.hotscore import HotWeights
 
 STACK_ENV_FILE = "stack.env"
 
@@ -139,4 +141,48 @@ class ConnectionSettings:
     def with_prefix(self, prefix: str) -> ConnectionSettings:
         return ConnectionSettings(
             self.kafka_bootstrap_servers, self.redis_url, prefix, self.kafka_profile
+        )
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """What every service that touches embedding rows must agree on, read once here: the
+    workers and the parameter servers of one deployment use the same values."""
+
+    dim: int = 64
+    """Embedding dimension (``FRESHREC_EMBEDDING_DIM``); a row has ``dim + 1`` columns."""
+    max_grad_norm: float = 1.0
+    """A row's aggregated gradient is scaled down to this L2 norm, locally and globally
+    (``FRESHREC_MAX_GRAD_NORM``)."""
+    row_ttl_s: int = 30 * 86_400
+    """Rows untouched this long leave memory and Redis (``FRESHREC_ROW_TTL_S``; 0: never)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> RowSettings:
+        return cls(
+            dim=env_int(env, "FRESHREC_EMBEDDING_DIM", 64, minimum=1),
+            max_grad_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0, positive=True),
+            row_ttl_s=env_int(env, "FRESHREC_ROW_TTL_S", 30 * 86_400, minimum=0),
+        )
+
+
+@dataclass(frozen=True)
+class HotScoreSettings:
+    """The hot score's weights and decay (``freshrec/hotscore.py``): the streams app computes
+    it, the worker merges the published lists with it, so both read it here."""
+
+    weights: HotWeights = field(default_factory=HotWeights)
+    decay_per_hour: float = 0.95
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> HotScoreSettings:
+        return cls(
+            weights=HotWeights(
+                click=env_float(env, "FRESHREC_HOT_WEIGHT_CLICK", 0.6),
+                cvr=env_float(env, "FRESHREC_HOT_WEIGHT_CVR", 0.3),
+                price=env_float(env, "FRESHREC_HOT_WEIGHT_PRICE", 0.1),
+            ),
+            decay_per_hour=env_float(
+                env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95, positive=True, maximum=1
+            ),
         )

@@ -5,7 +5,7 @@ available, else CPU) and grows as items appear; an item no event or broadcast ha
 the row TTL leaves it (``expire_items``: the worker keeps the catalogue's), its slot reused.
 Users are many: a fixed-capacity slab holds the recently used ones; a miss is fetched from
 Redis in one batched round trip (``HMGET``); a row found nowhere is created from its id
-(``param_server.rows.initial_rows``).
+(``schemas.rows.initial_rows``).
 
 Rows are full-width (dim + 1). Alongside each row the cache keeps the version and newest
 event time of the global row it last installed.
@@ -22,8 +22,8 @@ import torch
 from freshrec import metrics as m
 from freshrec.idindex import IdIndex
 from inference.lru import SlotLRU
-from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 from schemas.rowbatch import TABLE_NAMES
+from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 
 Fetch = Callable[[int, list[int]], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 """fetch(table, ids) -> (mask over ids of the rows the store has, then their rows, versions

@@ -1,5 +1,5 @@
 """Cached results for the degradation ladder: per user and context, with a TTL, invalid as
-soon as the user's embedding version changes (a click moved them). Pure; time passed in.
+soon as the user's embedding version changes (a click moved them). Pure: time passed in.
 
 >>> c = ResultCache(capacity=2, ttl_ms=1000)
 >>> c.put(("u1", "pc", "north"), version=3, items=["a"], now_ms=0)

@@ -24,6 +24,7 @@ import redis
 import torch
 
 from freshrec import metrics as m
+from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
 from freshrec.rediskeys import RedisKeys
 from inference.ann import IVFIndex, auto_nprobe, exact_search, ivf_cells, top_k_rows
 from inference.cache import EmbeddingCache
@@ -36,9 +37,9 @@ from inference.recall import DEFAULT_CHANNELS, ChannelConfig, RecallQuery, Recal
 from inference.rerank import mmr_batch, space_categories
 from inference.resultcache import ResultCache
 from inference.snapshot import Snapshot, SnapshotRefresher
-from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows
 from schemas.ids import row_ids
 from schemas.records import RecommendReply, RecommendRequest, ReplyItem
+from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
 
 log = logging.getLogger("freshrec.serving")
 _NONE = np.empty(0, np.int64)
@@ -493,7 +494,7 @@ class Recommender:
         cat_idx = self.cat_index[slots]
         cat = self.snap.catalogue
         dense = np.zeros((n, 4), np.float32)
-        dense[:, 1:3] = 0.05
+        dense[:, 1], dense[:, 2] = PRIOR_CTR, PRIOR_CVR  # items no event has touched yet
         known = cat_idx >= 0
         dense[known, 0] = cat.price[cat_idx[known]]
         if self.snap.features is not None:

@@ -8,8 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from freshrec.hotscore import HotWeights
 from freshrec.settings import (
     ConnectionSettings,
+    HotScoreSettings,
+    RowSettings,
     SettingsError,
     env_float,
     env_int,
@@ -21,7 +24,6 @@ from inference.degrade import LadderConfig
 from inference.learning import LabelConfig
 from inference.recall import DEFAULT_CHANNELS, parse_delays
 from inference.serving import ServingSettings
-from streams.hotlist import HotWeights
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,12 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
+        rows = RowSettings.from_env(env)
+        hot = HotScoreSettings.from_env(env)
         learning = LearningSettings(
-            dim=env_int(env, "FRESHREC_EMBEDDING_DIM", 64, minimum=1),
+            dim=rows.dim,
             lr=env_float(env, "FRESHREC_LOCAL_LR", 0.05, minimum=0),
-            max_grad_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0, positive=True),
+            max_grad_norm=rows.max_grad_norm,
             admission_touches=env_int(env, "FRESHREC_ADMISSION_TOUCHES", 1, minimum=1),
             admission_window_s=env_int(env, "FRESHREC_ADMISSION_WINDOW_S", 3600, minimum=1),
             gradient_linger_ms=env_int(env, "FRESHREC_GRADIENT_LINGER_MS", 100, minimum=0),
@@ -147,7 +151,7 @@ class WorkerSettings:
             conn=ConnectionSettings.from_env(env),
             learning=learning,
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
-            row_ttl_s=env_int(env, "FRESHREC_ROW_TTL_S", 30 * 86_400, minimum=0),
+            row_ttl_s=rows.row_ttl_s,
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),
             event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 16384, minimum=1),
             event_slice_ms=env_float(env, "FRESHREC_EVENT_SLICE_MS", 10.0, positive=True),
@@ -169,12 +173,6 @@ class WorkerSettings:
             ),
             recall_delays_ms=delays,
             hot_k=env_int(env, "FRESHREC_HOT_K", 500, minimum=1),
-            hot_weights=HotWeights(
-                click=env_float(env, "FRESHREC_HOT_WEIGHT_CLICK", 0.6),
-                cvr=env_float(env, "FRESHREC_HOT_WEIGHT_CVR", 0.3),
-                price=env_float(env, "FRESHREC_HOT_WEIGHT_PRICE", 0.1),
-            ),
-            hot_decay_per_hour=env_float(
-                env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95, positive=True, maximum=1
-            ),
+            hot_weights=hot.weights,
+            hot_decay_per_hour=hot.decay_per_hour,
         )

@@ -6,7 +6,7 @@
 - item features (smoothed CTR/CVR, hot score) every ``features_refresh_s`` — the "cached
   features" that ``pc`` devices rank with and everyone falls back to when Redis is down;
 - the merged global and per-region hot lists every ``hot_refresh_s`` (the streams app
-  publishes per-partition lists; ``merge_hot_lists`` gives the exact top-K);
+  publishes per-partition lists; ``freshrec.hotscore.merge_published`` gives the exact top-K);
 - the newest items every ``hot_refresh_s``.
 
 A failed refresh keeps the previous snapshot (serving goes on from it) and is retried; the
@@ -17,7 +17,6 @@ snapshot between batches (``take``), so serving never sees one half-replaced.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,11 +26,10 @@ import orjson
 import redis
 
 from freshrec import metrics as m
+from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR, HotWeights, merge_published
 from freshrec.rediskeys import RedisKeys
 from inference.features import CATEGORY_BUCKETS, bucket
 from schemas.ids import row_ids
-from streams.decay import HOUR_MS
-from streams.hotlist import HotWeights, top_k_indices
 
 log = logging.getLogger("freshrec.snapshot")
 
@@ -203,8 +201,8 @@ class SnapshotRefresher:
         for name in ("ctr", "cvr", "hot"):
             pipe.hgetall(k.item_feature[name])
         out = np.zeros((len(cat.names), 3), np.float32)
-        out[:, 0] = 0.05  # the smoothing priors, for items not seen in events yet
-        out[:, 1] = 0.05
+        out[:, 0] = PRIOR_CTR  # for items not seen in events yet
+        out[:, 1] = PRIOR_CVR
         for col, raw in enumerate(pipe.execute()):
             for name, value in raw.items():
                 j = cat.index.get(name.decode())
@@ -229,7 +227,7 @@ class SnapshotRefresher:
             if cached is not None and cached[0] == fingerprint:
                 out[scope] = cached[1]
                 continue
-            merged = merge_raw_hot_lists(
+            merged = merge_published(
                 [orjson.loads(v) for v in raw.values()],
                 self.hot_k,
                 self.weights,
@@ -238,31 +236,3 @@ class SnapshotRefresher:
             self._hot_cache[scope] = (fingerprint, merged)
             out[scope] = merged
         return out
-
-
-def merge_raw_hot_lists(
-    lists: list[dict], k: int, weights: HotWeights, rate_per_hour: float
-) -> list[str]:
-    """``streams.hotlist.merge_hot_lists`` on the published JSON, vectorised: the same scores
-    (counts decayed to the newest list's time), ids only."""
-    if not lists:
-        return []
-    t = max(int(h["as_of_ms"]) for h in lists)
-    ln = -math.log(rate_per_hour) / HOUR_MS
-    ids: list[str] = []
-    cols = []
-    for h in lists:
-        entries = h["entries"]
-        if not entries:
-            continue
-        arr = np.asarray([e[1:] for e in entries], np.float64)
-        arr[:, 0] *= math.exp(-ln * (t - int(h["as_of_ms"])))
-        cols.append(arr)
-        ids.extend(e[0] for e in entries)
-    if not cols:
-        return []
-    a = np.concatenate(cols)
-    score = weights.click * a[:, 0] + weights.cvr * a[:, 1] + weights.price * a[:, 2]
-    names = np.asarray(ids)
-    top = top_k_indices(score, k, names)
-    return names[top].tolist()

@@ -1,7 +1,8 @@
-"""``freshrec train``: the daily offline training of the seeds, on the synthetic world's logs.
+"""``freshrec train``: the daily offline training of the seeds, on a log of labelled impressions.
 
-1. Log impressions: active users see slates (half from their interests, half popular); the
-   world's click and conversion model labels them.
+1. The log (``TrainingLog``): impressions of catalogue items, each clicked or not, converted or
+   not, with the user's device and region where known. The synthetic world's simulator
+   writes one (``tools/world.py``); so can anything else.
 2. Two-tower embeddings: user and item rows (``dim + 1`` columns, the item bias last) fitted by
    logistic loss on the logs. These are the starting tables that online learning refines.
 3. Wide&Deep on the logged pairs, with the trained rows and item features computed from the
@@ -27,14 +28,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from freshrec.hotscore import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
 from inference.features import CATEGORY_BUCKETS, RECENT, FeatureEncoder, RankInputs, bucket
 from inference.modelfile import save_model, save_tensors, write_manifest
 from inference.ranking import LightRanker, WideDeep, as_tensors
-from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows
-from schemas.ids import row_id
+from schemas.ids import row_ids
 from schemas.records import DEVICE_CLASSES
-from streams.hotlist import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
-from tools.world import World
+from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
 
 log = logging.getLogger("freshrec.train")
 Progress = Callable[[str], None]
@@ -73,46 +73,50 @@ class TrainConfig:
 
 
 @dataclass
-class Logs:
+class TrainingLog:
+    """Labelled impressions of catalogue items: what offline training learns from, whoever
+    wrote it. Users and items are numbered (``users[j]`` indexes ``user_ids``, ``items[j]``
+    indexes ``item_ids``); per impression its event time, whether it was clicked and
+    converted, and the user's device class (index into ``DEVICE_CLASSES``, -1 unknown) and
+    region (None unknown)."""
+
+    user_ids: np.ndarray
+    """Distinct user ids (str)."""
+    item_ids: np.ndarray
+    """The catalogue's item ids (str), in catalogue order."""
+    item_category: np.ndarray
+    """Per item: its category name (str, or None when unknown)."""
+    item_price: np.ndarray
+    """Per item: its price (0 when unknown)."""
     users: np.ndarray
     items: np.ndarray
     t_ms: np.ndarray
     clicked: np.ndarray
     converted: np.ndarray
+    device: np.ndarray
+    region: np.ndarray
+    source: str = ""
+    """What the log came from (recorded in the manifest; models are reused for the same
+    source and configuration)."""
+
+    def __len__(self) -> int:
+        return len(self.users)
 
 
-def log_impressions(world: World, n: int, rng: np.random.Generator, slate: int = 10) -> Logs:
-    """``n`` logged impressions over the 24 hours before the world's start."""
-    n_slates = max(1, n // slate)
-    c = world.config
-    users = np.repeat(world.sample_users(rng, n_slates), slate)
-    t = np.repeat(c.start_ms - rng.integers(0, 86_400_000, n_slates), slate)
-    main = world.user_main_category(users, c.start_ms)
-    items = world.sample_popular_items(rng, len(users))
-    relevant = rng.random(len(users)) < 0.5
-    items[relevant] = world.sample_category_items(rng, main[relevant])
-    p = world.click_probability(users, items, c.start_ms)
-    clicked = rng.random(len(users)) < p
-    converted = np.zeros_like(clicked)
-    if clicked.any():
-        pc = world.conversion_probability(users[clicked], items[clicked], c.start_ms)
-        converted[clicked] = rng.random(int(clicked.sum())) < pc
-    return Logs(users, items, t, clicked, converted)
-
-
-def item_features(world: World, logs: Logs, idx: np.ndarray) -> np.ndarray:
-    """(n_items, 4) [price, ctr, cvr, hot] from the logs at ``idx`` (the training split: the
-    held-out labels must not leak into features), as the streams app computes them live."""
-    n = world.config.n_items
-    items = logs.items[idx]
+def item_features(log: TrainingLog, idx: np.ndarray) -> np.ndarray:
+    """(n_items, 4) [price, ctr, cvr, hot] from the impressions at ``idx`` (the training split:
+    the held-out labels must not leak into features), as the streams app computes them live."""
+    n = len(log.item_ids)
+    items = log.items[idx]
     imp = np.bincount(items, minlength=n).astype(np.float64)
-    clk = np.bincount(items, weights=logs.clicked[idx], minlength=n)
-    conv = np.bincount(items, weights=logs.converted[idx], minlength=n)
+    clk = np.bincount(items, weights=log.clicked[idx], minlength=n)
+    conv = np.bincount(items, weights=log.converted[idx], minlength=n)
     s = Smoothing()
     ctr = smoothed_rate(clk, imp, s.ctr_prior, s.ctr_strength)
     cvr = smoothed_rate(conv, clk, s.cvr_prior, s.cvr_strength)
-    hot = hot_scores(clk, cvr, price_norm(world.item_price), HotWeights())
-    return np.column_stack([world.item_price, ctr, cvr, hot]).astype(np.float32)
+    price = np.asarray(log.item_price, np.float64)
+    hot = hot_scores(clk, cvr, price_norm(price), HotWeights())
+    return np.column_stack([price, ctr, cvr, hot]).astype(np.float32)
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -148,14 +152,15 @@ def _batches(n: int, size: int, rng: np.random.Generator):
 
 
 def train_two_tower(
-    logs: Logs, world: World, cfg: TrainConfig, train_idx: np.ndarray, progress: Progress
+    logs: TrainingLog, cfg: TrainConfig, train_idx: np.ndarray, progress: Progress
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(user indices, user rows, item rows): rows start from the deterministic initialisation."""
+    """(user numbers, user rows, item rows) for the users the log names and every catalogue
+    item: rows start from the deterministic initialisation."""
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     uniq_users, user_pos = np.unique(logs.users, return_inverse=True)
-    user_ids = np.array([row_id(World.user_id(int(u))) for u in uniq_users], np.int64)
-    item_ids = np.array([row_id(World.item_id(i)) for i in range(world.config.n_items)], np.int64)
+    user_ids = row_ids(logs.user_ids[uniq_users].tolist())
+    item_ids = row_ids(logs.item_ids.tolist())
     d = cfg.dim
     u_emb = nn.Parameter(torch.from_numpy(initial_rows(user_ids, TABLE_USER, d)[:, :d].copy()))
     v_emb = nn.Parameter(torch.from_numpy(initial_rows(item_ids, TABLE_ITEM, d).copy()))
@@ -179,7 +184,7 @@ def train_two_tower(
     return uniq_users, users, v_emb.detach().numpy()
 
 
-def recent_shares(logs: Logs, cats: np.ndarray) -> np.ndarray:
+def recent_shares(logs: TrainingLog, cats: np.ndarray) -> np.ndarray:
     """Per impression: the share of the user's previous ``RECENT`` clicks (in time order, in
     the logs) in the impressed item's category — the real-time feature, as serving sees it."""
     order = np.lexsort((logs.t_ms, logs.users))
@@ -206,26 +211,26 @@ def recent_shares(logs: Logs, cats: np.ndarray) -> np.ndarray:
 
 
 def rank_inputs(
-    logs: Logs, idx: np.ndarray, world: World, user_rows, user_pos, item_rows, feats, shares
+    logs: TrainingLog, idx: np.ndarray, user_rows, user_pos, item_rows, feats, shares
 ) -> RankInputs:
     enc = FeatureEncoder()
-    users, items = logs.users[idx], logs.items[idx]
-    regions = world.user_region(users)
-    devices = world.user_device(users)
+    items = logs.items[idx]
+    device = logs.device[idx]
     ctx = enc.context(
-        [DEVICE_CLASSES[d] for d in devices.tolist()],
-        [world.config.regions[r] for r in regions.tolist()],
+        [DEVICE_CLASSES[d] if d >= 0 else None for d in device.tolist()],
+        logs.region[idx].tolist(),
         logs.t_ms[idx].tolist(),
     )
-    cats = category_buckets(world)[items]
+    cats = category_buckets(logs)[items]
     return enc.encode(
         user_rows[user_pos[idx]], item_rows[items], feats[items], cats, ctx, shares[idx]
     )
 
 
-def category_buckets(world: World) -> np.ndarray:
-    names = {k: bucket(f"c{k}", CATEGORY_BUCKETS) for k in range(world.config.n_categories)}
-    return np.array([names[int(k)] for k in world.item_category], np.int64)
+def category_buckets(logs: TrainingLog) -> np.ndarray:
+    """Per catalogue item, its category's bucket (as serving computes it from the catalogue)."""
+    names = {c: bucket(c, CATEGORY_BUCKETS) for c in set(logs.item_category.tolist())}
+    return np.array([names[c] for c in logs.item_category.tolist()], np.int64)
 
 
 def _loss(logit, y, w, soft=None):
@@ -280,17 +285,17 @@ def _logits(model, inputs: RankInputs) -> np.ndarray:
     return model(*as_tensors(inputs, torch.device("cpu"))).numpy()
 
 
-def world_fingerprint(world: World) -> str:
-    cfg = json.dumps(asdict(world.config), sort_keys=True, default=str)
-    return hashlib.sha256(cfg.encode()).hexdigest()[:16]
-
-
-def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> dict:
-    """Train everything and write the files and manifest; returns the manifest."""
+def train(
+    logs: TrainingLog,
+    cfg: TrainConfig,
+    out_dir: Path,
+    progress: Progress,
+    rng: np.random.Generator | None = None,
+) -> dict:
+    """Train everything on ``logs`` and write the files and manifest; returns the manifest.
+    ``rng`` draws the splits (default: seeded by ``cfg.seed``)."""
     started = time.monotonic()
-    rng = np.random.default_rng(cfg.seed)
-    progress(f"logging {cfg.impressions:,} impressions from the synthetic world")
-    logs = log_impressions(world, cfg.impressions, rng)
+    rng = np.random.default_rng(cfg.seed) if rng is None else rng
     n = len(logs.users)
     split = rng.random(n)  # a tenth held out for the reported AUCs, a tenth to stop on
     train_idx, valid_idx = np.flatnonzero(split >= 0.2), np.flatnonzero(split < 0.1)
@@ -299,14 +304,14 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
     if cfg.tower_share < 1:
         cut = rng.random(len(train_idx)) < cfg.tower_share
         tower_idx, rank_idx = train_idx[cut], train_idx[~cut]
-    uniq_users, user_rows, item_rows = train_two_tower(logs, world, cfg, tower_idx, progress)
+    uniq_users, user_rows, item_rows = train_two_tower(logs, cfg, tower_idx, progress)
     user_pos = np.searchsorted(uniq_users, logs.users)
-    feats = item_features(world, logs, train_idx)
+    feats = item_features(logs, train_idx)
     tower_scores = np.einsum(
         "ij,ij->i", user_rows[user_pos[test_idx]], item_rows[logs.items[test_idx]]
     )
-    shares = recent_shares(logs, category_buckets(world))
-    args = (world, user_rows, user_pos, item_rows, feats, shares)
+    shares = recent_shares(logs, category_buckets(logs))
+    args = (user_rows, user_pos, item_rows, feats, shares)
     x_train = rank_inputs(logs, rank_idx, *args)
     x_valid = rank_inputs(logs, valid_idx, *args)
     x_test = rank_inputs(logs, test_idx, *args)
@@ -345,7 +350,7 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
         "ranking_impressions": len(rank_idx),
         "click_rate": float(y.mean()),
         "users": len(uniq_users),
-        "items": int(world.config.n_items),
+        "items": len(logs.item_ids),
         "ranking_fits": fits,
         "seconds": round(time.monotonic() - started, 1),
     }
@@ -354,8 +359,8 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
         + "-"
         + hashlib.sha256(json.dumps(metrics, sort_keys=True).encode()).hexdigest()[:6]
     )
-    user_ids = np.array([row_id(World.user_id(int(u))) for u in uniq_users], np.int64)
-    item_ids = np.array([row_id(World.item_id(i)) for i in range(world.config.n_items)], np.int64)
+    user_ids = row_ids(logs.user_ids[uniq_users].tolist())
+    item_ids = row_ids(logs.item_ids.tolist())
     files = {
         "wide_deep": save_model(out_dir, full, version, cfg.dim),
         "light": save_model(out_dir, light, version, cfg.dim),
@@ -375,7 +380,7 @@ def train(world: World, cfg: TrainConfig, out_dir: Path, progress: Progress) -> 
         "version": version,
         "dim": cfg.dim,
         "created_ms": int(time.time() * 1000),
-        "world": world_fingerprint(world),
+        "source": logs.source,
         "files": files,
         "training": {**metrics, "config": asdict(cfg)},
     }

@@ -42,6 +42,7 @@ from confluent_kafka import (
 )
 
 from freshrec import metrics as m
+from freshrec.gradients import clip_rows, finite_rows
 from freshrec.kafka import (
     close_producer,
     consume_available,
@@ -53,6 +54,7 @@ from freshrec.kafka import (
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.partitioner import row_partitions
 from freshrec.rediskeys import RedisKeys
+from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table
 from freshrec.topics import TopicNames
 from inference.admission import AdmissionFilter
 from inference.batching import BatchPolicy, EventSlicer, split_expired
@@ -71,9 +73,6 @@ from inference.recall import RecallRunner
 from inference.serving import IN_MEMORY_CHANNELS, Inbound, Recommender
 from inference.settings import WorkerSettings
 from inference.snapshot import SnapshotRefresher
-from param_server.adagrad import clip_rows, finite_rows
-from param_server.rows import row_key
-from param_server.store import broadcast_offsets, fetch_rows, load_table
 from schemas.codec import (
     dead_letter,
     decode_events,
@@ -93,6 +92,7 @@ from schemas.rowbatch import (
     CorruptBatch,
     RowBatch,
 )
+from schemas.rows import row_key
 
 log = logging.getLogger("freshrec.worker")
 LOOP_PHASES = ("consume", "serve", "learn", "updates", "other")

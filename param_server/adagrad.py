@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from freshrec.gradients import scaled, squared_norms
+
 
 @dataclass(frozen=True)
 class AdagradConfig:
@@ -25,27 +27,6 @@ class AdagradConfig:
     max_norm: float = 1.0
     """Each row's (aggregated) gradient is scaled down to at most this L2 norm."""
     initial_accumulator: float = 0.0
-
-
-def finite_rows(g: np.ndarray) -> np.ndarray:
-    return np.isfinite(g).all(axis=1)
-
-
-def squared_norms(g: np.ndarray) -> np.ndarray:
-    """Each row's squared L2 norm, summed in float64 (float32 squares overflow); NaN or
-    infinity where the row has one."""
-    return np.einsum("ij,ij->i", g, g, dtype=np.float64)
-
-
-def _scaled(g: np.ndarray, norms2: np.ndarray, max_norm: float) -> np.ndarray:
-    scale = max_norm / np.maximum(np.sqrt(norms2), 1e-30)
-    np.minimum(scale, 1.0, out=scale)
-    return g * scale.astype(g.dtype)[:, None]
-
-
-def clip_rows(g: np.ndarray, max_norm: float) -> np.ndarray:
-    """Rows scaled to L2 norm ≤ ``max_norm`` (a copy; rows within the bound are unchanged)."""
-    return _scaled(g, squared_norms(g), max_norm)
 
 
 def adagrad_step(
@@ -58,7 +39,7 @@ def adagrad_step(
     norms2 = squared_norms(grads)
     ok = np.isfinite(norms2)
     if ok.all():  # the usual case: the same arithmetic, without gathers and scatters
-        g = _scaled(grads, norms2, cfg.max_norm)
+        g = scaled(grads, norms2, cfg.max_norm)
         accum += g * g
         denom = np.sqrt(accum)
         denom += cfg.eps
@@ -68,7 +49,7 @@ def adagrad_step(
         return ok
     if not ok.any():
         return ok
-    g = _scaled(grads[ok], norms2[ok], cfg.max_norm)
+    g = scaled(grads[ok], norms2[ok], cfg.max_norm)
     accum[ok] += g * g
     rows[ok] -= cfg.lr * g / (np.sqrt(accum[ok]) + cfg.eps)
     return ok

@@ -33,11 +33,16 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import background_consumer, close_producer, consume_batch, producer_config
+from freshrec.kafka import (
+    background_consumer,
+    close_producer,
+    consume_batch,
+    produce,
+    producer_config,
+)
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
-from param_server.rows import initial_rows, version_floor
 from param_server.settings import ParamServerSettings
 from param_server.store import (
     applied_offsets,
@@ -49,6 +54,7 @@ from param_server.store import (
 )
 from param_server.table import ParamTable
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
+from schemas.rows import initial_rows, version_floor
 
 log = logging.getLogger("freshrec.param_server")
 MAX_ROWS_PER_MESSAGE = 1000
@@ -466,12 +472,7 @@ class ParameterServer:
         self.producer.poll(0)
 
     def _produce(self, topic: str, value: bytes, partition: int, cb) -> None:
-        while True:
-            try:
-                self.producer.produce(topic, value=value, partition=partition, on_delivery=cb)
-                return
-            except BufferError:  # local queue full: let deliveries drain
-                self.producer.poll(0.05)
+        produce(self.producer, topic, value, partition=partition, on_delivery=cb)
 
     def _record_broadcast(self, err, msg) -> None:
         if err is not None:

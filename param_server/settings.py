@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from freshrec.settings import ConnectionSettings, env_float, env_int
+from freshrec.settings import ConnectionSettings, RowSettings, env_float, env_int
 from param_server.adagrad import AdagradConfig
 
 
@@ -25,12 +25,13 @@ class ParamServerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ParamServerSettings:
+        rows = RowSettings.from_env(env)
         return cls(
             conn=ConnectionSettings.from_env(env),
-            dim=env_int(env, "FRESHREC_EMBEDDING_DIM", 64, minimum=1),
+            dim=rows.dim,
             adagrad=AdagradConfig(
                 lr=env_float(env, "FRESHREC_GLOBAL_LR", 0.05, minimum=0),
-                max_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0, positive=True),
+                max_norm=rows.max_grad_norm,
                 initial_accumulator=env_float(
                     env, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", 0.0, minimum=0
                 ),
@@ -38,5 +39,5 @@ class ParamServerSettings:
             flush_interval_ms=env_int(env, "FRESHREC_FLUSH_INTERVAL_MS", 100, minimum=1),
             max_dirty_rows=env_int(env, "FRESHREC_MAX_DIRTY_ROWS", 50_000, minimum=1),
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
-            row_ttl_s=env_int(env, "FRESHREC_ROW_TTL_S", 30 * 86_400, minimum=0),
+            row_ttl_s=rows.row_ttl_s,
         )

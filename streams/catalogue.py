@@ -23,7 +23,7 @@ import redis
 from confluent_kafka import Producer
 
 from freshrec import metrics as m
-from freshrec.kafka import background_consumer, consume_batch, producer_config
+from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_item, encode_dead_letter
@@ -117,7 +117,7 @@ class CatalogueStage:
                     now_ms=now,
                     service=SERVICE,
                 )
-                self.producer.produce(self.names.events_dlq, encode_dead_letter(letter))
+                produce(self.producer, self.names.events_dlq, encode_dead_letter(letter))
         if not ops:
             return
         sets, deleted = final_ops(ops)  # the batch's last record of each item decides

@@ -1,4 +1,4 @@
-"""Forward decay (Cormode, Shkapenyuk, Srivastava, Xu; ICDE 2009), exponential form.
+"""Forward decay (Cormode, Shkapenyuk, Srivastava, Xu; ICDE 2009), exponential form. Pure.
 
 A count decayed at rate ``r`` per hour is, at time ``t``, Σⱼ r^((t − tⱼ)/h). Forward decay
 stores instead Σⱼ g(tⱼ − L) with g(x) = r^(−x/h) and a landmark L, so adding an event never
@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-HOUR_MS = 3_600_000
+from freshrec.hotscore import HOUR_MS, decay_factor, decay_ln_per_ms
+
+__all__ = ["HOUR_MS", "ForwardDecay"]
 
 
 @dataclass
@@ -35,9 +37,7 @@ class ForwardDecay:
     and float64 keeps ~4 more digits than the counts need."""
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.rate_per_hour <= 1.0:
-            raise ValueError(f"decay rate must be in (0, 1], got {self.rate_per_hour}")
-        self._ln = -math.log(self.rate_per_hour) / HOUR_MS  # ln g per ms
+        self._ln = decay_ln_per_ms(self.rate_per_hour)  # ln g per ms
 
     def weight(self, t_ms: int | float) -> float:
         """g(t − L): what one event at ``t_ms`` adds to a stored count."""
@@ -52,7 +52,7 @@ class ForwardDecay:
 
     def factor(self, from_ms: int | float, to_ms: int | float) -> float:
         """How much a decayed value shrinks from ``from_ms`` to ``to_ms``: r^((to − from)/h)."""
-        return math.exp(-self._ln * (to_ms - from_ms))
+        return decay_factor(self.rate_per_hour, to_ms - from_ms)
 
     def needs_renormalising(self, t_ms: int | float) -> bool:
         return self.weight(t_ms) > self.renormalise_above

@@ -1,4 +1,4 @@
-"""A bounded window of recently seen event ids: a replay inside the window counts once.
+"""A bounded window of recently seen event ids: a replay inside the window counts once. Pure.
 
 >>> w = DedupeWindow(capacity=2)
 >>> w.first_time("a"), w.first_time("a"), w.first_time("b"), w.first_time("c"), w.first_time("a")

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from streams.decay import ForwardDecay
-from streams.hotlist import (
+from freshrec.hotscore import (
     HotEntry,
     HotList,
     HotWeights,
@@ -34,6 +33,7 @@ from streams.hotlist import (
     smoothed_rate,
     top_k_indices,
 )
+from streams.decay import ForwardDecay
 
 IMPRESSION, CLICK, CONVERSION = 0, 1, 2
 EVENT_CODES = {"impression": IMPRESSION, "click": CLICK, "conversion": CONVERSION}

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from freshrec.hotscore import Smoothing
 from freshrec.settings import (
     ConnectionSettings,
+    HotScoreSettings,
     SettingsError,
     env_float,
     env_int,
@@ -14,7 +16,6 @@ from freshrec.settings import (
     env_str,
 )
 from schemas.codec import CodecLimits
-from streams.hotlist import HotWeights, Smoothing
 from streams.item_state import StateConfig
 
 
@@ -51,17 +52,11 @@ class StreamsSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> StreamsSettings:
-        weights = HotWeights(
-            click=env_float(env, "FRESHREC_HOT_WEIGHT_CLICK", 0.6),
-            cvr=env_float(env, "FRESHREC_HOT_WEIGHT_CVR", 0.3),
-            price=env_float(env, "FRESHREC_HOT_WEIGHT_PRICE", 0.1),
-        )
+        hot = HotScoreSettings.from_env(env)
         state = StateConfig(
-            decay_rate_per_hour=env_float(
-                env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95, positive=True, maximum=1
-            ),
+            decay_rate_per_hour=hot.decay_per_hour,
             late_grace_ms=env_int(env, "FRESHREC_LATE_GRACE_MS", 600_000, minimum=0),
-            weights=weights,
+            weights=hot.weights,
             smoothing=Smoothing(),
             price_cap=env_float(env, "FRESHREC_PRICE_CAP", 1000.0, positive=True),
         )

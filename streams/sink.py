@@ -6,9 +6,9 @@ import numpy as np
 import orjson
 from redis.asyncio import Redis
 
+from freshrec.hotscore import HotList, hot_scores, price_norm
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Fields, execute_async, float_text, pack, pack_pairs, pack_ragged
-from streams.hotlist import HotList, hot_scores, price_norm
 from streams.item_state import ItemPartitionState
 
 

@@ -30,7 +30,7 @@ from confluent_kafka import Producer
 
 from freshrec import metrics as m
 from freshrec.childmetrics import send_snapshots
-from freshrec.kafka import background_consumer, consume_batch, producer_config
+from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
 from freshrec.lifecycle import die_with_parent
 from freshrec.partitioner import str_partitions
 from freshrec.rediskeys import RedisKeys
@@ -224,13 +224,7 @@ class ValidateStage:
             self._produce(self.names.events_by_item, orjson.dumps(record), int(q[lo]))
 
     def _produce(self, topic: str, value: bytes, partition: int | None) -> None:
-        kwargs = {} if partition is None else {"partition": partition}
-        while True:
-            try:
-                self.producer.produce(topic, value=value, **kwargs)
-                return
-            except BufferError:
-                self.producer.poll(0.05)
+        produce(self.producer, topic, value, partition=partition)
 
 
 def run_validate_process(

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import pytest
 from confluent_kafka.admin import AdminClient
 
+from freshrec.app.stack import EmbeddedStack
 from freshrec.kafka import admin_config
 from freshrec.settings import ConnectionSettings
-from freshrec.stack import EmbeddedStack
 from freshrec.topics import catalogue_with, ensure_topics
 
 TEST_PARTITIONS = 4

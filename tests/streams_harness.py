@@ -15,11 +15,11 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
+from freshrec.hotscore import HotWeights, Smoothing, price_norm
 from freshrec.kafka import producer_config
 from freshrec.topics import TopicNames
 from schemas.codec import encode_event, encode_item
 from schemas.records import Event, Item
-from streams.hotlist import HotWeights, Smoothing, price_norm
 
 HOUR_MS = 3_600_000
 
@@ -41,7 +41,7 @@ def service(conn, command: str, log_path: Path, **extra: str) -> Iterator[subpro
     """A ``freshrec <command>`` process; stopped (SIGTERM, then SIGKILL) on exit."""
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "freshrec.cli", *command.split()],
+            [sys.executable, "-m", "freshrec.app.cli", *command.split()],
             env=service_env(conn, **extra),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -169,7 +169,7 @@ def private_redis(conn) -> Iterator[tuple]:
     use it, its process). Always resumed and stopped on exit."""
     import redis as redis_lib
 
-    from freshrec.stack import free_port, redis_binary
+    from freshrec.app.stack import free_port, redis_binary
 
     port = free_port()
     proc = subprocess.Popen(

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from freshrec.stack import pid_alive
+from freshrec.app.stack import pid_alive
 
 PIDS = re.compile(r"pid (\d+)")
 DASHBOARD = re.compile(r"dashboard: (http://\S+)")
@@ -25,7 +25,7 @@ def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
     env["FRESHREC_HOME"] = str(tmp_path)
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.Popen(
-        [sys.executable, "-m", "freshrec.cli", *args],
+        [sys.executable, "-m", "freshrec.app.cli", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -97,7 +97,7 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
 
 
 def check_service_metrics(targets: dict[str, str]) -> None:
-    from tools.promtext import histogram_quantile, scrape, total
+    from freshrec.promtext import histogram_quantile, scrape, total
 
     first = {name: scrape(url) for name, url in targets.items()}
     time.sleep(3)

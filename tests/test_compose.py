@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from freshrec.cli import build_parser
+from freshrec.app.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

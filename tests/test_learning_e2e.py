@@ -18,15 +18,6 @@ from freshrec.resp import execute
 from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import Worker
-from param_server.rows import (
-    TABLE_ITEM,
-    TABLE_USER,
-    decode_row,
-    initial_rows,
-    row_key,
-    updates_since_creation,
-    version_floor,
-)
 from param_server.store import (
     HPEXPIRE,
     HSETEX,
@@ -38,6 +29,15 @@ from param_server.store import (
 from schemas.ids import row_id
 from schemas.records import Event
 from schemas.rowbatch import KIND_GRADIENTS, RowBatch
+from schemas.rows import (
+    TABLE_ITEM,
+    TABLE_USER,
+    decode_row,
+    initial_rows,
+    row_key,
+    updates_since_creation,
+    version_floor,
+)
 
 from .streams_harness import HeldProducer, private_redis, produce, service, stop, wait_for
 

@@ -7,12 +7,13 @@ import random
 import numpy as np
 import pytest
 
+from freshrec.gradients import clip_rows
 from inference.learning import LabelConfig, aggregate, examples_from_events, logistic_gradients
 from inference.lru import SlotLRU
 from inference.pending import PendingSteps
-from param_server.adagrad import AdagradConfig, adagrad_step, clip_rows
-from param_server.rows import TABLE_ITEM, TABLE_USER, decode_row, encode_row, initial_rows
+from param_server.adagrad import AdagradConfig, adagrad_step
 from schemas.records import Event
+from schemas.rows import TABLE_ITEM, TABLE_USER, decode_row, encode_row, initial_rows
 
 T = 1_767_225_600_000
 
@@ -461,7 +462,7 @@ def test_packed_redis_commands_equal_redis_py_packing():
     from redis.connection import PythonRespSerializer
 
     from freshrec.resp import pack, pack_fixed
-    from param_server.rows import encode_rows, encode_rows_matrix, key_matrix, row_key
+    from schemas.rows import encode_rows, encode_rows_matrix, key_matrix, row_key
 
     ids = np.array([5, -3, 2**62], np.int64)
     rows = np.arange(3 * 5, dtype=np.float32).reshape(3, 5)
@@ -491,7 +492,7 @@ def test_parameter_table_forgets_rows_not_updated_since_a_cutoff():
 
 
 def test_a_row_created_again_after_expiry_is_newer_than_its_earlier_life():
-    from param_server.rows import updates_since_creation, version_floor
+    from schemas.rows import updates_since_creation, version_floor
 
     first = int(version_floor(np.array([1_767_225_600_000]))[0])
     old_life = first + 500_000  # half a million updates within the first second

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from freshrec.observe import NEWEST, headline
-from freshrec.top import render
+from freshrec.app.observe import NEWEST, headline
+from freshrec.app.top import render
 
 
 def newest(*stages: tuple[str, float]) -> dict:

@@ -23,9 +23,9 @@ from freshrec.topics import TopicNames
 from inference.client import RecommendTimeout, SyncRecommendClient
 from inference.modelfile import read_manifest, write_manifest
 from inference.rerank import space_categories
-from param_server.rows import TABLE_ITEM
 from schemas.codec import encode_request
 from schemas.records import Event, RecommendRequest
+from schemas.rows import TABLE_ITEM
 from tools.world import World
 
 from .serving_harness import (

@@ -298,15 +298,21 @@ def test_auc_matches_the_pairwise_definition():
 
 
 def test_recent_share_in_training_only_sees_earlier_slates():
-    from inference.train import Logs, recent_shares
+    from inference.train import TrainingLog, recent_shares
 
     # one user, two slates: clicks in slate 1 (t=1) inform slate 2 (t=2), not slate 1 itself
-    logs = Logs(
+    logs = TrainingLog(
+        user_ids=np.array(["u0"], object),
+        item_ids=np.array(["i0", "i1"], object),
+        item_category=np.array(["a", "b"], object),
+        item_price=np.zeros(2),
         users=np.array([0, 0, 0, 0]),
         items=np.array([0, 1, 0, 1]),
         t_ms=np.array([1, 1, 2, 2]),
         clicked=np.array([True, False, False, False]),
         converted=np.zeros(4, bool),
+        device=np.full(4, -1),
+        region=np.full(4, None, object),
     )
     cats = np.array([7, 8])
     assert recent_shares(logs, cats).tolist() == [0.0, 0.0, 1.0, 0.0]

@@ -96,7 +96,7 @@ def test_bounds_are_inclusive_and_an_empty_value_takes_the_default():
 
 def test_a_service_started_with_a_bad_value_exits_with_the_reason():
     proc = subprocess.run(
-        [sys.executable, "-m", "freshrec.cli", "param-server"],
+        [sys.executable, "-m", "freshrec.app.cli", "param-server"],
         env={**BASE, "FRESHREC_GLOBAL_LR": "-1", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,

@@ -15,10 +15,10 @@ import time
 import pytest
 import redis as redis_lib
 
+from freshrec.hotscore import HotWeights, merge_hot_lists
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from schemas.records import Event, Item
-from streams.hotlist import HotWeights, merge_hot_lists
 from streams.sink import read_hot_lists
 
 from .streams_harness import (
@@ -268,8 +268,8 @@ def test_the_validate_process_reports_through_the_parent_and_dies_with_it(conn, 
     """The validate stage runs in a child process: its counters appear on the parent's
     /metrics; a SIGKILLed parent takes it down (else it would stay in the consumer group);
     a dead child takes the parent down with a non-zero exit (as a failed stage thread did)."""
-    from freshrec.stack import free_port
-    from tools.promtext import scrape, total
+    from freshrec.app.stack import free_port
+    from freshrec.promtext import scrape, total
 
     t0 = int(time.time() * 1000) - 300_000
     events = world_events(5, 500, t0, "v")

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from freshrec.commands import ensure_models
+from freshrec.app.training import ensure_models
 from freshrec.progress import ProgressLine
 from inference.modelfile import read_manifest
-from inference.train import TrainConfig, _fit, train
+from inference.train import TrainConfig, _fit
 from tools.world import World, WorldConfig
 
 SMALL = WorldConfig(seed=3, n_users=400, n_items=120, n_categories=6)
@@ -72,16 +72,16 @@ def test_models_are_reused_for_the_same_world_and_configuration_only(tmp_path, c
     third = ensure_models(
         World(replace(SMALL, seed=4)), tmp_path, TrainConfig(impressions=4000), progress
     )
-    assert third["world"] != second["world"]
+    assert third["source"] != second["source"]
     assert read_manifest(tmp_path)["version"] == third["version"]
 
 
 def test_the_tower_and_the_rankers_can_learn_from_disjoint_shares_of_the_logs(tmp_path):
     world = World(SMALL)
     cfg = TrainConfig(impressions=3000, dim=8, tower_epochs=1, rank_epochs=2)
-    both = train(world, cfg, tmp_path / "both", lambda s: None)["training"]
+    both = world.train(cfg, tmp_path / "both", lambda s: None)["training"]
     assert both["tower_impressions"] == both["ranking_impressions"]  # the whole training split
-    split = train(world, replace(cfg, tower_share=0.5), tmp_path / "split", lambda s: None)
+    split = world.train(replace(cfg, tower_share=0.5), tmp_path / "split", lambda s: None)
     t = split["training"]
     assert t["tower_impressions"] + t["ranking_impressions"] == both["tower_impressions"]
     assert 0.4 < t["tower_impressions"] / both["tower_impressions"] < 0.6

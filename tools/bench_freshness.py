@@ -43,15 +43,15 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from freshrec.app.runstatus import wait_until_assigned
+from freshrec.app.stack import free_port
 from freshrec.progress import ProgressLine
 from freshrec.rediskeys import RedisKeys
-from freshrec.runstatus import wait_until_assigned
-from freshrec.stack import free_port
+from freshrec.rowstore import fetch_rows
 from inference.modelfile import read_manifest
-from inference.train import TrainConfig, train, world_fingerprint
-from param_server.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
-from param_server.store import fetch_rows
+from inference.train import TrainConfig
 from schemas.ids import row_ids
+from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 from tools.benchlib import bench_connection, save, service_process
 from tools.closedloop import ClosedLoop, LoopStats
 from tools.seed import seed_world
@@ -146,7 +146,7 @@ def main() -> None:
             progress.done(f"training models for the benchmark world into {models}")
             models.mkdir(parents=True, exist_ok=True)
             config = TrainConfig(impressions=args.train_impressions, dim=DIM)
-            train(world, config, models, progress.update)
+            world.train(config, models, progress.update)
         elif not holds_models_of(models, world):
             ap.error(f"--models {models} holds models of another world")
         for arm, env in arms.items():
@@ -287,7 +287,7 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
 def holds_models_of(directory: Path, world: World) -> bool:
     if not (directory / "manifest.json").exists():
         return False
-    return read_manifest(directory).get("world") == world_fingerprint(world)
+    return read_manifest(directory).get("source") == f"world:{world.fingerprint()}"
 
 
 def top_k_ctr(world: World, users: np.ndarray, scores: np.ndarray, t_ms: int, k: int = 10) -> float:

@@ -27,11 +27,19 @@ import time
 
 import numpy as np
 
+from freshrec.app.stack import free_port
 from freshrec.kafka import close_producer
 from freshrec.lifecycle import settle_heap
 from freshrec.metrics import PS_ROWS_APPLIED, WORKER_EVENTS
 from freshrec.progress import ProgressLine
-from freshrec.stack import free_port
+from freshrec.promtext import (
+    histogram_quantile,
+    merge,
+    scrape_port,
+    scrape_port_now,
+    subtract,
+    total,
+)
 from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import LOOP_PHASES, Worker
@@ -51,14 +59,6 @@ from tools.benchlib import (
     synthetic_records,
 )
 from tools.produce import events_producer, prepare_events, produce_events, produce_prepared
-from tools.promtext import (
-    histogram_quantile,
-    merge,
-    scrape_port,
-    scrape_port_now,
-    subtract,
-    total,
-)
 
 
 def counter(name: str, **labels: str) -> float:

@@ -37,11 +37,11 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from freshrec.commands import ensure_models
+from freshrec.app.stack import free_port
+from freshrec.app.training import ensure_models
 from freshrec.kafka import admin_config, consumer_config, producer_config
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
-from freshrec.stack import free_port
 from freshrec.topics import TopicNames, ensure_topics
 from inference.client import RecommendClient, RecommendTimeout
 from inference.degrade import LadderConfig

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from freshrec.app.stack import free_port
 from freshrec.kafka import close_producer
 from freshrec.progress import ProgressLine
-from freshrec.stack import free_port
+from freshrec.promtext import histogram_quantile, scrape, subtract, total
 from freshrec.topics import TopicNames
 from tools.benchlib import (
     bench_connection,
@@ -27,7 +28,6 @@ from tools.benchlib import (
     synthetic_records,
 )
 from tools.produce import events_producer, prepare_events, produce_prepared
-from tools.promtext import histogram_quantile, scrape, subtract, total
 from tools.world import World, WorldConfig
 
 COUNTED = "freshrec_streams_counted_events_total"

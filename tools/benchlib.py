@@ -18,16 +18,17 @@ from pathlib import Path
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
+from freshrec.app.stack import EmbeddedStack, external_services
 from freshrec.kafka import (
     admin_config,
     consume_available,
     consumer_config,
+    produce,
     producer_config,
     profile,
 )
 from freshrec.lifecycle import settle_heap
 from freshrec.settings import ConnectionSettings
-from freshrec.stack import EmbeddedStack, external_services
 from freshrec.topics import TopicNames, ensure_topics
 from tools.world import World, WorldConfig
 
@@ -78,7 +79,7 @@ def service_process(
             log.parent.mkdir(parents=True, exist_ok=True)
             out = files.enter_context(log.open("w"))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "freshrec.cli", command],
+            [sys.executable, "-m", "freshrec.app.cli", command],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -111,12 +112,7 @@ def produce_values(
 ) -> None:
     p = Producer(producer_config(conn, **{"linger.ms": 20}))
     for key, value in records:
-        while True:
-            try:
-                p.produce(topic, key=key, value=value)
-                break
-            except BufferError:
-                p.poll(0.05)
+        produce(p, topic, value, key)
     if p.flush(60):
         raise RuntimeError("benchmark input not delivered")
 

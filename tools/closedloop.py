@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from confluent_kafka import Producer
 
-from freshrec.kafka import producer_config
+from freshrec.kafka import produce, producer_config
 from freshrec.settings import ConnectionSettings
 from freshrec.topics import TopicNames
 from inference.client import RecommendClient, RecommendError, RecommendTimeout
@@ -289,9 +289,4 @@ class ClosedLoop:
         tier[1] += hits
 
     def _produce(self, producer: Producer, e: Event) -> None:
-        while True:
-            try:
-                producer.produce(self.topic, key=e.user_id.encode(), value=encode_event(e))
-                return
-            except BufferError:
-                producer.poll(0.05)
+        produce(producer, self.topic, encode_event(e), e.user_id.encode())

@@ -28,11 +28,11 @@ import threading
 import time
 from pathlib import Path
 
-from freshrec.observe import behind
-from freshrec.stack import free_port
+from freshrec.app.observe import behind
+from freshrec.app.stack import free_port
+from freshrec.promtext import scrape_port_now, total
 from tools.benchlib import bench_connection, learning_world, save, service_process
 from tools.produce import produce_events
-from tools.promtext import scrape_port_now, total
 
 
 def _rate(samples: list[dict], since: float, until: float) -> float:

@@ -1,4 +1,4 @@
-"""How many events are due at a steady rate: a pure pacing rule.
+"""How many events are due at a steady rate: a pacing rule. Pure.
 
 >>> p = Pacer(rate_per_s=100.0, start_s=10.0)
 >>> p.due(10.5), p.due(12.0)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaException, Producer
 
-from freshrec.kafka import producer_config
+from freshrec.kafka import produce, producer_config
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
 from freshrec.topics import TopicNames
@@ -49,15 +49,6 @@ class ProduceStats:
         return self.delivered / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-def _produce(producer: Producer, topic: str, key: bytes, value: bytes, cb) -> None:
-    while True:
-        try:
-            producer.produce(topic, value=value, key=key, on_delivery=cb)
-            return
-        except BufferError:  # local queue full: let deliveries drain
-            producer.poll(0.05)
-
-
 def _flush(producer: Producer, counter: DeliveryCounter, produced: int, timeout_s: float) -> None:
     remaining = producer.flush(timeout_s)
     if remaining:
@@ -90,7 +81,7 @@ def produce_items(
     start = time.monotonic()
     n = world.config.n_items
     for i, item in enumerate(catalogue(world), 1):
-        _produce(producer, topic, item.item_id.encode(), encode_item(item), counter)
+        produce(producer, topic, encode_item(item), item.item_id.encode(), on_delivery=counter)
         if i % 5000 == 0:
             producer.poll(0)
             if progress:
@@ -156,7 +147,7 @@ def produce_prepared(
         if want:
             stamp = str(int(time.time() * 1000)).encode()
             for key, head, tail in records[sent : sent + want]:
-                _produce(producer, topic, key, head + stamp + tail, counter)
+                produce(producer, topic, head + stamp + tail, key, on_delivery=counter)
             sent += want
         producer.poll(0)
         if progress and want:
@@ -202,7 +193,7 @@ def produce_events(
                 buffered.append((e.user_id.encode(), encode_event(e)))
         for _ in range(want):
             key, value = buffered.popleft()
-            _produce(producer, topic, key, value, counter)
+            produce(producer, topic, value, key, on_delivery=counter)
         sent += want
         producer.poll(0)
         if progress:

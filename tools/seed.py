@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import redis as redis_lib
 
+from freshrec.hotscore import HotEntry, HotList
 from freshrec.rediskeys import RedisKeys
+from freshrec.rowstore import seed_rows
 from inference.modelfile import load_tensors, read_manifest
-from param_server.rows import TABLE_ITEM, TABLE_USER
-from param_server.store import seed_rows
-from streams.hotlist import HotEntry, HotList
+from schemas.rows import TABLE_ITEM, TABLE_USER
 from tools.traffic import catalogue
 from tools.world import World
 

@@ -1,4 +1,4 @@
-"""Synthetic behaviour as events: the world's ground truth turned into a stream.
+"""Synthetic behaviour as events: the world's ground truth turned into a stream. Pure.
 
 Pure: no Kafka. ``EventSynthesizer.batch`` draws active users, shows each a slate of items
 (half from the user's interests, half popular), and lets the world's click and conversion

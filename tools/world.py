@@ -1,4 +1,4 @@
-"""A seeded synthetic world: users, items, latent preferences and a behaviour model.
+"""A seeded synthetic world: users, items, latent preferences and a behaviour model. Pure.
 
 The world is the ground truth that benchmarks score recommendations against. Items are
 materialised (1M items ≈ 100 MB); users are not: every user attribute is a pure function of
@@ -18,12 +18,18 @@ True
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from freshrec.hashing import hash_normal, hash_uniform
 from schemas.records import DEVICE_CLASSES
+
+if TYPE_CHECKING:
+    from inference.train import TrainingLog
 
 
 def zipf_rank(u: np.ndarray, n: int, s: float) -> np.ndarray:
@@ -232,3 +238,56 @@ class World:
 
     def device_name(self, index: int) -> str:
         return DEVICE_CLASSES[index]
+
+    # ------------------------------------------------------------------------- logs
+    def fingerprint(self) -> str:
+        """Identifies the world (its whole configuration): models trained on its logs are
+        reused for it and only for it."""
+        cfg = json.dumps(asdict(self.config), sort_keys=True, default=str)
+        return hashlib.sha256(cfg.encode()).hexdigest()[:16]
+
+    def training_log(self, n: int, rng: np.random.Generator, slate: int = 10) -> TrainingLog:
+        """``n`` logged impressions over the 24 hours before the world's start, for offline
+        training: active users see slates (half from their interests, half popular); the
+        click and conversion model labels them."""
+        from inference.train import TrainingLog  # torch: only for training
+
+        n_slates = max(1, n // slate)
+        c = self.config
+        users = np.repeat(self.sample_users(rng, n_slates), slate)
+        t = np.repeat(c.start_ms - rng.integers(0, 86_400_000, n_slates), slate)
+        main = self.user_main_category(users, c.start_ms)
+        items = self.sample_popular_items(rng, len(users))
+        relevant = rng.random(len(users)) < 0.5
+        items[relevant] = self.sample_category_items(rng, main[relevant])
+        p = self.click_probability(users, items, c.start_ms)
+        clicked = rng.random(len(users)) < p
+        converted = np.zeros_like(clicked)
+        if clicked.any():
+            pc = self.conversion_probability(users[clicked], items[clicked], c.start_ms)
+            converted[clicked] = rng.random(int(clicked.sum())) < pc
+        distinct, numbers = np.unique(users, return_inverse=True)
+        regions = np.array(c.regions, object)[self.user_region(users)]
+        return TrainingLog(
+            user_ids=np.array([World.user_id(int(u)) for u in distinct], object),
+            item_ids=np.array([World.item_id(i) for i in range(c.n_items)], object),
+            item_category=np.array([f"c{int(k)}" for k in self.item_category], object),
+            item_price=self.item_price,
+            users=numbers.astype(np.int64),
+            items=items,
+            t_ms=t,
+            clicked=clicked,
+            converted=converted,
+            device=self.user_device(users).astype(np.int64),
+            region=regions,
+            source=f"world:{self.fingerprint()}",
+        )
+
+    def train(self, cfg, out_dir, progress) -> dict:
+        """Train the models on ``cfg.impressions`` of this world's logged impressions
+        (``inference.train.train``); returns the manifest."""
+        from inference.train import train
+
+        rng = np.random.default_rng(cfg.seed)
+        progress(f"logging {cfg.impressions:,} impressions from the synthetic world")
+        return train(self.training_log(cfg.impressions, rng), cfg, out_dir, progress, rng)

@@ -1,6 +1,6 @@
 """``freshrec dashboard``: a live web page of the running services' headline figures.
 
-It scrapes each service's /metrics itself (``freshrec/observe.py``) once a second and serves
+It scrapes each service's /metrics itself (``freshrec/app/observe.py``) once a second and serves
 ``/`` (one self-contained HTML page, no external scripts) and ``/api/series`` (JSON). Binds to
 127.0.0.1 unless told otherwise.
 """
@@ -13,13 +13,13 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 
-from freshrec.observe import Observer, Poller
+from freshrec.app.observe import Observer, Poller
 
-log = logging.getLogger("freshrec.dashboard")
+log = logging.getLogger("freshrec.app.dashboard")
 
 
 def page() -> bytes:
-    return resources.files("freshrec").joinpath("web/dashboard.html").read_bytes()
+    return resources.files("freshrec.app").joinpath("web/dashboard.html").read_bytes()
 
 
 class DashboardServer:

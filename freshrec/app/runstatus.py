@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 
-from tools.promtext import Samples, histogram_quantile, scrape_port, total
+from freshrec.promtext import Samples, histogram_quantile, scrape_port, total
 
 
 def _scrape_all(ports: dict[str, int]) -> dict[str, Samples]:

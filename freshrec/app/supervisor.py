@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from freshrec.stack import _die_with_parent
+from freshrec.app.stack import _die_with_parent
 
 log = logging.getLogger("freshrec.run")
 
@@ -39,7 +39,7 @@ class ServiceGroup:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "freshrec.cli", *args],
+                [sys.executable, "-m", "freshrec.app.cli", *args],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,

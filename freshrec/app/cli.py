@@ -7,31 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from freshrec.app.options import EnvDefault, add_world_options
 from freshrec.settings import LOG_FORMAT, SettingsError
 
 Command = Callable[[argparse.Namespace], int]
-
-
-class EnvDefault(argparse.Action):
-    """An option whose default comes from an environment variable, named in ``--help``."""
-
-    def __init__(self, envvar: str, default=None, required=False, help=None, **kwargs):
-        value = os.environ.get(envvar)
-        if value is not None and kwargs.get("type"):
-            value = kwargs["type"](value)
-        default = value if value is not None else default
-        help = f"{help or ''} [env {envvar}; default {default}]".strip()
-        super().__init__(
-            default=default, required=required and default is None, help=help, **kwargs
-        )
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
 
 
 def _sigterm_as_interrupt() -> None:
@@ -41,41 +24,9 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def add_world_options(p: argparse.ArgumentParser, items: int = 100_000) -> None:
-    p.add_argument(
-        "--users",
-        type=int,
-        action=EnvDefault,
-        envvar="FRESHREC_WORLD_USERS",
-        default=1_000_000,
-        help="users in the synthetic world",
-    )
-    p.add_argument(
-        "--items",
-        type=int,
-        action=EnvDefault,
-        envvar="FRESHREC_WORLD_ITEMS",
-        default=items,
-        help="items in the synthetic world",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        action=EnvDefault,
-        envvar="FRESHREC_WORLD_SEED",
-        default=7,
-        help="seed of the synthetic world",
-    )
-
-
-def world_from_args(args: argparse.Namespace):
-    from tools.world import World, WorldConfig
-
-    return World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from freshrec import commands
+    from freshrec.app import commands, training
+    from freshrec.app import run as run_command
 
     parser = argparse.ArgumentParser(
         prog="freshrec",
@@ -121,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     # 20k items: with 100k everything still runs on two cores, but most replies come from
     # the hot tier (see docs/benchmarks.md); `--items 100000` runs the larger world
     add_world_options(run, items=20_000)
-    run.set_defaults(func=commands.cmd_run)
+    run.set_defaults(func=run_command.cmd_run)
 
     stack = sub.add_parser("stack", help="the embedded Kafka broker and Redis server")
     stack_sub = stack.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -221,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="do nothing when the directory already holds models of this world "
         "trained with this configuration",
     )
-    train.set_defaults(func=commands.cmd_train)
+    train.set_defaults(func=training.cmd_train)
 
     rec = sub.add_parser("recommend", help="ask the workers for recommendations over Kafka")
     rec.add_argument("--user", required=True, help="user id, e.g. u42")
@@ -243,8 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=LOG_FORMAT,
     )
     _sigterm_as_interrupt()
-    from freshrec.stack import StackError
-    from freshrec.supervisor import ServiceDied
+    from freshrec.app.stack import StackError
+    from freshrec.app.supervisor import ServiceDied
     from freshrec.topics import TopicMismatchError
     from inference.client import RecommendError, RecommendTimeout
     from inference.modelfile import ModelFileError

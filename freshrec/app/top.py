@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from freshrec.observe import Headline, Observer
+from freshrec.app.observe import Headline, Observer
 
 
 def _f(v, unit: str = "") -> str:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.promtext import Samples, histogram_quantile, merge, scrape, subtract, total
+from freshrec.promtext import Samples, histogram_quantile, merge, scrape, subtract, total
 
 STAGES = ("local", "global_applied", "served")
 LAG = "freshrec_freshness_lag_seconds"

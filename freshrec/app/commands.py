@@ -1,0 +1,246 @@
+"""What each ``freshrec`` subcommand does; argument parsing lives in ``cli.py``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+
+from freshrec.app.stack import EmbeddedStack, StackError, external_services
+from freshrec.progress import ProgressLine
+from freshrec.settings import ConnectionSettings, load_environment, state_dir
+
+log = logging.getLogger("freshrec")
+
+
+def connection() -> ConnectionSettings:
+    """Connection settings for commands that need a running stack."""
+    env = load_environment()
+    if not external_services() and "KAFKA_BOOTSTRAP_SERVERS" not in env:
+        raise StackError(
+            "no stack is running: start one with `freshrec stack up`, or set "
+            "KAFKA_BOOTSTRAP_SERVERS and REDIS_URL"
+        )
+    return ConnectionSettings.from_env(env)
+
+
+def provision_topics(conn: ConnectionSettings) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    from freshrec.kafka import admin_config
+    from freshrec.topics import catalogue_with, ensure_topics, partitions_from_env
+
+    specs = catalogue_with(partitions_from_env(os.environ))
+    report = ensure_topics(AdminClient(admin_config(conn)), conn.topic_prefix, specs)
+    if report.created:
+        log.info("topics created: %s", ", ".join(report.created))
+    if report.existing:
+        log.info("topics already present: %d", len(report.existing))
+
+
+# --------------------------------------------------------------------------------- stack
+
+
+def cmd_stack_up(args: argparse.Namespace) -> int:
+    if external_services():
+        print("KAFKA_BOOTSTRAP_SERVERS and REDIS_URL are set: using them, starting nothing")
+        return 0
+    stack = EmbeddedStack(state_dir())
+    stack.up(kafka_port=args.kafka_port, redis_port=args.redis_port, timeout_s=args.timeout)
+    print(stack.status())
+    print(f"settings written to {stack.env_path}")
+    return 0
+
+
+def cmd_stack_down(args: argparse.Namespace) -> int:
+    stopped = EmbeddedStack(state_dir()).down()
+    print("stopped: " + ", ".join(stopped) if stopped else "nothing was running")
+    return 0
+
+
+def cmd_stack_status(args: argparse.Namespace) -> int:
+    if external_services():
+        conn = ConnectionSettings.from_env(os.environ)
+        print(f"external: KAFKA_BOOTSTRAP_SERVERS={conn.kafka_bootstrap_servers}")
+        print(f"external: REDIS_URL={conn.redis_url}")
+        return 0
+    print(EmbeddedStack(state_dir()).status())
+    return 0
+
+
+# -------------------------------------------------------------------------------- topics
+
+
+def cmd_topics_create(args: argparse.Namespace) -> int:
+    provision_topics(connection())
+    return 0
+
+
+def cmd_topics_list(args: argparse.Namespace) -> int:
+    from freshrec.topics import CATALOGUE, partitions_from_env
+
+    prefix = load_environment().get("FRESHREC_TOPIC_PREFIX", "")
+    overrides = partitions_from_env(os.environ)
+    for spec in CATALOGUE:
+        n = overrides.get(spec.name, spec.partitions)
+        print(f"{prefix + spec.name:28} partitions={n:<3} key={spec.key}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ services
+
+
+def cmd_streams(args: argparse.Namespace) -> int:
+    from streams.app import run_streams
+    from streams.settings import StreamsSettings
+
+    env = load_environment()
+    connection()  # fail early, with the one-line reason, when no stack is configured
+    return run_streams(StreamsSettings.from_env(env))
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from inference.settings import WorkerSettings
+    from inference.worker import run_worker
+
+    env = load_environment()
+    connection()
+    return run_worker(WorkerSettings.from_env(env))
+
+
+def cmd_param_server(args: argparse.Namespace) -> int:
+    from param_server.server import run_param_server
+    from param_server.settings import ParamServerSettings
+
+    env = load_environment()
+    connection()
+    return run_param_server(ParamServerSettings.from_env(env))
+
+
+# ------------------------------------------------------------------------------- produce
+
+
+def cmd_produce_items(args: argparse.Namespace) -> int:
+    from freshrec.app.options import world_from_args
+    from tools.produce import produce_items
+
+    produce_items(connection(), world_from_args(args), ProgressLine())
+    return 0
+
+
+def cmd_produce_events(args: argparse.Namespace) -> int:
+    from freshrec.app.options import world_from_args
+    from tools.produce import produce_events
+
+    stats = produce_events(
+        connection(),
+        world_from_args(args),
+        rate_per_s=args.rate,
+        duration_s=args.duration,
+        progress=ProgressLine(),
+    )
+    return 0 if stats.failed == 0 else 1
+
+
+# ---------------------------------------------------------------------- dashboard, top
+
+
+def _observer_targets(spec: str | None) -> dict[str, str]:
+    from freshrec.app.observe import parse_targets, read_targets
+
+    targets = parse_targets(spec) if spec else read_targets(state_dir())
+    if not targets:
+        raise StackError(
+            "no services to watch: start `freshrec run`, or pass --targets "
+            "worker=localhost:9101,streams=localhost:9100,param-server=localhost:9102"
+        )
+    return targets
+
+
+def start_dashboard(targets: dict[str, str], host: str, port: int):
+    """The dashboard on ``port``, or on a free port when that one is taken."""
+    from freshrec.app.dashboard import DashboardServer
+    from freshrec.app.observe import Observer
+
+    try:
+        return DashboardServer(Observer(targets), host, port).start()
+    except OSError:
+        log.info("port %d is taken: the dashboard takes a free one", port)
+        return DashboardServer(Observer(targets), host, 0).start()
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    server = start_dashboard(_observer_targets(args.targets), args.host, args.port)
+    print(f"dashboard: {server.url} (Ctrl-C stops)", flush=True)
+    try:
+        if args.duration is not None:
+            time.sleep(args.duration)
+        else:
+            threading.Event().wait()
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from freshrec.app.observe import Observer
+    from freshrec.app.top import run_top
+
+    observer = Observer(_observer_targets(args.targets))
+    if args.once:
+        observer.sample()
+        time.sleep(args.interval)
+        run_top(observer, args.interval, iterations=1)
+    else:
+        run_top(observer, args.interval)
+    return 0
+
+
+# ------------------------------------------------------------------------- train, recommend
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from inference.client import SyncRecommendClient
+
+    conn = connection()
+    context = {k: v for k, v in (("device", args.device), ("region", args.region)) if v}
+    exclude = [x for x in args.exclude.split(",") if x]
+    with SyncRecommendClient(
+        conn.kafka_bootstrap_servers,
+        topic_prefix=conn.topic_prefix,
+        timeout_s=args.timeout,
+        profile=conn.kafka_profile,
+    ) as client:
+        started = time.monotonic()
+        reply = client.recommend(args.user, args.k, context=context or None, exclude=exclude)
+        elapsed = (time.monotonic() - started) * 1000
+    if args.json:
+        print(json.dumps(asdict(reply), indent=2))
+        return 0
+    print(format_reply(reply, elapsed))
+    return 0
+
+
+def format_reply(reply, elapsed_ms: float) -> str:
+    lines = [
+        f"user {reply.user_id}: {len(reply.items)} items, tier {reply.tier} ({reply.tier_reason}),"
+        f" model {reply.model_version or '-'}, worker {reply.worker or '-'}",
+        f"user embedding v{reply.user_embedding_version} "
+        f"age {_age(reply.user_embedding_age_ms)}; round trip {elapsed_ms:.1f} ms; "
+        + ", ".join(f"{k} {v:.1f}" for k, v in (reply.timings_ms or {}).items()),
+        f"{'#':>3}  {'item':<12} {'score':>8}  channels",
+    ]
+    for n, item in enumerate(reply.items, 1):
+        lines.append(f"{n:>3}  {item.item_id:<12} {item.score:>8.4f}  {','.join(item.channels)}")
+    return "\n".join(lines)
+
+
+def _age(ms: int | None) -> str:
+    if ms is None:
+        return "- (initial row)"
+    return f"{ms / 1000:.1f}s" if ms < 120_000 else f"{ms / 60_000:.0f}min"

@@ -1,0 +1,170 @@
+"""``freshrec run``: the whole pipeline on the embedded stack (or on existing services), with
+the synthetic world's traffic in a closed loop."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from freshrec.app.commands import provision_topics, start_dashboard
+from freshrec.app.stack import EmbeddedStack, StackError, external_services
+from freshrec.app.supervisor import ServiceDied, ServiceGroup
+from freshrec.app.training import ensure_models, load_starting_embeddings, model_dir
+from freshrec.progress import ProgressLine
+from freshrec.settings import ConnectionSettings, load_environment, state_dir
+
+log = logging.getLogger("freshrec")
+
+
+@dataclass
+class RunContext:
+    conn: ConnectionSettings
+    owned_stack: EmbeddedStack | None
+
+    @property
+    def conn_env(self) -> dict[str, str]:
+        """The variables that point child services at this run's Kafka and Redis."""
+        return {
+            "KAFKA_BOOTSTRAP_SERVERS": self.conn.kafka_bootstrap_servers,
+            "REDIS_URL": self.conn.redis_url,
+            "FRESHREC_TOPIC_PREFIX": self.conn.topic_prefix,
+            "FRESHREC_KAFKA_PROFILE": self.conn.kafka_profile,
+        }
+
+
+@contextlib.contextmanager
+def running_stack() -> Iterator[RunContext]:
+    """Use external services if set, else start an embedded stack owned by this run."""
+    if external_services():
+        yield RunContext(ConnectionSettings.from_env(load_environment()), None)
+        return
+    stack = EmbeddedStack(state_dir() / "run")
+    if stack.running():
+        raise StackError(
+            f"another `freshrec run` owns {stack.state_dir}; stop it first "
+            f"(or `FRESHREC_HOME={stack.state_dir} freshrec stack down`)"
+        )
+    started = time.monotonic()
+    state = stack.up(detach=False)
+    log.info(
+        "embedded stack up in %.1fs: Kafka %s, Redis %s",
+        time.monotonic() - started,
+        state.env["KAFKA_BOOTSTRAP_SERVERS"],
+        state.env["REDIS_URL"],
+    )
+    try:
+        env = dict(os.environ)
+        env.update(state.env)
+        yield RunContext(ConnectionSettings.from_env(env), stack)
+    finally:
+        stopped = stack.down()
+        log.info("embedded stack stopped (%s)", ", ".join(stopped) or "already gone")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from freshrec.app.options import world_from_args
+    from freshrec.app.runstatus import StatusPoller, summary, wait_until_assigned
+    from freshrec.app.stack import free_port
+    from inference.train import TrainConfig
+    from tools.closedloop import ClosedLoop
+    from tools.produce import produce_events, produce_items
+
+    world = world_from_args(args)
+    progress = ProgressLine()
+    models = model_dir()
+    impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
+    manifest = ensure_models(world, models, TrainConfig(impressions=impressions), progress)
+    with running_stack() as ctx:
+        provision_topics(ctx.conn)
+        rows = load_starting_embeddings(ctx.conn, models, manifest)
+        log.info(
+            "starting embeddings: %s rows written to Redis (trained %s)",
+            f"{rows:,}",
+            manifest["version"],
+        )
+        services = ServiceGroup(
+            {
+                **os.environ,
+                **ctx.conn_env,
+                "FRESHREC_MODEL_DIR": str(models),
+                "FRESHREC_EMBEDDING_DIM": str(manifest["dim"]),
+            },
+            state_dir() / "run" / "logs",
+        )
+        try:
+            ports = {"streams": free_port(), "param-server": free_port()}
+            for n in range(args.workers):
+                ports[f"worker-{n}" if args.workers > 1 else "worker"] = free_port()
+            for name, port in ports.items():
+                command = "worker" if name.startswith("worker") else name
+                services.start(
+                    name, command, FRESHREC_METRICS_PORT=str(port), FRESHREC_WORKER_ID=name
+                )
+            produce_items(ctx.conn, world, progress)
+
+            def waiting(names: list[str]) -> None:
+                services.check()  # a service that died will never join
+                progress.update(f"waiting for {', '.join(names)} to join")
+
+            wait_until_assigned(ports, 120, waiting)
+            from freshrec.app.observe import targets_file, write_targets
+
+            targets = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
+            write_targets(state_dir(), targets)
+            dashboard = start_dashboard(targets, "127.0.0.1", args.dashboard_port)
+            progress.done(f"dashboard: {dashboard.url}  (terminal: freshrec top)")
+            stop = threading.Event()
+            watcher = threading.Thread(
+                target=_watch_services, args=(services, stop), daemon=True, name="watch"
+            )
+            watcher.start()
+            loop = ClosedLoop(ctx.conn, world, args.requests, seed=args.seed)
+            loop_thread = loop.run_in_thread(stop) if args.requests > 0 else None
+            try:
+                with StatusPoller(ports) as status:
+                    stats = produce_events(
+                        ctx.conn,
+                        world,
+                        rate_per_s=args.rate,
+                        duration_s=args.duration,
+                        stop=stop,
+                        progress=progress,
+                        seed=args.seed,
+                        suffix=lambda: f"{loop.stats.line()} | {status.text}",
+                        label="background events",
+                    )
+                    stop.set()
+                    if loop_thread:
+                        loop_thread.join(15)
+                    time.sleep(2.5)  # let the services drain the last events
+                    final = summary(ports)
+            finally:
+                stop.set()
+                dashboard.stop()
+                targets_file(state_dir()).unlink(missing_ok=True)
+            if services.failure:
+                raise services.failure
+        finally:
+            services.stop_all()
+    print(
+        f"run finished: {stats.delivered:,} background events delivered in {stats.elapsed_s:.1f}s "
+        f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed\n"
+        f"closed loop: {loop.stats.final()}\n{final}"
+    )
+    return 0 if stats.failed == 0 and (args.requests == 0 or loop.stats.replied > 0) else 1
+
+
+def _watch_services(services: ServiceGroup, stop: threading.Event) -> None:
+    """Stop the run when a service dies, keeping the reason for the exit message."""
+    while not stop.wait(0.5):
+        try:
+            services.check()
+        except ServiceDied as exc:
+            services.failure = exc
+            stop.set()

@@ -1,0 +1,125 @@
+"""``freshrec train``, and the models that ``freshrec run`` trains when it has none."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from freshrec.app.commands import connection
+from freshrec.app.stack import external_services
+from freshrec.progress import ProgressLine
+from freshrec.settings import ConnectionSettings, load_environment
+
+log = logging.getLogger("freshrec")
+
+
+def model_dir(args_out: str | None = None) -> Path:
+    from inference.settings import default_model_dir
+
+    env = load_environment()
+    return Path(args_out or env.get("FRESHREC_MODEL_DIR") or default_model_dir(env))
+
+
+def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dict:
+    """The manifest of models trained on this world with this ``TrainConfig``; trains them
+    when there are none (models of another world, or trained by another configuration — an
+    older release's included — are replaced)."""
+    from dataclasses import asdict
+
+    from inference.modelfile import ModelFileError, read_manifest
+
+    try:
+        manifest = read_manifest(directory)
+        same_world = manifest.get("source") == f"world:{world.fingerprint()}"
+        same_config = manifest.get("training", {}).get("config") == asdict(config)
+        if same_world and same_config:
+            log.info(
+                "models %s found in %s (this world, this configuration)",
+                manifest["version"],
+                directory,
+            )
+            return manifest
+        why = "on another world" if not same_world else "with another training configuration"
+        log.info("models in %s were trained %s: training again", directory, why)
+    except ModelFileError:
+        log.info("no models in %s yet: training (a minute or two, cached afterwards)", directory)
+    started = time.monotonic()
+    manifest = world.train(config, directory, progress.update)
+    t = manifest["training"]
+    progress.done(
+        f"trained {manifest['version']} in {time.monotonic() - started:.0f}s: AUC two-tower "
+        f"{t['auc_two_tower']:.3f}, wide&deep {t['auc_wide_deep']:.3f}, light {t['auc_light']:.3f}"
+    )
+    return manifest
+
+
+def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest: dict) -> int:
+    """Write the trained two-tower rows to Redis where no row exists yet."""
+    import redis
+    from param_server.rows import TABLE_ITEM, TABLE_USER
+
+    from freshrec.rediskeys import RedisKeys
+    from freshrec.rowstore import seed_rows
+    from inference.modelfile import load_tensors
+
+    tensors = load_tensors(directory, manifest["files"]["two_tower"])
+    r = redis.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    written = 0
+    try:
+        for table, ids, rows in (
+            (TABLE_ITEM, "item_ids", "item_rows"),
+            (TABLE_USER, "user_ids", "user_rows"),
+        ):
+            written += seed_rows(
+                r,
+                keys,
+                table,
+                tensors[ids].numpy(),
+                tensors[rows].numpy(),
+                version=1,
+                event_ms=int(manifest["created_ms"]),
+            )
+    finally:
+        r.close()
+    return written
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from freshrec.app.options import world_from_args
+    from inference.modelfile import read_manifest
+    from inference.train import TrainConfig
+
+    world = world_from_args(args)
+    directory = model_dir(args.out)
+    progress = ProgressLine()
+    try:
+        config = TrainConfig(
+            impressions=args.impressions,
+            l2=args.l2,
+            tower_share=args.tower_share,
+            tower_epochs=args.tower_epochs,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"freshrec train: {exc}") from None
+    if args.if_missing:
+        manifest = ensure_models(world, directory, config, progress)
+    else:
+        manifest = world.train(config, directory, progress.update)
+        t = manifest["training"]
+        progress.done(
+            f"trained {manifest['version']}: AUC two-tower {t['auc_two_tower']:.3f}, "
+            f"wide&deep {t['auc_wide_deep']:.3f}, light {t['auc_light']:.3f} "
+            f"({t['impressions']:,} impressions, {t['seconds']}s)"
+        )
+    print(f"models: {directory / 'manifest.json'} (version {read_manifest(directory)['version']})")
+    load = args.load == "yes" or (
+        args.load == "auto"
+        and (external_services() or "KAFKA_BOOTSTRAP_SERVERS" in load_environment())
+    )
+    if load:
+        n = load_starting_embeddings(connection(), directory, manifest)
+        print(f"starting embeddings: {n:,} rows written to Redis (existing rows kept)")
+    return 0
