@@ -14,6 +14,9 @@ positive from ``item_pool`` (never the positive item itself).
 >>> gu, gv = logistic_gradients(u, v, np.array([1.0]), np.array([1.0]))
 >>> bool(gu[0, 0] < 0), float(gu[0, 2])
 (True, 0.0)
+
+The local step (``local_step``): a row's gradients of a slice, summed, rejected whole when not
+finite, clipped to ``max_norm``, then u ← u − lr·g.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from freshrec.gradients import clip_rows, finite_rows
 from schemas.records import Event
 
 
@@ -170,3 +174,26 @@ def aggregate_groups(
     return Grouped(
         distinct, sums.numpy().astype(grads.dtype, copy=False), group_counts, newest, index
     )
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """A slice's step on each row of one table: which rows' sums were finite (``ok``), their
+    clipped sums (what the parameter server is sent) and the deltas −lr·g applied locally."""
+
+    ok: np.ndarray
+    sums: np.ndarray
+    deltas: np.ndarray
+
+
+def local_step(sums: np.ndarray, lr: float, max_norm: float) -> LocalStep:
+    """The local step for rows whose gradients of a slice sum to ``sums``: non-finite rows
+    rejected whole, the rest clipped to ``max_norm`` and scaled by −lr.
+
+    >>> s = local_step(np.array([[3.0, 4.0], [np.inf, 0.0]], np.float32), lr=0.5, max_norm=1.0)
+    >>> s.ok.tolist(), [round(float(x), 3) for x in s.deltas[0]]
+    ([True, False], [-0.3, -0.4])
+    """
+    ok = finite_rows(sums)
+    clipped = clip_rows(sums[ok], max_norm)
+    return LocalStep(ok, clipped, -lr * clipped)

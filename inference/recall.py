@@ -1,15 +1,5 @@
 """Multi-channel recall: every channel runs concurrently for a whole batch of requests, each
-with its own deadline and circuit breaker.
-
-Channels (all answer a list of item ids per query, best first):
-
-- ``vector``: the user's row against the resident item table — one matmul and top-k on the
-  device for the whole batch (exact; see ``ann.py`` for the background index on large
-  catalogues);
-- ``i2i``: the user's recent clicks (Redis, written by the streams app) as a query: the mean of
-  those items' rows, weighted towards the newest, against the item table;
-- ``hot``, ``region``: the merged global and regional hot lists (from the snapshot);
-- ``new``: items created within the new-item window (from the snapshot).
+with its own deadline and circuit breaker. The channels themselves are in ``channels.py``.
 
 A channel that misses its deadline is dropped from that batch (its thread finishes in the
 background; its result is discarded) and counted; its breaker sees a failure. Channels that
@@ -27,8 +17,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -36,22 +27,12 @@ from freshrec import metrics as m
 from inference.breaker import BreakerConfig, CircuitBreaker
 
 log = logging.getLogger("freshrec.recall")
-CHANNELS = ("vector", "i2i", "hot", "region", "new")
 
 
 @dataclass(frozen=True)
 class ChannelConfig:
     quota: int
     deadline_ms: float
-
-
-DEFAULT_CHANNELS: dict[str, ChannelConfig] = {
-    "vector": ChannelConfig(250, 80.0),
-    "i2i": ChannelConfig(100, 60.0),
-    "hot": ChannelConfig(80, 20.0),
-    "region": ChannelConfig(40, 20.0),
-    "new": ChannelConfig(30, 20.0),
-}
 
 
 @dataclass(frozen=True)
@@ -61,13 +42,17 @@ class RecallQuery:
     region: str | None
 
 
-Channel = Callable[[list[RecallQuery], int], list[list[str]]]
-"""channel(queries, n) -> for each query, up to n item ids, best first."""
+class Channel(Protocol):
+    """What the runner calls (``channels.RecallChannel`` is the one implementation)."""
+
+    inline: bool
+
+    def recall(self, queries: Sequence[RecallQuery], n: int) -> list[np.ndarray]: ...
 
 
 @dataclass
 class RecallResult:
-    per_query: list[dict[str, list[str]]]
+    per_query: list[dict[str, np.ndarray]]
     timed_out: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -82,7 +67,6 @@ class RecallRunner:
         configs: Mapping[str, ChannelConfig],
         breaker: BreakerConfig | None = None,
         delays_ms: Mapping[str, float] | None = None,
-        inline: Collection[str] = (),
     ) -> None:
         unknown = set(configs) - set(channels)
         if unknown:
@@ -91,7 +75,9 @@ class RecallRunner:
         self.configs = dict(configs)
         self.breakers = {name: CircuitBreaker(breaker) for name in self.channels}
         self.delays_ms = dict(delays_ms or {})
-        self.inline = {name for name in inline if not self.delays_ms.get(name)}
+        self.inline = {
+            name for name, c in self.channels.items() if c.inline and not self.delays_ms.get(name)
+        }
         self.pool = cf.ThreadPoolExecutor(
             max_workers=2 * len(self.channels), thread_name_prefix="recall"
         )
@@ -99,11 +85,11 @@ class RecallRunner:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _call(self, name: str, queries: list[RecallQuery]) -> list[list[str]]:
+    def _call(self, name: str, queries: list[RecallQuery]) -> list[np.ndarray]:
         delay = self.delays_ms.get(name)
         if delay:
             time.sleep(delay / 1000)
-        return self.channels[name](queries, self.configs[name].quota)
+        return self.channels[name].recall(queries, self.configs[name].quota)
 
     def run(self, queries: list[RecallQuery], budget_ms: float | None = None) -> RecallResult:
         """All allowed channels at once; waits at most each channel's deadline (capped by
@@ -166,14 +152,3 @@ class RecallRunner:
     def breaker_states(self) -> dict[str, str]:
         now_ms = int(time.time() * 1000)
         return {name: b.state(now_ms) for name, b in self.breakers.items()}
-
-
-def parse_delays(spec: str) -> dict[str, float]:
-    """``"i2i=300,hot=5"`` → {"i2i": 300.0, "hot": 5.0}."""
-    out: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, value = part.partition("=")
-        if not sep or name not in CHANNELS:
-            raise ValueError(f"expected channel=ms with a channel of {CHANNELS}, got {part!r}")
-        out[name] = float(value)
-    return out

@@ -26,14 +26,15 @@ import torch
 from freshrec import metrics as m
 from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
 from freshrec.rediskeys import RedisKeys
-from inference.ann import IVFIndex, auto_nprobe, exact_search, ivf_cells, top_k_rows
+from inference.ann import IVFIndex, ivf_cells
 from inference.cache import EmbeddingCache
+from inference.channels import DEFAULT_CHANNELS, NEW_ITEMS, ServingState, category_members
 from inference.degrade import CACHED, FULL, HOT, LIGHT, Ladder, LadderConfig, Situation
 from inference.features import RECENT, FeatureEncoder, recent_category_share
 from inference.merge import found_by, merge_slot_arrays
 from inference.modelfile import ModelWatcher
 from inference.ranking import score
-from inference.recall import DEFAULT_CHANNELS, ChannelConfig, RecallQuery, RecallRunner
+from inference.recall import ChannelConfig, RecallQuery, RecallRunner
 from inference.rerank import mmr_batch, space_categories
 from inference.resultcache import ResultCache
 from inference.snapshot import Snapshot, SnapshotRefresher
@@ -42,10 +43,6 @@ from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
 
 log = logging.getLogger("freshrec.serving")
-_NONE = np.empty(0, np.int64)
-_NEW = "\0new"  # the new-items list among the per-scope lists
-IN_MEMORY_CHANNELS = ("hot", "region", "new")
-"""Recall channels that only slice lists the worker holds (run inline by the runner)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +96,9 @@ class Inbound:
 
 
 class Recommender:
+    """Serves batches of requests from the worker's cache: recall (``channels.py``), the
+    degradation ladder, ranking, re-ranking, replies."""
+
     def __init__(
         self,
         settings: ServingSettings,
@@ -107,8 +107,9 @@ class Recommender:
         keys: RedisKeys,
         snapshots: SnapshotRefresher,
         models: ModelWatcher,
-        runner_factory,
+        runner_factory: Callable[[ServingState], RecallRunner],
         worker_id: str,
+        recent_clicks: Callable[[str], list[str]] = lambda user_id: [],
     ) -> None:
         self.settings = settings
         self.cache = cache
@@ -121,40 +122,34 @@ class Recommender:
         self.ladder = Ladder(settings.ladder)
         self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
         self.snap = Snapshot()
-        self.slot_of: dict[str, int] = {}
+        self.state = ServingState(cache, client, keys, recent_clicks, settings.ann_nprobe)
+        """What the recall channels read (catalogue slots, hot lists, the IVF index)."""
         self.name_of_slot = np.empty(0, object)
-        self.named = torch.zeros(0, dtype=torch.bool)
-        self.unnamed_bias = torch.zeros(0)
-        """0 for catalogue items, -inf for rows not (yet) in the catalogue, per slot."""
-        self.slot_category = torch.zeros(0, dtype=torch.int64)
-        self.category_slots: dict[int, np.ndarray] = {}
-        """Catalogue slots per category (the i2i channel searches only these)."""
-        self.named_count = 0
-        self.ann: IVFIndex | None = None
+        self.cat_index = np.empty(0, np.int64)  # slot -> catalogue index (-1: unknown)
         self._ann_built_at = 0.0
         self._ann_building = False
-        self.list_slots: dict[str, np.ndarray] = {}
-        """Hot lists (per scope) and new items as cache slots, per snapshot."""
-        self.cat_index = np.empty(0, np.int64)  # slot -> catalogue index (-1: unknown)
         self.full_cost_ms: float | None = None
         self.light_cost_ms: float | None = None
         self.full_failed_until = 0.0
-        self.recent_clicks: Callable[[str], list[str]] = lambda user_id: []
-        self.fetched_recent: dict[str, list[str]] = {}
         self._hot_ranked: dict[str | None, list] = {}
         self._hot_ranked_of: Snapshot | None = None
-        """Recent clicks the i2i channel read from Redis for the current batch."""
-        """The worker's own view of a user's recent clicks, newest first."""
-        self.runner: RecallRunner = runner_factory(
-            {
-                "vector": self._vector,
-                "i2i": self._i2i,
-                "hot": self._hot,
-                "region": self._region,
-                "new": self._new,
-            }
-        )
+        self.runner: RecallRunner = runner_factory(self.state)
         self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
+
+    @property
+    def slot_of(self) -> dict[str, int]:
+        return self.state.slot_of
+
+    @property
+    def named(self) -> torch.Tensor:
+        return self.state.named
+
+    @property
+    def ann(self) -> IVFIndex | None:
+        return self.state.ann
+
+    def recent_clicks(self, user_id: str) -> list[str]:
+        return self.state.recent_clicks(user_id) or self.state.fetched_recent.get(user_id, [])
 
     # ------------------------------------------------------------------------ snapshot
     def adopt_snapshot(self) -> None:
@@ -177,51 +172,30 @@ class Recommender:
             slot_category[torch.as_tensor(slots, device=self.cache.device)] = torch.as_tensor(
                 cat.category, device=self.cache.device
             )
-            self.slot_category = slot_category
-            self.category_slots = category_members(cat.category, slots)
-            self.unnamed_bias = torch.zeros(n, device=self.cache.device).masked_fill(
+            st = self.state
+            st.slot_category = slot_category
+            st.category_slots = category_members(cat.category, slots)
+            st.unnamed_bias = torch.zeros(n, device=self.cache.device).masked_fill(
                 ~named, float("-inf")
             )
-            self.slot_of = dict(zip(cat.names, slots.tolist(), strict=True))
-            self.name_of_slot, self.cat_index, self.named = names, cat_index, named
-            self.named_count = len(cat.names)
+            st.slot_of = dict(zip(cat.names, slots.tolist(), strict=True))
+            st.named, st.named_count = named, len(cat.names)
+            self.name_of_slot, self.cat_index = names, cat_index
             m.CATALOGUE_ITEMS.set(len(cat.names))
         self.snap = snap
         lists = dict(snap.hot)
-        lists[_NEW] = snap.new
+        lists[NEW_ITEMS] = snap.new
         get = self.slot_of.get
-        self.list_slots = {
+        self.state.lists = {
             scope: np.fromiter((s for s in (get(x) for x in names) if s is not None), np.int64)
             for scope, names in lists.items()
         }
-
-    # ------------------------------------------------------------------------ channels
-    def _topk_slots(self, queries_rows: np.ndarray, n: int) -> list[np.ndarray]:
-        items = self.cache.items.rows
-        named = self.named
-        size = min(len(named), len(items))
-        if size == 0 or n <= 0:
-            return [np.empty(0, np.int64) for _ in range(len(queries_rows))]
-        q = torch.as_tensor(queries_rows, device=items.device)
-        index = self.ann
-        if index is not None:
-            newer = torch.arange(index.size, size, device=items.device)
-            newer = newer[named[index.size : size]]
-            nprobe = self.settings.ann_nprobe or auto_nprobe(len(index.centroids))
-            found = index.search(q, items, n, nprobe, extra=newer)
-            # the index holds what was in the catalogue when it was built: an item deleted
-            # since stays in it until the next build, and is dropped here
-            listed = named[:size].cpu().numpy()
-            return [s[listed[s]] for s in found]
-        return list(
-            exact_search(q, items[:size], self.unnamed_bias[:size], min(n, self.named_count))
-        )
 
     def maybe_rebuild_index(self) -> None:
         """Start a background IVF build when the catalogue is large and the index is missing
         or older than ``ann_refresh_s`` (called from the worker loop; cheap)."""
         s = self.settings
-        if self.named_count < s.ann_min_items or self._ann_building:
+        if self.state.named_count < s.ann_min_items or self._ann_building:
             return
         if self.cache.device.type != "cpu":  # a device's exact search is the fast one
             return
@@ -241,7 +215,7 @@ class Recommender:
                 _lower_priority()  # the build yields the core to serving (Linux: per thread)
                 started = time.monotonic()
                 index = IVFIndex.build(rows, eligible, cells)
-                self.ann = index
+                self.state.ann = index
                 self._ann_built_at = time.monotonic()
                 took = self._ann_built_at - started
                 m.ANN_INDEX_ITEMS.set(len(index.order))
@@ -259,66 +233,6 @@ class Recommender:
                 self._ann_building = False
 
         threading.Thread(target=build, daemon=True, name="ann-build").start()
-
-    def _vector(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
-        return self._topk_slots(np.stack([q.user_row for q in queries]), n)
-
-    def _i2i(self, queries: list[RecallQuery], n: int) -> list[list[str]]:
-        """Recent clicks: this worker's own (it sees every event of its users' partitions,
-        so a click counts here before any other service has seen it), else the streams
-        app's list in Redis."""
-        recents: list[list[str]] = [self.recent_clicks(q.user_id) for q in queries]
-        missing = [j for j, r in enumerate(recents) if not r]
-        if missing:
-            pipe = self.redis.pipeline(transaction=False)
-            for j in missing:
-                pipe.lrange(self.keys.user_recent(queries[j].user_id), 0, 9)
-            for j, raw in zip(missing, pipe.execute(), strict=True):
-                recents[j] = [r.decode().partition("|")[0] for r in raw]
-                self.fetched_recent[queries[j].user_id] = recents[j]
-        dim = self.cache.dim
-        out: list[np.ndarray] = [_NONE for _ in queries]
-        items = self.cache.items.rows
-        size = min(len(self.named), len(items), len(self.slot_category))
-        users = [j for j, r in enumerate(recents) if r]
-        if not users or size == 0:
-            return out
-        # one query row per user: the clicked items' recency-weighted mean embedding (newest
-        # first), searched within the clicked items' categories only
-        get = self.slot_of.get
-        clicked = [
-            [x for x in (get(name) for name in recents[j][:10]) if x is not None] for j in users
-        ]
-        keep = [row for row, c in enumerate(clicked) if c]
-        if not keep:
-            return out
-        users, clicked = [users[r] for r in keep], [clicked[r] for r in keep]
-        flat = np.concatenate([np.asarray(c, np.int64) for c in clicked])
-        vecs = self.cache.gather(TABLE_ITEM, flat)[:, :dim]
-        flat_cats = self.slot_category[torch.as_tensor(flat, device=items.device)].cpu().numpy()
-        q = np.zeros((len(users), self.cache.w), np.float32)
-        allowed = []
-        lo = 0
-        for row, c in enumerate(clicked):
-            weights = 0.8 ** np.arange(len(c), dtype=np.float32)
-            q[row, :dim] = (weights[:, None] * vecs[lo : lo + len(c)]).sum(0) / weights.sum()
-            allowed.append(flat_cats[lo : lo + len(c)])
-            lo += len(c)
-        found = search_within_categories(items[:size], q, allowed, self.category_slots, n)
-        for row, j in enumerate(users):
-            out[j] = found[row]
-        return out
-
-    def _hot(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
-        top = self.list_slots.get("global", _NONE)[:n]
-        return [top for _ in queries]
-
-    def _region(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
-        return [self.list_slots.get(q.region, _NONE)[:n] if q.region else _NONE for q in queries]
-
-    def _new(self, queries: list[RecallQuery], n: int) -> list[np.ndarray]:
-        top = self.list_slots.get(_NEW, _NONE)[:n]
-        return [top for _ in queries]
 
     # --------------------------------------------------------------------------- serve
     def serve(self, batch: list[Inbound], queue_depth: int = 0) -> list[RecommendReply]:
@@ -338,7 +252,7 @@ class Recommender:
             RecallQuery(r.user_id, user_rows[j], r.context.region if r.context else None)
             for j, r in enumerate(reqs)
         ]
-        self.fetched_recent = {}
+        self.state.fetched_recent = {}
         recall = self.runner.run(queries, budget_ms=min(budgets) * s.recall_share)
         t_recall = time.monotonic()
         if recall.timed_out or recall.failed:
@@ -515,7 +429,7 @@ class Recommender:
         lo = 0
         for j, size in zip(group, lens, strict=True):
             user = reqs[j].user_id
-            recent = self.recent_clicks(user) or self.fetched_recent.get(user, [])
+            recent = self.recent_clicks(user)
             recent_slots = [self.slot_of[x] for x in recent[:RECENT] if x in self.slot_of]
             if recent_slots:
                 ci = self.cat_index[recent_slots]
@@ -628,57 +542,6 @@ class Recommender:
                 if len(out) == r.k:
                     break
         return out
-
-
-def category_members(categories: np.ndarray, slots: np.ndarray) -> dict[int, np.ndarray]:
-    """Slots per category (unknown, < 0, left out), each in ascending order.
-
-    >>> {c: s.tolist() for c, s in category_members(np.array([2, 0, 2, -1]), np.array([7, 3, 5, 1])).items()}
-    {0: [3], 2: [5, 7]}
-    >>> category_members(np.array([-1]), np.array([4])), category_members(np.array([]), np.array([]))
-    ({}, {})
-    """
-    categories, slots = np.asarray(categories, np.int64), np.asarray(slots, np.int64)
-    known = categories >= 0
-    categories, slots = categories[known], slots[known]
-    if len(categories) == 0:  # e.g. a catalogue not loaded yet
-        return {}
-    order = np.lexsort((slots, categories))
-    cats, first = np.unique(categories[order], return_index=True)
-    return dict(zip(cats.tolist(), np.split(slots[order], first[1:]), strict=True))
-
-
-def search_within_categories(
-    items: torch.Tensor,
-    queries: np.ndarray,
-    allowed: list[np.ndarray],
-    members: dict[int, np.ndarray],
-    n: int,
-) -> list[np.ndarray]:
-    """For each query row, the ``n`` best slots by ``query · items[slot]`` (best first) among
-    the members of its ``allowed`` categories (unknown ones, < 0, allow nothing). Cost is
-    proportional to those members, not to the table: the i2i channel on a 100k-item
-    catalogue scored every item for every user.
-
-    >>> items = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.8, 0.0]])
-    >>> members = {0: np.array([0, 1]), 1: np.array([2, 3])}
-    >>> [f.tolist() for f in search_within_categories(
-    ...     items, np.array([[1.0, 0.0], [1.0, 0.0]], np.float32), [np.array([1]), np.array([-1])], members, 5)]
-    [[3, 2], []]
-    """
-    out: list[np.ndarray] = []
-    for row, cats in enumerate(allowed):
-        cands = [members[c] for c in np.unique(cats).tolist() if c >= 0 and c in members]
-        cand = np.concatenate(cands) if cands else _NONE
-        cand = cand[cand < len(items)]
-        if len(cand) == 0 or n <= 0:
-            out.append(_NONE)
-            continue
-        at = torch.as_tensor(cand, device=items.device)
-        rows = items.index_select(0, at)  # several times faster than items[at] on a CPU
-        scores = rows @ torch.as_tensor(queries[row], device=items.device)
-        out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
-    return out
 
 
 def _lower_priority(nice: int = 10) -> None:

@@ -20,9 +20,9 @@ from freshrec.settings import (
     state_dir,
 )
 from inference.breaker import BreakerConfig
+from inference.channels import DEFAULT_CHANNELS, parse_delays
 from inference.degrade import LadderConfig
 from inference.learning import LabelConfig
-from inference.recall import DEFAULT_CHANNELS, parse_delays
 from inference.serving import ServingSettings
 
 

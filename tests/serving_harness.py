@@ -11,7 +11,7 @@ from pathlib import Path
 
 from inference.breaker import BreakerConfig
 from inference.settings import LearningSettings, WorkerSettings
-from inference.train import TrainConfig, train
+from inference.train import TrainConfig
 from inference.worker import Worker
 from tools.seed import seed_world
 from tools.world import World, WorldConfig
@@ -23,7 +23,7 @@ WORLD = WorldConfig(seed=5, n_users=3000, n_items=400, n_categories=8)
 
 
 def train_models(directory: Path) -> dict:
-    return train(World(WORLD), TrainConfig(impressions=40_000, dim=DIM), directory, lambda s: None)
+    return World(WORLD).train(TrainConfig(impressions=40_000, dim=DIM), directory, lambda s: None)
 
 
 def seed_redis(conn, model_dir: Path, redis_url: str | None = None) -> None:

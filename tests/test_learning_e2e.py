@@ -16,6 +16,7 @@ from freshrec.partitioner import kafka_partition
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import execute
 from freshrec.topics import TopicNames
+from inference.clients import WorkerClients
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import Worker
 from param_server.store import (
@@ -46,11 +47,30 @@ W = DIM + 1
 ENV = {"FRESHREC_EMBEDDING_DIM": str(DIM), "FRESHREC_FLUSH_INTERVAL_MS": "50"}
 
 
-def learner(conn, **learning) -> Worker:
+def learner(conn, held: bool = False, **learning) -> Worker:
+    """A started worker; with ``held`` its gradient messages sit in a ``HeldProducer``
+    (``w.producer``) until released."""
     s = WorkerSettings(conn, LearningSettings(dim=DIM, **learning), user_capacity_rows=1000)
-    w = Worker(s)
+    return started(s, held)
+
+
+def started(s: WorkerSettings, held: bool = False) -> Worker:
+    clients = WorkerClients.connect(s)
+    if held:
+        gradients = TopicNames(s.conn.topic_prefix).gradients
+        clients.producer = HeldProducer(clients.producer, lambda topic: topic == gradients)
+    w = Worker(s, clients)
     w.start()
     return w
+
+
+def held_gradients(w: Worker) -> list[tuple[int, RowBatch, object]]:
+    """The gradient messages held in ``w.producer``: (token, batch, delivery callback). The
+    sender numbers its messages 1, 2, ... in the order it produces them."""
+    return [
+        (token, RowBatch.decode(kw["value"]), kw["on_delivery"])
+        for token, (_, kw) in enumerate(w.producer.held, 1)
+    ]
 
 
 def steps_of(w: Worker, table: int, rid: int) -> np.ndarray:
@@ -89,7 +109,7 @@ def test_a_click_moves_the_users_row_towards_the_item_before_the_parameter_serve
     w = learner(conn)
     before = score(w, "u1", "i1")
     produce(conn, clicks("u1", "i1", 3))
-    pump([w], lambda: w.stats["events"] or w.pending.rows() > 0, what="the click to be learnt")
+    pump([w], lambda: w.stats["events"] >= 3, what="the clicks to be learnt")
     assert score(w, "u1", "i1") > before + 0.01
     assert redis_row(conn, "user", row_id("u1")) is None  # no parameter server ran
     w.close()
@@ -163,16 +183,14 @@ def test_a_held_back_users_steps_do_not_follow_it_out_of_the_slab(conn, monkeypa
     with its slab row and their pool entries are reused, so they must not travel with its
     gradients when it is admitted later (they would name another step, or one twice)."""
     s = WorkerSettings(conn, LearningSettings(dim=DIM, admission_touches=3), user_capacity_rows=2)
-    w = Worker(s)
-    w.start()
-    sent: list[tuple[int, RowBatch]] = []
-    monkeypatch.setattr(w, "_produce_gradients", lambda token, part, b: sent.append((token, b)))
+    w = started(s, held=True)
     _learn_clicks(w, [("hA", "hi"), ("hB", "hi")])  # held: one touch each
     _learn_clicks(w, [("hC", "hi"), ("hD", "hi")])  # hA and hB evicted, their steps released
     _learn_clicks(w, [("hE", "hi")])  # hC evicted
     _learn_clicks(w, [("hA", "hi")])  # hA back (hD evicted): its second touch
     _learn_clicks(w, [("hA", "hi")])  # its third: admitted, its gradients sent
-    ((token, batch),) = [(t, b) for t, b in sent if b.table == TABLE_USER]
+    w.send_outbox()
+    ((token, batch),) = [(t, b) for t, b, _ in held_gradients(w) if b.table == TABLE_USER]
     assert batch.ids.tolist() == [row_id("hA")]
     p = w.pending
     steps = p._by_token[token]
@@ -195,7 +213,7 @@ def test_a_row_forgotten_by_admission_leaves_no_steps_behind(conn):
     held = len(w.pending)
     w.forget_unadmitted(t0 + 1_000)  # one window: fA in the previous generation
     w.forget_unadmitted(t0 + 2_000)  # two: forgotten
-    assert (TABLE_USER, row_id("fA")) not in w.unsent
+    assert (TABLE_USER, row_id("fA")) not in w.outbox.held
     assert len(steps_of(w, TABLE_USER, row_id("fA"))) == 0
     assert len(w.pending) < held
     w.close()
@@ -206,22 +224,18 @@ def test_a_gradient_message_never_delivered_is_counted_and_its_steps_stay_local(
 
     from freshrec import metrics as m
     from inference.pending import FAILED
-    from schemas.rowbatch import TABLE_NAMES
 
-    w = learner(conn)
-    sent: list[tuple[int, RowBatch]] = []
-    monkeypatch.setattr(w, "_produce_gradients", lambda token, part, b: sent.append((token, b)))
+    w = learner(conn, held=True)
     _learn_clicks(w, [("lost-u", "lost-i")])
-    w._send_outbox()
+    w.send_outbox()
+    sent = held_gradients(w)
     assert len(sent) == 2  # a user row and an item row
     lost = m.GRADIENT_MESSAGES.labels("lost")
     lost_rows = m.GRADIENT_ROWS.labels("user", "lost")
     before, rows_before = lost._value.get(), lost_rows._value.get()
-    steps = [w.pending._by_token[t] for t, _ in sent]
-    for t, b in sent:  # what librdkafka reports once it gives up on a message
-        w._delivered(t, TABLE_NAMES[b.table], len(b.ids))(
-            KafkaError(KafkaError._MSG_TIMED_OUT), None
-        )
+    steps = [w.pending._by_token[t] for t, _, _ in sent]
+    for _, _, on_delivery in sent:  # what librdkafka reports once it gives up on a message
+        on_delivery(KafkaError(KafkaError._MSG_TIMED_OUT), None)
     assert lost._value.get() - before == 2 and lost_rows._value.get() - rows_before == 1
     assert all((w.pending._token[s] == FAILED).all() for s in steps)
     assert len(steps_of(w, TABLE_USER, row_id("lost-u"))) == 1  # local for good
@@ -285,10 +299,7 @@ def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, m
     s = WorkerSettings(
         conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000), user_capacity_rows=1000
     )
-    w = Worker(s)
-    w.start()
-    sent: list[tuple[int, RowBatch]] = []
-    monkeypatch.setattr(w, "_produce_gradients", lambda token, part, b: sent.append((token, b)))
+    w = started(s, held=True)
     rng = np.random.default_rng(7)
     for _ in range(3):
         n = 40
@@ -304,11 +315,12 @@ def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, m
             )
         )
     steps_before = len(w.pending)
-    w._send_outbox()
-    assert sent and len({t for t, _ in sent}) == len(sent)
+    w.send_outbox()
+    sent = held_gradients(w)
+    assert sent
     p = w.pending
     named = 0
-    for token, batch in sent:
+    for token, batch, _ in sent:
         mine = p._by_token[token]  # the steps the message was given
         assert (p._token[mine] == token).all()
         table = batch.table
@@ -352,14 +364,14 @@ def test_an_update_for_a_row_with_an_unacknowledged_step_waits_without_blocking(
         partition=0,
         offset=0,
     )
-    w.on_update(update.encode())
+    w.installer.on_update(update.encode())
     users = w.cache.users
     assert users.version[w.cache.held(TABLE_USER, other)] == 7  # installed at once
     assert users.version[w.cache.held(TABLE_USER, u8)] != 7  # waits for its report
-    assert len(w.deferred) == 1
+    assert len(w.installer.deferred) == 1
     acked["now"] = True
     w.poll_once()
-    assert users.version[w.cache.held(TABLE_USER, u8)] == 7 and not w.deferred
+    assert users.version[w.cache.held(TABLE_USER, u8)] == 7 and not w.installer.deferred
     w.close()
 
 
@@ -369,12 +381,11 @@ def test_events_are_committed_only_once_the_broker_holds_their_gradients(conn):
     those events, and the gradients died with the producer's queue."""
     from confluent_kafka import TopicPartition
 
-    w = learner(conn)
-    real = w.producer
-    w.producer = held = HeldProducer(real, lambda topic: topic == w.names.gradients)
+    w = learner(conn, held=True)
+    held = w.producer
     produce(conn, clicks("oc-u", "oc-i", 5))
     pump([w], lambda: len(held.held) == 2 and not w.backlog, what="the gradients to leave")
-    w._commit(sync=True)
+    w.commit(sync=True)
     parts = [TopicPartition(w.names.events, p) for p in range(w._partitions(w.names.events))]
 
     def committed() -> int:
@@ -382,9 +393,8 @@ def test_events_are_committed_only_once_the_broker_holds_their_gradients(conn):
 
     assert committed() == 0
     held.release()  # the broker takes them
-    w._commit(sync=True)
+    w.commit(sync=True)
     assert committed() == 5
-    w.producer = real
     w.close()
 
 
@@ -409,7 +419,7 @@ def test_a_slice_retried_after_a_redis_error_is_learnt_and_counted_once(conn):
     pump([w], lambda: valid._value.get() - before >= 3, what="the retried slice")
     for _ in range(20):
         w.poll_once()
-    w._send_outbox()
+    w.send_outbox()
     assert valid._value.get() - before == 3 and len(calls) >= 2
     assert len(steps_of(w, TABLE_USER, row_id("u14"))) == 1  # one step, not two
     w.close()
@@ -447,8 +457,9 @@ def test_read_your_writes_local_steps_survive_slow_broadcasts_and_converge(conn,
         best = -np.inf
         t0 = int(time.time() * 1000)
         for round_ in range(4):
+            learnt = w.stats["events"]
             produce(conn, clicks("u3", "i3", 2, t0 + 10 * round_, prefix=f"r{round_}"))
-            pump([w], lambda: len(w.pending) > 0 or w.stats["x"], timeout_s=20, what="local step")
+            pump([w], lambda n=learnt: w.stats["events"] >= n + 2, timeout_s=20, what="local step")
             s = score(w, "u3", "i3")
             assert s >= best - 1e-6, "a broadcast undid a local step"
             best = s
@@ -474,7 +485,7 @@ def test_with_the_parameter_server_down_the_step_pool_stays_bounded_and_rows_con
     users = [f"pb{k}-{j}" for k in range(10) for j in range(6)]
     for k in range(10):
         _learn_clicks(w, [(f"pb{k}-{j}", f"pi{j % 3}") for j in range(6)])  # 9 steps a slice
-        w._send_outbox()
+        w.send_outbox()
         w.producer.flush(10)  # sent and delivered: steps the next trim may let go
         assert len(w.pending) <= 40 + 9
     assert w.stats["pending_let_go"] > 0

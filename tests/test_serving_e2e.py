@@ -171,16 +171,19 @@ def test_no_request_is_committed_while_an_earlier_one_of_its_partition_is_unansw
     once): a commit past one whose reply is still in flight would lose it to a crash."""
     from confluent_kafka import TopicPartition
 
+    from inference.clients import WorkerClients
     from inference.worker import Worker
 
     names = TopicNames(conn.topic_prefix)
-    w = Worker(worker_settings(conn, model_dir))
-    w.start()
-    real = w.producer
+    settings = worker_settings(conn, model_dir)
+    clients = WorkerClients.connect(settings)
     # the first reply sits in the producer, the second is delivered
-    w.producer = held = HeldProducer(
-        real, lambda topic: topic == names.recommend_replies and not held.held
+    clients.producer = held = HeldProducer(
+        clients.producer, lambda topic: topic == names.recommend_replies and not held.held
     )
+    real = held.real
+    w = Worker(settings, clients)
+    w.start()
     p = Producer(producer_config(conn))
     for _ in range(2):  # invalid requests: answered at once with an error reply
         p.produce(names.recommend_requests, key=b"same-partition", value=b"{}")
@@ -191,7 +194,7 @@ def test_no_request_is_committed_while_an_earlier_one_of_its_partition_is_unansw
         assert time.monotonic() < deadline, "the requests were not read"
         w.poll_once()
     assert real.flush(10) == 0  # the second reply is delivered
-    w._commit(sync=True)
+    w.commit(sync=True)
     parts = [
         TopicPartition(names.recommend_requests, q)
         for q in range(w._partitions(names.recommend_requests))
@@ -202,9 +205,8 @@ def test_no_request_is_committed_while_an_earlier_one_of_its_partition_is_unansw
 
     assert committed() in ([], [0])  # nothing past the first request: its reply is in flight
     held.release()
-    w._commit(sync=True)
+    w.commit(sync=True)
     assert committed() == [2]
-    w.producer = real
     w.close()
 
 
@@ -484,7 +486,7 @@ def test_large_catalogues_use_the_ivf_index_for_vector_recall(seeded, model_dir)
 
         rec = w.recommender
         query = RecallQuery("u0", np.asarray(w.user_row("u0")), None)
-        found = rec._vector([query], 20)[0]
+        found = rec.runner.channels["vector"].recall([query], 20)[0]
         assert 0 < len(found) <= 20 and all(rec.name_of_slot[s] for s in found)
         scores = w.cache.gather(TABLE_ITEM, found) @ query.user_row
         assert np.all(np.diff(scores) <= 1e-5)  # re-scored with the current rows, in order
@@ -558,7 +560,7 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
         first = client.recommend("u0", 10, context=ctx, timeout_s=10)  # cached for u0 now
         assert first.tier == "full" and len(first.items) == 10
         query = RecallQuery("u0", np.asarray(w.user_row("u0")), None)
-        vector = rec._vector([query], 20)[0]
+        vector = rec.runner.channels["vector"].recall([query], 20)[0]
         gone = list(
             dict.fromkeys(
                 [rec.name_of_slot[s] for s in vector[:5]]
@@ -593,7 +595,9 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
         again = client.recommend("u0", 10, context=ctx, timeout_s=10)
         assert again.tier == "full" and len(again.items) == 10
         assert not served(again) & set(gone)
-        assert not set(rec._vector([query], 20)[0].tolist()) & set(gone_slots)
+        assert not set(rec.runner.channels["vector"].recall([query], 20)[0].tolist()) & set(
+            gone_slots
+        )
         assert np.isin(gone_slots, rec.ann.order).any()  # the same index: nothing rebuilt it
         # the hot tier
         hot = rec._hot_items(RecommendRequest(request_id="h", user_id="u0", k=50))

@@ -319,10 +319,18 @@ def test_recent_share_in_training_only_sees_earlier_slates():
 
 
 # ------------------------------------------------------------------------------ recall
+class Fn:
+    """A recall channel made of a function (the runner's contract: ``recall`` and ``inline``)."""
+
+    def __init__(self, fn, inline: bool = False) -> None:
+        self.recall, self.inline = fn, inline
+
+
 def test_recall_runner_drops_late_channels_and_opens_their_breaker():
     import time
 
-    from inference.recall import ChannelConfig, RecallQuery, RecallRunner, parse_delays
+    from inference.channels import parse_delays
+    from inference.recall import ChannelConfig, RecallQuery, RecallRunner
 
     def fast(queries, n):
         return [["a", "b"][:n] for _ in queries]
@@ -335,7 +343,7 @@ def test_recall_runner_drops_late_channels_and_opens_their_breaker():
         raise RuntimeError("boom")
 
     runner = RecallRunner(
-        {"vector": fast, "i2i": slow, "hot": broken},
+        {"vector": Fn(fast), "i2i": Fn(slow), "hot": Fn(broken)},
         {"vector": ChannelConfig(2, 50), "i2i": ChannelConfig(5, 20), "hot": ChannelConfig(5, 50)},
         BreakerConfig(window=10, min_calls=2, threshold=0.1, cooldown_ms=60_000),
     )
@@ -371,13 +379,16 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
         return channel
 
     runner = RecallRunner(
-        {"vector": where("vector"), "hot": where("hot"), "new": where("new", pause=0.05)},
+        {
+            "vector": Fn(where("vector")),
+            "hot": Fn(where("hot"), inline=True),
+            "new": Fn(where("new", pause=0.05), inline=True),
+        },
         {
             "vector": ChannelConfig(2, 500),
             "hot": ChannelConfig(2, 500),
             "new": ChannelConfig(2, 20),
         },
-        inline=("hot", "new"),
     )
     result = runner.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     me = threading.current_thread().name
@@ -387,19 +398,17 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
     runner.close()
     # an injected delay sends an inline channel to the pool, where its deadline can be enforced
     delayed = RecallRunner(
-        {"hot": where("hot")},
+        {"hot": Fn(where("hot"), inline=True)},
         {"hot": ChannelConfig(2, 500)},
         delays_ms={"hot": 1.0},
-        inline=("hot",),
     )
     assert delayed.inline == set()
     delayed.close()
     # an inline channel that returned in time is kept however long a pooled one then takes:
     # its deadline is measured to when it returned, not to when the runner looked at it
     slow_pool = RecallRunner(
-        {"vector": where("vector", pause=0.08), "hot": where("hot")},
+        {"vector": Fn(where("vector", pause=0.08)), "hot": Fn(where("hot"), inline=True)},
         {"vector": ChannelConfig(2, 500), "hot": ChannelConfig(2, 20)},
-        inline=("hot",),
     )
     result = slow_pool.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     assert result.timed_out == [] and result.per_query == [{"vector": ["vector"], "hot": ["hot"]}]
@@ -407,9 +416,11 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
     # each inline channel is held to its own time, not to the time the ones before it took:
     # 60 + 30 ms in a row, the second with an 80 ms deadline, keeps both
     in_a_row = RecallRunner(
-        {"hot": where("hot", pause=0.06), "new": where("new", pause=0.03)},
+        {
+            "hot": Fn(where("hot", pause=0.06), inline=True),
+            "new": Fn(where("new", pause=0.03), inline=True),
+        },
         {"hot": ChannelConfig(2, 500), "new": ChannelConfig(2, 80)},
-        inline=("hot", "new"),
     )
     result = in_a_row.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     assert result.timed_out == [] and result.per_query == [{"hot": ["hot"], "new": ["new"]}]
@@ -584,7 +595,7 @@ def test_i2i_search_within_categories_equals_a_masked_search_of_the_whole_table(
     those of scoring every item and masking the others out (ties aside)."""
     import torch
 
-    from inference.serving import category_members, search_within_categories
+    from inference.channels import category_members, search_within_categories
 
     rng = np.random.default_rng(11)
     for _ in range(50):

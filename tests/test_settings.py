@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from freshrec.settings import SettingsError, env_float
+from inference.clients import events_consumer_config
 from inference.settings import WorkerSettings
-from inference.worker import events_consumer_config
 from param_server.settings import ParamServerSettings
 from streams.settings import StreamsSettings
 

@@ -31,7 +31,7 @@ import torch
 
 from freshrec.progress import ProgressLine
 from inference.ann import IVFIndex, auto_nprobe, exact_search, ivf_cells
-from inference.recall import DEFAULT_CHANNELS
+from inference.channels import DEFAULT_CHANNELS
 from tools.benchlib import device_arg, save
 from tools.world import World, WorldConfig
 

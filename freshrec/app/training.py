@@ -58,7 +58,7 @@ def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dic
 def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest: dict) -> int:
     """Write the trained two-tower rows to Redis where no row exists yet."""
     import redis
-    from param_server.rows import TABLE_ITEM, TABLE_USER
+    from schemas.rows import TABLE_ITEM, TABLE_USER
 
     from freshrec.rediskeys import RedisKeys
     from freshrec.rowstore import seed_rows

@@ -1,0 +1,281 @@
+"""Recall channels: one class each, registered in ``CHANNELS``.
+
+The contract (``RecallChannel``): a channel is built once per worker around the
+``ServingState`` — the item table, the catalogue as cache slots, the hot lists — which the
+recommender keeps current (a new catalogue or hot list replaces its fields between batches).
+``recall(queries, n)`` answers, for each query of a batch, up to ``n`` cache slots of items
+(an ``int64`` numpy array, best first) drawn from catalogue items only; it may read Redis
+(then it must tolerate ``redis.RedisError`` by raising: the runner counts it as a failure).
+``inline = True`` declares a channel that only slices memory the worker holds
+(microseconds): the runner calls it on its own thread instead of handing it to the pool.
+``default`` is its quota of candidates and its deadline, both settings
+(``FRESHREC_RECALL_CHANNELS`` chooses which channels run).
+
+Adding a channel is a class and a line: subclass ``RecallChannel`` with a ``name``, a
+``default`` and ``recall``, and add the class to ``CHANNELS`` (``docs/serving.md`` shows one).
+
+- ``vector``: the user's row against the resident item table — one matmul and top-k on the
+  device for the whole batch (exact; the IVF index of ``ann.py`` on large catalogues);
+- ``i2i``: the user's recent clicks as a query: the mean of those items' rows, weighted
+  towards the newest, searched within the clicked items' categories;
+- ``hot``, ``region``: the merged global and regional hot lists;
+- ``new``: items created within the new-item window.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import redis
+import torch
+
+from freshrec.rediskeys import RedisKeys
+from inference.ann import IVFIndex, auto_nprobe, exact_search, top_k_rows
+from inference.cache import EmbeddingCache
+from inference.recall import ChannelConfig, RecallQuery
+from schemas.rowbatch import TABLE_ITEM
+
+NONE = np.empty(0, np.int64)
+NEW_ITEMS = "\0new"
+"""The new-items list among ``ServingState.lists`` (beside the hot lists' scopes)."""
+
+
+@dataclass
+class ServingState:
+    """What recall channels read. The recommender owns it and replaces its fields when it
+    adopts a snapshot (between batches, never during one)."""
+
+    cache: EmbeddingCache
+    redis: redis.Redis
+    keys: RedisKeys
+    recent_clicks: Callable[[str], list[str]]
+    """The worker's own view of a user's recent clicks, newest first."""
+    ann_nprobe: int = 0
+    slot_of: dict[str, int] = field(default_factory=dict)
+    """Catalogue item id → its cache slot."""
+    named: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    """Per slot: is the item in the catalogue?"""
+    unnamed_bias: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """0 for catalogue items, -inf for rows not (yet) in the catalogue, per slot."""
+    named_count: int = 0
+    slot_category: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    category_slots: dict[int, np.ndarray] = field(default_factory=dict)
+    """Catalogue slots per category (the i2i channel searches only these)."""
+    lists: dict[str, np.ndarray] = field(default_factory=dict)
+    """Hot lists per scope (``global``, a region) and the new items (``NEW_ITEMS``), as
+    cache slots, best first."""
+    ann: IVFIndex | None = None
+    fetched_recent: dict[str, list[str]] = field(default_factory=dict)
+    """Recent clicks the i2i channel read from Redis for the current batch."""
+
+
+class RecallChannel(abc.ABC):
+    """A recall channel (see the module's docstring for the contract)."""
+
+    name: ClassVar[str]
+    default: ClassVar[ChannelConfig]
+    inline: ClassVar[bool] = False
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    @abc.abstractmethod
+    def recall(self, queries: Sequence[RecallQuery], n: int) -> list[np.ndarray]:
+        """For each query, up to ``n`` cache slots of catalogue items, best first."""
+
+
+class VectorChannel(RecallChannel):
+    name = "vector"
+    default = ChannelConfig(250, 80.0)
+
+    def recall(self, queries, n):
+        return top_k_slots(self.state, np.stack([q.user_row for q in queries]), n)
+
+
+class I2IChannel(RecallChannel):
+    """Recent clicks: this worker's own (it sees every event of its users' partitions, so a
+    click counts here before any other service has seen it), else the streams app's list in
+    Redis; their recency-weighted mean row searched within their categories."""
+
+    name = "i2i"
+    default = ChannelConfig(100, 60.0)
+
+    def recall(self, queries, n):
+        st = self.state
+        recents: list[list[str]] = [st.recent_clicks(q.user_id) for q in queries]
+        missing = [j for j, r in enumerate(recents) if not r]
+        if missing:
+            pipe = st.redis.pipeline(transaction=False)
+            for j in missing:
+                pipe.lrange(st.keys.user_recent(queries[j].user_id), 0, 9)
+            for j, raw in zip(missing, pipe.execute(), strict=True):
+                recents[j] = [r.decode().partition("|")[0] for r in raw]
+                st.fetched_recent[queries[j].user_id] = recents[j]
+        dim = st.cache.dim
+        out: list[np.ndarray] = [NONE for _ in queries]
+        items = st.cache.items.rows
+        size = min(len(st.named), len(items), len(st.slot_category))
+        users = [j for j, r in enumerate(recents) if r]
+        if not users or size == 0:
+            return out
+        get = st.slot_of.get
+        clicked = [
+            [x for x in (get(name) for name in recents[j][:10]) if x is not None] for j in users
+        ]
+        keep = [row for row, c in enumerate(clicked) if c]
+        if not keep:
+            return out
+        users, clicked = [users[r] for r in keep], [clicked[r] for r in keep]
+        flat = np.concatenate([np.asarray(c, np.int64) for c in clicked])
+        vecs = st.cache.gather(TABLE_ITEM, flat)[:, :dim]
+        flat_cats = st.slot_category[torch.as_tensor(flat, device=items.device)].cpu().numpy()
+        q = np.zeros((len(users), st.cache.w), np.float32)
+        allowed = []
+        lo = 0
+        for row, c in enumerate(clicked):
+            weights = 0.8 ** np.arange(len(c), dtype=np.float32)
+            q[row, :dim] = (weights[:, None] * vecs[lo : lo + len(c)]).sum(0) / weights.sum()
+            allowed.append(flat_cats[lo : lo + len(c)])
+            lo += len(c)
+        found = search_within_categories(items[:size], q, allowed, st.category_slots, n)
+        for row, j in enumerate(users):
+            out[j] = found[row]
+        return out
+
+
+class HotChannel(RecallChannel):
+    name = "hot"
+    default = ChannelConfig(80, 20.0)
+    inline = True
+
+    def recall(self, queries, n):
+        top = self.state.lists.get("global", NONE)[:n]
+        return [top for _ in queries]
+
+
+class RegionChannel(RecallChannel):
+    name = "region"
+    default = ChannelConfig(40, 20.0)
+    inline = True
+
+    def recall(self, queries, n):
+        lists = self.state.lists
+        return [lists.get(q.region, NONE)[:n] if q.region else NONE for q in queries]
+
+
+class NewItemsChannel(RecallChannel):
+    name = "new"
+    default = ChannelConfig(30, 20.0)
+    inline = True
+
+    def recall(self, queries, n):
+        top = self.state.lists.get(NEW_ITEMS, NONE)[:n]
+        return [top for _ in queries]
+
+
+CHANNELS: dict[str, type[RecallChannel]] = {
+    c.name: c for c in (VectorChannel, I2IChannel, HotChannel, RegionChannel, NewItemsChannel)
+}
+"""Every recall channel, by name, in the order the runner starts them."""
+DEFAULT_CHANNELS: dict[str, ChannelConfig] = {name: c.default for name, c in CHANNELS.items()}
+
+
+def make_channels(
+    configs: Mapping[str, ChannelConfig], state: ServingState
+) -> dict[str, RecallChannel]:
+    """The channels ``configs`` names, built around ``state``."""
+    unknown = set(configs) - set(CHANNELS)
+    if unknown:
+        raise ValueError(f"no such recall channel: {', '.join(sorted(unknown))}")
+    return {name: CHANNELS[name](state) for name in configs}
+
+
+def parse_delays(spec: str) -> dict[str, float]:
+    """``"i2i=300,hot=5"`` → {"i2i": 300.0, "hot": 5.0}."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in CHANNELS:
+            raise ValueError(
+                f"expected channel=ms with a channel of {tuple(CHANNELS)}, got {part!r}"
+            )
+        out[name] = float(value)
+    return out
+
+
+# ----------------------------------------------------------------------------- searches
+def top_k_slots(st: ServingState, queries_rows: np.ndarray, n: int) -> list[np.ndarray]:
+    """For each query row, the ``n`` catalogue slots of the highest ``row · item`` (exact, or
+    through the IVF index when one is built)."""
+    items = st.cache.items.rows
+    named = st.named
+    size = min(len(named), len(items))
+    if size == 0 or n <= 0:
+        return [np.empty(0, np.int64) for _ in range(len(queries_rows))]
+    q = torch.as_tensor(queries_rows, device=items.device)
+    index = st.ann
+    if index is not None:
+        newer = torch.arange(index.size, size, device=items.device)
+        newer = newer[named[index.size : size]]
+        nprobe = st.ann_nprobe or auto_nprobe(len(index.centroids))
+        found = index.search(q, items, n, nprobe, extra=newer)
+        # the index holds what was in the catalogue when it was built: an item deleted
+        # since stays in it until the next build, and is dropped here
+        listed = named[:size].cpu().numpy()
+        return [s[listed[s]] for s in found]
+    return list(exact_search(q, items[:size], st.unnamed_bias[:size], min(n, st.named_count)))
+
+
+def category_members(categories: np.ndarray, slots: np.ndarray) -> dict[int, np.ndarray]:
+    """Slots per category (unknown, < 0, left out), each in ascending order.
+
+    >>> {c: s.tolist() for c, s in category_members(np.array([2, 0, 2, -1]), np.array([7, 3, 5, 1])).items()}
+    {0: [3], 2: [5, 7]}
+    >>> category_members(np.array([-1]), np.array([4])), category_members(np.array([]), np.array([]))
+    ({}, {})
+    """
+    categories, slots = np.asarray(categories, np.int64), np.asarray(slots, np.int64)
+    known = categories >= 0
+    categories, slots = categories[known], slots[known]
+    if len(categories) == 0:  # e.g. a catalogue not loaded yet
+        return {}
+    order = np.lexsort((slots, categories))
+    cats, first = np.unique(categories[order], return_index=True)
+    return dict(zip(cats.tolist(), np.split(slots[order], first[1:]), strict=True))
+
+
+def search_within_categories(
+    items: torch.Tensor,
+    queries: np.ndarray,
+    allowed: list[np.ndarray],
+    members: dict[int, np.ndarray],
+    n: int,
+) -> list[np.ndarray]:
+    """For each query row, the ``n`` best slots by ``query · items[slot]`` (best first) among
+    the members of its ``allowed`` categories (unknown ones, < 0, allow nothing). Cost is
+    proportional to those members, not to the table: the i2i channel on a 100k-item
+    catalogue scored every item for every user.
+
+    >>> items = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.8, 0.0]])
+    >>> members = {0: np.array([0, 1]), 1: np.array([2, 3])}
+    >>> [f.tolist() for f in search_within_categories(
+    ...     items, np.array([[1.0, 0.0], [1.0, 0.0]], np.float32), [np.array([1]), np.array([-1])], members, 5)]
+    [[3, 2], []]
+    """
+    out: list[np.ndarray] = []
+    for row, cats in enumerate(allowed):
+        cands = [members[c] for c in np.unique(cats).tolist() if c >= 0 and c in members]
+        cand = np.concatenate(cands) if cands else NONE
+        cand = cand[cand < len(items)]
+        if len(cand) == 0 or n <= 0:
+            out.append(NONE)
+            continue
+        at = torch.as_tensor(cand, device=items.device)
+        rows = items.index_select(0, at)  # several times faster than items[at] on a CPU
+        scores = rows @ torch.as_tensor(queries[row], device=items.device)
+        out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
+    return out

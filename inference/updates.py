@@ -1,0 +1,86 @@
+"""Broadcast updates into the worker's cache, each row with the local steps it lacks.
+
+The parameter servers broadcast the rows they applied on ``embeddings.updates`` (every worker
+reads every partition). A row newer than the cache's is installed as the update's row plus the
+local steps the update does not include yet (``pending.py``): read-your-writes. A row with a
+step in a message whose delivery report has not been read yet is deferred to a later round
+(the parameter server only applies acknowledged messages, so the report decides).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from freshrec import metrics as m
+from inference.cache import EmbeddingCache
+from inference.pending import PendingSteps
+from schemas.rowbatch import KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
+
+log = logging.getLogger("freshrec.worker")
+
+
+class UpdateInstaller:
+    def __init__(self, cache: EmbeddingCache, pending: PendingSteps, producer) -> None:
+        self.cache = cache
+        self.pending = pending
+        self.producer = producer
+        self.deferred: list[tuple[RowBatch, np.ndarray]] = []
+        """Update rows awaiting delivery reports of their local steps."""
+        self.newest_served_ms = 0
+        """The newest event time an installed row includes (the ``served`` stage's reach)."""
+        self._newest_served = m.FRESHNESS_EVENT_TIME.labels("served")
+
+    def on_update(self, value: bytes) -> None:
+        try:
+            batch = RowBatch.decode(value)
+        except CorruptBatch as exc:
+            log.warning("corrupt update batch skipped: %s", exc)
+            return
+        if batch.kind == KIND_UPDATES:
+            self.install(batch, np.arange(len(batch.ids)))
+
+    def install(self, batch: RowBatch, take: np.ndarray) -> None:
+        """Install rows ``take`` of an update batch that are newer than the cache's, each with
+        the local steps the update does not include added (``pending``): a vectorised step
+        for the whole batch."""
+        table, name = batch.table, TABLE_NAMES[batch.table]
+        slots = self.cache.slots_for_install(table, batch.ids[take].tolist())
+        resident = slots >= 0
+        waiting = np.zeros(len(take), bool)
+        waiting[resident] = self.pending.waiting(table, slots[resident])
+        if waiting.any():
+            # the update may include a message whose delivery report is not read yet (the
+            # parameter server only applies acknowledged messages): serve the reports that
+            # are in, and leave the rest of those rows for a later round, not to block here
+            self.producer.poll(0)
+            waiting[waiting] = self.pending.waiting(table, slots[waiting])
+        if waiting.any():
+            self.deferred.append((batch, take[waiting]))
+            m.UPDATES_INSTALLED.labels(name, "deferred").inc(int(waiting.sum()))
+            take, slots, resident = take[~waiting], slots[~waiting], resident[~waiting]
+        m.UPDATES_INSTALLED.labels(name, "not_cached").inc(int((~resident).sum()))
+        versions = batch.versions[take]
+        held_versions = self.cache.table(table).version
+        newer = resident & (versions > held_versions[np.where(resident, slots, 0)])
+        m.UPDATES_INSTALLED.labels(name, "stale").inc(int((resident & ~newer).sum()))
+        if not newer.any():
+            return
+        slots, rows = slots[newer], batch.rows[take[newer]]
+        rest, kept = self.pending.install(table, slots, batch.partition, batch.offset)
+        if rest is not None:
+            rows[kept] += rest[kept]
+        times = batch.event_ms[take[newer]]
+        self.cache.install_many(table, slots, rows, versions[newer], times)
+        lag = np.maximum(time.time() - times / 1000, 0.0)  # every row installed
+        m.observe_many(m.FRESHNESS_LAG.labels("served"), lag)
+        self.newest_served_ms = max(self.newest_served_ms, int(times.max()))
+        self._newest_served.set(self.newest_served_ms / 1000)
+        m.UPDATES_INSTALLED.labels(name, "installed").inc(len(rows))
+
+    def install_deferred(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for batch, take in deferred:
+            self.install(batch, take)

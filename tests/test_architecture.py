@@ -1,0 +1,159 @@
+"""The layout keeps its promises: pure modules do no I/O; the kernel, ``schemas/`` and the
+services never import ``tools/`` or ``tests/``; services reach their peers only through the
+kernel or ``schemas/``; no two modules import each other, directly or in a circle; no module
+grows past the size a reader can hold.
+
+Layers (``docs/design.md``, "Module map"): the kernel is ``freshrec/`` without ``freshrec/app``;
+the services are ``inference/``, ``streams/`` and ``param_server/``; the app shell is
+``freshrec/app``; ``tools/`` holds the simulator, benchmarks and drills.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = ("freshrec", "schemas", "inference", "streams", "param_server", "tools")
+SERVICES = ("inference", "streams", "param_server")
+IO_PACKAGES = {
+    "confluent_kafka",
+    "aiokafka",
+    "faust",
+    "redis",
+    "socket",
+    "requests",
+    "mode",
+    "http",
+    "urllib",
+    "subprocess",
+    "threading",
+}
+MAX_LINES = 600
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the project's packages, by dotted name."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = modules()
+
+
+def imports(path: Path) -> set[str]:
+    """The modules ``path`` imports, anywhere in it (a lazy import counts)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def project_imports(name: str) -> set[str]:
+    return {m for m in imports(MODULES[name]) if m in MODULES and m != name}
+
+
+def layer(name: str) -> str:
+    top = name.split(".")[0]
+    if top == "freshrec":
+        return "app" if name.startswith("freshrec.app") else "kernel"
+    return top
+
+
+def pure_modules() -> list[str]:
+    """Modules whose docstring says they are pure ("Pure." in it)."""
+    out = []
+    for name, path in MODULES.items():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if re.search(r"\bPure[.:]", doc):
+            out.append(name)
+    return out
+
+
+PURE = pure_modules()
+
+
+def test_the_pure_modules_are_found():
+    # the ones the design names as pure; a docstring that lost "Pure." would drop its check
+    for name in (
+        "freshrec.hotscore",
+        "streams.decay",
+        "inference.pending",
+        "inference.outbox",
+        "inference.learning",
+        "inference.batching",
+        "inference.breaker",
+        "inference.rerank",
+        "param_server.adagrad",
+        "schemas.rows",
+    ):
+        if name in MODULES:
+            assert name in PURE, f"{name}'s docstring no longer says it is pure"
+    assert len(PURE) >= 20
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_pure_modules_import_no_io(name):
+    top_level = {m.split(".")[0] for m in imports(MODULES[name])}
+    assert not top_level & IO_PACKAGES, f"{name} imports {sorted(top_level & IO_PACKAGES)}"
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if layer(n) not in ("tools", "app")])
+def test_the_kernel_schemas_and_services_never_import_tools_or_tests(name):
+    bad = {m for m in imports(MODULES[name]) if m.split(".")[0] in ("tools", "tests")}
+    assert not bad, f"{name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if layer(n) in ("kernel", "schemas")])
+def test_the_kernel_and_schemas_import_no_service_and_no_app(name):
+    bad = {m for m in project_imports(name) if layer(m) in (*SERVICES, "app")}
+    assert not bad, f"{name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if layer(n) in SERVICES])
+def test_services_reach_their_peers_only_through_the_kernel_or_schemas(name):
+    own = layer(name)
+    bad = {m for m in project_imports(name) if layer(m) not in (own, "kernel", "schemas")}
+    assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph = {name: project_imports(name) for name in MODULES}
+    # a package's __init__ importing its own modules is not a circle through them
+    graph = {n: {m for m in deps if not n.startswith(m + ".")} for n, deps in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in MODULES if layer(n) not in ("tools",) and not n.endswith("__init__")]
+)
+def test_no_library_module_grows_past_what_a_reader_can_hold(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name}: {lines} lines (at most {MAX_LINES}): split it"
