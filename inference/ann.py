@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from inference.device import to_host
+
 SCAN = 0.04
 MIN_NPROBE = 64
 """By default a query probes ``MIN_NPROBE`` cells or enough for ``SCAN`` of the catalogue,
@@ -61,7 +63,7 @@ def top_k_rows(scores: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
     [[1, 2], [0, 2]]
     """
     if isinstance(scores, torch.Tensor) and scores.device.type != "cpu":
-        return torch.topk(scores, k, dim=1).indices.cpu().numpy()
+        return to_host(torch.topk(scores, k, dim=1).indices)  # the candidates, to the merge
     s = scores if isinstance(scores, np.ndarray) else scores.numpy()
     if k >= s.shape[1]:
         return np.argsort(-s, axis=1, kind="stable")[:, :k]

@@ -25,7 +25,9 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from inference.device import to_device
 from schemas.records import DEVICE_CLASSES
 
 DENSE = ("uv", "log_price", "ctr", "cvr", "log_hot", "recent_category_share")
@@ -54,9 +56,9 @@ class RankInputs:
     order), so the user's part of the model is computed once per request, not per candidate.
     """
 
-    user: np.ndarray  # (n, dim + 1) float32; grouped: (requests, dim + 1)
-    item: np.ndarray  # (n, dim + 1) float32
-    dense: np.ndarray  # (n, len(DENSE)) float32
+    user: np.ndarray | torch.Tensor  # (n, dim + 1) float32; grouped: (requests, dim + 1)
+    item: np.ndarray | torch.Tensor  # (n, dim + 1) float32
+    dense: np.ndarray | torch.Tensor  # (n, len(DENSE)) float32 (tensors: on the rows' device)
     sparse: np.ndarray  # (n, 4) int64: category, device, hour, region
     cross: np.ndarray  # (n, 3) int64: category × device, × hour, × region, hashed
     owner: np.ndarray | None = None  # (n,) int64, grouped form only
@@ -97,15 +99,23 @@ class FeatureEncoder:
         (n,) category buckets; ``context`` (n, 3) from ``context`` repeated per pair;
         ``recent_share`` (n,) from ``recent_category_share``. With ``owner`` (n,), ``user``
         is one row per request and the result is in the grouped form."""
-        pair_user = user if owner is None else user[owner]
-        uv = np.einsum("ij,ij->i", pair_user, item).astype(np.float32)
-        dense = np.empty((len(uv), len(DENSE)), np.float32)
-        dense[:, 0] = np.clip(uv, -20, 20)
-        dense[:, 1] = np.log1p(np.maximum(item_dense[:, 0], 0.0))
-        dense[:, 2] = item_dense[:, 1]
-        dense[:, 3] = item_dense[:, 2]
-        dense[:, 4] = np.log1p(np.maximum(item_dense[:, 3], 0.0))
-        dense[:, 5] = 0.0 if recent_share is None else recent_share
+        rest = np.empty((len(item_dense), len(DENSE) - 1), np.float32)
+        rest[:, 0] = np.log1p(np.maximum(item_dense[:, 0], 0.0))
+        rest[:, 1] = item_dense[:, 1]
+        rest[:, 2] = item_dense[:, 2]
+        rest[:, 3] = np.log1p(np.maximum(item_dense[:, 3], 0.0))
+        rest[:, 4] = 0.0 if recent_share is None else recent_share
+        # the dot product where the rows are (a serving batch's rows stay on the tables'
+        # device; training's are host arrays)
+        on_device = isinstance(user, torch.Tensor)
+        if not on_device:
+            user = torch.from_numpy(np.ascontiguousarray(user, np.float32))
+            item = torch.from_numpy(np.ascontiguousarray(item, np.float32))
+        pair_user = user if owner is None else user.index_select(0, to_device(owner, user.device))
+        uv = (pair_user * item).sum(1).clamp(-20, 20).to(torch.float32)
+        dense = torch.cat([uv[:, None], to_device(rest, user.device)], 1)
+        if not on_device:
+            user, item, dense = user.numpy(), item.numpy(), dense.numpy()
         cat = item_category.astype(np.int64)
         sparse = np.column_stack([cat, context]).astype(np.int64)
         cross = np.column_stack(
@@ -116,8 +126,8 @@ class FeatureEncoder:
             ]
         ).astype(np.int64)
         return RankInputs(
-            user.astype(np.float32),
-            item.astype(np.float32),
+            user,
+            item,
             dense,
             sparse,
             cross,

@@ -15,8 +15,8 @@ positive from ``item_pool`` (never the positive item itself).
 >>> bool(gu[0, 0] < 0), float(gu[0, 2])
 (True, 0.0)
 
-The local step (``local_step``): a row's gradients of a slice, summed, rejected whole when not
-finite, clipped to ``max_norm``, then u ← u − lr·g.
+The local step (``device_local_steps``): a row's gradients of a slice, summed, rejected whole
+when not finite, clipped to ``max_norm``, then u ← u − lr·g, in torch where the tables live.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from freshrec.gradients import clip_rows, finite_rows
+from freshrec.gradients import clip_rows_torch
+from inference.device import to_host
 from schemas.records import Event
 
 
@@ -87,17 +88,19 @@ def examples_from_events(
     )
 
 
-def logistic_gradients(
-    u: np.ndarray, v: np.ndarray, y: np.ndarray, w: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-example gradients for user and item rows (same shapes as ``u`` and ``v``)."""
-    logits = np.einsum("ij,ij->i", u, v)
-    p = 1.0 / (1.0 + np.exp(-np.clip(logits, -30, 30)))
-    coef = (w * (p - y)).astype(np.float32)[:, None]
+def logistic_gradients(u, v, y, w):
+    """Per-example gradients for user and item rows (same shapes as ``u`` and ``v``), in
+    torch on the rows' device; numpy arrays in, numpy arrays out."""
+    host = isinstance(u, np.ndarray)
+    if host:
+        u, v, y, w = (torch.from_numpy(np.asarray(a)) for a in (u, v, y, w))
+    logits = (u * v).sum(1)
+    p = torch.sigmoid(logits.clamp(-30, 30))
+    coef = (w * (p - y)).to(u.dtype)[:, None]
     gu = coef * v
     gv = coef * u
     gu[:, -1] = 0.0  # the user's constant column
-    return gu, gv
+    return (gu.numpy(), gv.numpy()) if host else (gu, gv)
 
 
 @dataclass(frozen=True)
@@ -155,25 +158,35 @@ def aggregate_groups(
     if len(index):
         src = np.ascontiguousarray(grads, np.float32 if single else np.float64)
         sums.index_add_(0, at, torch.from_numpy(src))
-    if counts is None:
-        group_counts = np.bincount(index, minlength=groups).astype(np.int64)
-    else:
-        group_counts = np.bincount(index, np.asarray(counts, np.int64), minlength=groups).astype(
-            np.int64
-        )
-    if event_ms is None or not len(index):
-        newest = np.zeros(groups, np.int64)
-    else:
-        newest = (
-            torch.zeros(groups, dtype=torch.int64)
-            .scatter_reduce_(
-                0, at, torch.from_numpy(np.asarray(event_ms, np.int64)), "amax", include_self=False
-            )
-            .numpy()
-        )
+    group_counts, newest = counts_and_newest(index, groups, event_ms, counts)
     return Grouped(
         distinct, sums.numpy().astype(grads.dtype, copy=False), group_counts, newest, index
     )
+
+
+def counts_and_newest(
+    index: np.ndarray,
+    groups: int,
+    event_ms: np.ndarray | None = None,
+    counts: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per group: the sum of ``counts`` (one per row by default) and the newest ``event_ms``
+    of the rows ``index`` puts in it (host arrays)."""
+    if counts is None:
+        group_counts = np.bincount(index, minlength=groups).astype(np.int64)
+    else:
+        group_counts = np.bincount(index, np.asarray(counts, np.int64), minlength=groups)
+        group_counts = group_counts.astype(np.int64)
+    if event_ms is None or not len(index):
+        return group_counts, np.zeros(groups, np.int64)
+    newest = torch.zeros(groups, dtype=torch.int64).scatter_reduce_(
+        0,
+        torch.from_numpy(index),
+        torch.from_numpy(np.asarray(event_ms, np.int64)),
+        "amax",
+        include_self=False,
+    )
+    return group_counts, newest.numpy()
 
 
 @dataclass(frozen=True)
@@ -186,14 +199,55 @@ class LocalStep:
     deltas: np.ndarray
 
 
-def local_step(sums: np.ndarray, lr: float, max_norm: float) -> LocalStep:
-    """The local step for rows whose gradients of a slice sum to ``sums``: non-finite rows
-    rejected whole, the rest clipped to ``max_norm`` and scaled by −lr.
+@dataclass(frozen=True)
+class TableSlice:
+    """One table's part of a slice, on the tables' device: the table's rows, the distinct
+    slots the slice touches, each example's position among them, its gradient."""
 
-    >>> s = local_step(np.array([[3.0, 4.0], [np.inf, 0.0]], np.float32), lr=0.5, max_norm=1.0)
-    >>> s.ok.tolist(), [round(float(x), 3) for x in s.deltas[0]]
-    ([True, False], [-0.3, -0.4])
+    rows: torch.Tensor
+    slots: torch.Tensor
+    index: torch.Tensor
+    grads: torch.Tensor
+
+
+def device_local_steps(parts: list[TableSlice], lr: float, max_norm: float) -> list[LocalStep]:
+    """The local step of a slice on every table, where the tables live: per distinct row the
+    sum of its gradients, non-finite rows rejected, the rest clipped, u ← u − lr·g applied in
+    place. Then one copy to the host — the clipped sums, which are the gradient batch the
+    parameter server is sent — from which each table's ``LocalStep`` is read (its deltas
+    computed by the same operation as on the device, so the step pool holds exactly what
+    the rows received).
+
+    >>> rows = torch.zeros((3, 2))
+    >>> part = TableSlice(rows, torch.tensor([2, 0]), torch.tensor([0, 1, 0]),
+    ...                   torch.tensor([[1.0, 0.0], [0.0, 4.0], [2.0, 0.0]]))
+    >>> (step,) = device_local_steps([part], lr=0.5, max_norm=2.0)
+    >>> step.ok.tolist(), step.sums.tolist(), rows.tolist()
+    ([True, True], [[2.0, 0.0], [0.0, 2.0]], [[0.0, -1.0], [0.0, 0.0], [-1.0, 0.0]])
     """
-    ok = finite_rows(sums)
-    clipped = clip_rows(sums[ok], max_norm)
-    return LocalStep(ok, clipped, -lr * clipped)
+    clipped_all, ok_all = [], []
+    for p in parts:
+        sums = torch.zeros(
+            (len(p.slots), p.grads.shape[1]), dtype=p.grads.dtype, device=p.grads.device
+        )
+        sums.index_add_(0, p.index, p.grads)
+        ok, clipped = clip_rows_torch(sums, max_norm)
+        p.rows.index_add_(0, p.slots, clipped.mul(-lr))  # rejected rows: zero, no step
+        clipped_all.append(clipped)
+        ok_all.append(ok)
+    if not parts:
+        return []
+    sizes = [len(c) for c in clipped_all]
+    packed = torch.cat(
+        [
+            torch.cat([c, o[:, None].to(c.dtype)], 1)
+            for c, o in zip(clipped_all, ok_all, strict=True)
+        ]
+    )
+    host = to_host(packed)  # the gradient batch: the slice's one copy to the host
+    out = []
+    for part in np.split(host, np.cumsum(sizes)[:-1]):
+        ok = part[:, -1] > 0
+        sums = np.ascontiguousarray(part[ok, :-1])
+        out.append(LocalStep(ok, sums, torch.from_numpy(sums).mul(-lr).numpy()))
+    return out

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from inference.device import to_device
 from inference.features import (
     CATEGORY_BUCKETS,
     CROSS_BUCKETS,
@@ -140,17 +141,17 @@ def build(kind: str, dim: int) -> nn.Module:
 
 
 def as_tensors(x: RankInputs, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return tuple(
-        torch.as_tensor(a, device=device) for a in (x.user, x.item, x.dense, x.sparse, x.cross)
-    )
+    """The inputs on ``device`` (those already there are not copied)."""
+    return tuple(to_device(a, device) for a in (x.user, x.item, x.dense, x.sparse, x.cross))
 
 
 @torch.inference_mode()
-def score(model: nn.Module, x: RankInputs, device: torch.device) -> np.ndarray:
+def score(model: nn.Module, x: RankInputs, device: torch.device, on_device: bool = False):
     """Click probabilities for every row of ``x`` in one forward pass (fp16 on CUDA); the
-    grouped form goes through the model's ``forward_grouped`` where it has one."""
+    grouped form goes through the model's ``forward_grouped`` where it has one. A numpy
+    array, or with ``on_device`` a tensor left on ``device`` (serving re-ranks there)."""
     if len(x) == 0:
-        return np.empty(0, np.float32)
+        return torch.empty(0, device=device) if on_device else np.empty(0, np.float32)
     grouped = x.owner is not None and hasattr(model, "forward_grouped")
     if x.owner is not None and not grouped:
         x = x.expanded()
@@ -158,7 +159,7 @@ def score(model: nn.Module, x: RankInputs, device: torch.device) -> np.ndarray:
 
     def run() -> torch.Tensor:
         if grouped:
-            owner = torch.as_tensor(x.owner, device=device)
+            owner = to_device(x.owner, device)
             return model.forward_grouped(user, owner, item, dense, sparse, cross)
         return model(user, item, dense, sparse, cross)
 
@@ -167,4 +168,5 @@ def score(model: nn.Module, x: RankInputs, device: torch.device) -> np.ndarray:
             logits = run()
     else:
         logits = run()
-    return torch.sigmoid(logits.float()).cpu().numpy()
+    probs = torch.sigmoid(logits.float())
+    return probs if on_device else probs.cpu().numpy()

@@ -17,6 +17,7 @@ what is already picked; similarity is the cosine of item embeddings.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def mmr(relevance: np.ndarray, vectors: np.ndarray, k: int, lam: float = 0.7) -> list[int]:
@@ -42,38 +43,40 @@ def mmr(relevance: np.ndarray, vectors: np.ndarray, k: int, lam: float = 0.7) ->
     return picked
 
 
-def mmr_batch(relevance: np.ndarray, vectors: np.ndarray, k: int, lam: float = 0.7) -> np.ndarray:
-    """``mmr`` for a batch of requests at once: ``relevance`` (B, P) with ``-inf`` where a
-    request has fewer than P candidates (padding), ``vectors`` (B, P, d). Returns (B, k)
-    indices in MMR order, ``-1`` past a request's candidates. Picks are those of ``mmr`` run
-    per request (same scores, same first-index tie-break), in k vectorised steps instead of
-    B × k small ones.
+def mmr_batch(relevance, vectors, k: int, lam: float = 0.7):
+    """``mmr`` for a batch of requests at once, in torch where the inputs live (a GPU's
+    ranking batch stays on it): ``relevance`` (B, P) with ``-inf`` where a request has fewer
+    than P candidates (padding), ``vectors`` (B, P, d). Returns (B, k) indices in MMR order,
+    ``-1`` past a request's candidates — a tensor on the inputs' device, or a numpy array for
+    numpy inputs. Picks are those of ``mmr`` run per request (same scores, same first-index
+    tie-break), in k vectorised steps instead of B × k small ones.
     """
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lambda must be in [0, 1], got {lam}")
-    b, n = relevance.shape
+    host = isinstance(relevance, np.ndarray)
+    rel = torch.as_tensor(relevance, dtype=torch.float64)
+    vecs = torch.as_tensor(vectors)
+    b, n = rel.shape
     k = min(k, n)
-    out = np.full((b, max(k, 0)), -1, np.int64)
-    if k <= 0 or b == 0:
-        return out
-    norms = np.linalg.norm(vectors, axis=2, keepdims=True)
-    unit = vectors / np.maximum(norms, 1e-12)
-    valid = np.isfinite(relevance)
-    base = lam * np.where(valid, relevance, 0.0)
-    max_sim = np.full((b, n), -np.inf)
-    available = valid.copy()
-    rows = np.arange(b)
-    for step in range(k):
-        penalty = np.where(np.isinf(max_sim), 0.0, max_sim)
-        score = base - (1.0 - lam) * penalty
-        score[~available] = -np.inf
-        best = score.argmax(axis=1)
-        live = available[rows, best]  # False once a request has run out of candidates
-        out[live, step] = best[live]
-        available[rows, best] = False
-        sim = np.matmul(unit, unit[rows, best][:, :, None])[:, :, 0]
-        max_sim = np.maximum(max_sim, sim)
-    return out
+    out = torch.full((b, max(k, 0)), -1, dtype=torch.int64, device=rel.device)
+    if k > 0 and b > 0:
+        unit = vecs / vecs.norm(dim=2, keepdim=True).clamp_min(1e-12)
+        valid = torch.isfinite(rel)
+        base = lam * torch.where(valid, rel, torch.zeros((), dtype=rel.dtype))
+        max_sim = torch.full((b, n), -torch.inf, dtype=torch.float64, device=rel.device)
+        available = valid.clone()
+        rows = torch.arange(b, device=rel.device)
+        minus_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=rel.device)
+        for step in range(k):
+            penalty = torch.where(torch.isinf(max_sim), torch.zeros_like(max_sim), max_sim)
+            score = torch.where(available, base - (1.0 - lam) * penalty, minus_inf)
+            best = score.argmax(dim=1)
+            live = available[rows, best]  # False once a request has run out of candidates
+            out[:, step] = torch.where(live, best, -1)
+            available[rows, best] = False
+            sim = torch.matmul(unit, unit[rows, best][:, :, None])[:, :, 0]
+            max_sim = torch.maximum(max_sim, sim.to(torch.float64))
+    return out.numpy() if host else out
 
 
 def space_categories(categories: list[str], min_gap: int) -> list[int]:

@@ -30,6 +30,7 @@ from inference.ann import IVFIndex, ivf_cells
 from inference.cache import EmbeddingCache
 from inference.channels import DEFAULT_CHANNELS, NEW_ITEMS, ServingState, category_members
 from inference.degrade import CACHED, FULL, HOT, LIGHT, Ladder, LadderConfig, Situation
+from inference.device import to_host
 from inference.features import RECENT, FeatureEncoder, recent_category_share
 from inference.merge import found_by, merge_slot_arrays
 from inference.modelfile import ModelWatcher
@@ -167,11 +168,9 @@ class Recommender:
             cat_index = np.full(n, -1, np.int64)
             cat_index[slots] = np.arange(len(cat.names))
             named = torch.zeros(n, dtype=torch.bool, device=self.cache.device)
-            named[torch.as_tensor(slots, device=self.cache.device)] = True
-            slot_category = torch.full((n,), -1, dtype=torch.int64, device=self.cache.device)
-            slot_category[torch.as_tensor(slots, device=self.cache.device)] = torch.as_tensor(
-                cat.category, device=self.cache.device
-            )
+            named[self.cache.to_device(slots)] = True
+            slot_category = np.full(n, -1, np.int64)
+            slot_category[slots] = cat.category
             st = self.state
             st.slot_category = slot_category
             st.category_slots = category_members(cat.category, slots)
@@ -339,18 +338,18 @@ class Recommender:
         note = None
         try:
             slots = self.cache.slots(TABLE_USER, ids)
-            rows = self.cache.gather(TABLE_USER, slots)
+            rows = self.cache.rows(TABLE_USER, slots)
             versions = self.cache.users.version[slots].astype(np.int64)
             event_ms = self.cache.users.event_ms[slots]
         except redis.RedisError:
             note = "redis unavailable: users not resident start from their initial rows"
-            rows = initial_rows(ids, TABLE_USER, self.cache.dim)
+            rows = self.cache.to_device(initial_rows(ids, TABLE_USER, self.cache.dim))
             versions = np.zeros(len(ids), np.int64)
             event_ms = np.zeros(len(ids), np.int64)
             for j, rid in enumerate(ids.tolist()):
                 slot = self.cache.held(TABLE_USER, rid)
                 if slot is not None:
-                    rows[j] = self.cache.gather(TABLE_USER, np.array([slot]))[0]
+                    rows[j] = self.cache.users.rows[slot]
                     versions[j] = int(self.cache.users.version[slot])
                     event_ms[j] = int(self.cache.users.event_ms[slot])
         ages = [int(now_ms - t) if t > 0 else None for t in event_ms.tolist()]
@@ -380,7 +379,7 @@ class Recommender:
             inputs, realtime_note = self._inputs(reqs, user_rows, merged, group, tier)
             note = note or realtime_note
             try:
-                probs = score(model, inputs, self.cache.device)
+                probs = score(model, inputs, self.cache.device, on_device=True)
             except Exception as exc:  # a broken model must not stop serving
                 log.error("%s model failed on a batch: %s", tier, exc)
                 m.DEGRADED.labels(tier, "model_error").inc()
@@ -389,8 +388,9 @@ class Recommender:
                 for j in group:
                     choices[j] = type(choices[j])(HOT, f"{tier} model error")
                 continue
-            bounds = np.cumsum([len(merged[j]) for j in group])[:-1]
-            for j, part in zip(group, np.split(probs, bounds), strict=True):
+            for j, part in zip(
+                group, torch.split(probs, [len(merged[j]) for j in group]), strict=True
+            ):
                 ranked[j] = part
             cost = (time.monotonic() - t0) * 1000
             if tier == FULL:
@@ -404,7 +404,7 @@ class Recommender:
         slots = np.concatenate([merged[j].slots for j in group])
         owner = np.repeat(np.asarray(group, np.int64), lens)
         n = len(slots)
-        items = self.cache.gather(TABLE_ITEM, slots)
+        items = self.cache.rows(TABLE_ITEM, slots)
         cat_idx = self.cat_index[slots]
         cat = self.snap.catalogue
         dense = np.zeros((n, 4), np.float32)
@@ -440,7 +440,13 @@ class Recommender:
             lo += size
         local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
         inputs = self.encoder.encode(
-            user_rows[group], items, dense, categories, ctx[owner], shares, owner=local
+            user_rows.index_select(0, self.cache.to_device(np.asarray(group, np.int64))),
+            items,
+            dense,
+            categories,
+            ctx[owner],
+            shares,
+            owner=local,
         )
         return inputs, note
 
@@ -471,31 +477,47 @@ class Recommender:
                     dense[base + k, 1:4] = got
         return None
 
-    def _rerank(self, merged: list[Candidates], ranked: dict[int, np.ndarray], reqs):
-        """MMR over the head of each ranking (all requests of the batch in one ``mmr_batch``),
-        then category spacing. Returns, per ranked request, [(item, score, channels)]."""
+    def _rerank(self, merged: list[Candidates], ranked: dict[int, torch.Tensor], reqs):
+        """MMR over the head of each ranking (all requests of the batch in one ``mmr_batch``,
+        on the tables' device), then category spacing. Returns, per ranked request,
+        [(item, score, channels)]. The picks, their slots and scores come to the host in one
+        copy: the reply."""
         if not ranked:
             return {}
         js = list(ranked)
         k = max(reqs[j].k for j in js)
         factor = self.settings.mmr_pool_factor
-        heads = [np.argsort(-ranked[j], kind="stable")[: max(factor * reqs[j].k, 50)] for j in js]
+        dev = self.cache.device
+        heads = [
+            torch.sort(-ranked[j], stable=True).indices[: max(factor * reqs[j].k, 50)] for j in js
+        ]
         width = max(len(h) for h in heads)
-        rel = np.full((len(js), width), -np.inf)
-        head_slots = np.zeros((len(js), width), np.int64)
+        rel = torch.full((len(js), width), -torch.inf, dtype=torch.float64, device=dev)
+        head_slots = torch.zeros((len(js), width), dtype=torch.int64, device=dev)
         for row, (j, head) in enumerate(zip(js, heads, strict=True)):
-            rel[row, : len(head)] = ranked[j][head]
-            head_slots[row, : len(head)] = merged[j].slots[head]
-        vecs = self.cache.gather(TABLE_ITEM, head_slots.ravel())[:, : self.cache.dim]
+            rel[row, : len(head)] = ranked[j][head].to(torch.float64)
+            head_slots[row, : len(head)] = self.cache.to_device(merged[j].slots)[head]
+        vecs = self.cache.items.rows.index_select(0, head_slots.reshape(-1))[:, : self.cache.dim]
         picks = mmr_batch(rel, vecs.reshape(len(js), width, -1), k, self.settings.mmr_lambda)
+        taken = picks.clamp_min(0)
+        reply = to_host(
+            torch.stack(
+                [
+                    picks.to(torch.float64),
+                    head_slots.gather(1, taken).to(torch.float64),  # exact: slots < 2^53
+                    rel.gather(1, taken),
+                ]
+            )
+        )
         out = {}
         for row, j in enumerate(js):
-            picked = picks[row, : reqs[j].k]
-            picked = picked[picked >= 0]
-            slots = head_slots[row, picked]
+            n = reqs[j].k
+            picked = reply[0, row, :n] >= 0
+            slots = reply[1, row, :n][picked].astype(np.int64)
+            rel_row = reply[2, row, :n][picked]
             order = space_categories(self._categories(slots), self.settings.category_gap)
             final = slots[order]
-            scores = np.round(rel[row, picked[order]], 6).tolist()
+            scores = np.round(rel_row[order], 6).tolist()
             channels = found_by(final, merged[j].per_channel)
             names = self.name_of_slot[final].tolist()
             out[j] = list(zip(names, scores, channels, strict=True))

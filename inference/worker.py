@@ -56,16 +56,18 @@ from freshrec.topics import TopicNames
 from inference.admission import AdmissionFilter
 from inference.batching import EventSlicer
 from inference.breaker import CLOSED, HALF_OPEN
-from inference.cache import EmbeddingCache, pick_device
+from inference.cache import EmbeddingCache
 from inference.channels import make_channels
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter
+from inference.device import pick_device
 from inference.gradients import GradientSender
 from inference.intake import RequestIntake
 from inference.learning import (
-    aggregate_groups,
+    TableSlice,
+    counts_and_newest,
+    device_local_steps,
     examples_from_events,
-    local_step,
     logistic_gradients,
 )
 from inference.modelfile import ModelWatcher
@@ -454,36 +456,43 @@ class Worker:
         self._newest_local.set(self._newest_local_ms / 1000)
 
     def learn(self, ex) -> None:
-        """The local step for a batch of labelled examples: gradients, the step on the cached
-        rows at once, the steps remembered, the gradients into the outbox."""
+        """The local step for a batch of labelled examples, where the tables live (on a GPU
+        the one host copy is the gradient batch): gradients, the step on the cached rows at
+        once, the steps remembered, the gradients into the outbox."""
         # each table's rows grouped once: for the cache's slots and the gradients' sums
         users = np.unique(row_ids(ex.users), return_inverse=True)
         items = np.unique(self.item_row_ids(ex.items), return_inverse=True)
         user_slots = self.cache.distinct_slots(TABLE_USER, users[0])
         item_slots = self.cache.distinct_slots(TABLE_ITEM, items[0])
-        u = self.cache.gather(TABLE_USER, user_slots[users[1]])
-        v = self.cache.gather(TABLE_ITEM, item_slots[items[1]])
-        gu, gv = logistic_gradients(u, v, ex.labels, ex.weights)
+        to_device = self.cache.to_device
+        us, ui = to_device(user_slots), to_device(users[1])
+        its, ii = to_device(item_slots), to_device(items[1])
+        user_rows, item_rows = self.cache.users.rows, self.cache.items.rows
+        u = user_rows.index_select(0, us.index_select(0, ui))
+        v = item_rows.index_select(0, its.index_select(0, ii))
+        gu, gv = logistic_gradients(u, v, to_device(ex.labels), to_device(ex.weights))
         learning = self.settings.learning
+        local = device_local_steps(
+            [TableSlice(user_rows, us, ui, gu), TableSlice(item_rows, its, ii, gv)],
+            learning.lr,
+            learning.max_grad_norm,
+        )
         now_ms = _now_ms()
-        for table, (distinct, index), key_slots, grads in (
-            (TABLE_USER, users, user_slots, gu),
-            (TABLE_ITEM, items, item_slots, gv),
+        for table, (distinct, index), key_slots, step in (
+            (TABLE_USER, users, user_slots, local[0]),
+            (TABLE_ITEM, items, item_slots, local[1]),
         ):
-            g = aggregate_groups(distinct, index, grads, ex.event_ms)
-            step = local_step(g.sums, learning.lr, learning.max_grad_norm)
             rejected = int((~step.ok).sum())
             if rejected:
                 m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "non_finite").inc(rejected)
-            key_slots = key_slots[step.ok]
-            self.cache.add(table, key_slots, step.deltas)
-            steps = self.pending.record(table, key_slots, step.deltas)
+            counts, newest = counts_and_newest(index, len(distinct), ex.event_ms)
+            steps = self.pending.record(table, key_slots[step.ok], step.deltas)
             held_back = self.outbox.add(
                 table,
-                g.keys[step.ok],
+                distinct[step.ok],
                 step.sums,
-                g.counts[step.ok],
-                g.newest[step.ok],
+                counts[step.ok],
+                newest[step.ok],
                 steps,
                 now_ms,
             )

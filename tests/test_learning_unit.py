@@ -602,3 +602,42 @@ def test_items_untouched_since_a_time_leave_the_table_and_their_slots_are_reused
         == initial_rows(np.array([20]), TABLE_ITEM, 4)[0].tolist()
     )
     assert cache.slots(TABLE_ITEM, np.array([13])).tolist() == [len(first) + 1]  # back: anew
+
+
+def test_the_device_local_step_equals_the_numpy_rules_the_parameter_server_applies():
+    """The worker's slice arithmetic in torch (sums, rejection, clipping, −lr·g, applied in
+    place) against the numpy rules of ``freshrec.gradients`` and ``aggregate``."""
+    import torch
+
+    from freshrec.gradients import clip_rows, finite_rows
+    from inference.learning import TableSlice, device_local_steps
+
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        n, groups, w = int(rng.integers(1, 200)), int(rng.integers(1, 30)), 5
+        index = rng.integers(0, groups, n)
+        grads = (rng.standard_normal((n, w)) * rng.choice([0.1, 1.0, 5.0])).astype(np.float32)
+        if rng.random() < 0.3:
+            grads[rng.integers(0, n)] = np.nan
+        slots = rng.permutation(40)[:groups]
+        rows = torch.zeros((40, w))
+        (step,) = device_local_steps(
+            [
+                TableSlice(
+                    rows, torch.from_numpy(slots), torch.from_numpy(index), torch.from_numpy(grads)
+                )
+            ],
+            lr=0.05,
+            max_norm=1.0,
+        )
+        g = aggregate(index, grads)
+        sums = np.zeros((groups, w), np.float32)
+        sums[g.keys] = g.sums
+        ok = finite_rows(sums)
+        expected = clip_rows(sums[ok], 1.0)
+        np.testing.assert_array_equal(step.ok, ok)
+        np.testing.assert_allclose(step.sums, expected, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(step.deltas, (-0.05 * torch.from_numpy(step.sums)).numpy())
+        moved = np.zeros((40, w), np.float32)
+        moved[slots[ok]] = step.deltas
+        np.testing.assert_array_equal(rows.numpy(), moved)  # rejected rows took no step

@@ -312,7 +312,7 @@ def device_arg(ap, text: str):
     error when this host cannot use it (e.g. ``cuda`` on a CPU-only build of torch)."""
     import torch
 
-    from inference.cache import pick_device
+    from inference.device import pick_device
 
     try:
         device = pick_device(text)

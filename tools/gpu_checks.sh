@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# GPU checks, in one go: the tests that drive the worker (its tables, vector search and
-# ranking then run on CUDA: FRESHREC_DEVICE defaults to auto), and the serving benchmarks'
-# GPU figures beside the same host's CPU ones. Needs a CUDA build of torch and a GPU.
+# GPU checks, in one go: that a learning slice and a serving batch copy nothing back to the
+# host but the gradient batch, recall's candidates and the reply (tools/gpu_sync_check.py,
+# under torch.cuda.set_sync_debug_mode), the tests that drive the worker (its tables, vector
+# search and ranking then run on CUDA: FRESHREC_DEVICE defaults to auto), and the serving
+# benchmarks' GPU figures beside the same host's CPU ones. Needs a CUDA build of torch and a GPU.
 #
 #   tools/gpu_checks.sh [OUT_DIR]          # default: artifacts/gpu
 #   PYTHON=/path/to/python tools/gpu_checks.sh
 #
-# Writes OUT_DIR/pytest.log, bench_ann_cuda.json, bench_serving_cuda.json,
+# Writes OUT_DIR/sync_check.log, pytest.log, bench_ann_cuda.json, bench_serving_cuda.json,
 # bench_serving_cpu.json and a log of each step; exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +27,7 @@ step() {  # step NAME COMMAND...: run, log, keep going
   if ! "$@" >"$OUT/$name.log" 2>&1; then echo "   failed (see $OUT/$name.log)"; failed=1; fi
   tail -n 3 "$OUT/$name.log"
 }
+step sync_check "$PY" -m tools.gpu_sync_check
 # the kafkajs interop test needs node and npm, not a GPU
 step pytest "$PY" -m pytest -q -p no:cacheprovider -k "not kafkajs" \
   tests/test_learning_unit.py tests/test_serving_unit.py tests/test_learning_e2e.py tests/test_serving_e2e.py

@@ -58,11 +58,11 @@ def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dic
 def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest: dict) -> int:
     """Write the trained two-tower rows to Redis where no row exists yet."""
     import redis
-    from schemas.rows import TABLE_ITEM, TABLE_USER
 
     from freshrec.rediskeys import RedisKeys
     from freshrec.rowstore import seed_rows
     from inference.modelfile import load_tensors
+    from schemas.rows import TABLE_ITEM, TABLE_USER
 
     tensors = load_tensors(directory, manifest["files"]["two_tower"])
     r = redis.Redis.from_url(conn.redis_url)

@@ -1,0 +1,48 @@
+"""Where the tables live, and the copies that leave it. Pure.
+
+The worker keeps its tables on one device (CUDA when present, else the CPU) and does its
+arithmetic there: a learning slice and a ranking batch each copy to the host only what must
+leave the device — the gradient batch for Kafka, the candidates recall hands to the merge,
+the reply. ``to_host`` is that copy: under ``torch.cuda.set_sync_debug_mode("error")``
+(``tools/gpu_checks.sh``) it is the one sync allowed, so any other copy back, or any other
+operation that makes the host wait for the device, fails the check.
+
+>>> import numpy as np
+>>> to_host(torch.tensor([1.0, 2.0])).tolist(), HOST_COPIES["count"] > 0
+([1.0, 2.0], True)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+HOST_COPIES = {"count": 0}
+"""Designated device→host copies made so far (a GPU check counts them per slice and batch)."""
+
+
+def pick_device(setting: str = "auto") -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def to_device(a, device: torch.device) -> torch.Tensor:
+    """A host array (or tensor) on ``device``. ``non_blocking``: a copy to a GPU does not make
+    the host wait (the source may be reused at once all the same)."""
+    if isinstance(a, torch.Tensor):
+        return a.to(device, non_blocking=True)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """The one sanctioned copy of ``t`` back to the host."""
+    HOST_COPIES["count"] += 1
+    if t.device.type != "cuda":
+        return t.detach().numpy()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return t.detach().cpu().numpy()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)

@@ -1,0 +1,105 @@
+"""On a GPU: a learning slice and a serving batch copy back to the host only what must leave.
+
+The worker keeps its tables on the device and does a slice's arithmetic (gather, logistic
+gradient, sums, clipping, the local step) and a batch's ranking and MMR there; the copies back
+are ``inference.device.to_host``: the gradient batch, the candidates recall hands to the merge,
+the reply. Under ``torch.cuda.set_sync_debug_mode("error")`` every other device→host copy, and
+every other operation that makes the host wait for the device, raises — so a learning slice
+and a serving batch that complete show that none was made. Prints the copies each made.
+
+    python -m tools.gpu_sync_check            # needs CUDA; exits 2 without it
+    python -m tools.gpu_sync_check --device cpu   # the same path on the CPU: copies counted,
+                                                  # no sync check (a CPU has none to make)
+
+A private embedded stack (or ``KAFKA_BOOTSTRAP_SERVERS``/``REDIS_URL``) holds a small
+synthetic world; the worker is warmed up first (rows loaded, models and catalogue adopted):
+a cold row's first load from Redis is a host→device copy outside the measured path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inference.device import HOST_COPIES
+from inference.learning import Examples
+from inference.settings import LearningSettings, WorkerSettings
+from inference.train import TrainConfig
+from inference.worker import Worker
+from tools.bench_serving import _inbound
+from tools.benchlib import bench_connection
+from tools.seed import seed_world
+from tools.world import World, WorldConfig
+
+DIM = 32
+WORLD = WorldConfig(seed=5, n_users=5000, n_items=2000, n_categories=12)
+
+
+def examples(world: World, n: int, seed: int) -> Examples:
+    rng = np.random.default_rng(seed)
+    users = [World.user_id(int(u)) for u in world.sample_users(rng, n)]
+    items = [World.item_id(int(i)) for i in world.sample_popular_items(rng, n)]
+    now = int(time.time() * 1000)
+    return Examples(
+        users,
+        items,
+        (rng.random(n) < 0.3).astype(np.float32),
+        np.ones(n, np.float32),
+        np.full(n, now, np.int64),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    device = ap.parse_args(argv).device
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("gpu_sync_check: torch sees no CUDA device; nothing to check", file=sys.stderr)
+        return 2
+    world = World(WORLD)
+    with tempfile.TemporaryDirectory() as tmp, bench_connection("gpucheck.") as conn:
+        models = Path(tmp) / "models"
+        world.train(TrainConfig(impressions=40_000, dim=DIM), models, lambda s: None)
+        seed_world(conn.redis_url, conn.topic_prefix, world, models)
+        w = Worker(WorkerSettings(conn, LearningSettings(dim=DIM), model_dir=models, device=device))
+        w.start()
+        try:
+            ex = examples(world, 4000, seed=1)
+            batch = _inbound(world, 32, seed=2)
+            for _ in range(3):  # warm: rows resident, catalogue and models adopted
+                w.learn(ex)
+                w.recommender.serve(batch)
+            out = {"device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+            if cuda:
+                torch.cuda.synchronize()
+            for name, work in (
+                ("learning_slice", lambda: w.learn(ex)),
+                ("serving_batch", lambda: w.recommender.serve(batch)),
+            ):
+                before = HOST_COPIES["count"]
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    work()
+                finally:
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode(0)
+                out[name] = {"host_copies": HOST_COPIES["count"] - before}
+                if cuda:
+                    out[name]["other_syncs"] = 0  # any would have raised
+        finally:
+            w.close()
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
