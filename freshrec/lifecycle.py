@@ -26,6 +26,14 @@ def settle_heap() -> int:
     return gc.get_freeze_count()
 
 
+def set_from_signal(event: threading.Event) -> None:
+    """Set ``event`` from a signal handler. The handler runs on the main thread between two
+    bytecodes, possibly while that thread holds the event's lock (inside ``wait`` or
+    ``set``): setting it right there would wait for itself forever, so another thread sets
+    it."""
+    threading.Thread(target=event.set, daemon=True, name="signalled").start()
+
+
 def run_until_signalled(
     name: str, loop: Callable[[threading.Event], None], metrics_port: int
 ) -> int:
@@ -33,7 +41,7 @@ def run_until_signalled(
     serve_metrics(metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: set_from_signal(stop))
     loop(stop)
     logging.getLogger(f"freshrec.{name}").info("%s stopped", name)
     return 0

@@ -187,7 +187,16 @@ CHANNELS: dict[str, type[RecallChannel]] = {
     c.name: c for c in (VectorChannel, I2IChannel, HotChannel, RegionChannel, NewItemsChannel)
 }
 """Every recall channel, by name, in the order the runner starts them."""
-DEFAULT_CHANNELS: dict[str, ChannelConfig] = {name: c.default for name, c in CHANNELS.items()}
+
+
+def default_channels() -> dict[str, ChannelConfig]:
+    """Every registered channel with its default quota and deadline (all of them run unless
+    ``FRESHREC_RECALL_CHANNELS`` names a subset)."""
+    return {name: c.default for name, c in CHANNELS.items()}
+
+
+DEFAULT_CHANNELS = default_channels()
+"""The channels FreshRec ships, with their defaults."""
 
 
 def make_channels(

@@ -28,7 +28,7 @@ from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
 from freshrec.rediskeys import RedisKeys
 from inference.ann import IVFIndex, ivf_cells
 from inference.cache import EmbeddingCache
-from inference.channels import DEFAULT_CHANNELS, NEW_ITEMS, ServingState, category_members
+from inference.channels import NEW_ITEMS, ServingState, category_members, default_channels
 from inference.degrade import CACHED, FULL, HOT, LIGHT, Ladder, LadderConfig, Situation
 from inference.device import to_host
 from inference.features import RECENT, FeatureEncoder, recent_category_share
@@ -53,7 +53,7 @@ class ServingSettings:
     """Deadline budget of a request that names none."""
     mmr_lambda: float = 0.7
     category_gap: int = 2
-    channels: dict[str, ChannelConfig] = field(default_factory=lambda: dict(DEFAULT_CHANNELS))
+    channels: dict[str, ChannelConfig] = field(default_factory=default_channels)
     ladder: LadderConfig = field(default_factory=LadderConfig)
     result_ttl_ms: int = 3_600_000
     result_cache_entries: int = 100_000

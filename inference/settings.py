@@ -20,7 +20,7 @@ from freshrec.settings import (
     state_dir,
 )
 from inference.breaker import BreakerConfig
-from inference.channels import DEFAULT_CHANNELS, parse_delays
+from inference.channels import default_channels, parse_delays
 from inference.degrade import LadderConfig
 from inference.learning import LabelConfig
 from inference.serving import ServingSettings
@@ -119,14 +119,14 @@ class WorkerSettings:
             gradient_linger_ms=env_int(env, "FRESHREC_GRADIENT_LINGER_MS", 100, minimum=0),
             max_pending_steps=env_int(env, "FRESHREC_MAX_PENDING_STEPS", 1_000_000, minimum=1_000),
         )
-        channels = dict(DEFAULT_CHANNELS)
+        channels = default_channels()
         enabled = env.get("FRESHREC_RECALL_CHANNELS")
         if enabled:
             wanted = [c.strip() for c in enabled.split(",") if c.strip()]
-            unknown = [c for c in wanted if c not in DEFAULT_CHANNELS]
+            unknown = [c for c in wanted if c not in channels]
             if unknown:
                 raise SettingsError(f"FRESHREC_RECALL_CHANNELS: unknown channel(s) {unknown}")
-            channels = {c: DEFAULT_CHANNELS[c] for c in wanted}
+            channels = {c: channels[c] for c in wanted}
         scale = env_float(env, "FRESHREC_RECALL_DEADLINE_SCALE", 1.0, positive=True)
         channels = {k: replace(v, deadline_ms=v.deadline_ms * scale) for k, v in channels.items()}
         serving = ServingSettings(

@@ -681,3 +681,43 @@ def test_a_requests_offset_is_committable_only_once_every_earlier_request_is_don
     r.forget([1])  # revoked: not this worker's to commit
     r.done(1, 2)
     assert r.committable() == {0: 10}
+
+
+def test_a_sixth_recall_channel_is_one_class_and_one_line(monkeypatch):
+    """The example of docs/serving.md ("Adding a recall channel"): registered in CHANNELS,
+    settings know it, the worker's runner builds it and serves from it."""
+    from inference import channels as ch
+    from inference.recall import ChannelConfig, RecallQuery, RecallRunner
+    from inference.settings import WorkerSettings
+
+    class RegionalFreshChannel(ch.RecallChannel):
+        """Global hot items that are not on the request region's hot list."""
+
+        name = "regional_fresh"
+        default = ChannelConfig(quota=30, deadline_ms=20.0)
+        inline = True
+
+        def recall(self, queries, n):
+            lists = self.state.lists
+            hot = lists.get("global", ch.NONE)
+            out = []
+            for q in queries:
+                seen = lists.get(q.region, ch.NONE) if q.region else ch.NONE
+                out.append(hot[~np.isin(hot, seen)][:n])
+            return out
+
+    monkeypatch.setitem(ch.CHANNELS, RegionalFreshChannel.name, RegionalFreshChannel)
+    settings = WorkerSettings.from_env(
+        {"FRESHREC_RECALL_CHANNELS": "hot,regional_fresh", "FRESHREC_WORKER_ID": "w"}
+    )
+    configs = settings.serving.channels
+    assert configs["regional_fresh"] == RegionalFreshChannel.default
+    state = ch.ServingState(cache=None, redis=None, keys=None, recent_clicks=lambda u: [])
+    state.lists = {"global": np.array([5, 6, 7, 8]), "north": np.array([6, 8])}
+    runner = RecallRunner(ch.make_channels(configs, state), configs)
+    try:
+        (found,) = runner.run([RecallQuery("u1", np.zeros(3, np.float32), "north")]).per_query
+    finally:
+        runner.close()
+    assert found["regional_fresh"].tolist() == [5, 7]
+    assert found["hot"].tolist() == [5, 6, 7, 8]

@@ -9,7 +9,7 @@ The throughput phase alternates raw reads of the events with passes of a new wor
 same events (its own topics: a worker's group follows from its prefix), ``--passes`` of each,
 and sets the fastest against the fastest: noise only slows a run, on either side. Both run in
 this process with its heap frozen first (``settle_heap``, as every FreshRec service does at
-start): until session 15 the raw reads ran before the worker had frozen it, and the cyclic
+start): until 2026-11-30 (eb7ddd2) the raw reads ran before the worker had frozen it, and the cyclic
 collector, set off by the Message objects a read creates, walked torch's ~184,000 objects
 during each read: the reads came out at about half a plain consumer's rate (0.58-0.77M
 against 1.19-1.30M events/s once frozen, scratch runs) and the ratio at 1.3-2x what it is.

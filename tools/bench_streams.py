@@ -85,7 +85,7 @@ def main() -> None:
         # the raw reads get what the timed instance read: the same events on a topic of their
         # own, without the warm-up's head of one-event batches, which the instance had read
         # before its clock started (on the embedded broker that head alone took a raw read of
-        # 500,000 events from 1.76-1.90M to 1.20-1.39M events/s: scratch runs, session 16)
+        # 500,000 events from 1.76-1.90M to 1.20-1.39M events/s: scratch runs, 2026-12-01 (61c523a))
         plain = events_on_own_topics(conn, conn.topic_prefix + "raw.", records)
         raw, raw_reads = raw_consume_best(
             plain, TopicNames(plain.topic_prefix).events, len(records)

@@ -197,7 +197,7 @@ def raw_consume_best(
     its own at start): otherwise the cyclic collector, set off by the Message objects a read
     creates, walks the benchmark's long-lived objects during each read. In ``bench_streams``'
     process (~50,000 of them) reads of 200,000 events ran at 1.06-1.09M/s, frozen at
-    1.23-1.36M/s; in ``bench_learning``'s, with torch's, at about half (session 16)."""
+    1.23-1.36M/s; in ``bench_learning``'s, with torch's, at about half (2026-12-01 (61c523a))."""
     settle_heap()
     rates = [raw_consume_rate(conn, topic, expected) for _ in range(reads)]
     return max(rates), [round(r) for r in rates]

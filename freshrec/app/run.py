@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from freshrec.app.commands import provision_topics, start_dashboard
 from freshrec.app.stack import EmbeddedStack, StackError, external_services
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
 from freshrec.app.training import ensure_models, load_starting_embeddings, model_dir
+from freshrec.lifecycle import set_from_signal
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings, load_environment, state_dir
 
@@ -120,6 +122,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             dashboard = start_dashboard(targets, "127.0.0.1", args.dashboard_port)
             progress.done(f"dashboard: {dashboard.url}  (terminal: freshrec top)")
             stop = threading.Event()
+            interrupted = _stop_on_signals(stop)
             watcher = threading.Thread(
                 target=_watch_services, args=(services, stop), daemon=True, name="watch"
             )
@@ -157,7 +160,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed\n"
         f"closed loop: {loop.stats.final()}\n{final}"
     )
+    if interrupted:
+        return 130
     return 0 if stats.failed == 0 and (args.requests == 0 or loop.stats.replied > 0) else 1
+
+
+def _stop_on_signals(stop: threading.Event) -> list[int]:
+    """From here on Ctrl-C (or SIGTERM) sets ``stop``: the run winds down the way it does at
+    the end of ``--duration`` and prints its summary. A KeyboardInterrupt raised wherever the
+    main thread happened to be could leave a lock held that the clean-up then waits for
+    (``stop``'s own, inside ``Event.wait``: the run hung on Ctrl-C). Returns the list of
+    signals received."""
+    received: list[int] = []
+
+    def handler(signum, frame) -> None:
+        if not received:
+            os.write(2, b"\ninterrupted: stopping (the summary follows)\n")
+        received.append(signum)
+        set_from_signal(stop)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return received
 
 
 def _watch_services(services: ServiceGroup, stop: threading.Event) -> None:
