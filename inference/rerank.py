@@ -58,24 +58,27 @@ def mmr_batch(relevance, vectors, k: int, lam: float = 0.7):
     vecs = torch.as_tensor(vectors)
     b, n = rel.shape
     k = min(k, n)
-    out = torch.full((b, max(k, 0)), -1, dtype=torch.int64, device=rel.device)
-    if k > 0 and b > 0:
-        unit = vecs / vecs.norm(dim=2, keepdim=True).clamp_min(1e-12)
-        valid = torch.isfinite(rel)
-        base = lam * torch.where(valid, rel, torch.zeros((), dtype=rel.dtype))
-        max_sim = torch.full((b, n), -torch.inf, dtype=torch.float64, device=rel.device)
-        available = valid.clone()
-        rows = torch.arange(b, device=rel.device)
-        minus_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=rel.device)
-        for step in range(k):
-            penalty = torch.where(torch.isinf(max_sim), torch.zeros_like(max_sim), max_sim)
-            score = torch.where(available, base - (1.0 - lam) * penalty, minus_inf)
-            best = score.argmax(dim=1)
-            live = available[rows, best]  # False once a request has run out of candidates
-            out[:, step] = torch.where(live, best, -1)
-            available[rows, best] = False
-            sim = torch.matmul(unit, unit[rows, best][:, :, None])[:, :, 0]
-            max_sim = torch.maximum(max_sim, sim.to(torch.float64))
+    if k <= 0 or b == 0:
+        out = torch.full((b, max(k, 0)), -1, dtype=torch.int64, device=rel.device)
+        return out.numpy() if host else out
+    unit = vecs / vecs.norm(dim=2, keepdim=True).clamp_min(1e-12)
+    flat_unit = unit.reshape(b * n, -1)
+    alive = torch.isfinite(rel)  # a candidate not picked yet (padding never is one)
+    base = lam * rel.masked_fill(~alive, 0.0)
+    offsets = torch.arange(b, device=rel.device) * n
+    score = base.masked_fill(~alive, -torch.inf)
+    max_sim = None
+    tops, bests = [], []
+    for _ in range(k):  # few small ops a step: their count is the cost on a CPU
+        top, best = score.max(dim=1)  # the first of equal maxima, as numpy's argmax
+        tops.append(top)
+        bests.append(best)
+        at = offsets + best
+        alive.view(-1).index_fill_(0, at, False)
+        sim = (unit * flat_unit.index_select(0, at)[:, None, :]).sum(2)  # a CPU's bmm is slower
+        max_sim = sim if max_sim is None else torch.maximum(max_sim, sim)
+        score = torch.add(base, max_sim, alpha=-(1.0 - lam)).masked_fill_(~alive, -torch.inf)
+    out = torch.stack(bests, 1).masked_fill_(torch.stack(tops, 1) == -torch.inf, -1)
     return out.numpy() if host else out
 
 

@@ -487,16 +487,22 @@ class Recommender:
         js = list(ranked)
         k = max(reqs[j].k for j in js)
         factor = self.settings.mmr_pool_factor
-        dev = self.cache.device
-        heads = [
-            torch.sort(-ranked[j], stable=True).indices[: max(factor * reqs[j].k, 50)] for j in js
-        ]
-        width = max(len(h) for h in heads)
-        rel = torch.full((len(js), width), -torch.inf, dtype=torch.float64, device=dev)
-        head_slots = torch.zeros((len(js), width), dtype=torch.int64, device=dev)
-        for row, (j, head) in enumerate(zip(js, heads, strict=True)):
-            rel[row, : len(head)] = ranked[j][head].to(torch.float64)
-            head_slots[row, : len(head)] = self.cache.to_device(merged[j].slots)[head]
+        lens = [len(ranked[j]) for j in js]
+        heads = np.array(
+            [min(max(factor * reqs[j].k, 50), n) for j, n in zip(js, lens, strict=True)]
+        )
+        width = int(heads.max())
+        probs = torch.nn.utils.rnn.pad_sequence(
+            [ranked[j] for j in js], batch_first=True, padding_value=-torch.inf
+        )
+        by_score = torch.sort(-probs, dim=1, stable=True).indices[:, :width]
+        slots = np.zeros((len(js), probs.shape[1]), np.int64)
+        for row, j in enumerate(js):
+            slots[row, : lens[row]] = merged[j].slots
+        head_slots = self.cache.to_device(slots).gather(1, by_score)
+        rel = probs.gather(1, by_score).to(torch.float64)
+        outside = np.arange(width)[None, :] >= heads[:, None]  # past a request's head
+        rel.masked_fill_(self.cache.to_device(outside), -torch.inf)
         vecs = self.cache.items.rows.index_select(0, head_slots.reshape(-1))[:, : self.cache.dim]
         picks = mmr_batch(rel, vecs.reshape(len(js), width, -1), k, self.settings.mmr_lambda)
         taken = picks.clamp_min(0)
