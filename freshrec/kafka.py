@@ -88,6 +88,7 @@ def profile(conn: ConnectionSettings) -> ClientProfile:
 
 def admin_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {"bootstrap.servers": conn.kafka_bootstrap_servers}
+    cfg.update(conn.kafka_security.librdkafka())
     cfg.update(overrides)
     return cfg
 
@@ -104,6 +105,7 @@ def producer_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any
         "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,
         "metadata.max.age.ms": p.metadata_max_age_ms,
     }
+    cfg.update(conn.kafka_security.librdkafka())
     cfg.update(overrides)
     return cfg
 
@@ -146,6 +148,7 @@ def consumer_config(
     else:
         # librdkafka wants a group.id even for assign()-only consumers; it never joins it.
         cfg["group.id"] = "freshrec-unjoined"
+    cfg.update(conn.kafka_security.librdkafka())
     cfg.update(overrides)
     return cfg
 

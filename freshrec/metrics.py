@@ -47,6 +47,12 @@ STREAMS_EVENTS = Counter(
 DEAD_LETTERS = Counter(
     "freshrec_dead_letters_total", "Records sent to a dead-letter topic, by reason", ["reason"]
 )
+PRODUCE_RETRIES = Counter(
+    "freshrec_produce_retries_total",
+    "Messages produced again after a delivery failed for a reason that may pass, by what "
+    "they carry (reply, dead letter, gradients)",
+    ["what"],
+)
 STREAMS_COUNTED = Counter(
     "freshrec_streams_counted_events_total", "Events counted into item state (after repartition)"
 )

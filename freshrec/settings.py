@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from freshrec.hotscore import HotWeights
+from schemas.codec import DeadLetterLimits
 
 STACK_ENV_FILE = "stack.env"
 
@@ -116,6 +117,115 @@ def env_float(
     return value
 
 
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """How clients authenticate to Kafka and encrypt the connection: ``KAFKA_SECURITY_PROTOCOL``
+    (``PLAINTEXT``, ``SSL``, ``SASL_PLAINTEXT``, ``SASL_SSL``), ``KAFKA_SASL_MECHANISM``
+    (``PLAIN``, ``SCRAM-SHA-256``, ``SCRAM-SHA-512``), ``KAFKA_SASL_USERNAME``,
+    ``KAFKA_SASL_PASSWORD``, ``KAFKA_SSL_CA_LOCATION`` (a CA file; else the system's). Every
+    client FreshRec makes — librdkafka, aiokafka, faust — takes them from here.
+
+    >>> KafkaSecurity.from_env({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+    ...     "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "KAFKA_SASL_USERNAME": "worker",
+    ...     "KAFKA_SASL_PASSWORD": "s3cret"}).librdkafka()["sasl.mechanisms"]
+    'SCRAM-SHA-512'
+    """
+
+    protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    ssl_ca_location: str | None = None
+
+    @property
+    def sasl(self) -> bool:
+        return self.protocol.startswith("SASL_")
+
+    @property
+    def tls(self) -> bool:
+        return self.protocol.endswith("SSL")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> KafkaSecurity:
+        protocol = (env.get("KAFKA_SECURITY_PROTOCOL") or "PLAINTEXT").upper()
+        if protocol not in SECURITY_PROTOCOLS:
+            raise SettingsError(
+                f"KAFKA_SECURITY_PROTOCOL={protocol!r}: one of {', '.join(SECURITY_PROTOCOLS)}"
+            )
+        mechanism = (env.get("KAFKA_SASL_MECHANISM") or "").upper() or None
+        user, password = (
+            env.get("KAFKA_SASL_USERNAME") or None,
+            env.get("KAFKA_SASL_PASSWORD") or None,
+        )
+        if protocol.startswith("SASL_"):
+            mechanism = mechanism or "SCRAM-SHA-512"
+            if mechanism not in SASL_MECHANISMS:
+                raise SettingsError(
+                    f"KAFKA_SASL_MECHANISM={mechanism!r}: one of {', '.join(SASL_MECHANISMS)}"
+                )
+            if not user or not password:
+                raise SettingsError(
+                    f"KAFKA_SECURITY_PROTOCOL={protocol} needs KAFKA_SASL_USERNAME and "
+                    "KAFKA_SASL_PASSWORD"
+                )
+        ca = env.get("KAFKA_SSL_CA_LOCATION") or None
+        if ca is not None and not Path(ca).is_file():
+            raise SettingsError(f"KAFKA_SSL_CA_LOCATION={ca!r} is not a file")
+        return cls(protocol, mechanism, user, password, ca)
+
+    def librdkafka(self) -> dict[str, str]:
+        """The settings for a confluent-kafka (librdkafka) client."""
+        cfg = {"security.protocol": self.protocol}
+        if self.sasl:
+            cfg.update(
+                {
+                    "sasl.mechanisms": self.sasl_mechanism,
+                    "sasl.username": self.sasl_username,
+                    "sasl.password": self.sasl_password,
+                }
+            )
+        if self.tls and self.ssl_ca_location:
+            cfg["ssl.ca.location"] = self.ssl_ca_location
+        return cfg
+
+    def aiokafka(self) -> dict:
+        """The keyword arguments for an aiokafka client (``RecommendClient``)."""
+        kwargs: dict = {"security_protocol": self.protocol}
+        if self.sasl:
+            kwargs.update(
+                sasl_mechanism=self.sasl_mechanism,
+                sasl_plain_username=self.sasl_username,
+                sasl_plain_password=self.sasl_password,
+            )
+        if self.tls:
+            kwargs["ssl_context"] = self.ssl_context()
+        return kwargs
+
+    def ssl_context(self):
+        import ssl
+
+        return ssl.create_default_context(cafile=self.ssl_ca_location)
+
+    def faust_credentials(self):
+        """faust's ``broker_credentials`` (None for ``PLAINTEXT``)."""
+        import faust
+
+        if self.sasl:
+            return faust.SASLCredentials(
+                username=self.sasl_username,
+                password=self.sasl_password,
+                mechanism=self.sasl_mechanism,
+                ssl_context=self.ssl_context() if self.tls else None,
+            )
+        if self.tls:
+            return faust.SSLCredentials(self.ssl_context())
+        return None
+
+
 @dataclass(frozen=True)
 class ConnectionSettings:
     """Where Kafka and Redis are, and how this deployment names its topics."""
@@ -128,6 +238,9 @@ class ConnectionSettings:
     """Prepended to every topic name, so several deployments or test runs share one broker."""
     kafka_profile: str = "local"
     """Client tuning: ``local`` suits the embedded broker, ``production`` Apache Kafka."""
+    kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    """Authentication and encryption of the Kafka connections (``KAFKA_SECURITY_PROTOCOL``
+    and the rest). Redis's are in ``redis_url``: ``rediss://`` for TLS, the password in it."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ConnectionSettings:
@@ -136,12 +249,19 @@ class ConnectionSettings:
             redis_url=env_str(env, "REDIS_URL", "redis://127.0.0.1:6379/0"),
             topic_prefix=env.get("FRESHREC_TOPIC_PREFIX", ""),
             kafka_profile=env_str(env, "FRESHREC_KAFKA_PROFILE", "local"),
+            kafka_security=KafkaSecurity.from_env(env),
         )
 
     def with_prefix(self, prefix: str) -> ConnectionSettings:
-        return ConnectionSettings(
-            self.kafka_bootstrap_servers, self.redis_url, prefix, self.kafka_profile
-        )
+        return replace(self, topic_prefix=prefix)
+
+
+def dead_letter_limits(env: Mapping[str, str]) -> DeadLetterLimits:
+    """How much of a rejected record its dead letter keeps (``FRESHREC_DLQ_MAX_VALUE_BYTES``,
+    64 KiB: the envelope of any record then fits the broker's 1 MB messages)."""
+    return DeadLetterLimits(
+        max_value_bytes=env_int(env, "FRESHREC_DLQ_MAX_VALUE_BYTES", 65_536, minimum=0)
+    )
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ A request goes to ``recommend.requests`` keyed by user id (so it lands on the pa
 the worker — that also learns from that user's events) with headers ``reply-to`` and
 ``correlation-id``. The client reads its reply topic and resolves the waiting call by
 correlation id. Replies that arrive after their call timed out (``late``), a second reply for
-the same id (``duplicate``) and replies it never asked for (``unknown``: another client's on a
-shared topic, or a replayed tail) are dropped and counted in ``stats``.
+the same id (``duplicate``), replies it never asked for (``unknown``: another client's on a
+shared topic, or a replayed tail) and replies that do not decode or carry a correlation id
+nobody could have sent (``malformed``) are dropped and counted in ``stats``; the reader goes on
+whatever a reply topic holds.
 
 >>> async def main():  # doctest: +SKIP
 ...     async with RecommendClient("localhost:9092") as client:
@@ -31,6 +33,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
 from freshrec.kafka import PROFILES
+from freshrec.settings import KafkaSecurity
 from freshrec.topics import TopicNames
 from schemas.codec import decode_reply, encode_request
 from schemas.contract import Rejected
@@ -79,8 +82,12 @@ class RecommendClient:
         profile: str = "local",
         client_id: str | None = None,
         keep_latencies: bool = False,
+        security: KafkaSecurity | None = None,
     ) -> None:
+        """``security``: how to authenticate to Kafka and encrypt (default: plaintext, or
+        ``KafkaSecurity.from_env(os.environ)`` for the deployment's settings)."""
         self.bootstrap = bootstrap_servers
+        self.security = security or KafkaSecurity()
         self.names = TopicNames(topic_prefix)
         self.client_id = client_id or f"freshrec-client-{uuid.uuid4().hex[:8]}"
         self.own_reply_topic = own_reply_topic
@@ -114,6 +121,7 @@ class RecommendClient:
             client_id=self.client_id,
             linger_ms=0,
             partitioner=DefaultPartitioner(),
+            **self.security.aiokafka(),
         )
         await self._producer.start()
         self._consumer = AIOKafkaConsumer(
@@ -123,6 +131,7 @@ class RecommendClient:
             enable_auto_commit=False,
             fetch_max_wait_ms=self.profile.fetch_wait_max_ms,
             auto_offset_reset="latest",
+            **self.security.aiokafka(),
         )
         await self._consumer.start()
         parts = await self._partitions(self.reply_topic)
@@ -151,7 +160,7 @@ class RecommendClient:
     def _create_reply_topic(self) -> None:
         from confluent_kafka.admin import AdminClient, NewTopic
 
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, **self.security.librdkafka()})
         for fut in admin.create_topics([NewTopic(self.reply_topic, 1, 1)]).values():
             try:
                 fut.result(15)
@@ -162,7 +171,7 @@ class RecommendClient:
     def _delete_reply_topic(self) -> None:
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, **self.security.librdkafka()})
         for fut in admin.delete_topics([self.reply_topic]).values():
             try:
                 fut.result(10)
@@ -261,10 +270,17 @@ class RecommendClient:
             now_ms = int(time.time() * 1000)
             for records in batches.values():
                 for rec in records:
-                    self._on_reply(rec, now_ms)
+                    try:
+                        self._on_reply(rec, now_ms)
+                    except Exception as exc:  # nothing a stranger writes may stop the reader
+                        self.stats.malformed += 1
+                        log.warning("reply at offset %s dropped: %s", rec.offset, exc)
 
     def _on_reply(self, rec, now_ms: int) -> None:
-        corr = next((v.decode() for k, v in (rec.headers or ()) if k == "correlation-id"), None)
+        corr = _correlation_id(rec.headers)
+        if corr is False:  # not UTF-8, not bytes, given twice: nobody's reply
+            self.stats.malformed += 1
+            return
         waiting = self._pending.get(corr) if corr else None
         if waiting is None:
             how = self._finished.get(corr) if corr else None
@@ -281,15 +297,32 @@ class RecommendClient:
             return
         try:
             reply = decode_reply(rec.value, now_ms)
-        except Rejected as rej:
+        except Rejected as rej:  # dropped: the call waits on for a reply that decodes
             self.stats.malformed += 1
-            fut.set_exception(RuntimeError(f"malformed reply: {rej}"))
+            log.warning("malformed reply for %s dropped: %s", corr, rej)
             return
         self.stats.replied += 1
         if self.keep_latencies:
             self.stats.latencies_ms.append((time.monotonic() - started) * 1000)
         self._finish(corr, "replied")
         fut.set_result(reply)
+
+
+def _correlation_id(headers) -> str | bool | None:
+    """A reply's correlation id: None when it has none, False when it has one nobody could
+    have sent (not UTF-8 text, or two different ones)."""
+    values = {v for k, v in (headers or ()) if k == "correlation-id"}
+    if not values:
+        return None
+    if len(values) > 1:
+        return False
+    (value,) = values
+    if not isinstance(value, bytes | bytearray):
+        return False
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return False
 
 
 class SyncRecommendClient:

@@ -6,14 +6,22 @@ its first row and produced to its partition. The message gets a token: its local
 assigned to it (``PendingSteps.assign``), and the offset gate (``offsets.py``) counts it as
 produced. Its delivery report settles both: the steps learn the offset the message landed at
 (an update that includes it then drops them), and the gate may release the events behind it.
+
+A message librdkafka gives up on is produced again (after a wait that doubles up to 30 s),
+as long as it takes: until it is delivered the gate holds the events it was learnt from, so
+no failure commits an event whose gradients the parameter server will never see. A message
+taken back before the broker had it (purged on a rebalance) withdraws its local steps from
+the rows: the partition's next owner learns those events again.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import numpy as np
+from confluent_kafka import KafkaError
 
 from freshrec import metrics as m
 from freshrec.kafka import produce
@@ -42,6 +50,14 @@ class GradientSender:
         self.gate = gate
         self.cache = cache
         self.tokens = itertools.count(1)
+        self._retries: list[tuple[float, int, bytes, bytes, int, str, int, int]] = []
+        """Messages whose delivery failed, to produce again: (when, token, value, key,
+        partition, table name, rows, attempt)."""
+
+    @property
+    def retrying(self) -> int:
+        """Messages waiting to be produced again."""
+        return len(self._retries)
 
     def send(self, batches: list[GradientBatch], created_ms: int) -> None:
         for b in batches:
@@ -58,29 +74,75 @@ class GradientSender:
             )
             name = TABLE_NAMES[b.table]
             self.gate.produced(token)
-            produce(
-                self.producer,
-                self.topic,
-                message.encode(),
-                row_key(int(b.ids[0])),
-                partition=b.partition,
-                on_delivery=self._delivered(token, name, len(b.ids)),
+            self._produce(
+                token, message.encode(), row_key(int(b.ids[0])), b.partition, name, len(b.ids), 1
             )
             m.GRADIENT_ROWS.labels(name, "sent").inc(len(b.ids))
             m.GRADIENT_MESSAGES.labels("sent").inc()
 
-    def _delivered(self, token: int, table_name: str, rows: int):
+    def _produce(self, token, value, key, partition, name, rows, attempt) -> None:
+        produce(
+            self.producer,
+            self.topic,
+            value,
+            key,
+            partition=partition,
+            on_delivery=self._delivered(token, value, key, partition, name, rows, attempt),
+        )
+
+    def _delivered(self, token, value, key, partition, name, rows, attempt):
         def callback(err, msg) -> None:
-            self.gate.reported(token)
-            if err is not None:
-                log.warning("gradient message lost (%d %s rows): %s", rows, table_name, err)
-                m.GRADIENT_MESSAGES.labels("lost").inc()
-                m.GRADIENT_ROWS.labels(table_name, "lost").inc(rows)
-                self.pending.failed(token)
+            if err is None:
+                self.gate.reported(token)
+                for table, slots, deltas in self.pending.delivered(
+                    token, msg.partition(), msg.offset()
+                ):
+                    self.cache.add(table, slots, (-deltas).astype(np.float32))
                 return
-            for table, slots, deltas in self.pending.delivered(
-                token, msg.partition(), msg.offset()
-            ):
-                self.cache.add(table, slots, (-deltas).astype(np.float32))
+            if err.code() == KafkaError._PURGE_QUEUE:  # taken back on a rebalance
+                self.gate.withdraw(token)  # its events are the next owner's to learn
+                for table, slots, deltas in self.pending.withdrawn(token):
+                    self.cache.add(table, slots, (-deltas).astype(np.float32))
+                m.GRADIENT_MESSAGES.labels("withdrawn").inc()
+                m.GRADIENT_ROWS.labels(name, "withdrawn").inc(rows)
+                return
+            # Not delivered (librdkafka gave up: the broker away longer than
+            # message.timeout.ms). Produced again, and until then the events it was learnt
+            # from are not committed: a crash makes the partition's next owner learn them.
+            wait = min(30.0, 2.0**attempt)
+            log.warning(
+                "gradient message not delivered (%d %s rows, attempt %d): %s; again in %.0f s",
+                rows,
+                name,
+                attempt,
+                err,
+                wait,
+            )
+            m.GRADIENT_MESSAGES.labels("retried").inc()
+            m.PRODUCE_RETRIES.labels("gradients").inc()
+            due = time.monotonic() + wait
+            self._retries.append((due, token, value, key, partition, name, rows, attempt + 1))
 
         return callback
+
+    def withdraw_retries(self) -> int:
+        """Partitions were revoked: the messages waiting to be produced again are withdrawn
+        (their steps leave the rows; the next owner learns their events). How many."""
+        retries, self._retries = self._retries, []
+        for _, token, _, _, _, name, rows, _ in retries:
+            self.gate.withdraw(token)
+            for table, slots, deltas in self.pending.withdrawn(token):
+                self.cache.add(table, slots, (-deltas).astype(np.float32))
+            m.GRADIENT_MESSAGES.labels("withdrawn").inc()
+            m.GRADIENT_ROWS.labels(name, "withdrawn").inc(rows)
+        return len(retries)
+
+    def retry_due(self, now: float) -> None:
+        """Produce again the failed messages whose wait is over (from the loop)."""
+        if not self._retries:
+            return
+        due = [r for r in self._retries if r[0] <= now]
+        if due:
+            self._retries = [r for r in self._retries if r[0] > now]
+            for _, token, value, key, partition, name, rows, attempt in due:
+                self._produce(token, value, key, partition, name, rows, attempt)

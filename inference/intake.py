@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import redis
+from confluent_kafka import KafkaError, KafkaException
 
 from freshrec import metrics as m
 from freshrec.kafka import produce
@@ -23,17 +24,50 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.batching import BatchPolicy, split_expired
 from inference.offsets import RequestOffsets
+from inference.route import reply_topic_pattern, route
 from inference.serving import Inbound, Recommender
 from inference.settings import WorkerSettings
 from schemas.codec import dead_letter, decode_request, encode_dead_letter, encode_reply
-from schemas.contract import Rejected
+from schemas.contract import Reason, Rejected
 from schemas.records import RecommendReply
 
 log = logging.getLogger("freshrec.worker")
 
 
+MAX_ATTEMPTS = 3
+"""Deliveries of a reply or dead letter tried before it counts as undeliverable."""
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _retriable(err) -> bool:
+    """Whether a delivery error may pass on its own (a timeout, a broker away)."""
+    code = err.code() if hasattr(err, "code") else None
+    return code in _TRANSIENT or bool(getattr(err, "retriable", lambda: False)())
+
+
+_TRANSIENT = {
+    KafkaError._MSG_TIMED_OUT,
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+}
+
+
+class _Countdown:
+    """Calls ``then`` at the ``n``-th call: a request done once each of its messages is."""
+
+    def __init__(self, n: int, then: Callable[[], None]) -> None:
+        self.n, self.then = n, then
+
+    def __call__(self) -> None:
+        self.n -= 1
+        if self.n == 0:
+            self.then()
 
 
 class RequestIntake:
@@ -57,6 +91,10 @@ class RequestIntake:
         self.offsets = RequestOffsets()  # commit no request before an earlier open one
         self.answered: OrderedDict[str, None] = OrderedDict()
         self._answered_unsaved: list[str] = []
+        self.reply_topics = reply_topic_pattern(
+            settings.conn.topic_prefix, settings.reply_topic_pattern
+        )
+        self._retries: list[tuple] = []
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -71,30 +109,27 @@ class RequestIntake:
 
     # --------------------------------------------------------------------------- intake
     def accept(self, msg) -> None:
-        self.offsets.accepted(msg.partition(), msg.offset())
-        headers = dict(msg.headers() or [])
-        reply_to = (headers.get("reply-to") or b"").decode(errors="replace") or (
-            self.names.recommend_replies
-        )
-        corr = headers.get("correlation-id")
+        """Take one message of ``recommend.requests``, whatever it holds: a request to serve,
+        or a dead letter (headers that give no safe reply topic or correlation id: nothing
+        else), or a dead letter and an ``error`` reply (a value that is not a request)."""
+        partition, offset = msg.partition(), msg.offset()
+        self.offsets.accepted(partition, offset)
         now = _now_ms()
+        try:
+            where = route(msg.headers(), self.reply_topics, self.names.recommend_replies)
+        except Rejected as rej:
+            m.REQUESTS.labels("invalid").inc()
+            self._dead_letter(rej, msg, now, done=lambda: self.offsets.done(partition, offset))
+            return
         try:
             req = decode_request(msg.value(), now)
         except Rejected as rej:
             m.REQUESTS.labels("invalid").inc()
-            letter = dead_letter(
-                rej,
-                topic=msg.topic(),
-                partition=msg.partition(),
-                offset=msg.offset(),
-                key=msg.key(),
-                value=msg.value(),
-                now_ms=now,
-                service="worker",
-            )
-            produce(self.producer, self.names.recommend_requests_dlq, encode_dead_letter(letter))
+            both = _Countdown(2, lambda: self.offsets.done(partition, offset))
+            self._dead_letter(rej, msg, now, done=both)
+            corr = where.correlation_id
             error = RecommendReply(
-                request_id=(corr or b"unknown").decode(errors="replace")[:128] or "unknown",
+                request_id=corr.decode()[:128] if corr else "unknown",
                 user_id="unknown",
                 items=(),
                 tier="error",
@@ -102,9 +137,33 @@ class RequestIntake:
                 served_at_ms=now,
                 worker=self.settings.worker_id,
             )
-            self._reply(reply_to, corr, error, msg.partition(), msg.offset())
+            self._reply(where.reply_to, corr, error, partition, offset, done=both)
             return
-        self.queue.append(Inbound(req, reply_to, corr, now, msg.partition(), msg.offset()))
+        self.queue.append(
+            Inbound(req, where.reply_to, where.correlation_id, now, partition, offset)
+        )
+
+    def _dead_letter(self, rej: Rejected, msg, now: int, done: Callable[[], None]) -> None:
+        letter = dead_letter(
+            rej,
+            topic=msg.topic(),
+            partition=msg.partition(),
+            offset=msg.offset(),
+            key=msg.key(),
+            value=msg.value(),
+            now_ms=now,
+            service="worker",
+            limits=self.settings.dead_letters,
+        )
+        m.DEAD_LETTERS.labels(str(rej.reason)).inc()
+        self._send(
+            self.names.recommend_requests_dlq,
+            encode_dead_letter(letter),
+            None,
+            None,
+            lambda ok, err: done(),
+            "dead letter",
+        )
 
     # -------------------------------------------------------------------------- serving
     def serve_ready(self) -> None:
@@ -161,30 +220,82 @@ class RequestIntake:
                 out.append(b)
         return out
 
-    def _reply(self, topic: str, corr, reply: RecommendReply, partition: int, offset: int) -> None:
+    def _reply(
+        self,
+        topic: str,
+        corr,
+        reply: RecommendReply,
+        partition: int,
+        offset: int,
+        done: Callable[[], None] | None = None,
+    ) -> None:
+        """Produce ``reply``; the request is done once it is delivered — or, if it cannot be
+        (librdkafka gave up on it, and a retry too, or the topic refuses it), once its dead
+        letter (``reply_undeliverable``, the reply as its value) is."""
+        finish = done or (lambda: self.offsets.done(partition, offset))
+        value = encode_reply(reply)
         headers = [("correlation-id", corr)] if corr is not None else []
-        rid = reply.request_id
+
+        def delivered(ok: bool, err) -> None:
+            if ok:
+                if reply.tier != "error":
+                    self._remember_answered(reply.request_id)
+                finish()
+                return
+            log.warning("reply to %s not delivered: %s", topic, err)
+            m.REQUESTS.labels("reply_failed").inc()
+            rej = Rejected(Reason.REPLY_UNDELIVERABLE, f"reply to {topic[:200]}: {err}")
+            letter = dead_letter(
+                rej,
+                topic=self.names.recommend_requests,
+                partition=partition,
+                offset=offset,
+                key=corr,
+                value=value,
+                now_ms=_now_ms(),
+                service="worker",
+                limits=self.settings.dead_letters,
+            )
+            m.DEAD_LETTERS.labels(str(rej.reason)).inc()
+            self._send(
+                self.names.recommend_requests_dlq,
+                encode_dead_letter(letter),
+                None,
+                None,
+                lambda ok_, err_: finish(),
+                "dead letter",
+            )
+
+        self._send(topic, value, corr, headers, delivered, "reply")
+
+    def _send(self, topic, value, key, headers, report, what: str, attempt: int = 1) -> None:
+        """Produce and call ``report(ok, error)`` once: a delivery that failed for a reason
+        that may pass (a timeout, a broker away) is tried again (``MAX_ATTEMPTS`` in all,
+        from the loop: ``retry_failed``); a produce the client refuses at once (a topic name
+        it will not take) is a failure."""
 
         def delivered(err, msg) -> None:
-            if err is not None:  # librdkafka gave up (message.timeout.ms, 5 min by default)
-                log.warning("reply to %s lost: %s", topic, err)
-                m.REQUESTS.labels("reply_failed").inc()
-                # done all the same: long past its deadline, it would only expire if it were
-                # read again, and an open request holds back its partition's commits
-                self.offsets.done(partition, offset)
-                return
-            if reply.tier != "error":
-                self._remember_answered(rid)
-            self.offsets.done(partition, offset)
+            if err is None:
+                report(True, None)
+            elif err.code() == KafkaError._PURGE_QUEUE:
+                pass  # taken back on a rebalance: the partition's next owner answers it
+            elif attempt < MAX_ATTEMPTS and _retriable(err):
+                m.PRODUCE_RETRIES.labels(what).inc()
+                self._retries.append((topic, value, key, headers, report, what, attempt + 1))
+            else:
+                report(False, err)
 
-        produce(
-            self.producer,
-            topic,
-            encode_reply(reply),
-            corr,
-            headers=headers,
-            on_delivery=delivered,
-        )
+        try:
+            produce(self.producer, topic, value, key, headers=headers, on_delivery=delivered)
+        except KafkaException as exc:
+            report(False, exc.args[0] if exc.args else exc)
+
+    def retry_failed(self) -> None:
+        """Produce again what failed for a reason that may pass (called from the loop, not
+        from a delivery callback)."""
+        retries, self._retries = self._retries, []
+        for topic, value, key, headers, report, what, attempt in retries:
+            self._send(topic, value, key, headers, report, what, attempt)
 
     # ---------------------------------------------------------------------- answer once
     def _remember_answered(self, rid: str) -> None:
@@ -219,3 +330,4 @@ class RequestIntake:
                 kept.append(b)
         self.queue = kept
         self.offsets.forget(gone)
+        self._retries.clear()  # their requests are answered again by the next owner

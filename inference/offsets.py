@@ -8,9 +8,11 @@ the producer's queue died with the process). So offsets wait here:
 
 - ``learnt(key, offset)``: events of ``key`` (topic, partition) up to ``offset`` are learnt;
   their gradients are in the outbox or already produced;
-- ``produced(token)`` / ``reported(token)``: a gradient message left, and its delivery report
-  (success or failure: a failure is counted as lost, and no retry of the events would help)
-  came back. Tokens rise with every message;
+- ``produced(token)`` / ``reported(token)``: a gradient message left, and the broker took it
+  (a failed delivery is produced again, ``gradients.py``, and reported only once it is in).
+  Tokens rise with every message;
+- ``withdraw(token)``: the message was taken back before the broker had it (a rebalance):
+  the events behind it are not this worker's to commit;
 - ``seal()``: everything learnt so far has its gradients produced (the outbox was just
   sent): the learnt offsets wait for the messages produced up to now;
 - ``ready()``: the offsets of every sealed group whose messages have all been reported.
@@ -51,6 +53,18 @@ class OffsetGate:
 
     def reported(self, token: int) -> None:
         self._open.discard(token)
+
+    def withdraw(self, token: int) -> None:
+        """Message ``token`` will never be delivered: every sealed group that waits for it
+        (those sealed after it was produced) is dropped, never to be committed.
+
+        >>> g = OffsetGate()
+        >>> g.learnt("p", 5); g.produced(1); g.seal(); g.learnt("p", 9); g.produced(2); g.seal()
+        >>> g.reported(1); g.withdraw(2); g.ready()
+        {'p': 5}
+        """
+        self._open.discard(token)
+        self._sealed = deque((last, offsets) for last, offsets in self._sealed if last < token)
 
     def seal(self) -> None:
         if self._learnt:

@@ -208,6 +208,29 @@ class PendingSteps:
         if steps is not None:
             self._token[steps[self._token[steps] == token]] = FAILED
 
+    def withdrawn(self, token: int) -> list[tuple[Hashable, np.ndarray, np.ndarray]]:
+        """Message ``token`` was taken back before the broker had it (purged from the
+        producer on a rebalance: the partition's next owner learns its events again). Its
+        steps leave the pool; returns, per table, their slots and deltas, to subtract from
+        the serving rows, which then hold none of it, as the global rows will not either.
+
+        >>> p = PendingSteps()
+        >>> p.assign(p.record("user", np.array([3]), np.array([[0.25]])), token=9)
+        >>> [(t, s.tolist(), d.tolist()) for t, s, d in p.withdrawn(9)], len(p)
+        ([('user', [3], [[0.25]])], 0)
+        """
+        steps = self._by_token.pop(token, None)
+        if steps is None:
+            return []
+        steps = steps[self._token[steps] == token]
+        out = []
+        for code in np.unique(self._table[steps]).tolist():
+            name = self._names[code]
+            mine = steps[self._table[steps] == code]
+            out.append((name, self._slot[mine].copy(), self._delta[mine].copy()))
+            self._drop(self._tables[name], mine)
+        return out
+
     # ------------------------------------------------------------------------- installing
     def holds(self, table: Hashable, slots: np.ndarray) -> np.ndarray:
         """Per slot: does the row have local steps? A row without steps needs no

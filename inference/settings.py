@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -14,6 +15,7 @@ from freshrec.settings import (
     HotScoreSettings,
     RowSettings,
     SettingsError,
+    dead_letter_limits,
     env_float,
     env_int,
     env_optional_int,
@@ -24,6 +26,7 @@ from inference.channels import default_channels, parse_delays
 from inference.degrade import LadderConfig
 from inference.learning import LabelConfig
 from inference.serving import ServingSettings
+from schemas.codec import DeadLetterLimits
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,9 @@ class WorkerSettings:
     """Intra-op CPU threads (0: torch's default). One keeps a busy host's cores for the other
     processes; batching, not intra-op threads, is what makes ranking cheap."""
     commit_interval_s: float = 0.2
+    revoke_flush_s: float = 10.0
+    """On a rebalance, how long the worker waits for the broker to take what it produced for
+    the partitions it gives up before taking the rest back (``Worker._on_revoke``)."""
     # ---- serving
     serving: ServingSettings = field(default_factory=ServingSettings)
     max_batch: int = 32
@@ -105,6 +111,10 @@ class WorkerSettings:
     recent_users: int = 100_000
     """Users whose last clicks the worker keeps in memory (i2i recall)."""
     answered_ttl_s: int = 3600
+    reply_topic_pattern: str | None = None
+    """The reply topics a request may name (a regular expression the whole name matches;
+    None: the shared reply topic and clients' own ``recommend.replies.<id>``)."""
+    dead_letters: DeadLetterLimits = field(default_factory=DeadLetterLimits)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -158,6 +168,8 @@ class WorkerSettings:
             event_slice_idle_ms=env_float(env, "FRESHREC_EVENT_SLICE_IDLE_MS", 40.0, positive=True),
             fetch_wait_ms=env_optional_int(env, "FRESHREC_WORKER_FETCH_WAIT_MS", minimum=0),
             torch_threads=env_int(env, "FRESHREC_TORCH_THREADS", 1, minimum=0),
+            revoke_flush_s=env_float(env, "FRESHREC_REVOKE_FLUSH_S", 10.0, positive=True),
+            commit_interval_s=env_float(env, "FRESHREC_COMMIT_INTERVAL_S", 0.2, positive=True),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
@@ -175,4 +187,16 @@ class WorkerSettings:
             hot_k=env_int(env, "FRESHREC_HOT_K", 500, minimum=1),
             hot_weights=hot.weights,
             hot_decay_per_hour=hot.decay_per_hour,
+            reply_topic_pattern=_reply_pattern(env),
+            dead_letters=dead_letter_limits(env),
         )
+
+
+def _reply_pattern(env: Mapping[str, str]) -> str | None:
+    pattern = env.get("FRESHREC_REPLY_TOPIC_PATTERN") or None
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise SettingsError(f"FRESHREC_REPLY_TOPIC_PATTERN={pattern!r}: {exc}") from None
+    return pattern

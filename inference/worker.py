@@ -280,6 +280,8 @@ class Worker:
                 m.WORKER_FETCH_LAG, np.maximum(time.time() - np.asarray(stamps) / 1000, 0)
             )
         self.intake.serve_ready()
+        self.intake.retry_failed()
+        self.sender.retry_due(time.monotonic())
         t2 = time.perf_counter()
         self._learn_slice()
         if self.outbox.due(_now_ms()):
@@ -399,9 +401,24 @@ class Worker:
         self.paused = []
 
     def _on_revoke(self, consumer, parts) -> None:
+        """Before the partitions go: deliver what was produced for them and commit it. What
+        the broker still does not have after ``revoke_flush_s`` is taken back (purged from
+        the producer's queue, gradients withdrawn from the rows): the next owner answers
+        those requests and learns those events again, and nothing is applied twice. Only a
+        message in flight to the broker then (sent, not acknowledged) cannot be taken back;
+        ``freshrec_gradient_messages_total{side="unsettled_at_revoke"}`` counts them."""
         gone = {(tp.topic, tp.partition) for tp in parts}
         self.send_outbox()
-        self.producer.flush(5)  # deliver replies and gradients (and offsets) before letting go
+        self.producer.flush(self.settings.revoke_flush_s)
+        if len(self.producer):
+            self.producer.purge(in_queue=True, in_flight=False)
+            self.producer.poll(0)  # the purged messages' reports: steps withdrawn
+            self.producer.flush(self.settings.revoke_flush_s)
+            left = len(self.producer)
+            if left:
+                log.warning("revoke: %d messages still unacknowledged by the broker", left)
+                m.GRADIENT_MESSAGES.labels("unsettled_at_revoke").inc(left)
+        self.sender.withdraw_retries()
         self.commit(sync=True)
         self.backlog = deque(m_ for m_ in self.backlog if (m_.topic(), m_.partition()) not in gone)
         self.intake.revoke(p for t, p in gone if t == self.names.recommend_requests)

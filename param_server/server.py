@@ -45,6 +45,7 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from param_server.settings import ParamServerSettings
 from param_server.store import (
+    TransactionFailed,
     applied_offsets,
     claim_partitions,
     fetch_rows_and_accumulators,
@@ -59,7 +60,8 @@ from schemas.rows import initial_rows, version_floor
 log = logging.getLogger("freshrec.param_server")
 MAX_ROWS_PER_MESSAGE = 1000
 EVICT_EVERY_S = 60.0
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, TransactionFailed)
+"""Failures that pause the server until Redis answers (a failed transaction is sent again)."""
 
 
 @dataclass

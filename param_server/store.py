@@ -94,6 +94,12 @@ def pack_persist(
     return b"".join(commands), len(commands)
 
 
+class TransactionFailed(redis.exceptions.RedisError):
+    """A command inside ``EXEC`` failed (out of memory, a key of the wrong type): Redis ran
+    the others, so rows, accumulators and offsets may disagree until the same transaction —
+    a snapshot, idempotent — is sent again and succeeds."""
+
+
 def claim_partitions(r: redis.Redis, keys: RedisKeys, owners: dict[int, str]) -> None:
     """Record this instance's token as the owner of each partition: from now on an older
     owner's transaction over them fails (``persist_fenced``)."""
@@ -133,6 +139,12 @@ def persist_fenced(
             conn.send_packed_command([payload])
             out = [conn.read_response() for _ in range(replies)]
             if out[-1] is not None:  # EXEC ran; None: a watched key changed, check again
+                failed = [r for r in out[-1] if isinstance(r, Exception)]
+                if failed:  # EXEC ran every command, and some failed: not all is written
+                    raise TransactionFailed(
+                        f"{len(failed)} of {len(out[-1])} commands of the transaction failed: "
+                        f"{failed[0]}"
+                    )
                 return True
         raise redis.WatchError(f"{keys.ps_owner} kept changing over {attempts} attempts")
 

@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -270,6 +271,16 @@ def encode_reply(reply: RecommendReply) -> bytes:
 # ------------------------------------------------------------------------------ dead letters
 
 
+@dataclass(frozen=True)
+class DeadLetterLimits:
+    """How much of a rejected record a dead letter carries: the envelope of any record must
+    fit the broker's message size (1 MB by default) whatever the record's size, or the dead
+    letter could not be written."""
+
+    max_value_bytes: int = 65_536
+    max_key_bytes: int = 1024
+
+
 def dead_letter(
     rejected: Rejected,
     *,
@@ -280,16 +291,32 @@ def dead_letter(
     value: bytes | None,
     now_ms: int,
     service: str,
+    limits: DeadLetterLimits = DeadLetterLimits(),
 ) -> DeadLetter:
-    """The envelope for a rejected record: reason, origin and the original bytes."""
+    """The envelope for a rejected record: reason, origin and the original bytes, bounded
+    (the first ``max_value_bytes`` of the value, with its full length and SHA-256).
+
+    >>> d = dead_letter(Rejected(Reason.MALFORMED_JSON, "x"), topic="t", partition=0, offset=1,
+    ...                 key=None, value=b"abcdef", now_ms=1767225600000, service="s",
+    ...                 limits=DeadLetterLimits(max_value_bytes=4))
+    >>> base64.b64decode(d.value_b64), d.value_bytes, d.value_truncated, d.value_sha256[:8]
+    (b'abcd', 6, True, 'bef57ec7')
+    """
+    data = bytes(value or b"")
+    kept = data[: limits.max_value_bytes]
     return DeadLetter(
         reason=str(rejected.reason),
         detail=rejected.detail[:1024],
-        source_topic=topic,
-        source_partition=partition,
-        source_offset=offset,
-        value_b64=base64.b64encode(value or b"").decode(),
-        key_b64=base64.b64encode(key).decode() if key is not None else None,
+        source_topic=topic[:249] or "?",
+        source_partition=max(partition, 0),
+        source_offset=max(offset, 0),
+        value_b64=base64.b64encode(kept).decode(),
+        value_bytes=len(data),
+        value_sha256=hashlib.sha256(data).hexdigest(),
+        value_truncated=len(kept) < len(data),
+        value_null=True if value is None else None,
+        key_b64=base64.b64encode(key[: limits.max_key_bytes]).decode() if key is not None else None,
+        key_bytes=len(key) if key is not None else None,
         failed_at_ms=now_ms,
         service=service,
     )

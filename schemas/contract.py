@@ -49,6 +49,11 @@ class Reason(StrEnum):
     TIMESTAMP_TOO_OLD = "timestamp_too_old"
     TIMESTAMP_IN_FUTURE = "timestamp_in_future"
     INVALID_VALUE = "invalid_value"
+    # a request's headers (the worker's dead letters on recommend.requests.dlq)
+    REPLY_TO_NOT_ALLOWED = "reply_to_not_allowed"
+    INVALID_CORRELATION_ID = "invalid_correlation_id"
+    DUPLICATE_HEADER = "duplicate_header"
+    REPLY_UNDELIVERABLE = "reply_undeliverable"
 
 
 class Rejected(ValueError):

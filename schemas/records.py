@@ -106,9 +106,14 @@ class RecommendReply:
     schema_version: int = SCHEMA_VERSION
 
 
+DEAD_LETTER_VERSION = 2
+"""Version 2 bounds the original bytes (``value_bytes``, ``value_sha256``, ``value_truncated``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """A rejected record with its reason and origin (``events.dlq``); ``deadletter.schema.json``."""
+    """A rejected record with its reason and origin (``events.dlq``,
+    ``recommend.requests.dlq``); ``deadletter.schema.json``."""
 
     reason: str
     detail: str
@@ -116,7 +121,16 @@ class DeadLetter:
     source_partition: int
     source_offset: int
     value_b64: str
+    """The value's bytes, base64: its first ``max_value_bytes`` when it was longer."""
+    value_bytes: int
+    """The value's full length."""
+    value_sha256: str
+    """SHA-256 of the full value, hex."""
+    value_truncated: bool
     failed_at_ms: int
+    value_null: bool | None = None
+    """True when the record's value was null (a tombstone)."""
     key_b64: str | None = None
+    key_bytes: int | None = None
     service: str | None = None
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = DEAD_LETTER_VERSION

@@ -133,6 +133,7 @@ class StreamsApp:
             # faust would ack the batch, and counts would be lost. A restart resumes from
             # the offsets persisted in Redis instead.
             agent_supervisor=CrashingSupervisor,
+            broker_credentials=conn.kafka_security.faust_credentials(),
         )
         app.fetch_wait_max_ms = s.fetch_wait_max_ms or p.background_fetch_wait_ms
         raw = {"key_serializer": "raw", "value_serializer": "raw"}

@@ -88,8 +88,11 @@ class CatalogueStage:
                 if good:
                     with m.STREAMS_BATCH_SECONDS.labels("catalogue").time():
                         self.process(good)
-                    self.producer.flush(30)  # dead letters out before the offsets move
-                    self._commit()
+                    # dead letters out before the offsets move past their records
+                    while self.producer.flush(1) and not stop.is_set():
+                        log.warning("catalogue dead letters not delivered yet; waiting")
+                    if not stop.is_set():
+                        self._commit()
                 self.producer.poll(0)
         finally:
             self.consumer.close()
@@ -116,6 +119,7 @@ class CatalogueStage:
                     value=msg.value(),
                     now_ms=now,
                     service=SERVICE,
+                    limits=self.settings.dead_letters,
                 )
                 produce(self.producer, self.names.events_dlq, encode_dead_letter(letter))
         if not ops:

@@ -10,12 +10,13 @@ from freshrec.settings import (
     ConnectionSettings,
     HotScoreSettings,
     SettingsError,
+    dead_letter_limits,
     env_float,
     env_int,
     env_optional_int,
     env_str,
 )
-from schemas.codec import CodecLimits
+from schemas.codec import CodecLimits, DeadLetterLimits
 from streams.item_state import StateConfig
 
 
@@ -46,6 +47,8 @@ class StreamsSettings:
     batch_within_ms: int = 20
     metrics_port: int = 0
     """Prometheus port; 0 disables the endpoint."""
+    dead_letters: DeadLetterLimits = field(default_factory=DeadLetterLimits)
+    """How much of a rejected record its dead letter keeps."""
     validate_process: bool = True
     """The validate stage in a child process of its own (``process``) or on a thread of the
     streams process (``thread``): a process has its own core and GIL."""
@@ -82,4 +85,5 @@ class StreamsSettings:
             batch_max=env_int(env, "FRESHREC_STREAMS_BATCH_MAX", 5000, minimum=1),
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             validate_process=validate == "process",
+            dead_letters=dead_letter_limits(env),
         )

@@ -15,6 +15,7 @@ them by source offset (exactly-once counts). Dead letters and recent clicks are 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -31,7 +32,7 @@ from confluent_kafka import Producer
 from freshrec import metrics as m
 from freshrec.childmetrics import send_snapshots
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
-from freshrec.lifecycle import die_with_parent
+from freshrec.lifecycle import die_with_parent, set_from_signal
 from freshrec.partitioner import str_partitions
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Pipelined, pack
@@ -94,7 +95,11 @@ class ValidateStage:
             self.dedupe.pop(tp.partition, None)
 
     def run(self, stop: threading.Event) -> None:
+        """Validate batches until ``stop``; then commit what was delivered. A batch that
+        fails half-way (its exception ends the stage) commits nothing: its offsets, and the
+        batch's valid events, are read again by the next run."""
         self.consumer.subscribe([self.names.events], on_revoke=self._on_revoke)
+        failed = True
         try:
             while not stop.is_set():
                 # fill: each batch costs a by-item message per target partition and its share
@@ -111,10 +116,13 @@ class ValidateStage:
                 self.producer.poll(0)
                 if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S:
                     self._commit()
+            failed = False
         finally:
-            self._commit()
+            if not failed:
+                self._commit()
             self.consumer.close()
-            self.recent.close()
+            with contextlib.suppress(redis.RedisError):
+                self.recent.close()
 
     def _commit(self) -> None:
         self._last_commit = time.monotonic()
@@ -177,6 +185,7 @@ class ValidateStage:
                 value=msg.value(),
                 now_ms=now,
                 service=SERVICE,
+                limits=self.settings.dead_letters,
             )
             self._produce(self.names.events_dlq, encode_dead_letter(letter), None)
         return kept_msgs, kept
@@ -241,7 +250,7 @@ def run_validate_process(
     watching, exits too."""
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: set_from_signal(stop))
     # Ctrl-C reaches the whole process group: the parent stops this process in its own
     # order (SIGTERM at exit); stopping here first would read as a failed stage there
     signal.signal(signal.SIGINT, signal.SIG_IGN)

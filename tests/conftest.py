@@ -102,3 +102,22 @@ def wait_for(
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what or condition}")
         time.sleep(interval_s)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """Ranking models and starting rows of the serving tests' small world, trained once."""
+    from .serving_harness import train_models
+
+    d = tmp_path_factory.mktemp("models")
+    train_models(d)
+    return d
+
+
+@pytest.fixture
+def seeded(conn, model_dir):
+    """``conn`` with the small world's rows, catalogue and a hot list in Redis."""
+    from .serving_harness import seed_redis
+
+    seed_redis(conn, model_dir)
+    return conn

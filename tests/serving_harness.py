@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from inference.breaker import BreakerConfig
+from inference.client import SyncRecommendClient
 from inference.settings import LearningSettings, WorkerSettings
 from inference.train import TrainConfig
 from inference.worker import Worker
@@ -45,8 +46,12 @@ def worker_settings(conn, model_dir: Path, **overrides) -> WorkerSettings:
 
 
 @contextlib.contextmanager
-def running_worker(settings: WorkerSettings, join_timeout_s: float = 30) -> Iterator[Worker]:
-    w = Worker(settings)
+def running_worker(
+    settings: WorkerSettings, join_timeout_s: float = 30, clients=None
+) -> Iterator[Worker]:
+    """A worker running on a thread (``clients``: its connections, e.g. with a producer that
+    holds or fails messages; default the real ones)."""
+    w = Worker(settings, clients)
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -72,3 +77,14 @@ def running_worker(settings: WorkerSettings, join_timeout_s: float = 30) -> Iter
         t.join(30)
         if errors:
             raise errors[0]
+
+
+def client_for(conn, **kwargs) -> SyncRecommendClient:
+    return SyncRecommendClient(
+        conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix, **kwargs
+    )
+
+
+def counter(metric, *labels) -> float:
+    """An in-process metric child's value (the worker runs on a thread of the test)."""
+    return metric.labels(*labels)._value.get()

@@ -64,7 +64,8 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 
 class HeldProducer:
     """A worker's producer whose messages to the topics ``hold`` picks sit in it, handed
-    over but never delivered, until ``release``; the rest go through to ``real``."""
+    over but never delivered, until ``release`` (the broker takes them), ``fail`` (librdkafka
+    gives up on them) or ``purge``; the rest go through to ``real``."""
 
     def __init__(self, real, hold: Callable[[str], bool]) -> None:
         self.real, self.hold = real, hold
@@ -82,6 +83,41 @@ class HeldProducer:
             self.real.produce(topic, **kw)
         self.held.clear()
         assert self.real.flush(10) == 0
+
+    def fail(self, code: int | None = None) -> int:
+        """Report every held message undelivered (``_MSG_TIMED_OUT``: what librdkafka says
+        once ``message.timeout.ms`` has passed); how many."""
+        from confluent_kafka import KafkaError
+
+        held, self.held = self.held, []
+        for _, kw in held:
+            if kw.get("on_delivery"):
+                kw["on_delivery"](KafkaError(code or KafkaError._MSG_TIMED_OUT), None)
+        return len(held)
+
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
+        """librdkafka's purge of what it has not sent: held messages fail with _PURGE_QUEUE
+        (at the next poll, like librdkafka's reports)."""
+
+        self._purged, self.held = [kw for _, kw in self.held], []
+        self.real.purge(in_queue=in_queue, in_flight=in_flight, blocking=blocking)
+
+    def poll(self, timeout: float = 0) -> int:
+        from confluent_kafka import KafkaError
+
+        for kw in getattr(self, "_purged", []):
+            if kw.get("on_delivery"):
+                kw["on_delivery"](KafkaError(KafkaError._PURGE_QUEUE), None)
+        self._purged = []
+        return self.real.poll(timeout)
+
+    def flush(self, timeout: float = -1) -> int:
+        """The held messages count as undelivered, as librdkafka's flush counts them."""
+        self.poll(0)
+        return self.real.flush(timeout) + len(self.held)
+
+    def __len__(self) -> int:
+        return len(self.real) + len(self.held)
 
     def __getattr__(self, name):
         return getattr(self.real, name)

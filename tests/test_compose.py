@@ -27,12 +27,85 @@ def env_names_read_by_code() -> set[str]:
     return names
 
 
-def test_the_stack_has_kafka_kraft_redis_with_aof_and_password_and_monitoring():
+KAFKA_START = (ROOT / "deploy/kafka/start.sh").read_text()
+
+
+def test_the_stack_has_kafka_kraft_redis_with_aof_and_monitoring():
     services = COMPOSE["services"]
-    assert "broker,controller" in services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]
-    redis_cmd = " ".join(services["redis"]["command"])
-    assert "--appendonly yes" in redis_cmd and "--requirepass" in redis_cmd
+    assert "process.roles=broker,controller" in KAFKA_START
+    assert services["kafka"]["entrypoint"][-1] == "/deploy/kafka/start.sh"
+    assert "--appendonly yes" in " ".join(services["redis"]["command"])
     assert {"prometheus", "grafana", "topic-init"} <= set(services)
+
+
+def test_kafka_authenticates_every_client_and_enforces_acls():
+    listeners = re.search(r"listener.security.protocol.map=(\S+)", KAFKA_START).group(1)
+    protocols = dict(pair.split(":") for pair in listeners.split(","))
+    assert protocols == {
+        "INTERNAL": "SASL_PLAINTEXT",
+        "CONTROLLER": "PLAINTEXT",
+        "EXTERNAL": "SASL_PLAINTEXT",
+    }
+    assert "CONTROLLER://localhost:9093" in KAFKA_START  # the plaintext one: loopback only
+    assert "allow.everyone.if.no.acl.found=false" in KAFKA_START
+    assert "StandardAuthorizer" in KAFKA_START
+    for user in ("admin", "streams", "worker", "param-server", "client"):
+        assert f"name={user},password=" in KAFKA_START
+    for var in re.findall(r"\$\{(KAFKA_[A-Z_]+_PASSWORD)", KAFKA_START):
+        assert f"${{{var}:?" in KAFKA_START, f"{var} has a default"
+    assert COMPOSE["services"]["topic-init"]["command"] == ["topics", "create", "--acls"]
+
+
+def test_there_is_no_default_password_anywhere():
+    raw = (ROOT / "docker-compose.yml").read_text()
+    for var in set(re.findall(r"\$\{([A-Z_]*PASSWORD)", raw)):
+        assert f"${{{var}:-" not in raw, f"{var} has a default value"
+        assert f"${{{var}:?" in raw
+    redis = " ".join(COMPOSE["services"]["redis"]["command"])
+    assert "--user default off" in redis and "--user freshrec on" in redis
+    grafana = COMPOSE["services"]["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+
+
+def test_every_published_port_binds_to_loopback_unless_configured():
+    for name, svc in COMPOSE["services"].items():
+        for port in svc.get("ports", []):
+            assert port.startswith("${FRESHREC_BIND:-127.0.0.1}:"), f"{name} publishes {port}"
+
+
+def test_each_service_logs_in_as_its_own_kafka_user_with_the_grants_it_needs():
+    from freshrec.acls import service_acls
+
+    acls = service_acls("")
+    users = {
+        name: svc["environment"]["KAFKA_SASL_USERNAME"] for name, svc in FRESHREC_SERVICES.items()
+    }
+    assert users == {
+        "topic-init": "admin",
+        "train": "client",
+        "streams": "streams",
+        "param-server": "param-server",
+        "worker": "worker",
+    }
+    writes = {
+        who: {(g.name, g.prefixed) for g in grants if g.operation == "WRITE"}
+        for who, grants in acls.items()
+    }
+    assert ("events", False) not in writes["worker"]  # a worker never writes events
+    assert writes["worker"] == {
+        ("gradients", False),
+        ("recommend.requests.dlq", False),
+        ("recommend.replies", True),
+    }
+    assert writes["client"] == {
+        ("recommend.requests", False),
+        ("events", False),
+        ("items", False),
+    }
+    assert writes["param-server"] == {("embeddings.updates", False)}
+    client_reads = {(g.name, g.prefixed) for g in acls["client"] if g.operation == "READ"}
+    assert client_reads == {("recommend.replies", True)}
 
 
 @pytest.mark.parametrize("name", sorted(FRESHREC_SERVICES))
@@ -48,7 +121,8 @@ def test_service_environment_names_are_read_by_the_code(name):
     unknown = set(env) - env_names_read_by_code()
     assert not unknown, f"{name} sets variables the code never reads: {unknown}"
     assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092"
-    assert env["REDIS_URL"].startswith("redis://:")  # password set
+    assert env["REDIS_URL"].startswith("redis://freshrec:${REDIS_PASSWORD:?")  # the ACL user
+    assert env["KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT"
 
 
 def test_prometheus_scrapes_each_service_on_its_metrics_port():

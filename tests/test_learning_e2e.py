@@ -219,29 +219,6 @@ def test_a_row_forgotten_by_admission_leaves_no_steps_behind(conn):
     w.close()
 
 
-def test_a_gradient_message_never_delivered_is_counted_and_its_steps_stay_local(conn, monkeypatch):
-    from confluent_kafka import KafkaError
-
-    from freshrec import metrics as m
-    from inference.pending import FAILED
-
-    w = learner(conn, held=True)
-    _learn_clicks(w, [("lost-u", "lost-i")])
-    w.send_outbox()
-    sent = held_gradients(w)
-    assert len(sent) == 2  # a user row and an item row
-    lost = m.GRADIENT_MESSAGES.labels("lost")
-    lost_rows = m.GRADIENT_ROWS.labels("user", "lost")
-    before, rows_before = lost._value.get(), lost_rows._value.get()
-    steps = [w.pending._by_token[t] for t, _, _ in sent]
-    for _, _, on_delivery in sent:  # what librdkafka reports once it gives up on a message
-        on_delivery(KafkaError(KafkaError._MSG_TIMED_OUT), None)
-    assert lost._value.get() - before == 2 and lost_rows._value.get() - rows_before == 1
-    assert all((w.pending._token[s] == FAILED).all() for s in steps)
-    assert len(steps_of(w, TABLE_USER, row_id("lost-u"))) == 1  # local for good
-    w.close()
-
-
 def test_a_broadcast_that_fails_is_counted_and_moves_no_broadcast_position(conn):
     from confluent_kafka import KafkaError
 

@@ -158,8 +158,17 @@ def test_event_codec_rejects_with_machine_readable_reason(payload, reason):
     assert info.value.reason == reason
 
 
+# a request's headers, not a value: tests/test_serving_unit.py (route) and test_hostile_e2e.py
+HEADER_REASONS = {
+    Reason.REPLY_TO_NOT_ALLOWED,
+    Reason.INVALID_CORRELATION_ID,
+    Reason.DUPLICATE_HEADER,
+    Reason.REPLY_UNDELIVERABLE,
+}
+
+
 def test_every_rejection_reason_is_exercised():
-    assert {r for _, r in REJECTIONS} == set(Reason)
+    assert {r for _, r in REJECTIONS} == set(Reason) - HEADER_REASONS
 
 
 @pytest.mark.parametrize(("payload", "reason"), REJECTIONS[2:16])
@@ -251,6 +260,45 @@ def test_dead_letter_envelope_keeps_reason_origin_and_original_bytes():
     assert (back.source_topic, back.source_partition, back.source_offset) == ("events", 3, 42)
     assert base64.b64decode(back.value_b64) == bad
     assert base64.b64decode(back.key_b64) == b"u1"
+    assert (back.value_bytes, back.value_truncated) == (len(bad), False)
+
+
+def test_a_dead_letter_of_any_size_fits_the_broker_with_its_length_and_digest():
+    """A rejected value of any size gives an envelope under the broker's 1 MB limit: the
+    value cut to its first bytes, its full length and SHA-256 kept (and a huge key too)."""
+    import base64
+    import hashlib
+
+    huge, key = bytes(range(256)) * 8000, b"k" * 100_000  # 2 MB of value, 100 kB of key
+    letter = dead_letter(
+        Rejected(Reason.OVERSIZE_PAYLOAD, "too big"),
+        topic="events",
+        partition=1,
+        offset=2,
+        key=key,
+        value=huge,
+        now_ms=NOW,
+        service="test",
+    )
+    encoded = encode_dead_letter(letter)
+    assert len(encoded) < 100_000
+    back = decode_dead_letter(encoded, NOW)
+    assert back.value_truncated and back.value_bytes == len(huge)
+    assert back.value_sha256 == hashlib.sha256(huge).hexdigest()
+    assert base64.b64decode(back.value_b64) == huge[:65_536]
+    assert back.key_bytes == 100_000 and len(base64.b64decode(back.key_b64)) == 1024
+    tomb = dead_letter(
+        Rejected(Reason.MALFORMED_JSON, "empty value (tombstone)"),
+        topic="events",
+        partition=0,
+        offset=0,
+        key=None,
+        value=None,
+        now_ms=NOW,
+        service="test",
+    )
+    back = decode_dead_letter(encode_dead_letter(tomb), NOW)
+    assert back.value_null and back.value_bytes == 0 and back.key_b64 is None
 
 
 def test_reply_encoder_writes_every_field():

@@ -189,6 +189,7 @@ class ClosedLoop:
             topic_prefix=self.conn.topic_prefix,
             timeout_s=self.timeout_s,
             profile=self.conn.kafka_profile,
+            security=self.conn.kafka_security,
         ) as client:
             self.stats.started = time.monotonic()
             if self.drift_after_s is not None:

@@ -90,9 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     topics = sub.add_parser("topics", help="the topic catalogue")
     topics_sub = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
-    topics_sub.add_parser("create", help="create missing topics (idempotent)").set_defaults(
-        func=commands.cmd_topics_create
+    create = topics_sub.add_parser("create", help="create missing topics (idempotent)")
+    create.add_argument(
+        "--acls",
+        action="store_true",
+        help="also grant each service's Kafka user what it needs (freshrec/acls.py; run as a "
+        "user that may alter ACLs)",
     )
+    create.set_defaults(func=commands.cmd_topics_create)
     topics_sub.add_parser("list", help="print the catalogue").set_defaults(
         func=commands.cmd_topics_list
     )

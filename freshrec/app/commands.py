@@ -74,7 +74,16 @@ def cmd_stack_status(args: argparse.Namespace) -> int:
 
 
 def cmd_topics_create(args: argparse.Namespace) -> int:
-    provision_topics(connection())
+    conn = connection()
+    provision_topics(conn)
+    if args.acls:
+        from confluent_kafka.admin import AdminClient
+
+        from freshrec.acls import apply_acls
+        from freshrec.kafka import admin_config
+
+        n = apply_acls(AdminClient(admin_config(conn)), conn.topic_prefix)
+        log.info("ACLs: %d grants for the streams, worker, param-server and client users", n)
     return 0
 
 
@@ -215,6 +224,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         topic_prefix=conn.topic_prefix,
         timeout_s=args.timeout,
         profile=conn.kafka_profile,
+        security=conn.kafka_security,
     ) as client:
         started = time.monotonic()
         reply = client.recommend(args.user, args.k, context=context or None, exclude=exclude)

@@ -1,0 +1,103 @@
+"""Who may do what on the broker: one Kafka principal per FreshRec service, and the ACLs that
+let each do its job and nothing more. Pure (the table); ``apply_acls`` writes it through an
+admin client.
+
+The rule the table keeps: a service writes only the topics it owns and reads only its
+inputs. Workers may write replies, gradients and their dead letters, never ``events``;
+clients may write requests and events and read (and create, and delete) their reply
+topics; nobody but the parameter servers writes ``embeddings.updates``. Consumer groups are
+granted by prefix, as each service names its groups ``{prefix}freshrec-<service>…``.
+
+>>> [g for g in service_acls("")["worker"] if g.operation == "WRITE" and g.name == "events"]
+[]
+>>> Grant("client", "topic", "recommend.replies", "READ", prefixed=True) in service_acls("")["client"]
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SERVICES = ("streams", "worker", "param-server", "client")
+"""The principals (``User:<name>``): each service's own Kafka user."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    principal: str
+    resource: str
+    """``topic`` or ``group``."""
+    name: str
+    operation: str
+    """``READ``, ``WRITE``, ``DESCRIBE``, ``CREATE``, ``DELETE``."""
+    prefixed: bool = False
+    """The name is a prefix (every topic or group that starts with it)."""
+
+
+def _topics(who: str, prefix: str, ops: str, *names: str, prefixed: bool = False) -> list[Grant]:
+    return [
+        Grant(who, "topic", prefix + name, op, prefixed)
+        for name in names
+        for op in (*ops.split(","), "DESCRIBE")
+        if op
+    ]
+
+
+def service_acls(prefix: str = "") -> dict[str, list[Grant]]:
+    """Every service's grants for a deployment whose topics and groups carry ``prefix``."""
+    acl = {
+        "streams": [
+            *_topics("streams", prefix, "READ", "events", "items"),
+            *_topics("streams", prefix, "READ,WRITE", "events.by_item"),
+            *_topics("streams", prefix, "WRITE", "events.dlq"),
+            Grant("streams", "group", f"{prefix}freshrec-streams", "READ", prefixed=True),
+        ],
+        "worker": [
+            *_topics(
+                "worker", prefix, "READ", "events", "recommend.requests", "embeddings.updates"
+            ),
+            *_topics("worker", prefix, "WRITE", "gradients", "recommend.requests.dlq"),
+            # the shared reply topic and every client's own (recommend.replies.<client id>)
+            *_topics("worker", prefix, "WRITE", "recommend.replies", prefixed=True),
+            Grant("worker", "group", f"{prefix}freshrec-workers", "READ"),
+        ],
+        "param-server": [
+            *_topics("param-server", prefix, "READ", "gradients"),
+            *_topics("param-server", prefix, "WRITE", "embeddings.updates"),
+            Grant("param-server", "group", f"{prefix}freshrec-param-server", "READ"),
+        ],
+        "client": [
+            *_topics("client", prefix, "WRITE", "recommend.requests", "events", "items"),
+            *_topics("client", prefix, "READ,CREATE,DELETE", "recommend.replies", prefixed=True),
+        ],
+    }
+    return acl
+
+
+def apply_acls(admin, prefix: str = "") -> int:
+    """Create every grant of ``service_acls`` (ALLOW, any host) with a confluent-kafka
+    ``AdminClient`` of a principal that may alter ACLs; idempotent. Returns how many."""
+    from confluent_kafka.admin import (
+        AclBinding,
+        AclOperation,
+        AclPermissionType,
+        ResourcePatternType,
+        ResourceType,
+    )
+
+    bindings = [
+        AclBinding(
+            ResourceType.TOPIC if g.resource == "topic" else ResourceType.GROUP,
+            g.name,
+            ResourcePatternType.PREFIXED if g.prefixed else ResourcePatternType.LITERAL,
+            f"User:{g.principal}",
+            "*",
+            AclOperation[g.operation],
+            AclPermissionType.ALLOW,
+        )
+        for grants in service_acls(prefix).values()
+        for g in grants
+    ]
+    for future in admin.create_acls(bindings).values():
+        future.result(30)
+    return len(bindings)
