@@ -105,6 +105,8 @@ def producer_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any
         "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,
         "metadata.max.age.ms": p.metadata_max_age_ms,
     }
+    if conn.message_timeout_ms is not None:
+        cfg["message.timeout.ms"] = conn.message_timeout_ms
     cfg.update(conn.kafka_security.librdkafka())
     cfg.update(overrides)
     return cfg

@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 
 import numpy as np
@@ -215,16 +216,22 @@ class Pipelined:
     still while Redis works through someone else's long transaction. ``drain`` reads all that
     is outstanding; call it before anything that depends on the writes having happened
     (committing the offsets of their input). An error reply raises there or at the ``send``
-    that reads it (the other replies read first); a connection error raises too, and the
-    connection is dropped."""
+    that reads it (the other replies read first). A connection error raises too; the
+    payloads whose replies had not all arrived are kept, and sent again on a new connection
+    by the next ``send`` or ``drain`` (at least once: one that Redis had applied is applied
+    twice)."""
 
     def __init__(self, client: redis.Redis, max_pending: int = 100_000) -> None:
         self.client = client
         self.max_pending = max_pending
         self.conn = None
         self.pending = 0
+        self._unacked: deque[list] = deque()  # [payload, replies, replies still to read]
+        self._broken = False
 
     def send(self, payload: bytes, replies: int) -> None:
+        if self._broken:
+            self._resend()
         self._read(wait=self.pending > self.max_pending)
         if self.conn is None:
             self.conn = self.client.connection_pool.get_connection()
@@ -234,9 +241,25 @@ class Pipelined:
             self._drop()
             raise
         self.pending += replies
+        if replies:
+            self._unacked.append([payload, replies, replies])
 
     def drain(self) -> None:
+        if self._broken:
+            self._resend()
         self._read(wait=True)
+
+    def _resend(self) -> None:
+        self.conn = self.client.connection_pool.get_connection()
+        try:
+            for entry in self._unacked:
+                self.conn.send_packed_command([entry[0]])
+                entry[2] = entry[1]
+        except BaseException:
+            self._drop()
+            raise
+        self.pending = sum(e[1] for e in self._unacked)
+        self._broken = False
 
     def _read(self, wait: bool) -> None:
         error = None
@@ -247,6 +270,10 @@ class Pipelined:
                     self.conn.read_response()
                 except redis.ResponseError as exc:
                     error = error or exc
+                head = self._unacked[0]
+                head[2] -= 1
+                if head[2] == 0:
+                    self._unacked.popleft()
         except BaseException:
             self._drop()
             raise
@@ -263,6 +290,7 @@ class Pipelined:
 
     def _drop(self) -> None:
         self.pending = 0
+        self._broken = bool(self._unacked)
         if self.conn is not None:
             self.conn.disconnect()
             self.client.connection_pool.release(self.conn)

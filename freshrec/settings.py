@@ -241,6 +241,10 @@ class ConnectionSettings:
     kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
     """Authentication and encryption of the Kafka connections (``KAFKA_SECURITY_PROTOCOL``
     and the rest). Redis's are in ``redis_url``: ``rediss://`` for TLS, the password in it."""
+    message_timeout_ms: int | None = None
+    """How long a producer tries to deliver a message before reporting it undelivered
+    (``FRESHREC_MESSAGE_TIMEOUT_MS``; None: librdkafka's 300,000). Replies, dead letters and
+    gradients that fail are produced again; drills shorten it to make failures happen."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ConnectionSettings:
@@ -250,6 +254,7 @@ class ConnectionSettings:
             topic_prefix=env.get("FRESHREC_TOPIC_PREFIX", ""),
             kafka_profile=env_str(env, "FRESHREC_KAFKA_PROFILE", "local"),
             kafka_security=KafkaSecurity.from_env(env),
+            message_timeout_ms=env_optional_int(env, "FRESHREC_MESSAGE_TIMEOUT_MS", minimum=1),
         )
 
     def with_prefix(self, prefix: str) -> ConnectionSettings:

@@ -35,6 +35,12 @@ from schemas.rows import row_key
 log = logging.getLogger("freshrec.worker")
 
 
+class ProducerFailed(RuntimeError):
+    """The worker's producer reported a fatal error (e.g. an idempotent producer fenced by the
+    broker): it can deliver nothing more. The worker exits; restarted, it resumes from its
+    committed offsets, so the events behind the undelivered messages are learnt again."""
+
+
 class GradientSender:
     def __init__(
         self,
@@ -99,6 +105,8 @@ class GradientSender:
                 ):
                     self.cache.add(table, slots, (-deltas).astype(np.float32))
                 return
+            if err.fatal():  # the producer can send nothing more: the worker must restart
+                raise ProducerFailed(f"gradients producer failed for good: {err}")
             if err.code() == KafkaError._PURGE_QUEUE:  # taken back on a rebalance
                 self.gate.withdraw(token)  # its events are the next owner's to learn
                 for table, slots, deltas in self.pending.withdrawn(token):

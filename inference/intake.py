@@ -23,6 +23,7 @@ from freshrec.kafka import produce
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.batching import BatchPolicy, split_expired
+from inference.gradients import ProducerFailed
 from inference.offsets import RequestOffsets
 from inference.route import reply_topic_pattern, route
 from inference.serving import Inbound, Recommender
@@ -277,6 +278,8 @@ class RequestIntake:
         def delivered(err, msg) -> None:
             if err is None:
                 report(True, None)
+            elif err.fatal():
+                raise ProducerFailed(f"producer failed for good delivering a {what}: {err}")
             elif err.code() == KafkaError._PURGE_QUEUE:
                 pass  # taken back on a rebalance: the partition's next owner answers it
             elif attempt < MAX_ATTEMPTS and _retriable(err):

@@ -41,6 +41,7 @@ import numpy as np
 import orjson
 from confluent_kafka.admin import AdminClient
 from mode.supervisors import CrashingSupervisor
+from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 
 from freshrec import metrics as m
@@ -189,7 +190,9 @@ class StreamsApp:
             state = self.states.get(partition)
             if state is None:
                 sink = await self._redis()
-                state = await sink.restore(partition, self.settings.state)
+                state = await until_redis_answers(
+                    lambda: sink.restore(partition, self.settings.state), "restoring counts"
+                )
                 self.states[partition] = state
                 m.STREAMS_PARTITIONS.set(len(self.states))
                 log.info(
@@ -223,7 +226,8 @@ class StreamsApp:
                 repartitioned.extend(stamp - ts / 1000 for ts in taken)
             touched.add(q)
         new = {q: self.states[q].take_new_items() for q in touched}
-        prices = await sink.prices([i for items in new.values() for i in items])
+        wanted = [i for items in new.values() for i in items]
+        prices = await until_redis_answers(lambda: sink.prices(wanted), "reading prices")
         for q, items in new.items():
             if items:
                 self.states[q].set_prices({i: prices[i] for i in items if i in prices})
@@ -263,7 +267,9 @@ class StreamsApp:
             states = [(q, self.states[q]) for q in partitions if q in self.states]
             if states:
                 sink = await self._redis()
-                await sink.persist(states)
+                # a snapshot: written again as it is once Redis is back (the batch is not
+                # acknowledged meanwhile, so nothing moves past it)
+                await until_redis_answers(lambda: sink.persist(states), "persisting counts")
 
     def _apply_prices(self) -> None:
         """Prices from the catalogue stage (another thread) into the partitions' states."""
@@ -285,6 +291,8 @@ class StreamsApp:
         started = time.monotonic()
         try:
             await self._publish_round()
+        except REDIS_DOWN as exc:  # the next round publishes what this one could not
+            log.warning("hot lists not published, Redis unavailable: %s", exc)
         finally:
             took = time.monotonic() - started
             m.STREAMS_BATCH_SECONDS.labels("publish").observe(took)
@@ -327,6 +335,23 @@ class StreamsApp:
         features = [c for state in self.states.values() for c in sink.feature_commands(state)]
         if features:
             await sink.write(features)
+
+
+REDIS_DOWN = (redis_errors.ConnectionError, redis_errors.TimeoutError)
+
+
+async def until_redis_answers(op, what: str):
+    """``await op()``, again every second while Redis is unreachable: a stage waits an outage
+    out (its input waits in Kafka) instead of exiting."""
+    warned = False
+    while True:
+        try:
+            return await op()
+        except REDIS_DOWN as exc:
+            if not warned:
+                log.warning("%s: Redis unavailable (%s); waiting for it", what, exc)
+                warned = True
+            await asyncio.sleep(1.0)
 
 
 def _crash_on_error(loop, stop: threading.Event, name: str) -> None:

@@ -126,13 +126,22 @@ class CatalogueStage:
             return
         sets, deleted = final_ops(ops)  # the batch's last record of each item decides
         items = list(sets.values())
-        pipe = self.redis.pipeline(transaction=False)
-        if items:
-            queue_catalogue(pipe, self.keys, items, now - self.settings.new_item_window_ms)
-        if deleted:
-            queue_deletions(pipe, self.keys, deleted)
-        pipe.incr(self.keys.catalogue_version)
-        pipe.execute()
+        warned = False
+        while True:  # idempotent writes: sent again until Redis takes them
+            pipe = self.redis.pipeline(transaction=False)
+            if items:
+                queue_catalogue(pipe, self.keys, items, now - self.settings.new_item_window_ms)
+            if deleted:
+                queue_deletions(pipe, self.keys, deleted)
+            pipe.incr(self.keys.catalogue_version)
+            try:
+                pipe.execute()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if not warned:
+                    log.warning("catalogue: Redis unavailable (%s); waiting for it", exc)
+                    warned = True
+                time.sleep(1.0)
         if items:
             self.prices.put({i.item_id: i.price for i in items})
             m.CATALOGUE_RECORDS.inc(len(items))

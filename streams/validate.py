@@ -129,7 +129,11 @@ class ValidateStage:
         if not self._uncommitted:
             return
         with m.STREAMS_BATCH_SECONDS.labels("validate_commit").time():
-            self.recent.drain()  # the recent clicks before these offsets are written
+            try:
+                self.recent.drain()  # the recent clicks before these offsets are written
+            except redis.ConnectionError as exc:
+                log.warning("offsets not committed, Redis unavailable: %s", exc)
+                return
             if self.producer.flush(30):  # everything before these offsets is delivered first
                 log.warning("repartitioned events not delivered yet; offsets not committed")
                 return
@@ -162,10 +166,26 @@ class ValidateStage:
             self._route(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
             if clicks:
-                self.recent.send(*pack_recent(self.keys, clicks, self.settings.recent_clicks))
+                self._send_recent(*pack_recent(self.keys, clicks, self.settings.recent_clicks))
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
         m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
         m.STREAMS_EVENTS.labels("rejected").inc(n_bad)
+
+    def _send_recent(self, payload: bytes, replies: int) -> None:
+        """Write recent clicks, waiting out a Redis outage (the batch's offsets are not
+        committed meanwhile; the writes not acknowledged before it are sent again)."""
+        warned = False
+        while True:
+            try:
+                self.recent.send(payload, replies)
+                if warned:
+                    log.info("Redis is back: recent clicks written again")
+                return
+            except redis.ConnectionError as exc:
+                if not warned:
+                    log.warning("recent clicks: Redis unavailable (%s); waiting for it", exc)
+                    warned = True
+                time.sleep(1.0)
 
     def _dead_letters(self, msgs, events, now: int) -> tuple[list, list]:
         """Send the batch's rejects to ``events.dlq``; the messages and events that passed."""
