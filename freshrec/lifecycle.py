@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
@@ -64,3 +65,10 @@ def die_with_parent(parent_pid: int, stop: threading.Event) -> None:
                 stop.set()
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def lower_thread_priority(nice: int = 10) -> None:
+    """Lower the calling thread's CPU priority where the OS schedules threads on their own
+    (Linux); elsewhere, or without permission, nothing changes."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)

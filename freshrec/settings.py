@@ -79,6 +79,19 @@ def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int | N
     return value
 
 
+def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """true/false, 1/0, yes/no, on/off (any case); unset or empty: ``default``."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={raw!r} is not true or false")
+
+
 def env_optional_int(
     env: Mapping[str, str], name: str, *, minimum: int | None = None
 ) -> int | None:

@@ -201,6 +201,7 @@ class RecommendClient:
         *,
         context: Mapping[str, Any] | RequestContext | None = None,
         exclude: Iterable[str] = (),
+        exclude_seen: bool | None = None,
         timeout_s: float | None = None,
         deadline_ms: int | None = None,
         request_id: str | None = None,
@@ -219,6 +220,7 @@ class RecommendClient:
             k=k,
             context=context,
             exclude=tuple(exclude),
+            exclude_seen=exclude_seen,
             deadline_ms=deadline_ms if deadline_ms is not None else now_ms + int(timeout * 1000),
         )
         return await self.send(request, timeout)

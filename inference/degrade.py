@@ -89,3 +89,15 @@ class Ladder:
         if s.budget_ms < light_cost:
             return Choice(HOT, f"{reason}; budget {s.budget_ms:.0f} ms < light path")
         return Choice(LIGHT, reason)
+
+
+def ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+def reason_label(reason: str, degraded: list[str]) -> str:
+    text = reason if reason != "ok" else (degraded[0] if degraded else "ok")
+    for key in ("low_end", "queue depth", "budget", "unavailable", "error", "redis", "recall"):
+        if key in text:
+            return key.replace(" ", "_")
+    return "other"

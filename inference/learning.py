@@ -1,13 +1,23 @@
-"""Labels and logistic-loss gradients of the two-tower model, for a batch of events. Pure.
+"""Labels and gradients of the two-tower model, for a batch of events. Pure.
 
-score = σ(u·v) over full rows (the item's bias lives in its last column, the user's last
-column is a constant 1). For an example (u, v, y, w): loss = w·BCE(σ(u·v), y),
-∂loss/∂u = w(σ − y)·v and ∂loss/∂v = w(σ − y)·u; the user's constant column gets no gradient.
+score s = u·v over full rows (the item's bias lives in its last column, the user's last
+column is a constant 1). Two losses (``LabelConfig.loss``):
 
-Labels: a click is a positive; a conversion a positive of weight ``conversion_weight``; an
-impression is a negative unless the same (request, item) was clicked in the same batch.
-A batch with positives but no negatives gets up to ``sampled_negatives`` random items per
-positive from ``item_pool`` (never the positive item itself).
+- ``logistic`` (logs of impressions, such as the synthetic world's): for an example
+  (u, v, y, w), loss = w·BCE(σ(s), y), so ∂loss/∂u = w(σ − y)·v and ∂loss/∂v = w(σ − y)·u.
+  A click is a positive; a conversion a positive of weight ``conversion_weight``; an
+  impression is a negative unless the same (request, item) was clicked in the same batch. A
+  batch with positives but no negatives gets up to ``sampled_negatives`` random items per
+  positive from ``item_pool`` (never the positive item itself).
+- ``softmax`` (positive-only logs: clicks, plays, purchases, ratings): each positive and
+  ``sampled_negatives`` items drawn uniformly from ``item_pool`` form a group; loss =
+  −w·log softmax(s)[positive] over the group, so each member gets w(p − y) where p is its
+  softmax share — the same form as the logistic coefficient, with p in place of σ.
+  Impressions are not used. On positive-only logs the logistic loss with sampled negatives
+  pushed every sampled item down as hard as the positive up, and the replay's HR@10 fell
+  below the popularity baselines (``docs/benchmarks.md``, the learner's table).
+
+Either way the user's constant column gets no gradient.
 
 >>> import numpy as np
 >>> u = np.array([[1.0, 0.0, 1.0]], np.float32); v = np.array([[1.0, 0.0, 0.0]], np.float32)
@@ -30,6 +40,8 @@ from freshrec.gradients import clip_rows_torch
 from inference.device import to_host
 from schemas.records import Event
 
+LOSSES = ("logistic", "softmax")
+
 
 @dataclass(frozen=True)
 class Examples:
@@ -38,17 +50,28 @@ class Examples:
     labels: np.ndarray
     weights: np.ndarray
     event_ms: np.ndarray
+    groups: np.ndarray | None = None
+    """``softmax``: each example's group (its positive's index among the positives)."""
 
 
 @dataclass(frozen=True)
 class LabelConfig:
     conversion_weight: float = 3.0
     sampled_negatives: int = 2
+    loss: str = "logistic"
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.sampled_negatives < 0:
+            raise ValueError("sampled_negatives must be >= 0")
 
 
 def examples_from_events(
     events: list[Event], cfg: LabelConfig, rng: np.random.Generator, item_pool: list[str]
 ) -> Examples:
+    if cfg.loss == "softmax":
+        return softmax_examples(events, cfg, rng, item_pool)
     clicked = {
         (e.request_id, e.item_id) for e in events if e.event_type == "click" and e.request_id
     }
@@ -86,6 +109,87 @@ def examples_from_events(
         np.asarray(weights, np.float32),
         np.asarray(times, np.int64),
     )
+
+
+def softmax_examples(
+    events: list[Event], cfg: LabelConfig, rng: np.random.Generator, item_pool: list[str]
+) -> Examples:
+    """Each click or conversion with ``sampled_negatives`` items drawn uniformly from
+    ``item_pool`` (never the positive item itself): one group per positive.
+
+    >>> from types import SimpleNamespace as E
+    >>> ex = softmax_examples([E(event_type="click", user_id="u", item_id="a", ts_ms=5)],
+    ...                       LabelConfig(sampled_negatives=2, loss="softmax"),
+    ...                       np.random.default_rng(0), ["a", "b", "c"])
+    >>> ex.labels.tolist(), ex.groups.tolist(), "a" in ex.items[1:]
+    ([1.0, 0.0, 0.0], [0, 0, 0], False)
+    """
+    positives = [e for e in events if e.event_type != "impression"]
+    users, items, labels, weights, times, groups = [], [], [], [], [], []
+    k = cfg.sampled_negatives if item_pool else 0
+    picks = rng.integers(0, len(item_pool), len(positives) * k) if k else ()
+    for g, e in enumerate(positives):
+        w = cfg.conversion_weight if e.event_type == "conversion" else 1.0
+        users.append(e.user_id)
+        items.append(e.item_id)
+        labels.append(1.0)
+        weights.append(w)
+        times.append(e.ts_ms)
+        groups.append(g)
+        for j in picks[g * k : (g + 1) * k] if k else ():
+            if item_pool[j] == e.item_id:
+                continue
+            users.append(e.user_id)
+            items.append(item_pool[j])
+            labels.append(0.0)
+            weights.append(w)
+            times.append(e.ts_ms)
+            groups.append(g)
+    return Examples(
+        users,
+        items,
+        np.asarray(labels, np.float32),
+        np.asarray(weights, np.float32),
+        np.asarray(times, np.int64),
+        np.asarray(groups, np.int64),
+    )
+
+
+def softmax_gradients(u, v, y, w, groups):
+    """Per-example gradients of −w·log softmax over each group (``softmax_examples``): the
+    coefficient w(p − y) on v for u and on u for v, p the example's share of its group;
+    torch on the rows' device, or numpy in and out.
+
+    >>> u = np.array([[1.0, 1.0], [1.0, 1.0]], np.float32)
+    >>> v = np.array([[2.0, 0.0], [0.0, 0.0]], np.float32)
+    >>> gu, gv = softmax_gradients(u, v, np.array([1.0, 0.0]), np.array([1.0, 1.0]), np.array([0, 0]))
+    >>> [round(float(x), 3) for x in gv[:, 0]]   # p = σ(2) = 0.881 for the positive
+    [-0.119, 0.119]
+    """
+    host = isinstance(u, np.ndarray)
+    if host:
+        u, v, y, w, groups = (torch.from_numpy(np.asarray(a)) for a in (u, v, y, w, groups))
+    s = (u * v).sum(1).clamp(-30, 30)
+    n = int(groups.max()) + 1 if len(groups) else 0
+    top = torch.full((n,), -30.0, dtype=s.dtype, device=s.device)
+    top = top.scatter_reduce(0, groups, s, "amax", include_self=True)
+    e = torch.exp(s - top[groups])
+    total = torch.zeros(n, dtype=s.dtype, device=s.device).index_add_(0, groups, e)
+    p = e / total[groups]
+    coef = (w * (p - y)).to(u.dtype)[:, None]
+    gu = coef * v
+    gv = coef * u
+    gu[:, -1] = 0.0
+    return (gu.numpy(), gv.numpy()) if host else (gu, gv)
+
+
+def gradients(u, v, ex: Examples, to_device=lambda a: a):
+    """The gradients of ``ex``'s loss (``softmax`` when it has groups, else logistic)."""
+    if ex.groups is not None:
+        return softmax_gradients(
+            u, v, to_device(ex.labels), to_device(ex.weights), to_device(ex.groups)
+        )
+    return logistic_gradients(u, v, to_device(ex.labels), to_device(ex.weights))
 
 
 def logistic_gradients(u, v, y, w):
@@ -210,13 +314,15 @@ class TableSlice:
     grads: torch.Tensor
 
 
-def device_local_steps(parts: list[TableSlice], lr: float, max_norm: float) -> list[LocalStep]:
+def device_local_steps(
+    parts: list[TableSlice], lr: float | list[float], max_norm: float
+) -> list[LocalStep]:
     """The local step of a slice on every table, where the tables live: per distinct row the
     sum of its gradients, non-finite rows rejected, the rest clipped, u ← u − lr·g applied in
     place. Then one copy to the host — the clipped sums, which are the gradient batch the
     parameter server is sent — from which each table's ``LocalStep`` is read (its deltas
     computed by the same operation as on the device, so the step pool holds exactly what
-    the rows received).
+    the rows received). ``lr`` is one step size, or one per part (per table).
 
     >>> rows = torch.zeros((3, 2))
     >>> part = TableSlice(rows, torch.tensor([2, 0]), torch.tensor([0, 1, 0]),
@@ -225,14 +331,15 @@ def device_local_steps(parts: list[TableSlice], lr: float, max_norm: float) -> l
     >>> step.ok.tolist(), step.sums.tolist(), rows.tolist()
     ([True, True], [[2.0, 0.0], [0.0, 2.0]], [[0.0, -1.0], [0.0, 0.0], [-1.0, 0.0]])
     """
+    lrs = list(lr) if isinstance(lr, list | tuple) else [lr] * len(parts)
     clipped_all, ok_all = [], []
-    for p in parts:
+    for p, part_lr in zip(parts, lrs, strict=True):
         sums = torch.zeros(
             (len(p.slots), p.grads.shape[1]), dtype=p.grads.dtype, device=p.grads.device
         )
         sums.index_add_(0, p.index, p.grads)
         ok, clipped = clip_rows_torch(sums, max_norm)
-        p.rows.index_add_(0, p.slots, clipped.mul(-lr))  # rejected rows: zero, no step
+        p.rows.index_add_(0, p.slots, clipped.mul(-part_lr))  # rejected rows: zero, no step
         clipped_all.append(clipped)
         ok_all.append(ok)
     if not parts:
@@ -246,8 +353,8 @@ def device_local_steps(parts: list[TableSlice], lr: float, max_norm: float) -> l
     )
     host = to_host(packed)  # the gradient batch: the slice's one copy to the host
     out = []
-    for part in np.split(host, np.cumsum(sizes)[:-1]):
+    for part, part_lr in zip(np.split(host, np.cumsum(sizes)[:-1]), lrs, strict=True):
         ok = part[:, -1] > 0
         sums = np.ascontiguousarray(part[ok, :-1])
-        out.append(LocalStep(ok, sums, torch.from_numpy(sums).mul(-lr).numpy()))
+        out.append(LocalStep(ok, sums, torch.from_numpy(sums).mul(-part_lr).numpy()))
     return out

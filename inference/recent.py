@@ -1,7 +1,8 @@
 """Each user's last clicked items, newest first, bounded per user and in users. Pure.
 
 The worker sees every event of its users' partitions, so a click is remembered here before any
-other service has seen it: the i2i channel and the recent-category feature read it.
+other service has seen it: the i2i channel and the recent-category feature read it, and with
+a larger bound per user, what a request's ``exclude_seen`` leaves out (``with_seen``).
 
 >>> from types import SimpleNamespace as E
 >>> r = RecentClicks(users=2, per_user=2)
@@ -16,6 +17,10 @@ other service has seen it: the i2i channel and the recent-category feature read 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import replace
+
+from schemas.records import RecommendRequest
 
 
 class RecentClicks:
@@ -47,3 +52,24 @@ class RecentClicks:
 
     def get(self, user_id: str) -> list[str]:
         return list(self._by_user.get(user_id, ()))
+
+
+def with_seen(
+    request: RecommendRequest, seen: Callable[[str], list[str]], default: bool
+) -> RecommendRequest:
+    """``request`` with the user's consumed items added to its ``exclude`` when it asks for
+    that (``exclude_seen``; absent: ``default``).
+
+    >>> r = RecommendRequest("r1", "a", exclude=("x",), exclude_seen=True)
+    >>> with_seen(r, lambda u: ["y", "x"], default=False).exclude
+    ('x', 'y')
+    >>> with_seen(RecommendRequest("r2", "a"), lambda u: ["y"], default=False).exclude
+    ()
+    """
+    wanted = default if request.exclude_seen is None else request.exclude_seen
+    if not wanted:
+        return request
+    consumed = seen(request.user_id)
+    if not consumed:
+        return request
+    return replace(request, exclude=tuple(dict.fromkeys((*request.exclude, *consumed))))

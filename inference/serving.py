@@ -10,10 +10,8 @@ online learning writes: a user's click is in their next recommendation.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,13 +23,24 @@ import torch
 
 from freshrec import metrics as m
 from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
+from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
 from inference.ann import IVFIndex, ivf_cells
 from inference.cache import EmbeddingCache
 from inference.channels import NEW_ITEMS, ServingState, category_members, default_channels
-from inference.degrade import CACHED, FULL, HOT, LIGHT, Ladder, LadderConfig, Situation
+from inference.degrade import (
+    CACHED,
+    FULL,
+    HOT,
+    LIGHT,
+    Ladder,
+    LadderConfig,
+    Situation,
+    ewma,
+    reason_label,
+)
 from inference.device import to_host
-from inference.features import RECENT, FeatureEncoder, recent_category_share
+from inference.features import RECENT, FeatureEncoder, recent_category_share, recent_similarity
 from inference.merge import found_by, merge_slot_arrays
 from inference.modelfile import ModelWatcher
 from inference.ranking import score
@@ -111,6 +120,7 @@ class Recommender:
         runner_factory: Callable[[ServingState], RecallRunner],
         worker_id: str,
         recent_clicks: Callable[[str], list[str]] = lambda user_id: [],
+        seen: Callable[[RecommendRequest], RecommendRequest] = lambda request: request,
     ) -> None:
         self.settings = settings
         self.cache = cache
@@ -119,6 +129,7 @@ class Recommender:
         self.snapshots = snapshots
         self.models = models
         self.worker_id = worker_id
+        self.with_seen = seen  # a request with the user's consumed items excluded, if it asks
         self.encoder = FeatureEncoder()
         self.ladder = Ladder(settings.ladder)
         self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
@@ -211,7 +222,7 @@ class Recommender:
 
         def build() -> None:
             try:
-                _lower_priority()  # the build yields the core to serving (Linux: per thread)
+                lower_thread_priority()  # the build yields the core to serving (Linux: per thread)
                 started = time.monotonic()
                 index = IVFIndex.build(rows, eligible, cells)
                 self.state.ann = index
@@ -242,7 +253,7 @@ class Recommender:
         degraded: list[str] = []
         if not self.snapshots.healthy:
             degraded.append("redis unavailable: cached features and lists")
-        reqs = [b.request for b in batch]
+        reqs = [self.with_seen(b.request) for b in batch]
         user_rows, versions, ages, user_note = self._users(reqs, now_ms)
         if user_note:
             degraded.append(user_note)
@@ -330,7 +341,7 @@ class Recommender:
             for stage, value in timings.items():
                 _stage_histogram(stage, tier).observe(value / 1000)
             if tier != FULL or degraded:
-                m.DEGRADED.labels(tier, _reason_label(reason, degraded)).inc()
+                m.DEGRADED.labels(tier, reason_label(reason, degraded)).inc()
         return replies
 
     def _users(self, reqs: list[RecommendRequest], now_ms: int):
@@ -394,9 +405,9 @@ class Recommender:
                 ranked[j] = part
             cost = (time.monotonic() - t0) * 1000
             if tier == FULL:
-                self.full_cost_ms = _ewma(self.full_cost_ms, cost)
+                self.full_cost_ms = ewma(self.full_cost_ms, cost)
             else:
-                self.light_cost_ms = _ewma(self.light_cost_ms, cost)
+                self.light_cost_ms = ewma(self.light_cost_ms, cost)
         return note
 
     def _inputs(self, reqs, user_rows, merged, group, tier):
@@ -425,17 +436,20 @@ class Recommender:
             [r.context.region if r.context else None for r in reqs],
             [(r.context.ts_ms if r.context and r.context.ts_ms else now_ms) for r in reqs],
         )
-        shares = np.zeros(n, np.float32)
+        shares, sims = np.zeros(n, np.float32), torch.zeros(n, device=items.device)
         lo = 0
         for j, size in zip(group, lens, strict=True):
-            user = reqs[j].user_id
-            recent = self.recent_clicks(user)
+            recent = self.recent_clicks(reqs[j].user_id)
             recent_slots = [self.slot_of[x] for x in recent[:RECENT] if x in self.slot_of]
             if recent_slots:
                 ci = self.cat_index[recent_slots]
                 recent_cats = cat.category[ci[ci >= 0]].tolist()
                 shares[lo : lo + size] = recent_category_share(
                     recent_cats, categories[lo : lo + size]
+                )
+                rows = self.cache.rows(TABLE_ITEM, np.asarray(recent_slots, np.int64))
+                sims[lo : lo + size] = recent_similarity(
+                    rows, items[lo : lo + size], self.cache.dim
                 )
             lo += size
         local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
@@ -447,6 +461,7 @@ class Recommender:
             ctx[owner],
             shares,
             owner=local,
+            recent_similarity=sims.cpu().numpy(),
         )
         return inputs, note
 
@@ -572,27 +587,8 @@ class Recommender:
         return out
 
 
-def _lower_priority(nice: int = 10) -> None:
-    """Lower the calling thread's CPU priority where the OS schedules threads on their own
-    (Linux); elsewhere, or without permission, nothing changes."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-
-
 @functools.cache
 def _stage_histogram(stage: str, tier: str):
     """The labelled child, looked up once (``labels`` takes a lock and builds a key each
     call: five stages a request)."""
     return m.REQUEST_SECONDS.labels(stage, tier)
-
-
-def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
-    return new if old is None else (1 - alpha) * old + alpha * new
-
-
-def _reason_label(reason: str, degraded: list[str]) -> str:
-    text = reason if reason != "ok" else (degraded[0] if degraded else "ok")
-    for key in ("low_end", "queue depth", "budget", "unavailable", "error", "redis", "recall"):
-        if key in text:
-            return key.replace(" ", "_")
-    return "other"

@@ -16,6 +16,7 @@ from freshrec.settings import (
     RowSettings,
     SettingsError,
     dead_letter_limits,
+    env_bool,
     env_float,
     env_int,
     env_optional_int,
@@ -24,7 +25,7 @@ from freshrec.settings import (
 from inference.breaker import BreakerConfig
 from inference.channels import default_channels, parse_delays
 from inference.degrade import LadderConfig
-from inference.learning import LabelConfig
+from inference.learning import LOSSES, LabelConfig
 from inference.serving import ServingSettings
 from schemas.codec import DeadLetterLimits
 
@@ -33,9 +34,13 @@ from schemas.codec import DeadLetterLimits
 class LearningSettings:
     dim: int = 64
     lr: float = 0.05
-    """Local step size u ← u − lr·g. Chosen by ``tools/bench_freshness.py``: a closed-loop
-    cohort's CTR rose from ~5% to 20-30% in two minutes at 0.05-0.2, not at all at the seeds'
-    0.001 or at 0.01, and less at 0.5-1.0 (docs/online-learning.md)."""
+    """Local step size of item rows, v ← v − lr·g. Chosen by ``tools/bench_freshness.py``: a
+    closed-loop cohort's CTR rose from ~5% to 20-30% in two minutes at 0.05-0.2, not at all
+    at the seeds' 0.001 or at 0.01, and less at 0.5-1.0 (docs/online-learning.md)."""
+    user_lr: float = 0.05
+    """Local step size of user rows. A user's row is touched only by that user's events, an
+    item's by everyone's: on positive-only logs users want the larger step (0.5 for models
+    trained by ``freshrec train --log``, which record it in their manifest)."""
     max_grad_norm: float = 1.0
     admission_touches: int = 1
     """A row's gradients go to the parameter server from its Nth touch on (Monolith's
@@ -110,6 +115,16 @@ class WorkerSettings:
     answered_memory: int = 100_000
     recent_users: int = 100_000
     """Users whose last clicks the worker keeps in memory (i2i recall)."""
+    exclude_seen: bool = False
+    """A request without ``exclude_seen`` leaves out what its user consumed: off by default
+    (in many domains people buy or play the same items again); on for catalogues of things
+    consumed once (films, books, articles)."""
+    dedupe_window: int = 200_000
+    """Event ids remembered per events partition: a duplicate within them is learnt once."""
+    seen_users: int = 20_000
+    seen_per_user: int = 200
+    """The consumed items the worker remembers for ``exclude_seen``: per user, the newest
+    this many, for the most recently active ``seen_users`` users (~100 bytes an item)."""
     answered_ttl_s: int = 3600
     reply_topic_pattern: str | None = None
     """The reply topics a request may name (a regular expression the whole name matches;
@@ -120,9 +135,29 @@ class WorkerSettings:
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
         rows = RowSettings.from_env(env)
         hot = HotScoreSettings.from_env(env)
+        model_dir = Path(env.get("FRESHREC_MODEL_DIR") or default_model_dir(env))
+        online = online_defaults(model_dir)
+        loss = env.get("FRESHREC_LEARNING_LOSS", "auto") or "auto"
+        if loss == "auto":
+            loss = online.get("loss", "logistic")
+        if loss not in LOSSES:
+            raise SettingsError(f"FRESHREC_LEARNING_LOSS must be auto or one of {LOSSES}")
+        lr = env_float(env, "FRESHREC_LOCAL_LR", float(online.get("item_lr", 0.05)), minimum=0)
         learning = LearningSettings(
             dim=rows.dim,
-            lr=env_float(env, "FRESHREC_LOCAL_LR", 0.05, minimum=0),
+            lr=lr,
+            user_lr=env_float(
+                env, "FRESHREC_LOCAL_USER_LR", float(online.get("user_lr", lr)), minimum=0
+            ),
+            labels=LabelConfig(
+                sampled_negatives=env_int(
+                    env,
+                    "FRESHREC_SAMPLED_NEGATIVES",
+                    int(online.get("sampled_negatives", 2)),
+                    minimum=0,
+                ),
+                loss=loss,
+            ),
             max_grad_norm=rows.max_grad_norm,
             admission_touches=env_int(env, "FRESHREC_ADMISSION_TOUCHES", 1, minimum=1),
             admission_window_s=env_int(env, "FRESHREC_ADMISSION_WINDOW_S", 3600, minimum=1),
@@ -176,7 +211,7 @@ class WorkerSettings:
             serving=serving,
             max_batch=env_int(env, "FRESHREC_MAX_BATCH", 32, minimum=1),
             max_wait_ms=env_int(env, "FRESHREC_MAX_WAIT_MS", 0, minimum=0),
-            model_dir=Path(env.get("FRESHREC_MODEL_DIR") or default_model_dir(env)),
+            model_dir=model_dir,
             breaker=BreakerConfig(
                 threshold=env_float(
                     env, "FRESHREC_BREAKER_THRESHOLD", 0.10, positive=True, maximum=1
@@ -185,11 +220,27 @@ class WorkerSettings:
             ),
             recall_delays_ms=delays,
             hot_k=env_int(env, "FRESHREC_HOT_K", 500, minimum=1),
+            exclude_seen=env_bool(env, "FRESHREC_EXCLUDE_SEEN", False),
+            seen_users=env_int(env, "FRESHREC_SEEN_USERS", 20_000, minimum=1),
+            dedupe_window=env_int(env, "FRESHREC_DEDUPE_WINDOW", 200_000, minimum=1),
+            seen_per_user=env_int(env, "FRESHREC_SEEN_PER_USER", 200, minimum=1),
             hot_weights=hot.weights,
             hot_decay_per_hour=hot.decay_per_hour,
             reply_topic_pattern=_reply_pattern(env),
             dead_letters=dead_letter_limits(env),
         )
+
+
+def online_defaults(model_dir: Path) -> dict:
+    """What the models in ``model_dir`` recommend for online learning (their manifest's
+    ``online``: the loss the starting rows were trained with and step sizes that suit it);
+    empty when there are none. Settings in the environment win."""
+    from inference.modelfile import ModelFileError, read_manifest
+
+    try:
+        return dict(read_manifest(model_dir).get("online") or {})
+    except (ModelFileError, OSError, ValueError):
+        return {}
 
 
 def _reply_pattern(env: Mapping[str, str]) -> str | None:

@@ -29,7 +29,15 @@ import torch
 from torch import nn
 
 from freshrec.hotscore import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
-from inference.features import CATEGORY_BUCKETS, RECENT, FeatureEncoder, RankInputs, bucket
+from inference.features import (
+    CATEGORY_BUCKETS,
+    DENSE,
+    RECENT,
+    RECENT_DECAY,
+    FeatureEncoder,
+    RankInputs,
+    bucket,
+)
 from inference.modelfile import save_model, save_tensors, write_manifest
 from inference.ranking import LightRanker, WideDeep, as_tensors
 from schemas.ids import row_ids
@@ -62,6 +70,17 @@ class TrainConfig:
     """Share of the training logs the two-tower model learns from; the ranking models learn
     from the rest (from all of them at 1.0). Below 1.0 the rankers see the tower's scores on
     impressions it did not fit, as serving does."""
+    tower_loss: str = "logistic"
+    """``logistic`` over labelled impressions (the synthetic world's logs), or ``softmax``
+    over the clicked items of a batch and ``softmax_negatives`` items drawn uniformly from
+    the catalogue (positive-only logs, ``freshrec train --log``; ``inference/learning.py``
+    says why)."""
+    softmax_negatives: int = 50
+    softmax_l2: float = 1e-4
+    softmax_lr: float = 0.01
+    """Adam's step size for the softmax two-tower."""
+    features: str = ",".join(DENSE)
+    """The ranking models' dense inputs: models trained with others are trained again."""
 
     def __post_init__(self) -> None:
         if min(self.impressions, self.dim, self.tower_epochs, self.rank_epochs, self.batch) < 1:
@@ -70,6 +89,8 @@ class TrainConfig:
             raise ValueError(f"l2 must be >= 0, got {self.l2}")
         if not 0 < self.tower_share <= 1:
             raise ValueError(f"tower_share must be in (0, 1], got {self.tower_share}")
+        if self.tower_loss not in ("logistic", "softmax"):
+            raise ValueError(f"tower_loss must be logistic or softmax, got {self.tower_loss!r}")
 
 
 @dataclass
@@ -98,6 +119,10 @@ class TrainingLog:
     source: str = ""
     """What the log came from (recorded in the manifest; models are reused for the same
     source and configuration)."""
+    sampled: np.ndarray | None = None
+    """Per row: a negative drawn by the trainer, not a logged impression (positive-only logs,
+    ``inference/logtrain.py``). Such rows count as no impression in the item features, as
+    nothing counts them live."""
 
     def __len__(self) -> int:
         return len(self.users)
@@ -107,8 +132,12 @@ def item_features(log: TrainingLog, idx: np.ndarray) -> np.ndarray:
     """(n_items, 4) [price, ctr, cvr, hot] from the impressions at ``idx`` (the training split:
     the held-out labels must not leak into features), as the streams app computes them live."""
     n = len(log.item_ids)
+    if log.sampled is not None:  # positive-only: no impression logged, none counted live
+        idx = idx[~log.sampled[idx]]
+        imp = np.zeros(n)
+    else:
+        imp = np.bincount(log.items[idx], minlength=n).astype(np.float64)
     items = log.items[idx]
-    imp = np.bincount(items, minlength=n).astype(np.float64)
     clk = np.bincount(items, weights=log.clicked[idx], minlength=n)
     conv = np.bincount(items, weights=log.converted[idx], minlength=n)
     s = Smoothing()
@@ -156,6 +185,8 @@ def train_two_tower(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(user numbers, user rows, item rows) for the users the log names and every catalogue
     item: rows start from the deterministic initialisation."""
+    if cfg.tower_loss == "softmax":
+        return _train_two_tower_softmax(logs, cfg, train_idx, progress)
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     uniq_users, user_pos = np.unique(logs.users, return_inverse=True)
@@ -184,11 +215,52 @@ def train_two_tower(
     return uniq_users, users, v_emb.detach().numpy()
 
 
-def recent_shares(logs: TrainingLog, cats: np.ndarray) -> np.ndarray:
-    """Per impression: the share of the user's previous ``RECENT`` clicks (in time order, in
-    the logs) in the impressed item's category — the real-time feature, as serving sees it."""
+def _train_two_tower_softmax(
+    logs: TrainingLog, cfg: TrainConfig, train_idx: np.ndarray, progress: Progress
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The clicked rows of ``train_idx``, in batches: each user's row against every clicked
+    item of the batch (the others' are its negatives, popular items more often) and
+    ``softmax_negatives`` items drawn uniformly from the catalogue, cross-entropy on its own
+    item; Adam. Scores carry the item's bias (its last column), which learns popularity."""
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    uniq_users, user_pos = np.unique(logs.users, return_inverse=True)
+    user_ids = row_ids(logs.user_ids[uniq_users].tolist())
+    item_ids = row_ids(logs.item_ids.tolist())
+    d, n_items = cfg.dim, len(item_ids)
+    u_emb = nn.Parameter(torch.from_numpy(initial_rows(user_ids, TABLE_USER, d)[:, :d] * 0.1))
+    v_emb = nn.Parameter(torch.from_numpy(initial_rows(item_ids, TABLE_ITEM, d) * 0.1))
+    opt = torch.optim.Adam([u_emb, v_emb], lr=cfg.softmax_lr)
+    positives = train_idx[logs.clicked[train_idx]]
+    up, it = torch.from_numpy(user_pos), torch.from_numpy(logs.items)
+    batch = min(cfg.batch, 512)
+    steps = cfg.tower_epochs * -(-len(positives) // batch)
+    step = 0
+    for epoch in range(cfg.tower_epochs):
+        for b in _batches(len(positives), batch, rng):
+            idx = torch.from_numpy(positives[b])
+            u, pos = u_emb[up[idx]], it[idx]
+            neg = torch.from_numpy(rng.integers(0, n_items, cfg.softmax_negatives))
+            cand = torch.cat([pos, neg])
+            v = v_emb[cand]
+            logits = u @ v[:, :d].T + v[:, d]
+            loss = nn.functional.cross_entropy(logits, torch.arange(len(b)))
+            loss = loss + cfg.softmax_l2 * ((u * u).sum(1).mean() + (v * v).sum(1).mean())
+            step = _step(
+                opt, loss, step, progress, f"two-tower: epoch {epoch + 1}/{cfg.tower_epochs}", steps
+            )
+    users = np.concatenate([u_emb.detach().numpy(), np.ones((len(uniq_users), 1), np.float32)], 1)
+    return uniq_users, users, v_emb.detach().numpy()
+
+
+def recent_context(logs: TrainingLog, cats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per impression, the real-time features' inputs as serving sees them: the share of the
+    user's previous ``RECENT`` clicks (in time order, in the logs) in the impressed item's
+    category, and those clicked items, newest first ((n, RECENT) item numbers, -1 padding;
+    a re-clicked item counts once, where it was clicked last, as the worker keeps them)."""
     order = np.lexsort((logs.t_ms, logs.users))
-    out = np.zeros(len(order), np.float32)
+    shares = np.zeros(len(order), np.float32)
+    recent_items = np.full((len(order), RECENT), -1, np.int64)
     item_cat = cats[logs.items]
     last_user = -1
     recent: list[int] = []
@@ -200,19 +272,39 @@ def recent_shares(logs: TrainingLog, cats: np.ndarray) -> np.ndarray:
             last_user, recent, pending, slate_t = u, [], [], -1
         t = int(logs.t_ms[j])
         if t != slate_t:  # clicks of one slate are known after it, not during it
-            recent = (pending[::-1] + recent)[:RECENT]
+            merged = pending[::-1] + recent
+            recent = list(dict.fromkeys(merged))[:RECENT]
             pending, slate_t = [], t
         if recent:
             c = item_cat[j]
-            out[j] = sum(1 for r in recent if r == c) / len(recent)
+            shares[j] = sum(1 for r in recent if cats[r] == c) / len(recent)
+            recent_items[j, : len(recent)] = recent
         if logs.clicked[j]:
-            pending.append(int(item_cat[j]))
+            pending.append(int(logs.items[j]))
+    return shares, recent_items
+
+
+def recent_similarities(
+    recent_items: np.ndarray, items: np.ndarray, item_rows: np.ndarray, dim: int
+) -> np.ndarray:
+    """``features.recent_similarity`` of each (impressed item, recent items) row, in chunks."""
+    out = np.zeros(len(items), np.float32)
+    decay = RECENT_DECAY ** np.arange(recent_items.shape[1], dtype=np.float32)
+    for lo in range(0, len(items), 50_000):
+        idx = recent_items[lo : lo + 50_000]
+        valid = idx >= 0
+        w = np.where(valid, decay, 0.0)
+        total = w.sum(1, keepdims=True)
+        w = np.divide(w, total, out=np.zeros_like(w), where=total > 0)
+        q = np.einsum("nr,nrd->nd", w, item_rows[np.maximum(idx, 0), :dim])
+        out[lo : lo + 50_000] = (q * item_rows[items[lo : lo + 50_000], :dim]).sum(1)
     return out
 
 
 def rank_inputs(
-    logs: TrainingLog, idx: np.ndarray, user_rows, user_pos, item_rows, feats, shares
+    logs: TrainingLog, idx: np.ndarray, user_rows, user_pos, item_rows, feats, recent
 ) -> RankInputs:
+    shares, recent_items = recent
     enc = FeatureEncoder()
     items = logs.items[idx]
     device = logs.device[idx]
@@ -222,8 +314,15 @@ def rank_inputs(
         logs.t_ms[idx].tolist(),
     )
     cats = category_buckets(logs)[items]
+    sims = recent_similarities(recent_items[idx], items, item_rows, item_rows.shape[1] - 1)
     return enc.encode(
-        user_rows[user_pos[idx]], item_rows[items], feats[items], cats, ctx, shares[idx]
+        user_rows[user_pos[idx]],
+        item_rows[items],
+        feats[items],
+        cats,
+        ctx,
+        shares[idx],
+        recent_similarity=sims,
     )
 
 
@@ -285,21 +384,80 @@ def _logits(model, inputs: RankInputs) -> np.ndarray:
     return model(*as_tensors(inputs, torch.device("cpu"))).numpy()
 
 
+ONLINE_SOFTMAX = {
+    "loss": "softmax",
+    "user_lr": 0.5,
+    "item_lr": 0.05,
+    "sampled_negatives": 10,
+    "global_user_lr": 0.5,
+    "adagrad_initial_accumulator": 1.0,
+}
+"""Online learning that suits rows trained by the softmax two-tower (the manifest's
+``online``, which the worker and the parameter server follow unless their settings say
+otherwise). Users step ten times further than items: a user's row is moved by that user's
+events alone. The parameter server's Adagrad starts its accumulators at 1, so that a row's
+first steps are lr·g, as the worker's, instead of lr·sign(g) — a sampled negative's tiny
+gradient otherwise moved its row as far as a clicked item's. Chosen by the replay on
+MovieLens 100K and Last.fm (``docs/benchmarks.md``, the learner's table)."""
+
+
+def top_k_hits(
+    logs: TrainingLog,
+    test_idx: np.ndarray,
+    train_idx: np.ndarray,
+    user_pos: np.ndarray,
+    user_rows: np.ndarray,
+    item_rows: np.ndarray,
+    k: int = 10,
+    sample: int = 2000,
+) -> float | None:
+    """HR@k of the two-tower on the held-out clicks: each user's k best items by u·v (bias
+    included) among those they did not click in training. At most ``sample`` clicks."""
+    clicks = test_idx[logs.clicked[test_idx]]
+    if logs.sampled is not None:
+        clicks = clicks[~logs.sampled[clicks]]
+    if len(clicks) == 0:
+        return None
+    clicks = clicks[:sample]
+    seen: dict[int, set[int]] = {}
+    for j in train_idx[logs.clicked[train_idx]].tolist():
+        seen.setdefault(int(logs.users[j]), set()).add(int(logs.items[j]))
+    scores = user_rows[user_pos[clicks]] @ item_rows.T
+    hits = 0
+    for row, j in enumerate(clicks.tolist()):
+        s = scores[row]
+        for i in seen.get(int(logs.users[j]), ()):
+            s[i] = -np.inf
+        top = np.argpartition(-s, min(k, len(s) - 1))[:k]
+        hits += int(logs.items[j]) in set(top.tolist())
+    return round(hits / len(clicks), 4)
+
+
+def random_split(n: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """(train, valid, test): a tenth held out for the reported metrics, a tenth to stop on."""
+    split = rng.random(n)
+    return (
+        np.flatnonzero(split >= 0.2),
+        np.flatnonzero(split < 0.1),
+        np.flatnonzero((split >= 0.1) & (split < 0.2)),
+    )
+
+
 def train(
     logs: TrainingLog,
     cfg: TrainConfig,
     out_dir: Path,
     progress: Progress,
     rng: np.random.Generator | None = None,
+    split: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> dict:
     """Train everything on ``logs`` and write the files and manifest; returns the manifest.
-    ``rng`` draws the splits (default: seeded by ``cfg.seed``)."""
+    ``split``: the (train, valid, test) rows (default: drawn at random by ``rng``, seeded by
+    ``cfg.seed``); valid decides when the ranking models stop, test is reported."""
     started = time.monotonic()
     rng = np.random.default_rng(cfg.seed) if rng is None else rng
     n = len(logs.users)
-    split = rng.random(n)  # a tenth held out for the reported AUCs, a tenth to stop on
-    train_idx, valid_idx = np.flatnonzero(split >= 0.2), np.flatnonzero(split < 0.1)
-    test_idx = np.flatnonzero((split >= 0.1) & (split < 0.2))
+    train_idx, valid_idx, test_idx = random_split(n, rng) if split is None else split
     tower_idx, rank_idx = train_idx, train_idx
     if cfg.tower_share < 1:
         cut = rng.random(len(train_idx)) < cfg.tower_share
@@ -310,8 +468,8 @@ def train(
     tower_scores = np.einsum(
         "ij,ij->i", user_rows[user_pos[test_idx]], item_rows[logs.items[test_idx]]
     )
-    shares = recent_shares(logs, category_buckets(logs))
-    args = (user_rows, user_pos, item_rows, feats, shares)
+    recent = recent_context(logs, category_buckets(logs))
+    args = (user_rows, user_pos, item_rows, feats, recent)
     x_train = rank_inputs(logs, rank_idx, *args)
     x_valid = rank_inputs(logs, valid_idx, *args)
     x_test = rank_inputs(logs, test_idx, *args)
@@ -342,6 +500,7 @@ def train(
         "light",
     )
     metrics = {
+        "hr_at_10_two_tower": top_k_hits(logs, test_idx, tower_idx, user_pos, user_rows, item_rows),
         "auc_two_tower": auc(y[test_idx], tower_scores),
         "auc_wide_deep": auc(y[test_idx], _logits(full, x_test)),
         "auc_light": auc(y[test_idx], _logits(light, x_test)),
@@ -382,6 +541,7 @@ def train(
         "created_ms": int(time.time() * 1000),
         "source": logs.source,
         "files": files,
+        **({"online": ONLINE_SOFTMAX} if cfg.tower_loss == "softmax" else {}),
         "training": {**metrics, "config": asdict(cfg)},
     }
     write_manifest(out_dir, manifest)

@@ -10,10 +10,10 @@ A round of the loop (``poll_once``), in its phases (``freshrec_worker_loop_secon
 1. consume: requests go to the intake (``intake.py``), events to a backlog;
 2. serve: every batch of requests the batching policy says is ready;
 3. learn: one slice of the backlog (``batching.EventSlicer`` sizes it to a time budget):
-   decode, label, logistic gradients, the local step on the cached rows at once
-   (``learning.py``), the steps remembered (``pending.py``), the gradients into the outbox
-   (``outbox.py``), which leaves for the parameter server when its linger runs out
-   (``gradients.py``);
+   decode, drop event ids already seen in the partition's window, label, gradients, the
+   local step on the cached rows at once (``learner.py``, ``learning.py``), the steps
+   remembered (``pending.py``), the gradients into the outbox (``outbox.py``), which leaves
+   for the parameter server when its linger runs out (``gradients.py``);
 4. updates: broadcast rows installed with the local steps they lack (``updates.py``);
 5. other: flow control (past a high-water mark the event partitions pause, so requests keep
    flowing whatever the event backlog), offset commits (``commits.py``), housekeeping.
@@ -28,7 +28,6 @@ about its logic can hand it doubles; the real-broker tests pass the real ones.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -45,6 +44,7 @@ from confluent_kafka import (
 )
 
 from freshrec import metrics as m
+from freshrec.dedupe import DedupeWindow
 from freshrec.kafka import (
     close_producer,
     consume_available,
@@ -63,27 +63,21 @@ from inference.commits import OffsetCommitter
 from inference.device import pick_device
 from inference.gradients import GradientSender
 from inference.intake import RequestIntake
-from inference.learning import (
-    TableSlice,
-    counts_and_newest,
-    device_local_steps,
-    examples_from_events,
-    logistic_gradients,
-)
+from inference.learner import LocalLearner
 from inference.modelfile import ModelWatcher
 from inference.offsets import OffsetGate
 from inference.outbox import GradientOutbox
 from inference.pending import PendingSteps
 from inference.recall import RecallRunner
-from inference.recent import RecentClicks
+from inference.recent import with_seen
 from inference.serving import Recommender
 from inference.settings import WorkerSettings
 from inference.snapshot import SnapshotRefresher
 from inference.updates import UpdateInstaller
 from schemas.codec import decode_events
 from schemas.contract import Rejected
-from schemas.ids import RowIdMemo, row_id, row_ids
-from schemas.rowbatch import TABLE_ITEM, TABLE_NAMES, TABLE_USER
+from schemas.ids import row_id
+from schemas.rowbatch import TABLE_ITEM, TABLE_USER
 
 log = logging.getLogger("freshrec.worker")
 LOOP_PHASES = ("consume", "serve", "learn", "updates", "other")
@@ -111,8 +105,6 @@ class Worker:
         self.cache.on_evict = self._evicted
         # ~40 MB written now, not page by page inside the first slices
         self.pending = PendingSteps(capacity=1 << 17, width=self.cache.w, touch=True)
-        self.item_row_ids = RowIdMemo(200_000)  # a catalogue's items come back every slice
-        self.rng = np.random.default_rng(abs(hash(settings.worker_id)) % (2**32))
         learning = settings.learning
         self.gate = OffsetGate()  # learnt events' offsets until their gradients are delivered
         self.outbox = GradientOutbox(
@@ -126,12 +118,26 @@ class Worker:
             self.producer, self.names.gradients, self.pending, self.gate, self.cache
         )
         self.installer = UpdateInstaller(self.cache, self.pending, self.producer)
-        self.item_pool: list[str] = []
-        self.stats: dict[str, int] = {"events": 0, "invalid": 0, "pending_let_go": 0}
-        """Events learnt and invalid, local steps let go: what a test or a drill can read."""
+        self.stats: dict[str, int] = {
+            "events": 0,
+            "invalid": 0,
+            "duplicates": 0,
+            "pending_let_go": 0,
+        }
+        """Events learnt, invalid and duplicate, local steps let go: what a test or a drill
+        can read."""
+        self.dedupe: dict[int, DedupeWindow] = {}  # per events partition
+        self.learner = LocalLearner(
+            settings,
+            self.cache,
+            self.pending,
+            self.outbox,
+            self.send_outbox,
+            lambda: self.recommender.slot_of,
+            self.stats,
+        )
+        self.recent, self.seen = self.learner.recent, self.learner.seen
         self._loop_phases = [m.WORKER_LOOP_SECONDS.labels(phase) for phase in LOOP_PHASES]
-        self._newest_local_ms = 0  # the newest event time learnt, ms
-        self._newest_local = m.FRESHNESS_EVENT_TIME.labels("local")
         self._last_commit = time.monotonic()
         most = settings.event_slice
         self.slicer = EventSlicer(
@@ -146,7 +152,6 @@ class Worker:
         self._events_retry_at = 0.0
         self._housekeeping_at = 0.0
         self._expired_at = time.monotonic()
-        self._trim_warned_at = -math.inf
         self.assigned = 0
         self.snapshots = SnapshotRefresher(
             self.redis,
@@ -156,7 +161,6 @@ class Worker:
             rate_per_hour=settings.hot_decay_per_hour,
         )
         self.models = ModelWatcher(settings.model_dir, self.cache.device, self.dim)
-        self.recent = RecentClicks(settings.recent_users)
         sv = settings.serving
         self.recommender = Recommender(
             sv,
@@ -173,6 +177,7 @@ class Worker:
             ),
             settings.worker_id,
             recent_clicks=self.recent.get,
+            seen=lambda r: with_seen(r, self.seen.get, settings.exclude_seen),
         )
         self.intake = RequestIntake(
             settings, self.names, self.keys, self.redis, self.producer, self.recommender
@@ -318,6 +323,7 @@ class Worker:
             self._expired_at = now
             self.expire_items(_now_ms())
         self.models.poll()
+        self.recommender.adopt_snapshot()  # also when idle: the catalogue gauge stays true
         self.recommender.maybe_rebuild_index()
         for name, state in self.recommender.runner.breaker_states().items():
             m.BREAKER_STATE.labels(name).set(
@@ -423,6 +429,9 @@ class Worker:
         self.backlog = deque(m_ for m_ in self.backlog if (m_.topic(), m_.partition()) not in gone)
         self.intake.revoke(p for t, p in gone if t == self.names.recommend_requests)
         self.commits.forget(gone)  # gradients undelivered after the flush: the next owner relearns
+        for t, p in gone:
+            if t == self.names.events:
+                self.dedupe.pop(p, None)
         self.paused = []
         self.assigned = 0
         m.ASSIGNED_PARTITIONS.labels("worker").set(0)
@@ -439,106 +448,49 @@ class Worker:
     # ----------------------------------------------------------------------------- events
     def on_events(self, msgs) -> None:
         now_ms = int(time.time() * 1000)
-        events = []
-        for e in decode_events([msg.value() for msg in msgs], now_ms):
+        events, partitions = [], []
+        replays = 0
+        for msg, e in zip(msgs, decode_events([msg.value() for msg in msgs], now_ms), strict=True):
             if type(e) is Rejected:
                 log.debug("skipping invalid event: %s", e)
-            else:
+            elif self._first_time(msg.partition(), e.event_id):
                 events.append(e)
+                partitions.append(msg.partition())
+            else:
+                replays += 1
         if events:
-            self._learn_events(events)  # a Redis error here: the slice is retried, then counted
-        invalid = len(msgs) - len(events)
+            try:
+                self._learn_events(events)
+            except redis.RedisError:  # the slice is retried, then counted: not a duplicate
+                for partition, e in zip(partitions, events, strict=True):
+                    self.dedupe[partition].forget([e.event_id])
+                raise
+        invalid = len(msgs) - len(events) - replays
         if invalid:
             m.WORKER_EVENTS.labels("invalid").inc(invalid)
             self.stats["invalid"] += invalid
+        if replays:
+            m.WORKER_EVENTS.labels("duplicate").inc(replays)
+            self.stats["duplicates"] += replays
         m.WORKER_EVENTS.labels("valid").inc(len(events))
         self.stats["events"] += len(events)
 
+    def _first_time(self, partition: int, event_id: str) -> bool:
+        """An event id not seen in this partition's window (``FRESHREC_DEDUPE_WINDOW`` ids):
+        a redelivered or duplicated event is learnt once. The window starts empty when the
+        partition is assigned, so what a previous owner learnt after its last commit is
+        learnt again (at least once)."""
+        window = self.dedupe.get(partition)
+        if window is None:
+            window = self.dedupe[partition] = DedupeWindow(self.settings.dedupe_window)
+        return window.first_time(event_id)
+
     def _learn_events(self, events) -> None:
-        self.recent.remember(events)
-        if not self.item_pool:
-            self.item_pool = [e.item_id for e in events]
-        ex = examples_from_events(events, self.settings.learning.labels, self.rng, self.item_pool)
-        if len(ex.labels) == 0:
-            return
-        self.learn(ex)
-        m.WORKER_EXAMPLES.labels("positive").inc(int(ex.labels.sum()))
-        m.WORKER_EXAMPLES.labels("negative").inc(int((ex.labels == 0).sum()))
-        self.item_pool = (self.item_pool + ex.items)[-10_000:]
-        done = time.time()
-        # every example: capped per slice, a burst learnt late would weigh as much as a slice
-        lag = np.maximum(done - ex.event_ms / 1000, 0.0)
-        m.observe_many(m.FRESHNESS_LAG.labels("local"), lag)
-        self._newest_local_ms = max(self._newest_local_ms, int(ex.event_ms.max()))
-        self._newest_local.set(self._newest_local_ms / 1000)
+        self.learner.learn_events(events)
 
     def learn(self, ex) -> None:
-        """The local step for a batch of labelled examples, where the tables live (on a GPU
-        the one host copy is the gradient batch): gradients, the step on the cached rows at
-        once, the steps remembered, the gradients into the outbox."""
-        # each table's rows grouped once: for the cache's slots and the gradients' sums
-        users = np.unique(row_ids(ex.users), return_inverse=True)
-        items = np.unique(self.item_row_ids(ex.items), return_inverse=True)
-        user_slots = self.cache.distinct_slots(TABLE_USER, users[0])
-        item_slots = self.cache.distinct_slots(TABLE_ITEM, items[0])
-        to_device = self.cache.to_device
-        us, ui = to_device(user_slots), to_device(users[1])
-        its, ii = to_device(item_slots), to_device(items[1])
-        user_rows, item_rows = self.cache.users.rows, self.cache.items.rows
-        u = user_rows.index_select(0, us.index_select(0, ui))
-        v = item_rows.index_select(0, its.index_select(0, ii))
-        gu, gv = logistic_gradients(u, v, to_device(ex.labels), to_device(ex.weights))
-        learning = self.settings.learning
-        local = device_local_steps(
-            [TableSlice(user_rows, us, ui, gu), TableSlice(item_rows, its, ii, gv)],
-            learning.lr,
-            learning.max_grad_norm,
-        )
-        now_ms = _now_ms()
-        for table, (distinct, index), key_slots, step in (
-            (TABLE_USER, users, user_slots, local[0]),
-            (TABLE_ITEM, items, item_slots, local[1]),
-        ):
-            rejected = int((~step.ok).sum())
-            if rejected:
-                m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "non_finite").inc(rejected)
-            counts, newest = counts_and_newest(index, len(distinct), ex.event_ms)
-            steps = self.pending.record(table, key_slots[step.ok], step.deltas)
-            held_back = self.outbox.add(
-                table,
-                distinct[step.ok],
-                step.sums,
-                counts[step.ok],
-                newest[step.ok],
-                steps,
-                now_ms,
-            )
-            if held_back:
-                m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "held_for_admission").inc(held_back)
-        if self.outbox.due(now_ms):
-            self.send_outbox()
-        if len(self.pending) > learning.max_pending_steps:
-            self._trim_pending()
-
-    def _trim_pending(self) -> None:
-        """The read-your-writes pool is at its bound (no broadcast has taken steps out of
-        it for a while): let the oldest sent steps go, down to 90% of it, so that this
-        happens once in many slices."""
-        most = self.settings.learning.max_pending_steps
-        held = len(self.pending)
-        let_go = self.pending.trim(most * 9 // 10)
-        m.PENDING_STEPS_LET_GO.inc(let_go)
-        self.stats["pending_let_go"] += let_go
-        now = time.monotonic()
-        if now - self._trim_warned_at > 60:
-            self._trim_warned_at = now
-            log.warning(
-                "read-your-writes pool at its bound (%d local steps, FRESHREC_MAX_PENDING_STEPS"
-                " %d): let the oldest %d go; is the parameter server running and broadcasting?",
-                held,
-                most,
-                let_go,
-            )
+        """The local step for a batch of labelled examples (``LocalLearner.learn``)."""
+        self.learner.learn(ex)
 
     def _evicted(self, table: int, slots: np.ndarray, ids: list[int]) -> None:
         """Rows left the user slab or the item table: their local steps go with them (the

@@ -262,7 +262,7 @@ class ParameterServer:
             message = np.repeat([seq for seq, _, _ in items], sizes)
             part = np.repeat([p for _, p, _ in items], sizes)
             applied, pairs, rejected = table.apply_log(
-                slots, grads, event_ms, message, self.settings.adagrad
+                slots, grads, event_ms, message, self.settings.adagrad_for(t)
             )
             # a row lives in one partition: the update carries that partition's offset
             held, first = np.unique(slots, return_index=True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from freshrec.settings import ConnectionSettings, RowSettings, env_float, env_int
 from param_server.adagrad import AdagradConfig
+from schemas.rows import TABLE_USER
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,8 @@ class ParamServerSettings:
     conn: ConnectionSettings
     dim: int = 64
     adagrad: AdagradConfig = field(default_factory=AdagradConfig)
+    """Item rows' Adagrad; user rows' too unless ``user_adagrad`` is set."""
+    user_adagrad: AdagradConfig | None = None
     flush_interval_ms: int = 100
     """How often applied rows are persisted (one Redis transaction) and broadcast."""
     max_dirty_rows: int = 50_000
@@ -23,21 +26,57 @@ class ParamServerSettings:
     """Rows not updated for this long leave the server's memory, and Redis drops them (hash
     field expiry, Redis 7.4+ / Valkey 9+); 0 keeps every row forever."""
 
+    def adagrad_for(self, table: int) -> AdagradConfig:
+        if table == TABLE_USER and self.user_adagrad is not None:
+            return self.user_adagrad
+        return self.adagrad
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ParamServerSettings:
         rows = RowSettings.from_env(env)
+        online = online_defaults(env)
+        adagrad = AdagradConfig(
+            lr=env_float(
+                env, "FRESHREC_GLOBAL_LR", float(online.get("global_lr", 0.05)), minimum=0
+            ),
+            max_norm=rows.max_grad_norm,
+            initial_accumulator=env_float(
+                env,
+                "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR",
+                float(online.get("adagrad_initial_accumulator", 0.0)),
+                minimum=0,
+            ),
+        )
+        user_lr = env.get("FRESHREC_GLOBAL_USER_LR") or online.get("global_user_lr")
         return cls(
             conn=ConnectionSettings.from_env(env),
             dim=rows.dim,
-            adagrad=AdagradConfig(
-                lr=env_float(env, "FRESHREC_GLOBAL_LR", 0.05, minimum=0),
-                max_norm=rows.max_grad_norm,
-                initial_accumulator=env_float(
-                    env, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", 0.0, minimum=0
-                ),
-            ),
+            adagrad=adagrad,
+            user_adagrad=replace(
+                adagrad, lr=env_float(env, "FRESHREC_GLOBAL_USER_LR", float(user_lr), minimum=0)
+            )
+            if user_lr
+            else None,
             flush_interval_ms=env_int(env, "FRESHREC_FLUSH_INTERVAL_MS", 100, minimum=1),
             max_dirty_rows=env_int(env, "FRESHREC_MAX_DIRTY_ROWS", 50_000, minimum=1),
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             row_ttl_s=rows.row_ttl_s,
         )
+
+
+def online_defaults(env: Mapping[str, str]) -> dict:
+    """What the models in ``FRESHREC_MODEL_DIR`` (when set) recommend for the global path
+    (their manifest's ``online``: ``freshrec train --log`` writes one); settings in the
+    environment win. Read as plain JSON: the parameter server loads no model."""
+    import json
+    from pathlib import Path
+
+    directory = env.get("FRESHREC_MODEL_DIR")
+    if not directory:
+        return {}
+    try:
+        manifest = json.loads((Path(directory) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    online = manifest.get("online") if isinstance(manifest, dict) else None
+    return dict(online) if isinstance(online, dict) else {}

@@ -75,6 +75,8 @@ class RecommendRequest:
     exclude: tuple[str, ...] = ()
     deadline_ms: int | None = None
     """Absolute deadline in ms since the epoch; None means the worker's default budget."""
+    exclude_seen: bool | None = None
+    """Leave out what the user consumed in the events the worker saw; None: its default."""
     schema_version: int = SCHEMA_VERSION
 
 

@@ -31,6 +31,7 @@ from confluent_kafka import Producer
 
 from freshrec import metrics as m
 from freshrec.childmetrics import send_snapshots
+from freshrec.dedupe import DedupeWindow
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
 from freshrec.lifecycle import die_with_parent, set_from_signal
 from freshrec.partitioner import str_partitions
@@ -40,7 +41,6 @@ from freshrec.settings import LOG_FORMAT
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
-from streams.dedupe import DedupeWindow
 from streams.item_state import BY_ITEM_COLUMNS, EVENT_CODES
 from streams.settings import StreamsSettings
 

@@ -297,8 +297,8 @@ def test_auc_matches_the_pairwise_definition():
     assert auc(y, s) == pytest.approx(pairwise)
 
 
-def test_recent_share_in_training_only_sees_earlier_slates():
-    from inference.train import TrainingLog, recent_shares
+def test_recent_features_in_training_only_see_earlier_slates():
+    from inference.train import TrainingLog, recent_context
 
     # one user, two slates: clicks in slate 1 (t=1) inform slate 2 (t=2), not slate 1 itself
     logs = TrainingLog(
@@ -315,7 +315,22 @@ def test_recent_share_in_training_only_sees_earlier_slates():
         region=np.full(4, None, object),
     )
     cats = np.array([7, 8])
-    assert recent_shares(logs, cats).tolist() == [0.0, 0.0, 1.0, 0.0]
+    shares, recent = recent_context(logs, cats)
+    assert shares.tolist() == [0.0, 0.0, 1.0, 0.0]
+    # the click on i0 at t=1 is the recent item of both rows of slate 2, and of no row before
+    assert recent[:, 0].tolist() == [-1, -1, 0, 0] and (recent[:, 1:] == -1).all()
+
+
+def test_recent_similarity_in_training_matches_serving():
+    from inference.features import recent_similarity
+    from inference.train import recent_similarities
+
+    rng = np.random.default_rng(4)
+    rows = rng.standard_normal((6, 5)).astype(np.float32)
+    recent = np.array([[3, 1, -1], [-1, -1, -1]])
+    got = recent_similarities(recent, np.array([2, 4]), rows, dim=4)
+    want = recent_similarity(rows[[3, 1]], rows[[2]], 4)[0]
+    assert got[0] == pytest.approx(float(want), rel=1e-5) and got[1] == 0.0
 
 
 # ------------------------------------------------------------------------------ recall
@@ -653,12 +668,12 @@ def test_the_index_build_thread_lowers_its_own_priority_only():
     import os
     import threading
 
-    from inference.serving import _lower_priority
+    from freshrec.lifecycle import lower_thread_priority
 
     seen = {}
 
     def build() -> None:
-        _lower_priority(10)
+        lower_thread_priority(10)
         seen["build"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     before = os.getpriority(os.PRIO_PROCESS, 0)

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from freshrec.dedupe import DedupeWindow
 from freshrec.hotscore import (
     HotEntry,
     HotList,
@@ -20,7 +21,6 @@ from freshrec.hotscore import (
 )
 from freshrec.partitioner import kafka_partition, key_partitions
 from streams.decay import HOUR_MS, ForwardDecay
-from streams.dedupe import DedupeWindow
 from streams.item_state import CLICK, CONVERSION, IMPRESSION, ItemPartitionState, StateConfig
 
 T0 = 1_767_225_600_000

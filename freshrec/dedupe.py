@@ -45,5 +45,17 @@ class DedupeWindow:
             seen.popitem(last=False)
         return fresh
 
+    def forget(self, event_ids) -> None:
+        """Take ids out of the window: their events were not processed after all (a failed
+        attempt to be retried), so the retry is a first time.
+
+        >>> w = DedupeWindow(capacity=4)
+        >>> w.first_time("a"); w.forget(["a"]); w.first_time("a")
+        True
+        True
+        """
+        for event_id in event_ids:
+            self._seen.pop(event_id, None)
+
     def __len__(self) -> int:
         return len(self._seen)

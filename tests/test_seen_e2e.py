@@ -1,0 +1,61 @@
+"""What a user consumed stays out of their lists when they ask (``exclude_seen``), and an
+event delivered twice is learnt once — on the real broker and Redis."""
+
+from __future__ import annotations
+
+import time
+
+from schemas.records import Event
+
+from .serving_harness import client_for, running_worker, worker_settings
+from .streams_harness import produce, wait_for
+
+
+def _clicks(user: str, items: list[str], tag: str) -> list[Event]:
+    now = int(time.time() * 1000)
+    return [
+        Event(f"{tag}-{user}-{i}", "click", user, item, now + i, None, "pc")
+        for i, item in enumerate(items)
+    ]
+
+
+def test_exclude_seen_leaves_out_what_the_user_clicked_and_only_then(seeded, model_dir):
+    user = "u41"
+    with running_worker(worker_settings(seeded, model_dir)) as w, client_for(seeded) as client:
+        before = [i.item_id for i in client.recommend(user, 20, timeout_s=10).items]
+        clicked = before[:3]  # items the worker ranks well for this user
+        learnt = w.stats["events"]
+        produce(seeded, _clicks(user, clicked, "seen"))
+        wait_for(lambda: w.stats["events"] >= learnt + 3, 30, "the clicks learnt")
+        shown = [i.item_id for i in client.recommend(user, 20, timeout_s=10).items]
+        hidden = [
+            i.item_id for i in client.recommend(user, 20, exclude_seen=True, timeout_s=10).items
+        ]
+    assert set(clicked) & set(shown), (clicked, shown)  # the worker's default keeps them
+    assert not set(clicked) & set(hidden), (clicked, hidden)
+    assert len(hidden) == 20
+
+
+def test_the_worker_default_excludes_seen_items_when_a_request_does_not_say(seeded, model_dir):
+    user = "u43"
+    settings = worker_settings(seeded, model_dir, exclude_seen=True)
+    with running_worker(settings) as w, client_for(seeded) as client:
+        first = [i.item_id for i in client.recommend(user, 10, timeout_s=10).items]
+        learnt = w.stats["events"]
+        produce(seeded, _clicks(user, first[:2], "default"))
+        wait_for(lambda: w.stats["events"] >= learnt + 2, 30, "the clicks learnt")
+        absent = [i.item_id for i in client.recommend(user, 10, timeout_s=10).items]
+        kept = [
+            i.item_id for i in client.recommend(user, 10, exclude_seen=False, timeout_s=10).items
+        ]
+    assert not set(first[:2]) & set(absent), (first, absent)
+    assert set(first[:2]) & set(kept), (first, kept)
+
+
+def test_an_event_delivered_twice_is_learnt_once(seeded, model_dir):
+    with running_worker(worker_settings(seeded, model_dir)) as w:
+        events = _clicks("u44", ["i3", "i4"], "dup")
+        produce(seeded, events)
+        produce(seeded, [events[0]])  # a producer's retry, a replayed topic
+        wait_for(lambda: w.stats["events"] + w.stats["duplicates"] >= 3, 30, "all three read")
+        assert w.stats["events"] == 2 and w.stats["duplicates"] == 1, w.stats
