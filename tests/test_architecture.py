@@ -5,7 +5,8 @@ grows past the size a reader can hold.
 
 Layers (``docs/design.md``, "Module map"): the kernel is ``freshrec/`` without ``freshrec/app``;
 the services are ``inference/``, ``streams/`` and ``param_server/``; the app shell is
-``freshrec/app``; ``tools/`` holds the simulator, benchmarks and drills.
+``freshrec/app``; ``evaluation/`` is the replay's protocol, metrics and baselines (pure, on the
+kernel alone); ``tools/`` holds the simulator, benchmarks and drills.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-PACKAGES = ("freshrec", "schemas", "inference", "streams", "param_server", "tools")
+PACKAGES = ("freshrec", "schemas", "inference", "streams", "param_server", "evaluation", "tools")
 SERVICES = ("inference", "streams", "param_server")
 IO_PACKAGES = {
     "confluent_kafka",
@@ -119,6 +120,12 @@ def test_the_kernel_schemas_and_services_never_import_tools_or_tests(name):
 @pytest.mark.parametrize("name", [n for n in MODULES if layer(n) in ("kernel", "schemas")])
 def test_the_kernel_and_schemas_import_no_service_and_no_app(name):
     bad = {m for m in project_imports(name) if layer(m) in (*SERVICES, "app")}
+    assert not bad, f"{name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if layer(n) == "evaluation"])
+def test_evaluation_stands_on_the_kernel_alone(name):
+    bad = {m for m in project_imports(name) if layer(m) not in ("evaluation", "kernel")}
     assert not bad, f"{name} imports {sorted(bad)}"
 
 

@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from freshrec.app.options import EnvDefault, add_world_options
+from freshrec.app.options import EnvDefault, add_log_options, add_world_options
 from freshrec.settings import LOG_FORMAT, SettingsError
 
 Command = Callable[[argparse.Namespace], int]
@@ -25,7 +25,7 @@ def _sigterm_as_interrupt() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from freshrec.app import commands, training
+    from freshrec.app import commands, replay, training
     from freshrec.app import run as run_command
 
     parser = argparse.ArgumentParser(
@@ -140,9 +140,36 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=commands.cmd_top)
 
     train = sub.add_parser(
-        "train", help="offline training: starting embeddings and both ranking models"
+        "train",
+        help="offline training: starting embeddings and both ranking models, on the "
+        "synthetic world or an interaction log (--log)",
     )
-    add_world_options(train)
+    add_world_options(train, items_option=False)
+    train.add_argument(
+        "--log",
+        default=None,
+        help="train on this interaction log (CSV, TSV or JSON Lines, gzipped or not) "
+        "instead of the synthetic world; see docs/replay.md",
+    )
+    add_log_options(
+        train,
+        items_help="with --log: the item file (id, category or genres, price); without: "
+        "the synthetic world's item count [env FRESHREC_WORLD_ITEMS; default 100000]",
+    )
+    train.add_argument(
+        "--negatives",
+        type=int,
+        default=4,
+        help="with --log: negatives drawn uniformly from the catalogue per interaction, "
+        "for the ranking models (default 4)",
+    )
+    train.add_argument(
+        "--holdout",
+        type=float,
+        default=0.1,
+        help="with --log: the last share of the log, by time, held out and reported on "
+        "(default 0.1)",
+    )
     train.add_argument(
         "--impressions", type=int, default=1_000_000, help="logged impressions to train on"
     )
@@ -159,7 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the training logs for the two-tower model; the ranking "
         "models learn from the rest (1.0: both from all)",
     )
-    train.add_argument("--tower-epochs", type=int, default=3, help="two-tower epochs (default 3)")
+    train.add_argument(
+        "--tower-epochs",
+        type=int,
+        default=None,
+        help="two-tower epochs (default 3; with --log 10)",
+    )
     train.add_argument(
         "--out",
         default=None,
@@ -178,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         "trained with this configuration",
     )
     train.set_defaults(func=training.cmd_train)
+
+    replay.add_parser(sub)
 
     rec = sub.add_parser("recommend", help="ask the workers for recommendations over Kafka")
     rec.add_argument("--user", required=True, help="user id, e.g. u42")
@@ -203,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from freshrec.app.supervisor import ServiceDied
     from freshrec.topics import TopicMismatchError
     from inference.client import RecommendError, RecommendTimeout
+    from inference.interactions import LogError
     from inference.modelfile import ModelFileError
 
     try:
@@ -219,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         RecommendError,
         RecommendTimeout,
         ModelFileError,
+        LogError,
     ) as exc:
         print(f"freshrec: error: {exc}", file=sys.stderr)
         return 2

@@ -87,20 +87,65 @@ def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest
     return written
 
 
+def held_out_line(training: dict, prefix: str = "") -> str:
+    """The metrics ``train`` measured on its held-out part, in one line."""
+    hr = training.get("hr_at_10_two_tower")
+    return (
+        prefix
+        + (f"HR@10 two-tower {hr:.3f}, " if hr is not None else "")
+        + f"AUC two-tower {training['auc_two_tower']:.3f}, "
+        f"wide&deep {training['auc_wide_deep']:.3f}, light {training['auc_light']:.3f}"
+    )
+
+
+def train_on_log(args: argparse.Namespace, directory: Path, progress: ProgressLine) -> dict:
+    """``freshrec train --log``: read, report bad rows, train, print the held-out metrics."""
+    from dataclasses import replace
+
+    from freshrec.app.options import read_log_from_args
+    from inference.logtrain import LOG_CONFIG, train_from_log
+
+    inter, items = read_log_from_args(args, args.log, progress)
+    try:
+        cfg = replace(
+            LOG_CONFIG,
+            tower_epochs=args.tower_epochs or LOG_CONFIG.tower_epochs,
+            tower_share=args.tower_share,
+        )
+        started = time.monotonic()
+        manifest = train_from_log(
+            inter, items, directory, progress.update, cfg, args.negatives, args.holdout
+        )
+    except ValueError as exc:
+        raise SystemExit(f"freshrec train: {exc}") from None
+    t = manifest["training"]
+    progress.done(
+        f"trained {manifest['version']} in {time.monotonic() - started:.0f}s on "
+        f"{t['users']:,} users and {t['items']:,} items; held out (the last "
+        f"{100 * args.holdout:g}% by time): " + held_out_line(t)
+    )
+    return manifest
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from freshrec.app.options import world_from_args
-    from inference.modelfile import read_manifest
     from inference.train import TrainConfig
 
-    world = world_from_args(args)
     directory = model_dir(args.out)
     progress = ProgressLine()
+    if args.log:
+        manifest = train_on_log(args, directory, progress)
+        return _finish_train(args, directory, manifest)
+    if args.items_path is not None and not str(args.items_path).isdigit():
+        raise SystemExit("freshrec train: --items is a file only with --log; here a count")
+    args.items = int(args.items_path or load_environment().get("FRESHREC_WORLD_ITEMS", 100_000))
+    world = world_from_args(args)
     try:
         config = TrainConfig(
             impressions=args.impressions,
             l2=args.l2,
             tower_share=args.tower_share,
-            tower_epochs=args.tower_epochs,
+            tower_epochs=args.tower_epochs or 3,
         )
     except ValueError as exc:
         raise SystemExit(f"freshrec train: {exc}") from None
@@ -110,10 +155,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         manifest = world.train(config, directory, progress.update)
         t = manifest["training"]
         progress.done(
-            f"trained {manifest['version']}: AUC two-tower {t['auc_two_tower']:.3f}, "
-            f"wide&deep {t['auc_wide_deep']:.3f}, light {t['auc_light']:.3f} "
-            f"({t['impressions']:,} impressions, {t['seconds']}s)"
+            f"trained {manifest['version']}: "
+            + held_out_line(t)
+            + f" ({t['impressions']:,} impressions, {t['seconds']}s)"
         )
+    return _finish_train(args, directory, manifest)
+
+
+def _finish_train(args: argparse.Namespace, directory: Path, manifest: dict) -> int:
+    from inference.modelfile import read_manifest
+
     print(f"models: {directory / 'manifest.json'} (version {read_manifest(directory)['version']})")
     load = args.load == "yes" or (
         args.load == "auto"

@@ -1,0 +1,101 @@
+"""Top-k metrics of a replay, per arm and per time window. Pure.
+
+For each evaluated interaction (user u consumed item i), the list L that u was given for the
+step (``evaluation/protocol.py``), truncated at k:
+
+- HR@k: 1 if i is in L;
+- NDCG@k: 1 / log2(rank + 2) for i at 0-based rank in L, else 0 (one relevant item: the
+  ideal DCG is 1);
+- MRR@k: 1 / (rank + 1), else 0;
+
+averaged over the evaluated interactions. Recall@k is per request: of the items the user
+consumed new in the step, the share in L (with one such item, the request's HR@k).
+Coverage: the distinct items of every list, over the catalogue's size.
+
+>>> s = ArmScores("pop", k=2, windows=1)
+>>> s.add_request(0, ["x", "y"], ["y", "z"])
+>>> r = s.summary(catalogue=4)
+>>> r["hr"], r["ndcg"], r["mrr"], r["recall"], r["coverage"]
+(0.5, 0.3155, 0.25, 0.5, 0.5)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+METRICS = ("hr", "ndcg", "mrr", "recall")
+
+
+@dataclass
+class Tally:
+    interactions: int = 0
+    hits: int = 0
+    ndcg: float = 0.0
+    mrr: float = 0.0
+    requests: int = 0
+    recall: float = 0.0
+
+    def values(self) -> dict[str, float | None]:
+        n, r = self.interactions, self.requests
+        return {
+            "hr": round(self.hits / n, 4) if n else None,
+            "ndcg": round(self.ndcg / n, 4) if n else None,
+            "mrr": round(self.mrr / n, 4) if n else None,
+            "recall": round(self.recall / r, 4) if r else None,
+        }
+
+
+@dataclass
+class ArmScores:
+    name: str
+    k: int = 10
+    windows: int = 10
+    total: Tally = field(default_factory=Tally)
+    per_window: list[Tally] = field(default_factory=list)
+    recommended: set[str] = field(default_factory=set)
+    short_lists: int = 0
+    """Requests answered with fewer than k items."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.windows < 1:
+            raise ValueError("k and windows must be at least 1")
+        self.per_window = [Tally() for _ in range(self.windows)]
+
+    def add_request(self, window: int, recommended: list[str], targets: list[str]) -> None:
+        """One list and the items (new to the user) consumed in the step it was made for."""
+        top = recommended[: self.k]
+        if len(top) < self.k:
+            self.short_lists += 1
+        self.recommended.update(top)
+        rank = {item: r for r, item in enumerate(top)}
+        found = 0
+        for cell in (self.total, self.per_window[window]):
+            cell.requests += 1
+        for item in targets:
+            r = rank.get(item)
+            for cell in (self.total, self.per_window[window]):
+                cell.interactions += 1
+                if r is not None:
+                    cell.hits += 1
+                    cell.ndcg += 1.0 / math.log2(r + 2)
+                    cell.mrr += 1.0 / (r + 1)
+            found += r is not None
+        share = found / len(targets) if targets else 0.0
+        self.total.recall += share
+        self.per_window[window].recall += share
+
+    def summary(self, catalogue: int) -> dict:
+        return {
+            "arm": self.name,
+            **self.total.values(),
+            "coverage": round(len(self.recommended) / catalogue, 4) if catalogue else None,
+            "interactions": self.total.interactions,
+            "requests": self.total.requests,
+            "short_lists": self.short_lists,
+        }
+
+    def window_rows(self) -> list[dict]:
+        return [
+            {"arm": self.name, "window": w, **t.values()} for w, t in enumerate(self.per_window)
+        ]

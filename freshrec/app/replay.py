@@ -1,0 +1,294 @@
+"""``freshrec replay PATH``: prequential evaluation of FreshRec on an interaction log, arm by
+arm through the live pipeline, beside reference baselines computed in-process on exactly the
+same interactions (``docs/replay.md``).
+
+1. Read the log (``inference/interactions.py``) and cut it at ``--train-share`` by time.
+2. Train the starting models on the part before the cut (``freshrec train --log``; cached in
+   ``OUT/models`` for the same log part and settings).
+3. For each live arm (``replayarm.py``): ``frozen`` (the whole pipeline, learning rates 0),
+   ``local`` (no parameter server), ``full``; each on a fresh stack.
+4. The baselines (``evaluation/baselines.py``), their settings chosen on the training part
+   (``evaluation/prequential.tune``).
+5. The table, CSV files, a JSON report and the HR@k plot (``replayreport.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from freshrec.progress import ProgressLine
+from freshrec.settings import state_dir
+
+log = logging.getLogger("freshrec.replay")
+BASELINES = ("pop", "recent_pop", "isgd")
+
+
+def add_parser(sub) -> None:
+    from freshrec.app.options import add_log_options
+
+    p = sub.add_parser(
+        "replay",
+        help="prequential evaluation on an interaction log: live arms and baselines",
+    )
+    p.add_argument("path", help="the interaction log (CSV, TSV, JSON Lines; gzipped or not)")
+    add_log_options(p)
+    p.add_argument(
+        "--train-share",
+        type=float,
+        default=0.8,
+        help="the first share of the log, by time, that trains the starting models (0.8)",
+    )
+    p.add_argument(
+        "--sample", type=float, default=1.0, help="share of the replayed interactions scored"
+    )
+    p.add_argument("-k", type=int, default=10, help="list length (10)")
+    p.add_argument(
+        "--step",
+        type=int,
+        default=100,
+        help="interactions per step: lists are asked for before a step's interactions are "
+        "produced (100)",
+    )
+    p.add_argument("--arms", default="frozen,local,full", help="live arms (frozen,local,full)")
+    p.add_argument(
+        "--baselines",
+        default=",".join(BASELINES),
+        help=f"in-process baselines ({','.join(BASELINES)}; empty for none)",
+    )
+    p.add_argument("--windows", type=int, default=10, help="time windows of the report (10)")
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        help="how many times faster than it happened the replayed part runs (default: "
+        "its span over --duration)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="with no --speed: the replayed part's span is mapped onto this many seconds",
+    )
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds a request may wait")
+    p.add_argument("--negatives", type=int, default=4, help="as `freshrec train --negatives`")
+    p.add_argument("--tower-epochs", type=int, default=None, help="two-tower epochs (10)")
+    p.add_argument(
+        "--tower-share",
+        type=float,
+        default=None,
+        help="as `freshrec train --tower-share` (default: LOG_CONFIG's)",
+    )
+    p.add_argument("--out", default=None, help="output folder (default .freshrec/replay/NAME)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the sample")
+    p.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for every live arm's services (repeatable), e.g. "
+        "--set FRESHREC_MMR_LAMBDA=1.0",
+    )
+    p.set_defaults(func=cmd_replay)
+
+
+def _models(prefix, items, out: Path, args, progress: ProgressLine) -> tuple[Path, dict]:
+    """Models trained on the log's training part: reused when ``out/models`` holds the ones
+    for this part and these settings, else trained."""
+    from inference.logtrain import LOG_CONFIG, fingerprint, train_from_log
+    from inference.modelfile import ModelFileError, read_manifest
+
+    cfg = replace(
+        LOG_CONFIG,
+        tower_epochs=args.tower_epochs or LOG_CONFIG.tower_epochs,
+        tower_share=args.tower_share or LOG_CONFIG.tower_share,
+    )
+    key = {
+        "log": fingerprint(prefix),
+        "items": hashlib.sha256("\0".join(items.ids).encode()).hexdigest()[:16],
+        "negatives": args.negatives,
+        "config": asdict(cfg),
+    }
+    directory = out / "models"
+    key_file = directory / "replay-key.json"
+    try:
+        manifest = read_manifest(directory)
+        if key_file.exists() and json.loads(key_file.read_text()) == key:
+            progress.done(
+                f"models {manifest['version']} of this training part found in {directory}"
+            )
+            return directory, manifest
+    except (ModelFileError, ValueError):
+        pass
+    started = time.monotonic()
+    manifest = train_from_log(prefix, items, directory, progress.update, cfg, args.negatives)
+    key_file.write_text(json.dumps(key) + "\n")
+    from freshrec.app.training import held_out_line
+
+    progress.done(
+        f"trained {manifest['version']} on the training part in "
+        f"{time.monotonic() - started:.0f}s; held out: " + held_out_line(manifest["training"])
+    )
+    return directory, manifest
+
+
+def _baseline(name: str, data, k: int, windows: int, progress: ProgressLine):
+    """The baseline's scores on the replay, its settings tuned on the training part."""
+    from evaluation.baselines import ISGD, Pop, RecentPop
+    from evaluation.prequential import run, tune
+
+    p = data.plan
+    n = p.train_end
+    if name == "pop":
+        make, chosen = Pop, "-"
+    elif name == "recent_pop":
+        sizes = sorted({max(10, int(n * f)) for f in (0.01, 0.02, 0.05, 0.1, 0.2)})
+        cands = [(f"window={w}", lambda w=w: RecentPop(w)) for w in sizes]
+        chosen, _ = tune(cands, data.users, data.items, n, k)
+        w = int(chosen.split("=")[1])
+        make = lambda: RecentPop(w)  # noqa: E731
+    elif name == "isgd":
+        cands = [(f"lr={lr}", lambda lr=lr: ISGD(lr=lr)) for lr in (0.01, 0.02, 0.05, 0.1)]
+        chosen, _ = tune(cands, data.users, data.items, n, k)
+        lr = float(chosen.split("=")[1])
+        make = lambda: ISGD(lr=lr)  # noqa: E731
+    else:
+        raise SystemExit(f"freshrec replay: unknown baseline {name!r} (known: {BASELINES})")
+    steps = len(p.steps)
+
+    def on_step(index: int, scores) -> None:
+        progress.update(f"{name}: step {index + 1}/{steps}")
+
+    started = time.monotonic()
+    scores = run(make(), p, data.users, data.items, data.t_ms, k, windows, name, on_step)
+    return scores, chosen, round(time.monotonic() - started, 1)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from evaluation.protocol import plan as make_plan
+    from freshrec.app import replayarm, replayreport
+    from freshrec.app.options import read_log_from_args
+
+    arms = [a for a in args.arms.split(",") if a]
+    baselines = [b for b in args.baselines.split(",") if b]
+    unknown = [a for a in arms if a not in replayarm.ARMS]
+    if unknown:
+        raise SystemExit(
+            f"freshrec replay: unknown arm(s) {unknown} (known: {list(replayarm.ARMS)})"
+        )
+    overrides = {}
+    for pair in args.settings:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"freshrec replay: --set {pair!r}: expected NAME=VALUE")
+        overrides[name] = value
+    progress = ProgressLine()
+    inter, items = read_log_from_args(args, args.path, progress)
+    try:
+        p = make_plan(
+            inter.users,
+            inter.items,
+            train_share=args.train_share,
+            step=args.step,
+            sample=args.sample,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"freshrec replay: {exc}") from None
+    if p.train_end == 0 or not p.evaluated:
+        raise SystemExit(
+            "freshrec replay: nothing to train on or nothing to evaluate: see --train-share"
+        )
+    out = Path(args.out or state_dir() / "replay" / Path(args.path).name.split(".")[0])
+    out.mkdir(parents=True, exist_ok=True)
+    progress.done(
+        f"replaying {len(inter) - p.train_end:,} interactions after the first {p.train_end:,} "
+        f"in {len(p.steps):,} steps: {p.evaluated:,} evaluated, {p.repeats:,} repeats "
+        f"(the user had the item already), {p.unsampled:,} outside the sample"
+    )
+    data = replayarm.prepare(inter, items, p, args.windows, args.duration, args.speed)
+    rows: list[dict] = []
+    windows: list[dict] = []
+    extra: dict[str, dict] = {}
+    catalogue = len(set(inter.items.tolist()) | set(items.ids))
+
+    def record(name, kind, scores, wall_s, notes="") -> None:
+        rows.append({**scores.summary(catalogue), "kind": kind, "wall_s": wall_s, "notes": notes})
+        t0 = int(inter.t_ms[p.train_end])
+        span = max(int(inter.t_ms[-1]) - t0, 1)
+        for w in scores.window_rows():
+            windows.append({**w, "from_ms": t0 + span * w["window"] // args.windows})
+
+    if arms:
+        models, manifest = _models(inter.take(slice(0, p.train_end)), items, out, args, progress)
+        run_id = hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]
+        for arm in arms:
+            result = replayarm.run_arm(
+                arm,
+                data,
+                models,
+                manifest,
+                out,
+                run_id,
+                k=args.k,
+                windows=args.windows,
+                timeout_s=args.timeout,
+                progress=progress.update,
+                overrides=overrides,
+            )
+            shares = {
+                c: round(n / max(result.items_listed, 1), 3)
+                for c, n in result.channels.most_common()
+            }
+            notes = (
+                f"{result.timeouts} timeouts, {result.errors} errors"
+                if result.timeouts or result.errors
+                else ""
+            )
+            record(arm, "live", result.scores, result.wall_s, notes)
+            extra[arm] = {
+                "requests": result.sent,
+                "answered": result.answered,
+                "timeouts": result.timeouts,
+                "errors": result.errors,
+                "tiers": dict(result.tiers),
+                "channel_share_of_listed_items": shares,
+                "late_steps": result.late_steps,
+                "events_read_before_the_replay": result.read_before,
+                "events": result.events,
+            }
+            progress.done(
+                f"{arm}: HR@{args.k} {rows[-1]['hr']}, NDCG@{args.k} {rows[-1]['ndcg']} in "
+                f"{result.wall_s:.0f}s; items by channel {shares}"
+            )
+    for name in baselines:
+        scores, chosen, wall_s = _baseline(name, data, args.k, args.windows, progress)
+        record(name, "baseline", scores, wall_s, chosen)
+        extra[name] = {"chosen_on_the_training_part": chosen}
+        progress.done(f"{name} ({chosen}): HR@{args.k} {rows[-1]['hr']}")
+    meta = {
+        "log": str(args.path),
+        "interactions": len(inter),
+        "train_end": p.train_end,
+        "evaluated": p.evaluated,
+        "repeats": p.repeats,
+        "k": args.k,
+        "step": args.step,
+        "speed": round(data.speed, 1),
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "details": extra,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "users": int(np.unique(inter.users).size),
+    }
+    files = replayreport.write(out, rows, windows, meta, args.k)
+    print(replayreport.table(rows, args.k))
+    print("written: " + ", ".join(str(f) for f in files))
+    return 0

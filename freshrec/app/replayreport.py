@@ -1,0 +1,70 @@
+"""What ``freshrec replay`` writes: the arms' table on stdout, ``replay.csv`` (one row per
+arm), ``replay_windows.csv`` (one row per arm and time window), ``replay.json`` (all of it,
+with the settings) and ``replay_hr.png`` (HR@k per window, one line per arm)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+COLUMNS = ("arm", "kind", "hr", "ndcg", "mrr", "recall", "coverage", "interactions", "wall_s")
+
+
+def table(rows: list[dict], k: int) -> str:
+    head = (
+        f"{'arm':<12} {'kind':<9} {f'HR@{k}':>8} {f'NDCG@{k}':>8} {f'MRR@{k}':>8} "
+        f"{f'recall@{k}':>9} {'coverage':>8} {'evaluated':>9} {'wall s':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+
+        def f(key: str, r: dict = r) -> str:
+            v = r.get(key)
+            return "-" if v is None else f"{v:.4f}"
+
+        lines.append(
+            f"{r['arm']:<12} {r['kind']:<9} {f('hr'):>8} {f('ndcg'):>8} {f('mrr'):>8} "
+            f"{f('recall'):>9} {f('coverage'):>8} {r['interactions']:>9,} {r['wall_s']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def write(out: Path, rows: list[dict], windows: list[dict], meta: dict, k: int) -> list[Path]:
+    """The files, in ``out``; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary, per_window = out / "replay.csv", out / "replay_windows.csv"
+    with summary.open("w", newline="") as f:
+        w = csv.DictWriter(f, [*COLUMNS, "notes"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    with per_window.open("w", newline="") as f:
+        w = csv.DictWriter(f, ["arm", "window", "from_ms", "hr", "ndcg", "mrr", "recall"])
+        w.writeheader()
+        w.writerows(windows)
+    report = out / "replay.json"
+    report.write_text(json.dumps({**meta, "arms": rows, "windows": windows}, indent=1) + "\n")
+    return [summary, per_window, report, plot(out / "replay_hr.png", windows, k, meta)]
+
+
+def plot(path: Path, windows: list[dict], k: int, meta: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for arm in dict.fromkeys(w["arm"] for w in windows):
+        pts = [(w["window"], w["hr"]) for w in windows if w["arm"] == arm and w["hr"] is not None]
+        if pts:
+            style = "-" if arm in ("frozen", "local", "full") else "--"
+            ax.plot(*zip(*pts, strict=True), style, marker="o", markersize=3, label=arm)
+    ax.set_xlabel("time window of the replayed part (equal event time)")
+    ax.set_ylabel(f"HR@{k}")
+    ax.set_title(f"{meta.get('log', 'replay')}: HR@{k} per window", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

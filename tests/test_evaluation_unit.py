@@ -1,0 +1,109 @@
+"""The replay's protocol, metrics and baselines against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from evaluation.baselines import ISGD, Pop, RecentPop
+from evaluation.metrics import ArmScores
+from evaluation.prequential import run, tune
+from evaluation.protocol import plan, windows
+
+USERS = np.array(["a", "b", "c", "a", "b", "c", "d", "a"], object)
+ITEMS = np.array(["x", "x", "y", "y", "z", "x", "x", "z"], object)
+
+
+def test_the_plan_asks_each_user_once_a_step_and_never_about_what_they_had():
+    p = plan(USERS, ITEMS, train_share=0.5, step=2)
+    assert p.train_end == 4
+    assert p.consumed_before == {"a": {"x", "y"}, "b": {"x"}, "c": {"y"}}
+    # positions 4-5: b-z, c-x; 6-7: d-x, a-z
+    assert [s.users for s in p.steps] == [["b", "c"], ["d", "a"]]
+    assert p.steps[0].targets == {"b": [(4, "z")], "c": [(5, "x")]}
+    assert p.evaluated == 4 and p.repeats == 0
+    again = plan(
+        np.array(["a", "a", "a"], object),
+        np.array(["x", "x", "y"], object),
+        train_share=0.4,
+        step=5,
+    )
+    assert again.repeats == 1 and again.steps[0].targets == {"a": [(2, "y")]}
+
+
+def test_a_sample_leaves_out_a_reproducible_share():
+    users = np.array([f"u{j}" for j in range(1000)], object)
+    items = np.array([f"i{j}" for j in range(1000)], object)
+    a = plan(users, items, train_share=0.0, step=50, sample=0.3, seed=2)
+    b = plan(users, items, train_share=0.0, step=50, sample=0.3, seed=2)
+    assert a.evaluated == b.evaluated and 250 < a.evaluated < 350
+    assert a.evaluated + a.unsampled == 1000
+
+
+def test_windows_split_the_replayed_time_evenly():
+    assert windows(np.array([0, 5, 10, 20, 30]), start=1, count=5).tolist() == [-1, 0, 1, 3, 4]
+
+
+def test_metrics_by_hand():
+    s = ArmScores("arm", k=3, windows=2)
+    s.add_request(0, ["p", "q", "r", "s"], ["q"])  # rank 1
+    s.add_request(1, ["p", "q"], ["p", "z"])  # p at rank 0, z missed; a short list
+    r = s.summary(catalogue=10)
+    assert r["hr"] == round(2 / 3, 4)
+    assert r["ndcg"] == round((1 / math.log2(3) + 1 + 0) / 3, 4)
+    assert r["mrr"] == round((1 / 2 + 1 + 0) / 3, 4)
+    assert r["recall"] == round((1 + 0.5) / 2, 4)
+    assert r["coverage"] == 0.3  # p, q, r of the top 3s
+    assert r["short_lists"] == 1
+    assert [w["hr"] for w in s.window_rows()] == [1.0, 0.5]
+
+
+def test_pop_and_recent_pop_by_hand():
+    p = Pop()
+    p.learn(["a", "b", "c", "d"], ["x", "y", "y", "z"])
+    assert p.recommend("a", 3, set()) == ["y", "x", "z"]  # ties: the item seen first
+    assert p.recommend("a", 2, {"y"}) == ["x", "z"]
+    r = RecentPop(window=3)
+    r.learn(["a", "b", "c", "d"], ["x", "x", "y", "z"])  # the window: x, y, z
+    assert r.recommend("e", 3, set()) == ["x", "y", "z"]
+    r.learn(["e", "f"], ["z", "z"])  # now z, z, z
+    assert r.recommend("e", 3, set()) == ["z"]
+
+
+def test_isgd_follows_its_update_rule():
+    m = ISGD(factors=2, lr=0.1, l2=0.01, seed=3)
+    m.learn(["a"], ["x"])
+    a0 = m.rng  # the rows were drawn from it: redo the draw to know them
+    rng = np.random.default_rng(3)
+    A = rng.normal(0.0, 0.1, (64, 2))
+    B = rng.normal(0.0, 0.1, (64, 2))
+    a, b = A[0], B[0]
+    err = 1 - a @ b
+    assert m.A[0] == pytest.approx(a + 0.1 * (err * b - 0.01 * a))
+    assert m.B[0] == pytest.approx(b + 0.1 * (err * a - 0.01 * b))
+    assert a0 is m.rng
+    m.learn(["a"], ["y"])
+    assert m.recommend("a", 2, set()) == sorted(
+        ["x", "y"], key=lambda i: abs(1 - m.A[0] @ m.B[m.items.index[i]])
+    )
+    assert m.recommend("a", 2, {"x"}) == ["y"]
+
+
+def test_a_prequential_run_learns_a_step_only_after_scoring_it():
+    p = plan(USERS, ITEMS, train_share=0.5, step=2)
+    s = run(Pop(), p, USERS, ITEMS, np.arange(8), k=1, windows=1)
+    # step 1: b (had x) gets [y], wants z; c (had y) gets [x], wants x -> hit
+    # step 2 (after b-z, c-x): d gets [x], wants x -> hit; a (had x, y) gets [z]... z counts
+    # 2 (b-z counted), a wants z -> hit
+    assert s.total.hits == 3 and s.total.interactions == 4
+
+
+def test_tuning_picks_on_the_training_part_only():
+    users = np.array([f"u{j}" for j in range(6000)], object)  # everyone new
+    items = np.array([f"i{j // 200}" for j in range(6000)], object)  # one trend at a time
+    best, results = tune(
+        [("window=10", lambda: RecentPop(10)), ("pop", Pop)], users, items, train_end=4000
+    )
+    assert best == "window=10" and results["window=10"] > results["pop"]
