@@ -98,7 +98,8 @@ def test_the_cohort_is_distinct_active_users_and_the_table_has_a_row_per_window(
 
 
 def test_arms_are_named_or_a_learning_rate():
-    assert arm_env("frozen") == {"FRESHREC_LOCAL_LR": "0", "FRESHREC_GLOBAL_LR": "0"}
+    frozen = arm_env("frozen")
+    assert set(frozen.values()) == {"0"} and len(frozen) == 4  # users' and items', both sides
     assert arm_env("online") == {}
     assert arm_env("global=0.1") == {"FRESHREC_GLOBAL_LR": "0.1"}
     for bad in ("fast", "lr=-1", "lr=nan", "lr=x", "local=", "local=0.1+speed=2"):

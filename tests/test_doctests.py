@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-PACKAGES = ("freshrec", "schemas", "streams", "inference", "param_server", "tools")
+PACKAGES = ("freshrec", "schemas", "streams", "inference", "param_server", "evaluation", "tools")
 MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
     for pkg in PACKAGES

@@ -107,3 +107,20 @@ def test_tuning_picks_on_the_training_part_only():
         [("window=10", lambda: RecentPop(10)), ("pop", Pop)], users, items, train_end=4000
     )
     assert best == "window=10" and results["window=10"] > results["pop"]
+
+
+def test_recovery_is_timed_from_the_drift_to_the_end_of_the_first_good_window():
+    from evaluation.drift import Recovery, level_before, recovery_s, window
+
+    # 30% before (pooled: the thin window weighs little), a dip, back to 24% in the third
+    curve = [window(0, 1000, 300), window(10, 10, 0), window(20, 1000, 310)]
+    curve += [window(30, 1000, 50), window(40, 1000, 200), window(50, 1000, 250)]
+    level = level_before(curve, drift_s=30, span_s=10)
+    assert abs(level - 610 / 2010) < 1e-12
+    assert recovery_s(curve, drift_s=30, span_s=10) == 30.0  # 25% >= 0.8 × 30.3%
+    assert recovery_s(curve, drift_s=30, span_s=10, share=0.6) == 20.0
+    assert recovery_s(curve[:5], drift_s=30, span_s=10) is None
+    assert recovery_s([window(30, 10, 9)], drift_s=30, span_s=10) is None  # no level before
+    assert Recovery(10.0, 30.0).speedup == 3.0
+    with pytest.raises(ValueError):
+        recovery_s(curve, 30, 10, share=0)

@@ -4,7 +4,10 @@ interest drift.
 
 Each arm runs on a private embedded stack with the streams app, the parameter server and one
 worker as their own processes, seeded with the same trained starting embeddings and ranking
-models (trained once by the benchmark, or read from ``--models``). A cohort of active users
+models (trained once by the benchmark, or read from ``--models``): by default trained on the
+cohort's own logged impressions before the drift (``--train-on cohort``), so that the frozen
+arm starts from rows that know the cohort's interests, as a production model trained
+yesterday would; ``--train-on world`` trains on the world's active users instead. A cohort of active users
 of the synthetic world asks for recommendations at a steady rate and clicks as the world's
 ground truth says (``tools.closedloop``); ``--before`` seconds after the first request, a
 fraction of the cohort switches its main interest to another category (the world's interest
@@ -12,10 +15,13 @@ drift). Reported per ``--window`` seconds, for the users who drift and for the o
 CTR of the replies they got; and at the start and the end of each arm, what the rows alone
 know: the CTR of each cohort user's ten best items by u·v over the whole catalogue (perfect
 recall, ranking by the embeddings) beside that of their truly best ten, and at the end both
-among the items the loop showed anyone (the only ones with feedback).
+among the items the loop showed anyone (the only ones with feedback). For each arm, the time
+the drifted users waited after the drift until their CTR per window was back to 80% of its
+level before (``evaluation.drift``), and how many times sooner than the frozen arm; a PNG of
+the CTR curves (``bench_freshness_drift.png``).
 
-Arms: ``online`` (the defaults), ``frozen`` (``FRESHREC_LOCAL_LR=0``,
-``FRESHREC_GLOBAL_LR=0``: the rows keep their trained values; hot lists, item statistics and
+Arms: ``online`` (the defaults), ``frozen`` (every learning rate 0, users' and items', local
+and global: the rows keep their trained values; hot lists, item statistics and
 recent clicks stay fresh, so the difference is the embeddings' online learning alone), and
 learning rates: ``lr=X`` (the worker's and the parameter server's both X), ``local=X``,
 ``global=X``, or any setting, ``FRESHREC_NAME=VALUE``; terms join with ``+``
@@ -38,11 +44,13 @@ import re
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import redis
 
+from evaluation.drift import Recovery, level_before, recovery_s
 from freshrec.app.runstatus import wait_until_assigned
 from freshrec.app.stack import free_port
 from freshrec.progress import ProgressLine
@@ -60,7 +68,12 @@ from tools.world import World, WorldConfig
 DIM = 64
 ARMS = {
     "online": {},
-    "frozen": {"FRESHREC_LOCAL_LR": "0", "FRESHREC_GLOBAL_LR": "0"},
+    "frozen": {
+        "FRESHREC_LOCAL_LR": "0",
+        "FRESHREC_LOCAL_USER_LR": "0",
+        "FRESHREC_GLOBAL_LR": "0",
+        "FRESHREC_GLOBAL_USER_LR": "0",
+    },
 }
 GROUPS = ("steady", "drifted")
 
@@ -98,6 +111,13 @@ def main() -> None:
         type=int,
         default=200_000,
         help="logged impressions the models are trained on",
+    )
+    ap.add_argument(
+        "--train-on",
+        choices=("cohort", "world"),
+        default="cohort",
+        help="whose impressions the models learn from: the cohort's (rows that know the "
+        "cohort's interests before the drift; the default) or the world's active users",
     )
     ap.add_argument(
         "--out",
@@ -140,19 +160,24 @@ def main() -> None:
         "drift_fraction": args.drift_fraction,
         "arms": {},
     }
+    trained_on = cohort if args.train_on == "cohort" else None
+    source = world.source(trained_on)
+    results["trained_on"] = args.train_on
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
         models = args.models or Path(tmp)
         if not (models / "manifest.json").exists():
             progress.done(f"training models for the benchmark world into {models}")
             models.mkdir(parents=True, exist_ok=True)
             config = TrainConfig(impressions=args.train_impressions, dim=DIM)
-            world.train(config, models, progress.update)
-        elif not holds_models_of(models, world):
-            ap.error(f"--models {models} holds models of another world")
+            if trained_on is not None:  # rows that know the cohort: the softmax two-tower
+                config = replace(config, tower_loss="softmax", tower_epochs=10)
+            world.train(config, models, progress.update, users=trained_on)
+        elif not holds_models_of(models, source):
+            ap.error(f"--models {models} holds models of another world or cohort")
         for arm, env in arms.items():
             own = env.get("FRESHREC_MODEL_DIR")
-            if own and not holds_models_of(Path(own), world):
-                ap.error(f"--arms {arm}: {own} holds no models of this world")
+            if own and not holds_models_of(Path(own), source):
+                ap.error(f"--arms {arm}: {own} holds no models of this world and cohort")
         for n in range(args.repeat):
             for arm, env in arms.items():
                 name = arm if args.repeat == 1 else f"{arm} #{n + 1}"
@@ -161,8 +186,11 @@ def main() -> None:
                 results["arms"][name]["rows"] = quality
                 progress.done(f"{name}: {summary_line(results['arms'][name])}")
     results["table"] = table(results["arms"], args.window)
+    results["recovery"] = recoveries(results["arms"], args.before, args.window)
     print(results["table"])
+    print(recovery_lines(results["recovery"]))
     save("bench_freshness", results, args.out)
+    plot(args.out / "bench_freshness_drift.png", results["arms"], args.before, args.window)
 
 
 RATES = {
@@ -284,10 +312,10 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
         return loop.stats, quality
 
 
-def holds_models_of(directory: Path, world: World) -> bool:
+def holds_models_of(directory: Path, source: str) -> bool:
     if not (directory / "manifest.json").exists():
         return False
-    return read_manifest(directory).get("source") == f"world:{world.fingerprint()}"
+    return read_manifest(directory).get("source") == source
 
 
 def top_k_ctr(world: World, users: np.ndarray, scores: np.ndarray, t_ms: int, k: int = 10) -> float:
@@ -410,6 +438,69 @@ def table(arms: dict, window_s: float) -> str:
             cells.append(_pct(hit[0]["ctr"]) if hit else "")
         lines.append(f"| {start:.0f}–{start + window_s:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def recoveries(arms: dict, drift_s: float, window_s: float) -> dict:
+    """Per arm, for the users who drift: the CTR level before the drift (the last three
+    windows), the time after it until a window is back to 80% of that, and how much sooner
+    than the frozen arm (when one ran) that was."""
+    out = {}
+    for name, r in arms.items():
+        curve = r["groups"]["drifted"]["curve"]
+        level = level_before(curve, drift_s, window_s)
+        out[name] = {
+            "ctr_before": None if level is None else round(level, 4),
+            "all_ctr_before": level_before(r["curve"], drift_s, window_s),
+            "recovery_s": recovery_s(curve, drift_s, window_s),
+        }
+    frozen = [n for n in arms if n.split(" #")[0] == "frozen"]
+    for name, r in out.items():
+        if frozen and name not in frozen:
+            reference = out[frozen[0]]["recovery_s"]
+            r["speedup_vs_frozen"] = Recovery(r["recovery_s"], reference).speedup
+    return out
+
+
+def recovery_lines(rec: dict) -> str:
+    lines = []
+    for name, r in rec.items():
+        back = "never" if r["recovery_s"] is None else f"after {r['recovery_s']:.0f} s"
+        speed = r.get("speedup_vs_frozen")
+        vs = "" if speed is None else f" ({speed:.1f}× as fast as frozen)"
+        lines.append(
+            f"{name}: drifted users' CTR before the drift {_pct(r['ctr_before'])}, back to"
+            f" 80% of it {back}{vs}"
+        )
+    return "\n".join(lines)
+
+
+def plot(path: Path, arms: dict, drift_s: float, window_s: float) -> Path:
+    """The drifted users' CTR per window, one line per arm, the drift marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for name, r in arms.items():
+        for group, style in (("drifted", "-"), ("steady", ":")):
+            pts = [
+                (c["from_s"] + window_s / 2, 100 * c["ctr"])
+                for c in r["groups"][group]["curve"]
+                if c["ctr"] is not None
+            ]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=f"{name} {group}")
+    ax.axvline(drift_s, color="grey", lw=1)
+    ax.set_xlabel("seconds since the first request (the drift at the grey line)")
+    ax.set_ylabel("CTR (%) per window")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _pct(x: float | None) -> str:

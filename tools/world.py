@@ -246,15 +246,27 @@ class World:
         cfg = json.dumps(asdict(self.config), sort_keys=True, default=str)
         return hashlib.sha256(cfg.encode()).hexdigest()[:16]
 
-    def training_log(self, n: int, rng: np.random.Generator, slate: int = 10) -> TrainingLog:
+    def training_log(
+        self,
+        n: int,
+        rng: np.random.Generator,
+        slate: int = 10,
+        users: np.ndarray | None = None,
+    ) -> TrainingLog:
         """``n`` logged impressions over the 24 hours before the world's start, for offline
-        training: active users see slates (half from their interests, half popular); the
-        click and conversion model labels them."""
+        training: active users (or ``users``, uniformly) see slates (half from their
+        interests, half popular); the click and conversion model labels them."""
         from inference.train import TrainingLog  # torch: only for training
 
         n_slates = max(1, n // slate)
         c = self.config
-        users = np.repeat(self.sample_users(rng, n_slates), slate)
+        source = self.source(users)
+        who = (
+            self.sample_users(rng, n_slates)
+            if users is None
+            else np.asarray(users, np.int64)[rng.integers(0, len(users), n_slates)]
+        )
+        users = np.repeat(who, slate)
         t = np.repeat(c.start_ms - rng.integers(0, 86_400_000, n_slates), slate)
         main = self.user_main_category(users, c.start_ms)
         items = self.sample_popular_items(rng, len(users))
@@ -280,14 +292,25 @@ class World:
             converted=converted,
             device=self.user_device(users).astype(np.int64),
             region=regions,
-            source=f"world:{self.fingerprint()}",
+            source=source,
         )
 
-    def train(self, cfg, out_dir, progress) -> dict:
-        """Train the models on ``cfg.impressions`` of this world's logged impressions
-        (``inference.train.train``); returns the manifest."""
+    def source(self, users: np.ndarray | None = None) -> str:
+        """The ``source`` a manifest names for models trained on this world's logs (of
+        ``users`` only, when given): models are reused for the same source only."""
+        if users is None:
+            return f"world:{self.fingerprint()}"
+        ids = np.unique(np.asarray(users, np.int64))
+        return f"world:{self.fingerprint()}:users:{hashlib.sha256(ids.tobytes()).hexdigest()[:12]}"
+
+    def train(self, cfg, out_dir, progress, users: np.ndarray | None = None) -> dict:
+        """Train the models on ``cfg.impressions`` of this world's logged impressions (of
+        ``users`` only, when given: models that know those users well) with
+        ``inference.train.train``; returns the manifest."""
         from inference.train import train
 
         rng = np.random.default_rng(cfg.seed)
-        progress(f"logging {cfg.impressions:,} impressions from the synthetic world")
-        return train(self.training_log(cfg.impressions, rng), cfg, out_dir, progress, rng)
+        whose = "the synthetic world" if users is None else f"{len(users):,} users"
+        progress(f"logging {cfg.impressions:,} impressions of {whose}")
+        log = self.training_log(cfg.impressions, rng, users=users)
+        return train(log, cfg, out_dir, progress, rng)

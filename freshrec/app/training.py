@@ -32,7 +32,7 @@ def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dic
 
     try:
         manifest = read_manifest(directory)
-        same_world = manifest.get("source") == f"world:{world.fingerprint()}"
+        same_world = manifest.get("source") == world.source()
         same_config = manifest.get("training", {}).get("config") == asdict(config)
         if same_world and same_config:
             log.info(
