@@ -100,7 +100,10 @@ STREAMS_PARTITIONS = Gauge(
 # --------------------------------------------------------------------- online learning
 FRESHNESS_LAG = Histogram(
     "freshrec_freshness_lag_seconds",
-    "Event time to the moment its effect is usable, per stage (local, global_applied, served)",
+    "Event time to the moment its effect is usable, per stage: local (learnt by this worker), "
+    "global_applied (persisted by this parameter server), served (in a broadcast row this "
+    "worker installed), reply (in a row a reply used first); each row timed from the oldest "
+    "event it includes",
     ["stage"],
     buckets=LAG_BUCKETS_S,
 )
@@ -108,7 +111,7 @@ FRESHNESS_EVENT_TIME = Gauge(
     "freshrec_freshness_event_timestamp_seconds",
     "The newest event time (seconds since the epoch) that has reached each stage: local "
     "(learnt by this worker), global_applied (persisted by this parameter server), served "
-    "(in a broadcast row this worker installed). local minus served is how far the global "
+    "(in a broadcast row this worker installed), reply (in a row a reply used). local minus served is how far the global "
     "path is behind, and keeps growing while it is down, when the lag histograms only stop",
     ["stage"],
 )

@@ -8,7 +8,8 @@ Redis in one batched round trip (``HMGET``); a row found nowhere is created from
 (``schemas.rows.initial_rows``).
 
 Rows are full-width (dim + 1). Alongside each row the cache keeps the version and newest
-event time of the global row it last installed.
+event time of the global row it last installed, and, for the ``reply`` freshness stage, the
+oldest event the row includes that no reply has used yet.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class _Table:
         self.version = np.zeros(capacity, np.uint64)
         self.event_ms = np.zeros(capacity, np.int64)
         self.seen_ms = np.zeros(capacity, np.int64)  # last looked up (items: for expiry)
+        self.unreplied_ms = np.zeros(capacity, np.int64)
+        """The oldest event time the row includes that no reply has used yet (0: none)."""
+        self.local_ms = np.zeros(capacity, np.int64)
+        """The newest event time this worker learnt into the row itself."""
 
     def grow(self, capacity: int) -> None:
         extra = capacity - len(self.rows)
@@ -49,6 +54,8 @@ class _Table:
         self.version = np.concatenate([self.version, np.zeros(extra, np.uint64)])
         self.event_ms = np.concatenate([self.event_ms, np.zeros(extra, np.int64)])
         self.seen_ms = np.concatenate([self.seen_ms, np.zeros(extra, np.int64)])
+        self.unreplied_ms = np.concatenate([self.unreplied_ms, np.zeros(extra, np.int64)])
+        self.local_ms = np.concatenate([self.local_ms, np.zeros(extra, np.int64)])
 
 
 class EmbeddingCache:
@@ -72,6 +79,7 @@ class EmbeddingCache:
         self.users = _Table(self.w, user_capacity, device)
         self.user_lru = SlotLRU(user_capacity)
         self.on_evict: Callable[[int, np.ndarray, list[int]], None] = lambda t, slots, ids: None
+        self.newest_replied_ms = 0  # the newest event time a reply has included
         """Called with the slots whose rows were evicted and those rows' ids, once per
         lookup, before those slots take their new rows."""
 
@@ -160,6 +168,7 @@ class EmbeddingCache:
         self.items.rows[self.to_device(slots)] = 0.0
         self.items.version[slots] = 0
         self.items.event_ms[slots] = 0
+        self.items.unreplied_ms[slots] = self.items.local_ms[slots] = 0
         self._free_items.extend(slots.tolist())
         self.item_index.delete(np.asarray(ids, np.int64))
         m.CACHE_ROWS_EXPIRED.labels("item").inc(len(slots))
@@ -213,6 +222,7 @@ class EmbeddingCache:
         t.rows.index_copy_(0, self.to_device(at), self.to_device(rows))
         t.version[at] = versions
         t.event_ms[at] = event_ms
+        t.unreplied_ms[at] = t.local_ms[at] = 0  # a new occupant
 
     # ---------------------------------------------------------------------------- access
     def to_device(self, a) -> torch.Tensor:
@@ -274,6 +284,51 @@ class EmbeddingCache:
         t.version[slots] = versions
         t.event_ms[slots] = event_ms
 
+    # ------------------------------------------------------------- the reply stage
+    def learnt(
+        self, table: int, slots: np.ndarray, oldest_ms: np.ndarray, newest_ms: np.ndarray
+    ) -> None:
+        """This worker's local step put events as old as ``oldest_ms`` (as new as
+        ``newest_ms``) into rows ``slots`` (distinct): remembered until a reply uses them."""
+        t = self.table(table)
+        _include(t.unreplied_ms, slots, oldest_ms)
+        t.local_ms[slots] = np.maximum(t.local_ms[slots], newest_ms)
+
+    def installed(
+        self, table: int, slots: np.ndarray, oldest_ms: np.ndarray, newest_ms: np.ndarray
+    ) -> None:
+        """Broadcast rows (distinct ``slots``) were installed. Events this worker learnt
+        itself were counted from its local step; a row whose update holds events newer
+        than any it learnt itself includes others' events, counted from the oldest of the
+        update's events that is newer than its own (a lower bound of their lag)."""
+        t = self.table(table)
+        own = t.local_ms[slots]
+        foreign = newest_ms > own
+        if foreign.any():
+            since = np.maximum(oldest_ms[foreign], own[foreign] + 1)
+            _include(t.unreplied_ms, slots[foreign], since)
+
+    def replied(self, table: int, slots: np.ndarray) -> np.ndarray:
+        """A reply used rows ``slots``: the oldest event time each includes that no reply
+        had used yet (for those that have one); they are used now."""
+        t = self.table(table)
+        slots = np.unique(np.asarray(slots, np.int64))
+        times = t.unreplied_ms[slots]
+        t.unreplied_ms[slots] = 0
+        return times[times > 0]
+
+    def observe_reply(self, user_slots: np.ndarray, item_slots: np.ndarray) -> None:
+        """Replies went out using these rows: the ``reply`` freshness stage, the lag from
+        each row's oldest event no reply had used to now."""
+        now = self.clock() / 1000
+        times = np.concatenate(
+            [self.replied(TABLE_USER, user_slots), self.replied(TABLE_ITEM, item_slots)]
+        )
+        if len(times):
+            m.observe_many(m.FRESHNESS_LAG.labels("reply"), np.maximum(now - times / 1000, 0.0))
+            self.newest_replied_ms = max(self.newest_replied_ms, int(times.max()))
+            m.FRESHNESS_EVENT_TIME.labels("reply").set(self.newest_replied_ms / 1000)
+
     def load_items(self, rows: dict[int, tuple[np.ndarray, int, int]]) -> None:
         """Install a whole item table (worker start)."""
         ids = sorted(rows)
@@ -284,3 +339,13 @@ class EmbeddingCache:
         self.items.rows[self.to_device(slots)] = self.to_device(stacked)
         self.items.version[slots] = [rows[i][1] for i in ids]
         self.items.event_ms[slots] = [rows[i][2] for i in ids]
+
+
+def _include(unreplied: np.ndarray, slots: np.ndarray, oldest_ms: np.ndarray) -> None:
+    """Rows ``slots`` now include events from ``oldest_ms`` on: the oldest not yet replied.
+
+    >>> u = np.array([0, 50, 0]); _include(u, np.array([0, 1]), np.array([70, 60])); u.tolist()
+    [70, 50, 0]
+    """
+    held = unreplied[slots]
+    unreplied[slots] = np.where(held > 0, np.minimum(held, oldest_ms), oldest_ms)

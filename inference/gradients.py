@@ -77,6 +77,7 @@ class GradientSender:
                 b.counts.astype(np.uint64),
                 b.newest_ms,
                 created_ms=created_ms,
+                oldest_ms=b.oldest_ms,
             )
             name = TABLE_NAMES[b.table]
             self.gate.produced(token)

@@ -20,6 +20,7 @@ from inference.learning import (
     device_local_steps,
     examples_from_events,
     gradients,
+    oldest_per_group,
 )
 from inference.outbox import GradientOutbox
 from inference.pending import PendingSteps
@@ -123,6 +124,7 @@ class LocalLearner:
             if rejected:
                 m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "non_finite").inc(rejected)
             counts, newest = counts_and_newest(index, len(distinct), ex.event_ms)
+            oldest = oldest_per_group(index, len(distinct), ex.event_ms)
             steps = self.pending.record(table, key_slots[step.ok], step.deltas)
             held_back = self.outbox.add(
                 table,
@@ -132,7 +134,9 @@ class LocalLearner:
                 newest[step.ok],
                 steps,
                 now_ms,
+                oldest[step.ok],
             )
+            self.cache.learnt(table, key_slots[step.ok], oldest[step.ok], newest[step.ok])
             if held_back:
                 m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "held_for_admission").inc(held_back)
         if self.outbox.due(now_ms):

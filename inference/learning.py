@@ -293,6 +293,25 @@ def counts_and_newest(
     return group_counts, newest.numpy()
 
 
+def oldest_per_group(index: np.ndarray, groups: int, event_ms: np.ndarray) -> np.ndarray:
+    """Per group: the oldest ``event_ms`` of the rows ``index`` puts in it (0 for a group
+    with none): the event a stage's freshness is timed from.
+
+    >>> oldest_per_group(np.array([1, 0, 1]), 2, np.array([7, 8, 5])).tolist()
+    [8, 5]
+    """
+    if not len(index):
+        return np.zeros(groups, np.int64)
+    oldest = torch.zeros(groups, dtype=torch.int64).scatter_reduce_(
+        0,
+        torch.from_numpy(np.asarray(index, np.int64)),
+        torch.from_numpy(np.asarray(event_ms, np.int64)),
+        "amin",
+        include_self=False,
+    )
+    return oldest.numpy()
+
+
 @dataclass(frozen=True)
 class LocalStep:
     """A slice's step on each row of one table: which rows' sums were finite (``ok``), their

@@ -41,7 +41,7 @@ import numpy as np
 
 from freshrec.partitioner import row_partitions
 from inference.admission import AdmissionFilter
-from inference.learning import aggregate
+from inference.learning import aggregate, oldest_per_group
 
 __all__ = ["AdmissionFilter", "GradientBatch", "GradientOutbox", "HeldRow"]
 
@@ -56,6 +56,8 @@ class HeldRow:
     """Examples behind them."""
     newest_ms: int
     """The newest event time among them."""
+    oldest_ms: int
+    """The oldest event time among them."""
     steps: list[int] = field(default_factory=list)
     """The local steps (``pending.py`` indices) they carry."""
 
@@ -72,6 +74,8 @@ class GradientBatch:
     newest_ms: np.ndarray
     steps: np.ndarray
     """The local steps this message carries (``PendingSteps.assign`` names its message)."""
+    oldest_ms: np.ndarray
+    """Per row, the oldest event time its sum includes."""
 
 
 @dataclass
@@ -84,6 +88,7 @@ class _Chunk:
     newest_ms: np.ndarray
     step_rows: np.ndarray
     steps: np.ndarray
+    oldest_ms: np.ndarray
 
 
 class GradientOutbox:
@@ -119,15 +124,19 @@ class GradientOutbox:
         newest_ms: np.ndarray,
         steps: np.ndarray,
         now_ms: int,
+        oldest_ms: np.ndarray | None = None,
     ) -> int:
         """One slice's gradients of ``table``: distinct ``ids`` with their sums, example
-        counts, newest event times and the local step each took. Returns how many rows were
-        held back for admission."""
+        counts, newest event times, the local step each took and (by default the newest)
+        oldest event times. Returns how many rows were held back for admission."""
+        oldest_ms = newest_ms if oldest_ms is None else oldest_ms
         if self.admission.threshold == 1:  # every row admitted: no per-row bookkeeping
-            chunk = _Chunk(ids, sums, counts, newest_ms, np.arange(len(ids)), steps)
+            chunk = _Chunk(ids, sums, counts, newest_ms, np.arange(len(ids)), steps, oldest_ms)
             held_back = 0
         else:
-            chunk, held_back = self._admit(table, ids, sums, counts, newest_ms, steps, now_ms)
+            chunk, held_back = self._admit(
+                table, ids, sums, counts, newest_ms, steps, now_ms, oldest_ms
+            )
         if len(chunk.ids):
             self._chunks[table].append(chunk)
             self.rows += len(chunk.ids)
@@ -135,19 +144,28 @@ class GradientOutbox:
                 self._since_ms = now_ms
         return held_back
 
-    def _admit(self, table, ids, sums, counts, newest_ms, steps, now_ms) -> tuple[_Chunk, int]:
+    def _admit(
+        self, table, ids, sums, counts, newest_ms, steps, now_ms, oldest_ms
+    ) -> tuple[_Chunk, int]:
         admitted: list[tuple[int, HeldRow]] = []
-        for rid, g, c, t, step in zip(
-            ids.tolist(), sums, counts.tolist(), newest_ms.tolist(), steps.tolist(), strict=True
+        for rid, g, c, t, step, t0 in zip(
+            ids.tolist(),
+            sums,
+            counts.tolist(),
+            newest_ms.tolist(),
+            steps.tolist(),
+            oldest_ms.tolist(),
+            strict=True,
         ):
             ref = (table, rid)
             held = self.held.get(ref)
             if held is None:
-                held = self.held[ref] = HeldRow(g.copy(), c, t, [step])
+                held = self.held[ref] = HeldRow(g.copy(), c, t, t0, [step])
             else:
                 held.sum += g
                 held.count += c
                 held.newest_ms = max(held.newest_ms, t)
+                held.oldest_ms = min(held.oldest_ms, t0)
                 held.steps.append(step)
             if self.admission.touch(ref, now_ms):
                 admitted.append((rid, self.held.pop(ref)))
@@ -159,6 +177,7 @@ class GradientOutbox:
             np.array([h.newest_ms for _, h in admitted], np.int64),
             np.array([j for j, (_, h) in enumerate(admitted) for _ in h.steps], np.int64),
             np.array([s for _, h in admitted for s in h.steps], np.int64),
+            np.array([h.oldest_ms for _, h in admitted], np.int64),
         )
         return chunk, len(ids) - len(admitted)
 
@@ -183,7 +202,7 @@ class GradientOutbox:
         if len(chunks) == 1:
             c = chunks[0]
             ids, sums, counts, newest, steps = c.ids, c.sums, c.counts, c.newest_ms, c.steps
-            row_of_step = c.step_rows
+            oldest, row_of_step = c.oldest_ms, c.step_rows
         else:  # a row may be in several chunks (each chunk's ids differ): summed
             starts = np.cumsum([0] + [len(c.ids) for c in chunks[:-1]])
             g = aggregate(
@@ -193,6 +212,9 @@ class GradientOutbox:
                 np.concatenate([c.counts for c in chunks]),
             )
             ids, sums, counts, newest = g.keys, g.sums, g.counts, g.newest
+            oldest = oldest_per_group(
+                g.index, len(ids), np.concatenate([c.oldest_ms for c in chunks])
+            )
             steps = np.concatenate([c.steps for c in chunks])
             row_of_step = g.index[
                 np.concatenate([c.step_rows + s for c, s in zip(chunks, starts, strict=True)])
@@ -224,6 +246,7 @@ class GradientOutbox:
                         counts[rows],
                         newest[rows],
                         steps[s0:s1],
+                        oldest[rows],
                     )
                 )
             lo = hi

@@ -254,7 +254,7 @@ class Recommender:
         if not self.snapshots.healthy:
             degraded.append("redis unavailable: cached features and lists")
         reqs = [self.with_seen(b.request) for b in batch]
-        user_rows, versions, ages, user_note = self._users(reqs, now_ms)
+        user_rows, versions, ages, user_note, user_slots = self._users(reqs, now_ms)
         if user_note:
             degraded.append(user_note)
         budgets = [b.deadline_ms(s.default_budget_ms) - now_ms for b in batch]
@@ -342,6 +342,9 @@ class Recommender:
                 _stage_histogram(stage, tier).observe(value / 1000)
             if tier != FULL or degraded:
                 m.DEGRADED.labels(tier, reason_label(reason, degraded)).inc()
+        used = [self.slot_of.get(name, -1) for j in ranked for name, _, _ in reranked[j]]
+        slots = (user_slots[list(ranked)], np.asarray(used, np.int64))  # rows the ranking used
+        self.cache.observe_reply(*(x[x >= 0] for x in slots))
         return replies
 
     def _users(self, reqs: list[RecommendRequest], now_ms: int):
@@ -353,6 +356,7 @@ class Recommender:
             versions = self.cache.users.version[slots].astype(np.int64)
             event_ms = self.cache.users.event_ms[slots]
         except redis.RedisError:
+            slots = np.full(len(ids), -1, np.int64)
             note = "redis unavailable: users not resident start from their initial rows"
             rows = self.cache.to_device(initial_rows(ids, TABLE_USER, self.cache.dim))
             versions = np.zeros(len(ids), np.int64)
@@ -360,12 +364,13 @@ class Recommender:
             for j, rid in enumerate(ids.tolist()):
                 slot = self.cache.held(TABLE_USER, rid)
                 if slot is not None:
+                    slots[j] = slot
                     rows[j] = self.cache.users.rows[slot]
                     versions[j] = int(self.cache.users.version[slot])
                     event_ms[j] = int(self.cache.users.event_ms[slot])
         ages = [int(now_ms - t) if t > 0 else None for t in event_ms.tolist()]
         ages = [max(a, 0) if a is not None else None for a in ages]
-        return rows, versions.tolist(), ages, note
+        return rows, versions.tolist(), ages, note, slots
 
     def _candidates(self, per_channel: dict[str, np.ndarray], exclude: tuple[str, ...]):
         ex = None

@@ -72,9 +72,10 @@ class UpdateInstaller:
         rest, kept = self.pending.install(table, slots, batch.partition, batch.offset)
         if rest is not None:
             rows[kept] += rest[kept]
-        times = batch.event_ms[take[newer]]
+        times, oldest = batch.event_ms[take[newer]], batch.oldest_ms[take[newer]]
         self.cache.install_many(table, slots, rows, versions[newer], times)
-        lag = np.maximum(time.time() - times / 1000, 0.0)  # every row installed
+        self.cache.installed(table, slots, oldest, times)
+        lag = np.maximum(time.time() - oldest / 1000, 0.0)  # every row, from its oldest event
         m.observe_many(m.FRESHNESS_LAG.labels("served"), lag)
         self.newest_served_ms = max(self.newest_served_ms, int(times.max()))
         self._newest_served.set(self.newest_served_ms / 1000)

@@ -77,6 +77,8 @@ class _Persist:
     owners: dict[int, str]
     rows: int
     started: float
+    oldest: dict[int, dict[int, np.ndarray]]
+    """partition -> table -> the oldest event time each snapshot row's new gradients hold."""
 
 
 class FencedOff(RuntimeError):
@@ -237,12 +239,13 @@ class ParameterServer:
         for t, items in per_table.items():
             ids = np.concatenate([np.asarray(b.ids, np.int64) for _, _, b in items])
             event_ms = np.concatenate([np.asarray(b.event_ms, np.int64) for _, _, b in items])
+            oldest = np.concatenate([np.asarray(b.oldest_ms, np.int64) for _, _, b in items])
             distinct, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
             at = self.tables[t].lookup(distinct)
             held = at >= 0
             # a row Redis lacks is created by the first of these entries (log order)
             missing[t] = (distinct[~held], event_ms[first[~held]])
-            log_of[t] = (at, held, inverse, event_ms)
+            log_of[t] = (at, held, inverse, event_ms, oldest)
         rebalances = self._rebalances
         loaded = self._ensure_loaded_many(missing)
         if self._rebalances != rebalances:
@@ -253,7 +256,7 @@ class ParameterServer:
             return
         for t, items in per_table.items():
             table, name = self.tables[t], TABLE_NAMES[t]
-            at, held, inverse, event_ms = log_of[t]
+            at, held, inverse, event_ms, oldest = log_of[t]
             if t in loaded:
                 at[~held] = loaded[t]
             slots = at[inverse]
@@ -262,7 +265,7 @@ class ParameterServer:
             message = np.repeat([seq for seq, _, _ in items], sizes)
             part = np.repeat([p for _, p, _ in items], sizes)
             applied, pairs, rejected = table.apply_log(
-                slots, grads, event_ms, message, self.settings.adagrad_for(t)
+                slots, grads, event_ms, message, self.settings.adagrad_for(t), oldest
             )
             # a row lives in one partition: the update carries that partition's offset
             held, first = np.unique(slots, return_index=True)
@@ -336,6 +339,7 @@ class ParameterServer:
 
     def _start_persist(self) -> None:
         snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]] = {}
+        oldest: dict[int, dict[int, np.ndarray]] = {}
         by_table: dict[int, list[tuple[np.ndarray, ...]]] = defaultdict(list)
         for p, tables in self.dirty.items():
             for t, parts in tables.items():
@@ -348,6 +352,7 @@ class ParameterServer:
                     tab.event_ms[slots],
                 )
                 snapshot.setdefault(p, {})[t] = rows
+                oldest.setdefault(p, {})[t] = tab.take_oldest(slots)
                 by_table[t].append(rows)
         out = {
             t: tuple(np.concatenate(col) for col in zip(*parts, strict=True))
@@ -371,6 +376,7 @@ class ParameterServer:
             owners,
             self.dirty_rows,
             time.perf_counter(),
+            oldest,
         )
         self.dirty.clear()
         self.dirty_rows = 0
@@ -403,14 +409,16 @@ class ParameterServer:
             [rows[4] for tables in done.snapshot.values() for rows in tables.values()]
         )
         times = times[times > 0]
+        oldest = np.concatenate([o for tables in done.oldest.values() for o in tables.values()])
+        oldest = oldest[oldest > 0]  # each row from the oldest event its new gradients hold
         m.observe_many(
             m.FRESHNESS_LAG.labels("global_applied"),
-            np.maximum(persisted_ms - times, 0.0) / 1000,
+            np.maximum(persisted_ms - oldest, 0.0) / 1000,
         )
         if len(times):
             self._newest_applied_ms = max(self._newest_applied_ms, int(times.max()))
             m.FRESHNESS_EVENT_TIME.labels("global_applied").set(self._newest_applied_ms / 1000)
-        self._broadcast(done.snapshot, done.offsets)
+        self._broadcast(done.snapshot, done.offsets, done.oldest)
         m.PS_FLUSHES.labels("ok").inc()
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - done.started)
 
@@ -446,7 +454,10 @@ class ParameterServer:
                 log.info("%d %s rows not updated for %d s left memory", gone, TABLE_NAMES[t], ttl)
 
     def _broadcast(
-        self, snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]], offsets: dict[int, int]
+        self,
+        snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]],
+        offsets: dict[int, int],
+        oldest: dict[int, dict[int, np.ndarray]],
     ) -> None:
         created = int(time.time() * 1000)
         for p, tables in snapshot.items():
@@ -464,6 +475,7 @@ class ParameterServer:
                         partition=p,
                         offset=offsets[p],
                         created_ms=created,
+                        oldest_ms=oldest[p][t][chunk],
                     )
                     self._produce(
                         self.names.embeddings_updates,

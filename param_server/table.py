@@ -37,6 +37,9 @@ class ParamTable:
         self.accum = np.zeros((capacity, w), np.float32)
         self.version = np.zeros(capacity, np.uint64)
         self.event_ms = np.zeros(capacity, np.int64)
+        self.oldest_ms = np.zeros(capacity, np.int64)
+        """The oldest event time among the gradients applied since the row was last taken
+        for persisting (``take_oldest``); 0: none."""
 
     def __len__(self) -> int:
         return self.size
@@ -62,6 +65,7 @@ class ParamTable:
         self.accum[slots] = accum
         self.version[slots] = versions
         self.event_ms[slots] = event_ms
+        self.oldest_ms[slots] = 0
         self.index.insert(ids, slots)
         self.size += n
         return slots
@@ -99,13 +103,16 @@ class ParamTable:
         event_ms: np.ndarray,
         message: np.ndarray,
         cfg: AdagradConfig,
+        oldest_ms: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int, int]:
         """Several gradient messages at once, with exactly the result of ``apply`` on each in
         turn: ``message`` numbers the entries' messages in log order. A row's updates do not
         depend on other rows, so the k-th message touching each row is applied to all those
         rows together, in rounds k = 0, 1, ... (one round for rows that only one message
-        touches). Returns (distinct slots applied at least once, (message, row) pairs
-        applied, pairs rejected as non-finite)."""
+        touches). ``oldest_ms`` (by default ``event_ms``) is each entry's oldest event time,
+        kept per row until ``take_oldest``. Returns (distinct slots applied at least once,
+        (message, row) pairs applied, pairs rejected as non-finite)."""
+        oldest_ms = event_ms if oldest_ms is None else oldest_ms
         slots = np.asarray(slots, np.int64)
         message = np.asarray(message, np.int64)
         order = np.lexsort((message, slots))  # by row, then log order
@@ -115,6 +122,7 @@ class ParamTable:
         if head.all():
             g = np.asarray(grads, np.float32)[order]
             newest = np.asarray(event_ms, np.int64)[order]
+            oldest = np.asarray(oldest_ms, np.int64)[order]
         else:  # one message repeats a row: sum its gradients as ``apply`` does
             group = np.cumsum(head) - 1
             g = np.zeros((int(head.sum()), grads.shape[1]), np.float64)
@@ -122,6 +130,8 @@ class ParamTable:
             g = g.astype(np.float32)
             newest = np.full(len(g), np.iinfo(np.int64).min, np.int64)
             np.maximum.at(newest, group, np.asarray(event_ms, np.int64)[order])
+            oldest = np.full(len(g), np.iinfo(np.int64).max, np.int64)
+            np.minimum.at(oldest, group, np.asarray(oldest_ms, np.int64)[order])
             s = s[head]
         first = np.ones(len(s), bool)
         first[1:] = s[1:] != s[:-1]
@@ -129,7 +139,7 @@ class ParamTable:
         rank = position - np.maximum.accumulate(np.where(first, position, 0))
         # entries by round: each round is one contiguous slice (rows ascending within it)
         by_round = np.argsort(rank, kind="stable")
-        s, g, newest = s[by_round], g[by_round], newest[by_round]
+        s, g, newest, oldest = s[by_round], g[by_round], newest[by_round], oldest[by_round]
         bounds = np.searchsorted(rank[by_round], np.arange(int(rank.max(initial=-1)) + 2))
         applied, pairs, rejected = [], 0, 0
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
@@ -140,17 +150,31 @@ class ParamTable:
                 done = sl
                 self.rows[done], self.accum[done] = rows, accum
                 self.event_ms[done] = np.maximum(self.event_ms[done], newest[lo:hi])
+                self._keep_oldest(done, oldest[lo:hi])
             else:
                 done = sl[ok]
                 self.rows[done] = rows[ok]
                 self.accum[done] = accum[ok]
                 self.event_ms[done] = np.maximum(self.event_ms[done], newest[lo:hi][ok])
+                self._keep_oldest(done, oldest[lo:hi][ok])
                 rejected += int((~ok).sum())
             self.version[done] += np.uint64(1)
             applied.append(done)
             pairs += len(done)
         done = np.unique(np.concatenate(applied)) if applied else np.empty(0, np.int64)
         return done, pairs, rejected
+
+    def _keep_oldest(self, slots: np.ndarray, oldest: np.ndarray) -> None:
+        held = self.oldest_ms[slots]
+        self.oldest_ms[slots] = np.where(held > 0, np.minimum(held, oldest), oldest)
+
+    def take_oldest(self, slots: np.ndarray) -> np.ndarray:
+        """The oldest event time applied to each of ``slots`` since the last take (its newest
+        event time where none is known), and start again: what a persist and its broadcast
+        include, for freshness timed from the oldest event."""
+        held = self.oldest_ms[slots]
+        self.oldest_ms[slots] = 0
+        return np.where(held > 0, held, self.event_ms[slots])
 
     def evict_older_than(self, cutoff_ms: int) -> int:
         """Forget rows whose newest event time is before ``cutoff_ms`` (they are in Redis,
@@ -160,7 +184,7 @@ class ParamTable:
         gone = n - int(keep.sum())
         if gone == 0:
             return 0
-        for name in ("ids", "rows", "accum", "version", "event_ms"):
+        for name in ("ids", "rows", "accum", "version", "event_ms", "oldest_ms"):
             arr = getattr(self, name)
             arr[: n - gone] = arr[:n][keep]
         self.size = n - gone
@@ -177,7 +201,7 @@ class ParamTable:
             return
         while capacity < needed:
             capacity *= 2
-        for name in ("ids", "rows", "accum", "version", "event_ms"):
+        for name in ("ids", "rows", "accum", "version", "event_ms", "oldest_ms"):
             old = getattr(self, name)
             new = np.zeros((capacity, *old.shape[1:]), old.dtype)
             new[: self.size] = old[: self.size]

@@ -5,7 +5,7 @@ code. The layout is little-endian and self-describing::
 
     header (36 bytes)
       magic        4s   b"FRRB"
-      version      u16  1
+      version      u16  2 (1 is read too: its rows have no oldest_ms)
       kind         u8   0 = gradients, 1 = updates
       table        u8   0 = user, 1 = item
       dim          u16  row dimension
@@ -19,6 +19,8 @@ code. The layout is little-endian and self-describing::
       rows         f32[count * dim]
       versions     u64[count]  updates: row version; gradients: examples summed into the row
       event_ms     i64[count]  newest event time included in the row
+      oldest_ms    i64[count]  oldest event time included in the row's gradients (in an
+                               update: since the row's previous broadcast); version 2 only
     trailer
       crc32        u32  over header and body
 
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"FRRB"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 KIND_GRADIENTS, KIND_UPDATES = 0, 1
 TABLE_USER, TABLE_ITEM = 0, 1
 TABLE_NAMES = {TABLE_USER: "user", TABLE_ITEM: "item"}
@@ -66,13 +69,18 @@ class RowBatch:
     partition: int = -1
     offset: int = -1
     created_ms: int = 0
+    oldest_ms: np.ndarray | None = None
+    """The oldest event time each row includes (freshness is timed from it); ``event_ms``
+    when not given (and in version-1 batches)."""
 
     def __post_init__(self) -> None:
+        if self.oldest_ms is None:
+            object.__setattr__(self, "oldest_ms", self.event_ms)
         n = len(self.ids)
         if self.rows.ndim != 2 or self.rows.shape[0] != n:
             raise ValueError(f"rows must be (count, dim), got {self.rows.shape} for {n} ids")
-        if len(self.versions) != n or len(self.event_ms) != n:
-            raise ValueError("ids, versions and event_ms must have the same length")
+        if len(self.versions) != n or len(self.event_ms) != n or len(self.oldest_ms) != n:
+            raise ValueError("ids, versions, event_ms and oldest_ms must have the same length")
         if self.kind not in (KIND_GRADIENTS, KIND_UPDATES):
             raise ValueError(f"unknown kind {self.kind}")
         if self.table not in TABLE_NAMES:
@@ -109,6 +117,7 @@ class RowBatch:
             (self.rows, "<f4"),
             (self.versions, "<u8"),
             (self.event_ms, "<i8"),
+            (self.oldest_ms, "<i8"),
         ):
             view = memoryview(np.ascontiguousarray(values, layout).reshape(-1)).cast("B")
             crc = zlib.crc32(view, crc)
@@ -125,11 +134,12 @@ class RowBatch:
         )
         if magic != MAGIC:
             raise CorruptBatch(f"bad magic {magic!r}")
-        if version != LAYOUT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CorruptBatch(f"unsupported layout version {version}")
         if dim == 0 or dim > MAX_DIM or count > MAX_COUNT:
             raise CorruptBatch(f"implausible dim={dim} count={count}")
-        expected = _HEADER.size + count * (8 + 4 * dim + 8 + 8) + _CRC.size
+        times = 2 if version >= 2 else 1
+        expected = _HEADER.size + count * (8 + 4 * dim + 8 + 8 * times) + _CRC.size
         if len(data) != expected:
             raise CorruptBatch(f"length {len(data)} != {expected} for {count}x{dim}")
         (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
@@ -143,7 +153,11 @@ class RowBatch:
         versions = np.frombuffer(data, "<u8", count, pos)
         pos += 8 * count
         event_ms = np.frombuffer(data, "<i8", count, pos)
+        pos += 8 * count
+        oldest = np.frombuffer(data, "<i8", count, pos) if times == 2 else None
         try:
-            return cls(kind, table, ids, rows, versions, event_ms, partition, offset, created)
+            return cls(
+                kind, table, ids, rows, versions, event_ms, partition, offset, created, oldest
+            )
         except ValueError as exc:
             raise CorruptBatch(str(exc)) from None

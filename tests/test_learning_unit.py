@@ -641,3 +641,79 @@ def test_the_device_local_step_equals_the_numpy_rules_the_parameter_server_appli
         moved = np.zeros((40, w), np.float32)
         moved[slots[ok]] = step.deltas
         np.testing.assert_array_equal(rows.numpy(), moved)  # rejected rows took no step
+
+
+def test_freshness_is_timed_from_the_oldest_event_each_stage_includes():
+    """The outbox, the parameter server's table and the update carry each row's oldest
+    event time beside its newest; the table hands it out once per persist."""
+    from inference.admission import AdmissionFilter
+    from inference.outbox import GradientOutbox
+    from param_server.table import ParamTable
+
+    for threshold in (1, 2):  # every row admitted at once, and rows held back for admission
+        box = GradientOutbox(1, AdmissionFilter(threshold, 10_000), linger_ms=0)
+        ones = np.ones((2, 3), np.float32)
+        ids, counts, steps = np.array([5, 9]), np.array([1, 1]), np.array([0, 1])
+        box.add(0, ids, ones, counts, np.array([50, 60]), steps, 0, np.array([40, 55]))
+        box.add(0, ids, ones, counts, np.array([70, 58]), steps + 2, 1, np.array([45, 20]))
+        (batch,) = box.drain()
+        assert batch.ids.tolist() == [5, 9]
+        assert batch.newest_ms.tolist() == [70, 60] and batch.oldest_ms.tolist() == [40, 20]
+
+    cfg = AdagradConfig(lr=0.1, max_norm=1.0)
+    t = ParamTable(2)
+    slots = t.add(
+        np.array([1, 2, 3]),
+        *(np.zeros((3, 2), np.float32),) * 2,
+        np.zeros(3, np.uint64),
+        np.full(3, 5, np.int64),
+    )
+    grads = np.ones((4, 2), np.float32)
+    grads[3] = np.nan  # rejected: its oldest time is not kept
+    t.apply_log(
+        slots[[0, 0, 1, 1]],
+        grads,
+        np.array([30, 40, 50, 60]),
+        np.array([0, 1, 0, 1]),
+        cfg,
+        np.array([20, 35, 45, 10]),
+    )
+    assert t.take_oldest(slots).tolist() == [20, 45, 5]  # row 3: nothing new, its newest
+    assert t.take_oldest(slots).tolist() == [40, 50, 5]  # taken: back to the newest
+
+
+def test_the_reply_stage_counts_each_row_once_from_the_oldest_event_no_reply_used():
+    import torch
+
+    from freshrec import metrics as m
+    from inference.cache import EmbeddingCache
+
+    def fetch(table, ids):
+        n = len(ids)
+        return np.zeros(n, bool), np.zeros((0, 5), np.float32), np.zeros(0), np.zeros(0)
+
+    now = [100_000]
+    cache = EmbeddingCache(4, 8, fetch, torch.device("cpu"), clock=lambda: now[0])
+    users = cache.slots(TABLE_USER, np.array([11, 12]))
+    hist = m.FRESHNESS_LAG.labels("reply")
+
+    def count_and_sum():
+        return hist._sum.get(), sum(b.get() for b in hist._buckets)
+
+    cache.learnt(TABLE_USER, users, np.array([97_000, 99_000]), np.array([98_000, 99_500]))
+    cache.learnt(TABLE_USER, users[:1], np.array([98_500]), np.array([99_900]))
+    s0, n0 = count_and_sum()
+    cache.observe_reply(users[:1], np.empty(0, np.int64))
+    s1, n1 = count_and_sum()
+    assert n1 - n0 == 1 and abs((s1 - s0) - 3.0) < 1e-9  # from 97,000, the oldest
+    cache.observe_reply(users, np.empty(0, np.int64))  # the first reply to use user 12
+    s2, n2 = count_and_sum()
+    assert n2 - n1 == 1 and abs((s2 - s1) - 1.0) < 1e-9
+    cache.observe_reply(users, np.empty(0, np.int64))  # nothing new in either row
+    assert count_and_sum()[1] == n2
+    # a broadcast row: events this worker learnt itself are not counted again; events
+    # newer than its own are, from the first of them
+    cache.installed(TABLE_USER, users, np.array([97_000, 99_000]), np.array([99_900, 99_700]))
+    cache.observe_reply(users, np.empty(0, np.int64))
+    s3, n3 = count_and_sum()
+    assert n3 - n2 == 1 and abs((s3 - s2) - (100_000 - 99_501) / 1000) < 1e-9

@@ -42,6 +42,25 @@ def test_round_trip_is_bit_exact(kind, table):
     np.testing.assert_array_equal(back.rows, b.rows)
     np.testing.assert_array_equal(back.versions, b.versions)
     np.testing.assert_array_equal(back.event_ms, b.event_ms)
+    np.testing.assert_array_equal(back.oldest_ms, b.oldest_ms)
+
+
+def test_oldest_event_times_round_trip_and_a_version_1_batch_still_reads():
+    import dataclasses
+    import struct
+    import zlib
+
+    b = make_batch(n=3, dim=4)
+    oldest = np.array([1, 2, 3], np.int64)
+    back = RowBatch.decode(dataclasses.replace(b, oldest_ms=oldest).encode())
+    assert back.oldest_ms.tolist() == [1, 2, 3]
+    # version 1: the same header and body without the oldest times (a worker or parameter
+    # server of the previous release still running during an upgrade)
+    data = bytearray(b.encode()[: -(4 + 8 * 3)])  # drop the oldest times and the checksum
+    struct.pack_into("<H", data, 4, 1)
+    data += struct.pack("<I", zlib.crc32(bytes(data)))
+    v1 = RowBatch.decode(bytes(data))
+    assert v1.event_ms.tolist() == b.event_ms.tolist() == v1.oldest_ms.tolist()
 
 
 def test_empty_batch_round_trips():
@@ -109,7 +128,7 @@ def test_a_row_id_memo_gives_row_id_of_each_key_across_batches_and_restarts():
 
 
 def test_encoding_is_the_documented_layout_whatever_the_arrays_given():
-    """Byte for byte the module docstring's layout (header, the four arrays in order, crc32
+    """Byte for byte the module docstring's layout (header, the five arrays in order, crc32
     over both), also from arrays of other dtypes and from strided views."""
     import struct
     import zlib
@@ -124,14 +143,16 @@ def test_encoding_is_the_documented_layout_whatever_the_arrays_given():
         [1, 2, 3, 4],
         np.arange(4) + 1_767_225_600_000,
         created_ms=12,
+        oldest_ms=[9, 10, 11, 12],
     )
     header = struct.pack(
-        "<4sHBBHHIiqq", b"FRRB", 1, KIND_GRADIENTS, TABLE_ITEM, 8, 0, 4, -1, -1, 12
+        "<4sHBBHHIiqq", b"FRRB", 2, KIND_GRADIENTS, TABLE_ITEM, 8, 0, 4, -1, -1, 12
     )
     body = (
         np.array([5, -6, 7, 8], "<i8").tobytes()
         + wide[:, ::2].astype("<f4").tobytes()
         + np.array([1, 2, 3, 4], "<u8").tobytes()
         + (np.arange(4) + 1_767_225_600_000).astype("<i8").tobytes()
+        + np.array([9, 10, 11, 12], "<i8").tobytes()
     )
     assert b.encode() == header + body + struct.pack("<I", zlib.crc32(header + body))

@@ -19,15 +19,31 @@ def _clicks(user: str, items: list[str], tag: str) -> list[Event]:
     ]
 
 
+def _reply_stage() -> tuple[float, float]:
+    """The ``reply`` freshness histogram's count and sum (this process's worker)."""
+    from freshrec import metrics as m
+
+    hist = m.FRESHNESS_LAG.labels("reply")
+    return sum(b.get() for b in hist._buckets), hist._sum.get()
+
+
 def test_exclude_seen_leaves_out_what_the_user_clicked_and_only_then(seeded, model_dir):
     user = "u41"
     with running_worker(worker_settings(seeded, model_dir)) as w, client_for(seeded) as client:
         before = [i.item_id for i in client.recommend(user, 20, timeout_s=10).items]
         clicked = before[:3]  # items the worker ranks well for this user
         learnt = w.stats["events"]
-        produce(seeded, _clicks(user, clicked, "seen"))
+        clicks = _clicks(user, clicked, "seen")
+        produce(seeded, clicks)
         wait_for(lambda: w.stats["events"] >= learnt + 3, 30, "the clicks learnt")
+        count, total = _reply_stage()
         shown = [i.item_id for i in client.recommend(user, 20, timeout_s=10).items]
+        # the first reply to use the rows the clicks went into: the reply stage, timed from
+        # the oldest click each row includes (the user's row, the clicked items' rows)
+        wait_for(lambda: _reply_stage()[0] > count, 10, "the reply stage observed")
+        rows = _reply_stage()[0] - count
+        oldest = (time.time() * 1000 - clicks[0].ts_ms) / 1000
+        assert 0 < (_reply_stage()[1] - total) / rows <= oldest
         hidden = [
             i.item_id for i in client.recommend(user, 20, exclude_seen=True, timeout_s=10).items
         ]

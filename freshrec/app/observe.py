@@ -19,7 +19,7 @@ from pathlib import Path
 
 from freshrec.promtext import Samples, histogram_quantile, merge, scrape, subtract, total
 
-STAGES = ("local", "global_applied", "served")
+STAGES = ("local", "global_applied", "served", "reply")
 LAG = "freshrec_freshness_lag_seconds"
 NEWEST = "freshrec_freshness_event_timestamp_seconds"
 

@@ -26,7 +26,7 @@ def summary(ports: dict[str, int]) -> str:
         f" | worker learnt {total(worker, 'freshrec_worker_events_total', outcome='valid'):,.0f}"
         f" | ps applied {total(ps, 'freshrec_ps_rows_applied_total'):,.0f} rows"
         f" | p99 local {p99(worker, 'local')} global {p99(ps, 'global_applied')}"
-        f" served {p99(worker, 'served')}"
+        f" served {p99(worker, 'served')} reply {p99(worker, 'reply')}"
     )
 
 

@@ -20,7 +20,7 @@ def render(h: Headline) -> str:
         "services   " + "  ".join(f"{n}:{'up' if ok else 'DOWN'}" for n, ok in h.up.items())
     )
     lines.append(f"{'freshness':<11}{'p50':>10}{'p99':>10}")
-    for stage in ("local", "global_applied", "served", "hot_list"):
+    for stage in ("local", "global_applied", "served", "reply", "hot_list"):
         lines.append(
             f"  {stage:<9}{_f(h.freshness_p50_ms.get(stage), 'ms'):>10}"
             f"{_f(h.freshness_p99_ms.get(stage), 'ms'):>10}"
