@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: run test lint format clean stack-down chromium
+.PHONY: run test lint format clean stack-down chromium prometheus
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/freshrec run $(ARGS)
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium prometheus
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # The dashboard test renders the page in Debian's headless Chromium. Installed with apt when
@@ -27,6 +27,19 @@ chromium:
 	  echo "installing Debian's chromium for the dashboard test"; \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; }
+
+# The alerting tests run Debian's promtool and a real Prometheus. Without them on PATH, the
+# package is fetched (apt-get download: no root, no service started) and unpacked into the
+# virtualenv; where that fails the tests are skipped and say why.
+PROM_DIR := $(VENV)/prometheus
+prometheus:
+	@command -v promtool >/dev/null 2>&1 || test -x $(PROM_DIR)/usr/bin/promtool || { \
+	  echo "fetching Debian's prometheus package into $(PROM_DIR) for the alerting tests"; \
+	  tmp=$$(mktemp -d); chmod 755 $$tmp; \
+	  ( cd $$tmp && { apt-get download prometheus >/dev/null 2>&1 || \
+	    { [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download prometheus >/dev/null 2>&1; }; } ) && \
+	  dpkg -x $$tmp/prometheus_*.deb $(PROM_DIR); rm -rf $$tmp; \
+	  test -x $(PROM_DIR)/usr/bin/promtool || echo "WARNING: could not fetch prometheus (apt-get download prometheus): the alerting tests will be skipped"; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

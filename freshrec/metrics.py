@@ -179,6 +179,12 @@ REQUESTS = Counter(
     ["outcome"],
 )
 REPLIES = Counter("freshrec_replies_total", "Replies sent, by tier", ["tier"])
+FEEDBACK = Counter(
+    "freshrec_feedback_events_total",
+    "Impressions, clicks and conversions naming a reply, by the tier that served it (unknown: "
+    "served by another worker or too long ago): CTR = clicks / impressions",
+    ["event_type", "tier"],
+)
 REQUEST_SECONDS = Histogram(
     "freshrec_request_seconds",
     "Request latency per stage (queue, recall, rank, rerank, total) and tier",

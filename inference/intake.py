@@ -23,6 +23,7 @@ from freshrec.kafka import produce
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.batching import BatchPolicy, split_expired
+from inference.feedback import Feedback
 from inference.gradients import ProducerFailed
 from inference.offsets import RequestOffsets
 from inference.route import reply_topic_pattern, route
@@ -96,6 +97,8 @@ class RequestIntake:
             settings.conn.topic_prefix, settings.reply_topic_pattern
         )
         self._retries: list[tuple] = []
+        self.feedback = Feedback()
+        """The tiers of recent replies: events naming them are counted by tier."""
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -189,6 +192,7 @@ class RequestIntake:
             replies = self.recommender.serve(live, queue_depth=len(self.queue))
             for b, reply in zip(live, replies, strict=True):
                 m.REQUESTS.labels("served").inc()
+                self.feedback.served(reply.request_id, reply.tier)
                 self._reply(b.reply_to, b.correlation_id, reply, b.partition, b.offset)
 
     def _drop_answered(self, live: list[Inbound]) -> list[Inbound]:

@@ -465,6 +465,9 @@ class Worker:
                 for partition, e in zip(partitions, events, strict=True):
                     self.dedupe[partition].forget([e.event_id])
                 raise
+        feedback = self.intake.feedback.count((e.event_type, e.request_id) for e in events)
+        for (kind, tier), n in feedback.items():
+            m.FEEDBACK.labels(kind, tier).inc(n)
         invalid = len(msgs) - len(events) - replays
         if invalid:
             m.WORKER_EVENTS.labels("invalid").inc(invalid)

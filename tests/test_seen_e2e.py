@@ -75,3 +75,26 @@ def test_an_event_delivered_twice_is_learnt_once(seeded, model_dir):
         produce(seeded, [events[0]])  # a producer's retry, a replayed topic
         wait_for(lambda: w.stats["events"] + w.stats["duplicates"] >= 3, 30, "all three read")
         assert w.stats["events"] == 2 and w.stats["duplicates"] == 1, w.stats
+
+
+def test_impressions_and_clicks_naming_a_reply_are_counted_by_its_tier(seeded, model_dir):
+    from freshrec import metrics as m
+
+    with running_worker(worker_settings(seeded, model_dir)) as w, client_for(seeded) as client:
+        reply = client.recommend("u45", 5, timeout_s=10)
+        item = reply.items[0].item_id
+        clicks = m.FEEDBACK.labels("click", reply.tier)
+        shown = m.FEEDBACK.labels("impression", reply.tier)
+        before = (shown._value.get(), clicks._value.get())
+        now = int(time.time() * 1000)
+        learnt = w.stats["events"]
+        produce(
+            seeded,
+            [
+                Event(f"fb-i-{now}", "impression", "u45", item, now, None, "pc", reply.request_id),
+                Event(f"fb-c-{now}", "click", "u45", item, now + 1, None, "pc", reply.request_id),
+                Event(f"fb-x-{now}", "click", "u45", item, now + 2, None, "pc"),  # no request
+            ],
+        )
+        wait_for(lambda: w.stats["events"] >= learnt + 3, 30, "the events learnt")
+    assert (shown._value.get() - before[0], clicks._value.get() - before[1]) == (1, 1)

@@ -10,8 +10,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from freshrec.slo import SloSettings
+
 OUT = Path(__file__).parents[1] / "deploy" / "grafana" / "dashboards" / "freshrec.json"
 DS = {"type": "prometheus", "uid": "prometheus"}
+
+
+SLO = SloSettings()
+
+
+def _fb(event_type: str, by: str = "") -> str:
+    """Rate of feedback events of one type (summed, or by a label)."""
+    group = f" by ({by})" if by else ""
+    return f'sum{group} (rate(freshrec_feedback_events_total{{event_type="{event_type}"}}[5m]))'
+
+
+def _burn(stage: str, bound_s: float) -> str:
+    """The error budget's burn rate: the share of a stage's events later than its objective
+    over the share the SLO allows (``freshrec.slo``)."""
+    le = f"{float(bound_s)!r}"
+    within = f'sum(rate(freshrec_freshness_lag_seconds_bucket{{stage="{stage}",le="{le}"}}[5m]))'
+    every = f'sum(rate(freshrec_freshness_lag_seconds_count{{stage="{stage}"}}[5m]))'
+    return f"(1 - {within} / {every}) / {1 - SLO.target:g}"
 
 
 def q(quantile: float, metric: str, by: str, where: str = "") -> str:
@@ -92,6 +112,30 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                         "steps let go /s (pool at its bound)",
                     ),
                     ("sum(freshrec_worker_event_backlog)", "worker event backlog"),
+                ],
+                12,
+            ),
+        ],
+    ),
+    (
+        "Quality of served recommendations",
+        [
+            (
+                "CTR per tier (clicks / impressions of events naming a reply)",
+                "percentunit",
+                [
+                    (f"{_fb('click')} / {_fb('impression')}", "CTR"),
+                    (f"{_fb('click', 'tier')} / {_fb('impression', 'tier')}", "CTR {{tier}}"),
+                ],
+                12,
+            ),
+            (
+                "CVR (conversions / clicks) and the freshness SLO's burn rate",
+                "short",
+                [
+                    (f"{_fb('conversion')} / {_fb('click')}", "CVR"),
+                    (_burn("served", SLO.served_s), f"burn: served within {SLO.served_s:g} s"),
+                    (_burn("reply", SLO.reply_s), f"burn: reply within {SLO.reply_s:g} s"),
                 ],
                 12,
             ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from freshrec.promtext import Samples, histogram_quantile, merge, scrape, subtract, total
+from freshrec.slo import SloSettings, burn_rate
 
 STAGES = ("local", "global_applied", "served", "reply")
 LAG = "freshrec_freshness_lag_seconds"
@@ -74,6 +76,12 @@ class Headline:
     cache_hit: float | None = None
     up: dict[str, bool] = field(default_factory=dict)
     model: str | None = None
+    quality: dict[str, float | None] = field(default_factory=dict)
+    """CTR and CVR of served recommendations over the window: ``ctr``, ``cvr`` and
+    ``ctr_<tier>`` (from the events naming a reply, ``freshrec_feedback_events_total``)."""
+    slo: dict[str, float | None] = field(default_factory=dict)
+    """Per freshness objective (``served``, ``reply``): the share of the window's events
+    later than it, and the burn rate of its error budget (``served_burn``)."""
 
 
 class Observer:
@@ -192,7 +200,56 @@ def headline(before: tuple[float, Samples, dict], after: tuple[float, Samples, d
     for labels, v in s1.get("freshrec_model_info", []):
         if v:
             h.model = labels.get("version")
+    h.quality = quality(s0, s1)
+    h.slo = slo_figures(window, SloSettings.from_env(os.environ))
     return h
+
+
+FEEDBACK = "freshrec_feedback_events_total"
+
+
+def quality(s0: Samples, s1: Samples) -> dict[str, float | None]:
+    """CTR and CVR of served recommendations between two scrapes, overall and per tier."""
+
+    def d(**match: str) -> float:
+        return max(total(s1, FEEDBACK, **match) - total(s0, FEEDBACK, **match), 0.0)
+
+    def share(a: float, b: float) -> float | None:
+        return round(a / b, 4) if b > 0 else None
+
+    out = {
+        "ctr": share(d(event_type="click"), d(event_type="impression")),
+        "cvr": share(d(event_type="conversion"), d(event_type="click")),
+    }
+    for tier in sorted({labels.get("tier", "?") for labels, _ in s1.get(FEEDBACK, [])}):
+        out[f"ctr_{tier}"] = share(
+            d(event_type="click", tier=tier), d(event_type="impression", tier=tier)
+        )
+    return out
+
+
+def late_share(window: Samples, stage: str, bound_s: float) -> float | None:
+    """The share of a stage's lag observations in ``window`` above ``bound_s`` (a bucket
+    bound); None without observations."""
+    within = every = 0.0
+    for labels, v in window.get(LAG + "_bucket", []):
+        if labels.get("stage") != stage:
+            continue
+        le = float(labels.get("le", "nan"))
+        if le == math.inf:
+            every += v
+        elif abs(le - bound_s) < 1e-9:
+            within += v
+    return round(1 - within / every, 5) if every > 0 else None
+
+
+def slo_figures(window: Samples, slo: SloSettings) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for stage, bound in (("served", slo.served_s), ("reply", slo.reply_s)):
+        late = late_share(window, stage, bound)
+        out[f"{stage}_late"] = late
+        out[f"{stage}_burn"] = None if late is None else round(burn_rate(late, slo.target), 2)
+    return out
 
 
 class Poller:

@@ -47,11 +47,26 @@ def render(h: Headline) -> str:
         lines.append("tiers/s    " + "  ".join(f"{t} {_f(v)}" for t, v in sorted(h.tiers.items())))
     if h.breakers:
         lines.append("breakers   " + "  ".join(f"{c}:{s}" for c, s in sorted(h.breakers.items())))
+    q = h.quality
+    tiers = "  ".join(f"{k[4:]} {_pct(v)}" for k, v in q.items() if k.startswith("ctr_"))
+    lines.append(
+        f"quality    CTR {_pct(q.get('ctr'))}  CVR {_pct(q.get('cvr'))}"
+        + (f"  (CTR by tier: {tiers})" if tiers else "")
+    )
+    slo = h.slo
+    lines.append(
+        f"SLO        served late {_pct(slo.get('served_late'))} burn {_f(slo.get('served_burn'))}"
+        f"  reply late {_pct(slo.get('reply_late'))} burn {_f(slo.get('reply_burn'))}"
+    )
     lag = "  ".join(f"{k} {_f(v)}" for k, v in sorted(h.consumer_lag.items()))
     lines.append(f"lag        {lag or '–'}")
     hit = "–" if h.cache_hit is None else f"{100 * h.cache_hit:.1f}%"
     lines.append(f"cache hit  {hit}   model {h.model or '–'}")
     return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f}%"
 
 
 def run_top(observer: Observer, interval_s: float = 1.0, iterations: int | None = None) -> None:

@@ -1,0 +1,346 @@
+"""The Prometheus rules: generated from the objectives, valid for ``promtool``, every alert
+unit-tested with ``promtool test rules`` and documented in the runbook, and, end to end, a
+real Prometheus scraping a running pipeline: the recording rules produce values and stopping
+the parameter server fires its alert.
+
+Prometheus and promtool come from Debian's ``prometheus`` package: on PATH, or unpacked into
+``.venv/prometheus`` by the Makefile's test target; where they are missing these tests are
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import yaml
+
+from freshrec.slo import SloSettings
+from tools.prometheus_rules import build, render
+
+from .test_compose import _exported_series
+
+ROOT = Path(__file__).parents[1]
+RULES = ROOT / "deploy" / "prometheus" / "rules" / "freshrec.yml"
+CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+UNPACKED = ROOT / ".venv" / "prometheus" / "usr" / "bin"  # where `make test` unpacks it
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path=str(UNPACKED))
+
+
+PROMTOOL, PROMETHEUS = _tool("promtool"), _tool("prometheus")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None,
+    reason="promtool not found: `make prometheus` unpacks Debian's package into .venv",
+)
+
+
+def alerts() -> dict[str, dict]:
+    return {r["alert"]: r for g in build()["groups"] for r in g["rules"] if "alert" in r}
+
+
+# Input series (1-minute samples) and when the alert must be firing, with the labels the
+# firing alert carries besides alertname and severity. A healthy system (below) fires none.
+CASES: dict[str, tuple[list[tuple[str, str]], str, dict[str, str]]] = {
+    "FreshrecServedFreshnessSlow": (
+        [
+            ('freshrec_freshness_lag_seconds_bucket{stage="served",le="0.5"}', "0+1x30"),
+            ('freshrec_freshness_lag_seconds_bucket{stage="served",le="1.0"}', "0+2x30"),
+            ('freshrec_freshness_lag_seconds_bucket{stage="served",le="2.0"}', "0+100x30"),
+            ('freshrec_freshness_lag_seconds_bucket{stage="served",le="+Inf"}', "0+100x30"),
+            ('freshrec_freshness_lag_seconds_count{stage="served"}', "0+100x30"),
+        ],
+        "10m",
+        {"stage": "served"},
+    ),
+    "FreshrecReplyFreshnessSlow": (
+        [
+            ('freshrec_freshness_lag_seconds_bucket{stage="reply",le="30.0"}', "0+1x30"),
+            ('freshrec_freshness_lag_seconds_bucket{stage="reply",le="60.0"}', "0+100x30"),
+            ('freshrec_freshness_lag_seconds_bucket{stage="reply",le="+Inf"}', "0+100x30"),
+        ],
+        "10m",
+        {"stage": "reply"},
+    ),
+    "FreshrecRequestsTimingOut": (
+        [
+            ('freshrec_requests_total{outcome="expired"}', "0+10x30"),
+            ('freshrec_requests_total{outcome="served"}', "0+90x30"),
+        ],
+        "10m",
+        {},
+    ),
+    "FreshrecRepliesDegraded": (
+        [
+            ('freshrec_degraded_replies_total{tier="hot",reason="deadline"}', "0+10x30"),
+            ('freshrec_replies_total{tier="full"}', "0+90x30"),
+            ('freshrec_replies_total{tier="hot"}', "0+10x30"),
+        ],
+        "10m",
+        {},
+    ),
+    "FreshrecRecallBreakerOpen": (
+        [('freshrec_breaker_state{channel="i2i",job="worker",instance="w1:9101"}', "2x30")],
+        "10m",
+        {"channel": "i2i"},
+    ),
+    "FreshrecDeadLettersRising": (
+        [('freshrec_dead_letters_total{reason="bad_json",job="streams"}', "0+120x30")],
+        "10m",
+        {},
+    ),
+    "FreshrecServiceDown": (
+        [('up{job="param-server",instance="ps:9102"}', "1 1 0x30")],
+        "10m",
+        {"job": "param-server", "instance": "ps:9102"},
+    ),
+    "FreshrecConsumerLagGrowing": (
+        [
+            (
+                'freshrec_consumer_lag_messages{group="freshrec-worker",topic="events",partition="0"}',
+                "0+20000x30",
+            )
+        ],
+        "15m",
+        {"group": "freshrec-worker", "topic": "events"},
+    ),
+    "FreshrecParamServerBehind": (
+        [
+            ('freshrec_freshness_event_timestamp_seconds{stage="local"}', "1000+60x30"),
+            ('freshrec_freshness_event_timestamp_seconds{stage="global_applied"}', "1000x30"),
+        ],
+        "10m",
+        {},
+    ),
+    "FreshrecNoEvents": (
+        [('freshrec_streams_events_total{outcome="valid"}', "5x30")],
+        "10m",
+        {},
+    ),
+}
+
+HEALTHY = [
+    ('freshrec_freshness_lag_seconds_bucket{stage="served",le="0.5"}', "0+100x30"),
+    ('freshrec_freshness_lag_seconds_bucket{stage="served",le="1.0"}', "0+100x30"),
+    ('freshrec_freshness_lag_seconds_bucket{stage="served",le="+Inf"}', "0+100x30"),
+    ('freshrec_freshness_lag_seconds_count{stage="served"}', "0+100x30"),
+    ('freshrec_freshness_lag_seconds_bucket{stage="reply",le="30.0"}', "0+100x30"),
+    ('freshrec_freshness_lag_seconds_bucket{stage="reply",le="+Inf"}', "0+100x30"),
+    ('freshrec_requests_total{outcome="served"}', "0+100x30"),
+    ('freshrec_requests_total{outcome="expired"}', "0x30"),
+    ('freshrec_replies_total{tier="full"}', "0+100x30"),
+    ('freshrec_degraded_replies_total{tier="hot",reason="deadline"}', "0+1x30"),
+    ('freshrec_breaker_state{channel="i2i",job="worker",instance="w1:9101"}', "0x30"),
+    ('freshrec_dead_letters_total{reason="bad_json",job="streams"}', "0+1x30"),
+    ('up{job="param-server",instance="ps:9102"}', "1x30"),
+    ('freshrec_consumer_lag_messages{group="g",topic="events",partition="0"}', "50x30"),
+    ('freshrec_freshness_event_timestamp_seconds{stage="local"}', "1000+60x30"),
+    ('freshrec_freshness_event_timestamp_seconds{stage="global_applied"}', "999+60x30"),
+    ('freshrec_streams_events_total{outcome="valid"}', "0+600x30"),
+]
+
+
+def test_the_shipped_rules_are_generated_from_the_objectives():
+    assert RULES.read_text() == render(), "run `python -m tools.prometheus_rules` and commit"
+    config = yaml.safe_load(CONFIG.read_text())
+    assert config["rule_files"] == ["rules/*.yml"]
+    assert {j["job_name"] for j in config["scrape_configs"]} == {
+        "streams",
+        "worker",
+        "param-server",
+    }
+
+
+def test_thresholds_are_settings_and_bad_ones_are_refused():
+    from freshrec.settings import SettingsError
+
+    slow = SloSettings.from_env({"FRESHREC_SLO_SERVED_S": "2", "FRESHREC_SLO_BEHIND_S": "60"})
+    exprs = {
+        r["alert"]: r["expr"] for g in build(slow)["groups"] for r in g["rules"] if "alert" in r
+    }
+    assert exprs["FreshrecServedFreshnessSlow"].endswith("> 2")
+    assert exprs["FreshrecParamServerBehind"].endswith("> 60")
+    for bad in ({"FRESHREC_SLO_SERVED_S": "0.9"}, {"FRESHREC_SLO_TARGET": "1"}):
+        with pytest.raises(SettingsError):
+            SloSettings.from_env(bad)
+
+
+def test_every_alert_has_a_unit_test_a_severity_and_a_runbook_entry():
+    runbook = (ROOT / "docs" / "runbook.md").read_text()
+    sections = set(re.findall(r"^## (Freshrec\w+)$", runbook, re.M))
+    assert set(alerts()) == set(CASES) == sections
+    for name, rule in alerts().items():
+        assert rule["labels"]["severity"] in ("page", "ticket"), name
+        assert rule["annotations"]["runbook_url"] == f"docs/runbook.md#{name.lower()}"
+
+
+def test_every_series_the_rules_read_is_exported_by_the_code():
+    exprs = [r["expr"] for g in build()["groups"] for r in g["rules"]]
+    read = {m for e in exprs for m in re.findall(r"\bfreshrec_[a-z0-9_]+", e)}
+    assert read and not read - _exported_series(), sorted(read - _exported_series())
+
+
+@needs_promtool
+def test_promtool_accepts_the_config_and_the_rules():
+    for args in (["check", "rules", str(RULES)], ["check", "config", str(CONFIG)]):
+        proc = subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@needs_promtool
+def test_promtool_unit_tests_fire_each_alert_on_its_input_and_none_when_healthy(tmp_path):
+    rules = alerts()
+
+    def expected(name: str, labels: dict[str, str]) -> dict:
+        rule = rules[name]
+        return {
+            "exp_labels": {"severity": rule["labels"]["severity"], **labels},
+            "exp_annotations": rule["annotations"],
+        }
+
+    tests = [
+        {
+            "name": name,
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in series],
+            "alert_rule_test": [
+                {"eval_time": at, "alertname": name, "exp_alerts": [expected(name, labels)]}
+            ],
+        }
+        for name, (series, at, labels) in CASES.items()
+    ]
+    tests.append(
+        {
+            "name": "healthy",
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in HEALTHY],
+            "alert_rule_test": [
+                {"eval_time": "15m", "alertname": name, "exp_alerts": []} for name in rules
+            ],
+        }
+    )
+    (tmp_path / "rules.yml").write_text(RULES.read_text())
+    spec = tmp_path / "freshrec_test.yml"
+    spec.write_text(
+        yaml.safe_dump(
+            {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests},
+            sort_keys=False,
+        )
+    )
+    proc = subprocess.run(
+        [PROMTOOL, "test", "rules", str(spec)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- end to end
+def _api(port: int, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/{path}", timeout=5) as resp:
+        return json.loads(resp.read())["data"]
+
+
+def _query(port: int, expr: str) -> list[dict]:
+    from urllib.parse import quote
+
+    return _api(port, f"query?query={quote(expr)}")["result"]
+
+
+@pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)"
+)
+def test_a_real_prometheus_records_the_pipeline_and_alerts_when_the_parameter_server_stops(
+    seeded, model_dir, tmp_path
+):
+    from freshrec.app.stack import free_port
+    from schemas.records import Event
+
+    from .conftest import wait_for
+    from .serving_harness import DIM
+    from .streams_harness import produce, service, stop
+
+    ports = {job: free_port() for job in ("streams", "worker", "param-server")}
+    # the shipped configuration, pointed at these processes, scraping and evaluating each
+    # second; the shipped rules with 30 s windows and short holds
+    config = yaml.safe_load(CONFIG.read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = ["rules.yml"]
+    for job in config["scrape_configs"]:
+        job.pop("dns_sd_configs", None)
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{ports[job['job_name']]}"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    (tmp_path / "rules.yml").write_text(
+        render(window="30s", hold={"slo": "10s", "down": "3s", "breaker": "10s"})
+    )
+    web = free_port()
+    env = {
+        "FRESHREC_MODEL_DIR": str(model_dir),
+        "FRESHREC_EMBEDDING_DIM": str(DIM),
+        "FRESHREC_FLUSH_INTERVAL_MS": "100",
+    }
+    with ExitStack() as stack:
+        procs = {
+            job: stack.enter_context(
+                service(
+                    seeded, job, tmp_path / f"{job}.log", FRESHREC_METRICS_PORT=str(port), **env
+                )
+            )
+            for job, port in ports.items()
+        }
+        prom = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{web}",
+            ],
+            stdout=open(tmp_path / "prometheus.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        stack.callback(lambda: (prom.terminate(), prom.wait(15)))
+
+        def targets_up() -> bool:
+            try:
+                active = _api(web, "targets")["activeTargets"]
+            except OSError:
+                return False
+            return len(active) == 3 and all(t["health"] == "up" for t in active)
+
+        wait_for(targets_up, 90, 0.5, what="Prometheus scraping the three services")
+        users = [f"u{n}" for n in range(30)]
+
+        def learnt_and_served() -> bool:
+            now = int(time.time() * 1000)
+            clicks = [Event(f"p{now}-{u}", "click", u, f"i{n}", now) for n, u in enumerate(users)]
+            produce(seeded, clicks)  # steady clicks until the stages show up
+            stages = {
+                r["metric"].get("stage")
+                for r in _query(web, "freshrec:freshness_lag_seconds:p99_30s")
+            }
+            return {"local", "global_applied", "served"} <= stages
+
+        wait_for(learnt_and_served, 120, 1.0, what="the freshness recording rules to have values")
+        p99 = {
+            r["metric"]["stage"]: float(r["value"][1])
+            for r in _query(web, "freshrec:freshness_lag_seconds:p99_30s")
+        }
+        assert {"local", "global_applied", "served"} <= set(p99), p99
+        assert all(0 < p99[s] < 60 for s in ("local", "global_applied", "served")), p99
+        assert _query(web, "freshrec:global_applied_behind_seconds"), "behind not recorded"
+        firing = lambda: [  # noqa: E731
+            a
+            for a in _api(web, "alerts")["alerts"]
+            if a["labels"]["alertname"] == "FreshrecServiceDown" and a["state"] == "firing"
+        ]
+        assert not firing()
+        stop(procs["param-server"])
+        wait_for(firing, 60, 0.5, what="FreshrecServiceDown to fire")
+        assert {a["labels"]["job"] for a in firing()} == {"param-server"}

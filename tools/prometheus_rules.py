@@ -1,0 +1,224 @@
+"""Generates FreshRec's Prometheus recording and alerting rules
+(``deploy/prometheus/rules/freshrec.yml``) from the objectives in ``freshrec/slo.py``, so that
+every threshold is a setting with a documented default and a test can hold the shipped file
+to it.
+
+    .venv/bin/python -m tools.prometheus_rules                       # rewrites the shipped file
+    FRESHREC_SLO_SERVED_S=2 .venv/bin/python -m tools.prometheus_rules --out my-rules.yml
+
+Recording rules (``freshrec:<what>:<window>``) give each SLO figure one name; alerts read
+them. Each alert has a ``severity`` (``page``: users are affected now; ``ticket``: look
+within the day) and a ``runbook_url`` into ``docs/runbook.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import yaml
+
+from freshrec.slo import SloSettings
+
+OUT = Path(__file__).parents[1] / "deploy" / "prometheus" / "rules" / "freshrec.yml"
+RUNBOOK = "docs/runbook.md"  # in the FreshRec repository
+LAG = "freshrec_freshness_lag_seconds"
+STAGES = ("local", "global_applied", "served", "reply")
+SERVICES = ("streams", "worker", "param-server")
+
+
+def recording_rules(slo: SloSettings, window: str) -> list[dict]:
+    def rec(name: str, expr: str) -> dict:
+        return {"record": name, "expr": expr}
+
+    w = window
+    rules = []
+    for quantile, tag in ((0.5, "p50"), (0.99, "p99")):
+        rules.append(
+            rec(
+                f"freshrec:freshness_lag_seconds:{tag}_{w}",
+                f"histogram_quantile({quantile}, sum by (le, stage) (rate({LAG}_bucket[{w}])))",
+            )
+        )
+    for stage, bound in (("served", slo.served_s), ("reply", slo.reply_s)):
+        rules.append(
+            rec(
+                f"freshrec:freshness_late_share:{stage}_{w}",
+                f'1 - sum(rate({LAG}_bucket{{stage="{stage}",le="{float(bound)!r}"}}[{w}]))'
+                f' / sum(rate({LAG}_count{{stage="{stage}"}}[{w}]))',
+            )
+        )
+    rules += [
+        rec(
+            f"freshrec:request_seconds:p99_{w}",
+            "histogram_quantile(0.99, sum by (le) "
+            f'(rate(freshrec_request_seconds_bucket{{stage="total"}}[{w}])))',
+        ),
+        rec(
+            f"freshrec:replies:share_by_tier_{w}",
+            f"sum by (tier) (rate(freshrec_replies_total[{w}])) / ignoring (tier) group_left "
+            f"sum(rate(freshrec_replies_total[{w}]))",
+        ),
+        rec(
+            f"freshrec:replies_degraded:share_{w}",
+            f"sum(rate(freshrec_degraded_replies_total[{w}])) "
+            f"/ sum(rate(freshrec_replies_total[{w}]))",
+        ),
+        rec(
+            f"freshrec:requests_expired:share_{w}",
+            f'sum(rate(freshrec_requests_total{{outcome="expired"}}[{w}])) '
+            f"/ sum(rate(freshrec_requests_total[{w}]))",
+        ),
+        rec(
+            f"freshrec:dead_letters:rate_{w}",
+            f"sum by (reason) (rate(freshrec_dead_letters_total[{w}]))",
+        ),
+        rec(
+            "freshrec:consumer_lag_messages:sum",
+            "sum by (group, topic) (freshrec_consumer_lag_messages)",
+        ),
+        rec(
+            "freshrec:global_applied_behind_seconds",
+            'max(freshrec_freshness_event_timestamp_seconds{stage="local"}) - '
+            'max(freshrec_freshness_event_timestamp_seconds{stage="global_applied"})',
+        ),
+        rec(
+            f"freshrec:events:rate_{w}",
+            f"sum(rate(freshrec_streams_events_total[{w}]))",
+        ),
+        rec(
+            f"freshrec:ctr:{w}",
+            f'sum(rate(freshrec_feedback_events_total{{event_type="click"}}[{w}])) / '
+            f'sum(rate(freshrec_feedback_events_total{{event_type="impression"}}[{w}]))',
+        ),
+    ]
+    return rules
+
+
+def alerting_rules(slo: SloSettings, window: str, hold: dict[str, str]) -> list[dict]:
+    w = window
+
+    def alert(name: str, expr: str, for_: str, severity: str, summary: str) -> dict:
+        return {
+            "alert": name,
+            "expr": expr,
+            "for": for_,
+            "labels": {"severity": severity},
+            "annotations": {
+                "summary": summary,
+                "runbook_url": f"{RUNBOOK}#{name.lower()}",
+            },
+        }
+
+    p99 = f"freshrec:freshness_lag_seconds:p99_{w}"
+    return [
+        alert(
+            "FreshrecServedFreshnessSlow",
+            f'{p99}{{stage="served"}} > {slo.served_s:g}',
+            hold["slo"],
+            "page",
+            f"p99 of event → served row above {slo.served_s:g} s: users see stale rows",
+        ),
+        alert(
+            "FreshrecReplyFreshnessSlow",
+            f'{p99}{{stage="reply"}} > {slo.reply_s:g}',
+            hold["slo"],
+            "ticket",
+            f"p99 of event → first reply using it above {slo.reply_s:g} s",
+        ),
+        alert(
+            "FreshrecRequestsTimingOut",
+            f"freshrec:requests_expired:share_{w} > {slo.timeout_share:g}",
+            hold["slo"],
+            "page",
+            f"more than {100 * slo.timeout_share:g}% of requests expire unanswered",
+        ),
+        alert(
+            "FreshrecRepliesDegraded",
+            f"freshrec:replies_degraded:share_{w} > {slo.degraded_share:g}",
+            hold["slo"],
+            "ticket",
+            f"more than {100 * slo.degraded_share:g}% of replies degraded or below the full tier",
+        ),
+        alert(
+            "FreshrecRecallBreakerOpen",
+            "max by (channel) (freshrec_breaker_state) == 2",
+            hold["breaker"],
+            "ticket",
+            "a recall channel's breaker has stayed open: its candidates are missing",
+        ),
+        alert(
+            "FreshrecDeadLettersRising",
+            f"sum(freshrec:dead_letters:rate_{w}) > {slo.dead_letters_per_s:g}",
+            hold["slo"],
+            "ticket",
+            f"more than {slo.dead_letters_per_s:g} dead letters a second",
+        ),
+        alert(
+            "FreshrecServiceDown",
+            f'up{{job=~"{"|".join(SERVICES)}"}} == 0',
+            hold["down"],
+            "page",
+            "a FreshRec service does not answer its metrics scrape",
+        ),
+        alert(
+            "FreshrecConsumerLagGrowing",
+            f"freshrec:consumer_lag_messages:sum > {slo.consumer_lag_messages:g} and "
+            f"deriv(freshrec:consumer_lag_messages:sum[{w}]) > 0",
+            hold["slo"],
+            "ticket",
+            "a consumer group falls further behind its topic",
+        ),
+        alert(
+            "FreshrecParamServerBehind",
+            f"freshrec:global_applied_behind_seconds > {slo.behind_s:g}",
+            hold["down"],
+            "page",
+            f"the parameter server's rows trail the workers' learning by over {slo.behind_s:g} s",
+        ),
+        alert(
+            "FreshrecNoEvents",
+            f"freshrec:events:rate_{w} == 0",
+            hold["slo"],
+            "ticket",
+            "no event has arrived on the events topic",
+        ),
+    ]
+
+
+def build(
+    slo: SloSettings | None = None,
+    window: str = "5m",
+    hold: dict[str, str] | None = None,
+) -> dict:
+    """The rule file as a dict; ``window`` is the rate window and ``hold`` each alert kind's
+    ``for`` (``slo`` 5m, ``down`` 1m, ``breaker`` from the settings) — shorter only in
+    tests."""
+    slo = slo or SloSettings()
+    hold = {"slo": "5m", "down": "1m", "breaker": f"{slo.breaker_open_s:g}s", **(hold or {})}
+    return {
+        "groups": [
+            {"name": "freshrec-recording", "rules": recording_rules(slo, window)},
+            {"name": "freshrec-alerts", "rules": alerting_rules(slo, window, hold)},
+        ]
+    }
+
+
+def render(slo: SloSettings | None = None, **kwargs) -> str:
+    head = "# Generated by `python -m tools.prometheus_rules` from freshrec/slo.py: edit those.\n"
+    return head + yaml.safe_dump(build(slo, **kwargs), sort_keys=False, width=1000)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=OUT, help=f"where to write (default {OUT})")
+    args = ap.parse_args()
+    text = render(SloSettings.from_env(os.environ))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
