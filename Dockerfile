@@ -10,6 +10,7 @@ COPY schemas ./schemas
 COPY streams ./streams
 COPY inference ./inference
 COPY param_server ./param_server
+COPY evaluation ./evaluation
 COPY tools ./tools
 RUN pip install --no-cache-dir .
 RUN useradd --create-home freshrec

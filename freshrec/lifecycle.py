@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from freshrec.metrics import serve_metrics
+from freshrec.endpoints import serve_metrics
 
 
 def settle_heap() -> int:
@@ -36,10 +36,14 @@ def set_from_signal(event: threading.Event) -> None:
 
 
 def run_until_signalled(
-    name: str, loop: Callable[[threading.Event], None], metrics_port: int
+    name: str,
+    loop: Callable[[threading.Event], None],
+    metrics_port: int,
+    redis_url: str | None = None,
 ) -> int:
-    """Serve metrics, run ``loop(stop)``; SIGTERM/SIGINT set ``stop`` for a clean exit."""
-    serve_metrics(metrics_port)
+    """Serve metrics and health (readiness pings ``redis_url``), run ``loop(stop)``;
+    SIGTERM/SIGINT set ``stop`` for a clean exit."""
+    serve_metrics(metrics_port, redis_url=redis_url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: set_from_signal(stop))

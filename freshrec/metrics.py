@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 log = logging.getLogger(__name__)
 
@@ -236,14 +236,3 @@ CONSUMER_LAG = Gauge(
 ASSIGNED_PARTITIONS = Gauge(
     "freshrec_assigned_partitions", "Input partitions this process owns in its group", ["service"]
 )
-
-
-def serve_metrics(port: int, registry=None) -> None:
-    """Expose /metrics on ``port`` (0: do nothing): this process's registry, or ``registry``
-    (``freshrec.childmetrics.MergedRegistry`` where a child process has metrics too)."""
-    if port:
-        if registry is None:
-            start_http_server(port, addr="0.0.0.0")
-        else:
-            start_http_server(port, addr="0.0.0.0", registry=registry)
-        log.info("metrics on :%d/metrics", port)

@@ -324,3 +324,10 @@ class HotScoreSettings:
                 env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95, positive=True, maximum=1
             ),
         )
+
+
+def metrics_host(env: Mapping[str, str]) -> str:
+    """Where a service's ``/metrics``, ``/healthz`` and ``/readyz`` listen
+    (``FRESHREC_METRICS_HOST``): loopback unless configured (``0.0.0.0`` in a container that
+    Prometheus or a kubelet reaches from outside)."""
+    return env_str(env, "FRESHREC_METRICS_HOST", "127.0.0.1")

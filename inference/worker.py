@@ -45,6 +45,7 @@ from confluent_kafka import (
 
 from freshrec import metrics as m
 from freshrec.dedupe import DedupeWindow
+from freshrec.health import HEALTH
 from freshrec.kafka import (
     close_producer,
     consume_available,
@@ -260,6 +261,7 @@ class Worker:
         try:
             while not stop.is_set():
                 self.poll_once()
+                HEALTH.beat()
         finally:
             self.close()
 
@@ -544,4 +546,4 @@ def run_worker(settings: WorkerSettings) -> int:
     def work(stop: threading.Event) -> None:
         Worker(settings, WorkerClients.connect(settings)).run(stop)
 
-    return run_until_signalled("worker", work, settings.metrics_port)
+    return run_until_signalled("worker", work, settings.metrics_port, settings.conn.redis_url)

@@ -33,6 +33,7 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Producer
 
 from freshrec import metrics as m
+from freshrec.health import HEALTH
 from freshrec.kafka import (
     background_consumer,
     close_producer,
@@ -176,6 +177,7 @@ class ParameterServer:
         try:
             while not stop.is_set():
                 self.poll_once()
+                HEALTH.beat()
             self.flush(sync=True)
         finally:
             try:
@@ -543,7 +545,10 @@ class ParameterServer:
 def run_param_server(settings: ParamServerSettings) -> int:
     try:
         return run_until_signalled(
-            "param_server", ParameterServer(settings).run, settings.metrics_port
+            "param_server",
+            ParameterServer(settings).run,
+            settings.metrics_port,
+            settings.conn.redis_url,
         )
     except FencedOff as exc:
         log.error("%s", exc)

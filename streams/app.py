@@ -46,6 +46,8 @@ from redis.asyncio import Redis
 
 from freshrec import metrics as m
 from freshrec.childmetrics import MergedRegistry
+from freshrec.endpoints import serve_metrics
+from freshrec.health import HEALTH
 from freshrec.kafka import admin_config, profile
 from freshrec.lifecycle import settle_heap
 from freshrec.rediskeys import RedisKeys
@@ -286,6 +288,7 @@ class StreamsApp:
     async def _publish(self) -> None:
         # At most half of the event loop for publishing: when a round took longer than half
         # the interval, the next waits as long as that round took, so counting is never starved.
+        HEALTH.beat()  # the event loop goes round (liveness)
         if time.monotonic() < self._publish_not_before:
             return
         started = time.monotonic()
@@ -406,7 +409,7 @@ def run_streams(settings: StreamsSettings) -> int:
     from faust.worker import Worker
 
     metrics = MergedRegistry()
-    m.serve_metrics(settings.metrics_port, metrics)
+    serve_metrics(settings.metrics_port, metrics, redis_url=settings.conn.redis_url)
     streams = StreamsApp(settings)
     log.info(
         "streams app %s: by-item partitions %d, fetch wait %s ms",

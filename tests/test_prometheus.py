@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
@@ -248,6 +249,52 @@ def _api(port: int, path: str) -> dict:
         return json.loads(resp.read())["data"]
 
 
+def _probe(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_readiness_needs_partitions_and_redis_and_liveness_a_loop_that_goes_round(services):
+    from freshrec import metrics as m
+    from freshrec.app.stack import free_port
+    from freshrec.endpoints import start_endpoints
+    from freshrec.health import HEALTH
+
+    port = free_port()
+    server = start_endpoints("127.0.0.1", port, redis_url=services.redis_url)
+    try:
+        m.ASSIGNED_PARTITIONS.labels("test").set(0)
+        gauge = m.ASSIGNED_PARTITIONS.collect()[0]
+        owned = sum(s.value for s in gauge.samples)
+        if owned == 0:  # nothing else in this process owns partitions
+            code, why = _probe(port, "/readyz")
+            assert (code, why.strip()) == (503, "no partitions assigned")
+        m.ASSIGNED_PARTITIONS.labels("test").set(3)
+        code, why = _probe(port, "/readyz")
+        assert code == 200 and "Redis reachable" in why, why
+        HEALTH.beat()
+        assert _probe(port, "/healthz")[0] == 200
+        assert _probe(port, "/metrics")[0] == 200 and _probe(port, "/nope")[0] == 404
+        HEALTH.beat(now=time.monotonic() - HEALTH.stall_s - 1)  # a loop stuck that long
+        assert _probe(port, "/healthz")[0] == 503
+    finally:
+        HEALTH.beat()
+        m.ASSIGNED_PARTITIONS.labels("test").set(0)
+        server.shutdown()
+    dead = start_endpoints("127.0.0.1", free_port(), redis_url="redis://127.0.0.1:1/0")
+    try:
+        m.ASSIGNED_PARTITIONS.labels("test").set(3)
+        code, why = _probe(dead.server_address[1], "/readyz")
+        assert (code, why.strip()) == (503, "Redis unreachable")
+    finally:
+        m.ASSIGNED_PARTITIONS.labels("test").set(0)
+        HEALTH.redis(True)
+        dead.shutdown()
+
+
 def _query(port: int, expr: str) -> list[dict]:
     from urllib.parse import quote
 
@@ -315,6 +362,10 @@ def test_a_real_prometheus_records_the_pipeline_and_alerts_when_the_parameter_se
             return len(active) == 3 and all(t["health"] == "up" for t in active)
 
         wait_for(targets_up, 90, 0.5, what="Prometheus scraping the three services")
+        # the probes an orchestrator uses, on the same port (loopback: the default host)
+        for job, port in ports.items():
+            wait_for(lambda p=port: _probe(p, "/readyz")[0] == 200, 60, 0.5, what=f"{job} ready")
+            assert _probe(port, "/healthz")[0] == 200, job
         users = [f"u{n}" for n in range(30)]
 
         def learnt_and_served() -> bool:

@@ -1,0 +1,102 @@
+"""The HTTP endpoints of a service: ``/metrics`` for Prometheus, ``/healthz`` (liveness) and
+``/readyz`` (readiness) for an orchestrator, on one port, on a daemon thread.
+
+Readiness asks ``freshrec.health.HEALTH`` with the partitions this process owns (the
+``freshrec_assigned_partitions`` gauge it already sets) and a Redis ping of at most once a
+second (0.5 s timeout). Both answer 200 or 503 with a one-line reason as plain text.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import redis
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from freshrec import metrics as m
+from freshrec.health import HEALTH
+from freshrec.settings import metrics_host
+
+log = logging.getLogger("freshrec.endpoints")
+
+
+class _RedisCheck:
+    def __init__(self, url: str | None) -> None:
+        self.client = (
+            redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            if url
+            else None
+        )
+        self._at = -1.0
+        self._lock = threading.Lock()
+
+    def refresh(self) -> None:
+        if self.client is None:
+            return
+        with self._lock:
+            if time.monotonic() - self._at < 1.0:
+                return
+            self._at = time.monotonic()
+            try:
+                HEALTH.redis(bool(self.client.ping()))
+            except redis.RedisError:
+                HEALTH.redis(False)
+
+
+def _assigned() -> int:
+    return int(sum(s.value for metric in m.ASSIGNED_PARTITIONS.collect() for s in metric.samples))
+
+
+def start_endpoints(host: str, port: int, registry=None, redis_url: str | None = None):
+    """Start serving; returns the server (``shutdown()`` stops it)."""
+    registry = REGISTRY if registry is None else registry
+    check = _RedisCheck(redis_url)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                ok, why = HEALTH.live()
+                self._send(200 if ok else 503, why.encode() + b"\n")
+            elif path == "/readyz":
+                HEALTH.assigned(_assigned())
+                check.refresh()
+                ok, why = HEALTH.ready()
+                self._send(200 if ok else 503, why.encode() + b"\n")
+            else:
+                self._send(404, b"not found: /metrics, /healthz, /readyz\n")
+
+        def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8"):
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # scrapes and probes are not news
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True, name="endpoints").start()
+    return server
+
+
+def serve_metrics(
+    port: int, registry=None, redis_url: str | None = None, host: str | None = None
+) -> None:
+    """Serve ``/metrics`` (this process's registry, or ``registry``:
+    ``freshrec.childmetrics.MergedRegistry`` where a child process has metrics too),
+    ``/healthz`` and ``/readyz`` (``freshrec.health``; readiness pings ``redis_url``) on
+    ``host:port`` — ``FRESHREC_METRICS_HOST``, loopback unless configured. Port 0: nothing."""
+    if not port:
+        return
+    host = host or metrics_host(os.environ)
+    start_endpoints(host, port, registry, redis_url)
+    log.info("metrics on %s:%d/metrics, health on /healthz and /readyz", host, port)
