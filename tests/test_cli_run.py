@@ -88,6 +88,10 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
     assert curve and len(curve.group(1).split()) >= 3, out
     fresh = re.search(r"p99 local ([\d,]+)ms global ([\d,]+)ms served ([\d,]+)ms", out)
     assert fresh, out
+    cost = re.search(
+        r"cost: streams ([\d.]+) CPU-s .*worker ([\d.]+) CPU-s \(([\d.]+) per 1,000 requests", out
+    )
+    assert cost and float(cost.group(2)) > 0 and float(cost.group(3)) > 0, out
     assert (tmp_path / "models" / "manifest.json").exists()  # cached for the next run
     assert not (tmp_path / "run" / "services.json").exists()
     pids = [int(p) for p in PIDS.findall(out.split("embedded stack stopped")[1])]

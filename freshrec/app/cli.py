@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from freshrec.app.options import EnvDefault, add_log_options, add_world_options
+from freshrec.cost import CORE_HOUR_PRICE
 from freshrec.settings import LOG_FORMAT, SettingsError
 
 Command = Callable[[argparse.Namespace], int]
@@ -61,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8050,
         help="port of the built-in dashboard (0: any free port)",
+    )
+    run.add_argument(
+        "--core-hour-price",
+        type=float,
+        default=CORE_HOUR_PRICE,
+        help="USD per core-hour, for the summary's cost per 1,000 requests "
+        f"(default {CORE_HOUR_PRICE}: an assumption, replace it with yours)",
     )
     run.add_argument(
         "--train-impressions",

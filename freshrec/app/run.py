@@ -71,7 +71,14 @@ def running_stack() -> Iterator[RunContext]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from freshrec.app.options import world_from_args
-    from freshrec.app.runstatus import StatusPoller, summary, wait_until_assigned
+    from freshrec.app.runstatus import (
+        StatusPoller,
+        cost_line,
+        counts,
+        service_cpu,
+        summary,
+        wait_until_assigned,
+    )
     from freshrec.app.stack import free_port
     from inference.train import TrainConfig
     from tools.closedloop import ClosedLoop
@@ -127,6 +134,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 target=_watch_services, args=(services, stop), daemon=True, name="watch"
             )
             watcher.start()
+            # the services' CPU from here on is the load's: the cost per 1,000 requests
+            used_before = (service_cpu(services.children), counts(ports))
             loop = ClosedLoop(ctx.conn, world, args.requests, seed=args.seed)
             loop_thread = loop.run_in_thread(stop) if args.requests > 0 else None
             try:
@@ -147,6 +156,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                         loop_thread.join(15)
                     time.sleep(2.5)  # let the services drain the last events
                     final = summary(ports)
+                    cost = cost_line(
+                        used_before,
+                        (service_cpu(services.children), counts(ports)),
+                        args.core_hour_price,
+                    )
+                    if cost:
+                        final += "\n" + cost
             finally:
                 stop.set()
                 dashboard.stop()

@@ -30,6 +30,40 @@ def summary(ports: dict[str, int]) -> str:
     )
 
 
+def counts(ports: dict[str, int]) -> tuple[float, float]:
+    """(requests served by every worker, events counted by the streams app) so far."""
+    s = _scrape_all(ports)
+    requests = sum(
+        total(v, "freshrec_requests_total", outcome="served")
+        for name, v in s.items()
+        if name.startswith("worker")
+    )
+    return requests, total(s.get("streams", {}), "freshrec_streams_counted_events_total")
+
+
+def service_cpu(children) -> dict[str, float]:
+    """CPU seconds so far of each (name, process) and its descendants; empty without /proc."""
+    from freshrec.app.proctime import cpu_seconds
+
+    out = {}
+    for name, proc in children:
+        used = cpu_seconds(proc.pid)
+        if used is not None:
+            out[name] = used
+    return out
+
+
+def cost_line(before, after, core_hour: float) -> str | None:
+    """The summary's cost line from two (cpu per service, (requests, events)) snapshots."""
+    from freshrec.cost import costs, line
+
+    (cpu0, (req0, ev0)), (cpu1, (req1, ev1)) = before, after
+    used = {name: max(cpu1[name] - cpu0.get(name, 0.0), 0.0) for name in cpu1}
+    if not used:
+        return None
+    return line(costs(used, req1 - req0, ev1 - ev0, core_hour), core_hour)
+
+
 def wait_until_assigned(ports: dict[str, int], timeout_s: float, on_wait=None) -> None:
     """Block until every service owns partitions in its group (joins take seconds)."""
     import time

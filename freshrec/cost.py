@@ -1,0 +1,62 @@
+"""What a recommendation costs: CPU-seconds per 1,000 requests and per 1,000 events from the
+services' own resource use, priced per core-hour. Pure.
+
+>>> use = {"streams": 12.0, "worker": 30.0, "param-server": 6.0}
+>>> c = costs(use, requests=2_000, events=40_000, core_hour=0.04)
+>>> c.per_thousand_requests["worker"], c.per_thousand_events["streams"]
+(15.0, 0.3)
+>>> round(c.price_per_thousand_requests, 6)   # every service's CPU over the requests
+0.000267
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CORE_HOUR_PRICE = 0.04
+"""USD per core-hour by default: a typical on-demand price of one vCPU on a public cloud (an
+assumption to replace with your own, ``--core-hour-price``)."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    cpu_seconds: dict[str, float]
+    per_thousand_requests: dict[str, float | None]
+    per_thousand_events: dict[str, float | None]
+    price_per_thousand_requests: float | None
+    """Every service's CPU, priced, over the requests served (USD per 1,000)."""
+
+
+def costs(cpu_seconds: dict[str, float], requests: float, events: float, core_hour: float) -> Costs:
+    """Each service's CPU seconds over the requests and over the events of the same span
+    (a worker's CPU serves both: each figure is an upper bound for its own side)."""
+
+    def per(count: float) -> dict[str, float | None]:
+        return {
+            name: round(1000 * s / count, 4) if count > 0 else None
+            for name, s in cpu_seconds.items()
+        }
+
+    total = sum(cpu_seconds.values())
+    price = total / 3600 * core_hour * 1000 / requests if requests > 0 else None
+    return Costs(dict(cpu_seconds), per(requests), per(events), price)
+
+
+def line(c: Costs, core_hour: float) -> str:
+    """The run summary's cost line."""
+
+    def f(v: float | None, digits: int) -> str:
+        return "–" if v is None else f"{v:.{digits}f}"
+
+    parts = [
+        f"{name} {s:.1f} CPU-s ({f(c.per_thousand_requests.get(name), 2)} per 1,000 requests,"
+        f" {f(c.per_thousand_events.get(name), 3)} per 1,000 events)"
+        for name, s in c.cpu_seconds.items()
+    ]
+    price = c.price_per_thousand_requests
+    tail = (
+        ""
+        if price is None
+        else f"; all: ${price:.5f} per 1,000 requests at ${core_hour:g}/core-hour"
+    )
+    return "cost: " + "; ".join(parts) + tail

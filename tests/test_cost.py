@@ -1,0 +1,43 @@
+"""The cost figures: CPU time of a process tree from /proc, and the arithmetic per 1,000."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from freshrec.app.proctime import cpu_seconds
+from freshrec.cost import costs
+
+from .conftest import wait_for
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cpu_time_of_a_process_includes_its_children():
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    # a parent that starts a child which burns 0.5 s of CPU, then both wait on stdin
+    script = (
+        "import subprocess, sys\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {burn + chr(10) + 'input()'!r}],"
+        " stdin=subprocess.PIPE)\n"
+        "print('started', flush=True)\ninput()\nc.communicate(b'\\n')\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        # the child's burn shows in the tree's time (polled, with a deadline)
+        wait_for(lambda: (cpu_seconds(parent.pid) or 0.0) >= 0.5, 30, 0.05, what="0.5 CPU-s")
+    finally:
+        parent.communicate("\n", timeout=30)
+    assert cpu_seconds(parent.pid) is None  # gone
+
+
+def test_cost_per_thousand_is_cpu_over_count_and_none_without_traffic():
+    c = costs({"worker": 3.6, "streams": 0.0}, requests=3_600, events=0, core_hour=1.0)
+    assert c.per_thousand_requests == {"worker": 1.0, "streams": 0.0}
+    assert c.per_thousand_events == {"worker": None, "streams": None}
+    assert c.price_per_thousand_requests == pytest.approx(3.6 / 3600 * 1000 / 3600)
+    assert costs({"worker": 1.0}, 0, 0, 1.0).price_per_thousand_requests is None
