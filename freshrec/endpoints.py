@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
 
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -58,9 +59,11 @@ def start_endpoints(host: str, port: int, registry=None, redis_url: str | None =
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
+            path, _, query = self.path.partition("?")
             if path == "/metrics":
-                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                names = parse_qs(query).get("name[]")  # as prometheus_client's own server
+                source = registry.restricted_registry(names) if names else registry
+                self._send(200, generate_latest(source), CONTENT_TYPE_LATEST)
             elif path == "/healthz":
                 ok, why = HEALTH.live()
                 self._send(200 if ok else 503, why.encode() + b"\n")

@@ -155,18 +155,21 @@ def test_a_reply_librdkafka_gives_up_on_is_produced_again_and_its_request_waits(
     names = TopicNames(conn.topic_prefix)
     clients = WorkerClients.connect(settings)
     clients.producer = held = HeldProducer(
-        clients.producer, lambda topic: topic == names.recommend_replies and not held.failed_once
+        clients.producer, lambda topic: topic == names.recommend_replies and held.holding
     )
-    held.failed_once = False
+    held.holding = True
     with running_worker(settings, clients=clients) as w, client_for(conn) as client:
         fut = client._call(_recommend(client, "u5"), 5)
         wait_for(lambda: len(held.held) == 1, 20, "the reply to be produced")
-        held.failed_once = True
         retried = counter(m.PRODUCE_RETRIES, "reply")
         assert held.fail() == 1  # librdkafka gives up on it
-        assert committed_requests(conn, w) == 0
-        reply = fut.result(20)  # produced again, delivered
-        assert reply.items and counter(m.PRODUCE_RETRIES, "reply") == retried + 1
+        wait_for(lambda: len(held.held) == 1, 20, "the reply produced again")  # and held
+        assert counter(m.PRODUCE_RETRIES, "reply") == retried + 1
+        assert committed_requests(conn, w) == 0  # nothing delivered: the request waits
+        held.holding = False
+        held.release()
+        reply = fut.result(20)  # delivered
+        assert reply.items
         wait_for(lambda: committed_requests(conn, w) >= 1, 20, "the commit after delivery")
 
 
