@@ -20,9 +20,12 @@ SLO = SloSettings()
 
 
 def _fb(event_type: str, by: str = "") -> str:
-    """Rate of feedback events of one type (summed, or by a label)."""
+    """Rate of feedback events of one type: summed over the replies a worker knows it
+    served, or by a label."""
     group = f" by ({by})" if by else ""
-    return f'sum{group} (rate(freshrec_feedback_events_total{{event_type="{event_type}"}}[5m]))'
+    known = "" if by else ',tier!="unknown"'
+    sel = f'{{event_type="{event_type}"{known}}}'
+    return f"sum{group} (rate(freshrec_feedback_events_total{sel}[5m]))"
 
 
 def _burn(stage: str, bound_s: float) -> str:

@@ -89,8 +89,9 @@ def recording_rules(slo: SloSettings, window: str) -> list[dict]:
         ),
         rec(
             f"freshrec:ctr:{w}",
-            f'sum(rate(freshrec_feedback_events_total{{event_type="click"}}[{w}])) / '
-            f'sum(rate(freshrec_feedback_events_total{{event_type="impression"}}[{w}]))',
+            f'sum(rate(freshrec_feedback_events_total{{event_type="click",tier!="unknown"}}[{w}]))'
+            " / sum(rate(freshrec_feedback_events_total"
+            f'{{event_type="impression",tier!="unknown"}}[{w}]))',
         ),
     ]
     return rules

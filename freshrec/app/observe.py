@@ -209,17 +209,22 @@ FEEDBACK = "freshrec_feedback_events_total"
 
 
 def quality(s0: Samples, s1: Samples) -> dict[str, float | None]:
-    """CTR and CVR of served recommendations between two scrapes, overall and per tier."""
+    """CTR and CVR of served recommendations between two scrapes: overall over the replies
+    a worker knows it served, and per tier (``unknown`` too: events naming a request no
+    worker remembers, such as a simulator's or another system's)."""
 
     def d(**match: str) -> float:
         return max(total(s1, FEEDBACK, **match) - total(s0, FEEDBACK, **match), 0.0)
+
+    def served(event_type: str) -> float:  # replies a worker knows it served
+        return d(event_type=event_type) - d(event_type=event_type, tier="unknown")
 
     def share(a: float, b: float) -> float | None:
         return round(a / b, 4) if b > 0 else None
 
     out = {
-        "ctr": share(d(event_type="click"), d(event_type="impression")),
-        "cvr": share(d(event_type="conversion"), d(event_type="click")),
+        "ctr": share(served("click"), served("impression")),
+        "cvr": share(served("conversion"), served("click")),
     }
     for tier in sorted({labels.get("tier", "?") for labels, _ in s1.get(FEEDBACK, [])}):
         out[f"ctr_{tier}"] = share(
