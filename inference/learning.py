@@ -53,6 +53,18 @@ class Examples:
     groups: np.ndarray | None = None
     """``softmax``: each example's group (its positive's index among the positives)."""
 
+    @classmethod
+    def of(cls, users, items, labels, weights, times, groups=None) -> Examples:
+        """From the lists the labelling builds, as arrays of the dtypes the losses take."""
+        return cls(
+            users,
+            items,
+            np.asarray(labels, np.float32),
+            np.asarray(weights, np.float32),
+            np.asarray(times, np.int64),
+            None if groups is None else np.asarray(groups, np.int64),
+        )
+
 
 @dataclass(frozen=True)
 class LabelConfig:
@@ -102,13 +114,7 @@ def examples_from_events(
             labels.append(0.0)
             weights.append(1.0)
             times.append(times[src])
-    return Examples(
-        users,
-        items,
-        np.asarray(labels, np.float32),
-        np.asarray(weights, np.float32),
-        np.asarray(times, np.int64),
-    )
+    return Examples.of(users, items, labels, weights, times)
 
 
 def softmax_examples(
@@ -145,14 +151,7 @@ def softmax_examples(
             weights.append(w)
             times.append(e.ts_ms)
             groups.append(g)
-    return Examples(
-        users,
-        items,
-        np.asarray(labels, np.float32),
-        np.asarray(weights, np.float32),
-        np.asarray(times, np.int64),
-        np.asarray(groups, np.int64),
-    )
+    return Examples.of(users, items, labels, weights, times, groups)
 
 
 def softmax_gradients(u, v, y, w, groups):
