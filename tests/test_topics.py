@@ -64,10 +64,14 @@ def test_consume_available_returns_with_the_first_message_and_what_queued_behind
         assert consume_available(c, 10, 0.2) == []  # nothing: back after the timeout, empty
         timer = threading.Timer(0.2, lambda: (p.produce(topic, b"one", partition=0), p.flush(5)))
         timer.start()
-        started = time.monotonic()
-        got = consume_available(c, 10, 30.0)
-        # librdkafka's consume(10, 30) would hold the one message for the whole 30 s
-        assert [m.value() for m in got] == [b"one"] and time.monotonic() - started < 15
+        got: list = []
+        reader = threading.Thread(target=lambda: got.extend(consume_available(c, 10, 120.0)))
+        reader.start()
+        # librdkafka's consume(10, 120) would hold the one message for the whole 120 s: the
+        # read must come back with it long before
+        reader.join(15)
+        assert not reader.is_alive(), "consume_available held a message for its whole timeout"
+        assert [m.value() for m in got] == [b"one"]
         for i in range(5):
             p.produce(topic, b"%d" % i, partition=1)
         p.flush(5)
