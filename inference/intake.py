@@ -148,13 +148,21 @@ class RequestIntake:
         )
 
     def _dead_letter(self, rej: Rejected, msg, now: int, done: Callable[[], None]) -> None:
+        """A request's dead letter: it is done once the letter is delivered (or given up)."""
+        self._send_dead_letter(
+            rej, msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), now, done
+        )
+
+    def _send_dead_letter(
+        self, rej: Rejected, topic, partition, offset, key, value, now: int, done
+    ) -> None:
         letter = dead_letter(
             rej,
-            topic=msg.topic(),
-            partition=msg.partition(),
-            offset=msg.offset(),
-            key=msg.key(),
-            value=msg.value(),
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key=key,
+            value=value,
             now_ms=now,
             service="worker",
             limits=self.settings.dead_letters,
@@ -250,25 +258,15 @@ class RequestIntake:
             log.warning("reply to %s not delivered: %s", topic, err)
             m.REQUESTS.labels("reply_failed").inc()
             rej = Rejected(Reason.REPLY_UNDELIVERABLE, f"reply to {topic[:200]}: {err}")
-            letter = dead_letter(
+            self._send_dead_letter(
                 rej,
-                topic=self.names.recommend_requests,
-                partition=partition,
-                offset=offset,
-                key=corr,
-                value=value,
-                now_ms=_now_ms(),
-                service="worker",
-                limits=self.settings.dead_letters,
-            )
-            m.DEAD_LETTERS.labels(str(rej.reason)).inc()
-            self._send(
-                self.names.recommend_requests_dlq,
-                encode_dead_letter(letter),
-                None,
-                None,
-                lambda ok_, err_: finish(),
-                "dead letter",
+                self.names.recommend_requests,
+                partition,
+                offset,
+                corr,
+                value,
+                _now_ms(),
+                finish,
             )
 
         self._send(topic, value, corr, headers, delivered, "reply")
