@@ -187,6 +187,21 @@ def test_every_metric_a_grafana_panel_queries_is_exported():
     assert titles[0] == "Freshness" and "Freshness lag" in titles[1]
 
 
+def test_every_grafana_panel_is_a_known_type_with_what_grafana_needs():
+    import json
+
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/freshrec.json").read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+    for p in dashboard["panels"]:
+        assert p["type"] in ("row", "timeseries"), p["type"]  # Grafana's built-in panels
+        assert {"x", "y", "w", "h"} <= set(p["gridPos"]) and 0 < p["gridPos"]["w"] <= 24
+        if p["type"] == "timeseries":
+            assert p["datasource"] == {"type": "prometheus", "uid": "prometheus"}
+            assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"])
+            assert p["fieldConfig"]["defaults"]["unit"]
+
+
 def test_dashboard_json_is_generated_from_tools_grafana_dashboard():
     from tools.grafana_dashboard import render
 

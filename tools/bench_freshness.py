@@ -120,6 +120,15 @@ def main() -> None:
         "cohort's interests before the drift; the default) or the world's active users",
     )
     ap.add_argument(
+        "--tower-loss",
+        choices=("softmax", "logistic"),
+        default="softmax",
+        help="the two-tower's loss when trained on the cohort: softmax over clicks (online "
+        "learning then follows with softmax steps) or logistic over impressions (and so "
+        "online); default softmax",
+    )
+    ap.add_argument("--tower-epochs", type=int, default=10, help="two-tower epochs (cohort)")
+    ap.add_argument(
         "--out",
         type=Path,
         default=Path("artifacts"),
@@ -169,8 +178,8 @@ def main() -> None:
             progress.done(f"training models for the benchmark world into {models}")
             models.mkdir(parents=True, exist_ok=True)
             config = TrainConfig(impressions=args.train_impressions, dim=DIM)
-            if trained_on is not None:  # rows that know the cohort: the softmax two-tower
-                config = replace(config, tower_loss="softmax", tower_epochs=10)
+            if trained_on is not None:  # rows that know the cohort
+                config = replace(config, tower_loss=args.tower_loss, tower_epochs=args.tower_epochs)
             world.train(config, models, progress.update, users=trained_on)
         elif not holds_models_of(models, source):
             ap.error(f"--models {models} holds models of another world or cohort")
