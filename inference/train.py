@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +74,12 @@ class TrainConfig:
     """``logistic`` over labelled impressions (the synthetic world's logs), or ``softmax``
     over the clicked items of a batch and ``softmax_negatives`` items drawn uniformly from
     the catalogue (positive-only logs, ``freshrec train --log``; ``inference/learning.py``
-    says why)."""
+    says why), or ``softmax+logistic``: softmax first, then ``finetune_epochs`` of the
+    logistic loss over every impression from those rows (impressions not clicked are
+    negatives: what online learning on impressions learns)."""
+    finetune_epochs: int = 2
+    finetune_lr: float = 0.02
+    """Adagrad's step size for the logistic fine-tune of ``softmax+logistic``."""
     softmax_negatives: int = 50
     softmax_l2: float = 1e-4
     softmax_lr: float = 0.01
@@ -89,8 +94,11 @@ class TrainConfig:
             raise ValueError(f"l2 must be >= 0, got {self.l2}")
         if not 0 < self.tower_share <= 1:
             raise ValueError(f"tower_share must be in (0, 1], got {self.tower_share}")
-        if self.tower_loss not in ("logistic", "softmax"):
-            raise ValueError(f"tower_loss must be logistic or softmax, got {self.tower_loss!r}")
+        if self.tower_loss not in TOWER_LOSSES:
+            raise ValueError(f"tower_loss must be one of {TOWER_LOSSES}, got {self.tower_loss!r}")
+
+
+TOWER_LOSSES = ("logistic", "softmax", "softmax+logistic")
 
 
 @dataclass
@@ -185,16 +193,25 @@ def train_two_tower(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(user numbers, user rows, item rows) for the users the log names and every catalogue
     item: rows start from the deterministic initialisation."""
-    if cfg.tower_loss == "softmax":
-        return _train_two_tower_softmax(logs, cfg, train_idx, progress)
+    init = None
+    if cfg.tower_loss.startswith("softmax"):
+        trained = _train_two_tower_softmax(logs, cfg, train_idx, progress)
+        if cfg.tower_loss == "softmax":
+            return trained
+        init = (trained[1][:, : cfg.dim], trained[2])
+        cfg = replace(  # from trained rows: the softmax's light penalty, not the heavy one
+            cfg, tower_epochs=cfg.finetune_epochs, tower_lr=cfg.finetune_lr, l2=cfg.softmax_l2
+        )
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     uniq_users, user_pos = np.unique(logs.users, return_inverse=True)
     user_ids = row_ids(logs.user_ids[uniq_users].tolist())
     item_ids = row_ids(logs.item_ids.tolist())
     d = cfg.dim
-    u_emb = nn.Parameter(torch.from_numpy(initial_rows(user_ids, TABLE_USER, d)[:, :d].copy()))
-    v_emb = nn.Parameter(torch.from_numpy(initial_rows(item_ids, TABLE_ITEM, d).copy()))
+    if init is None:
+        init = (initial_rows(user_ids, TABLE_USER, d)[:, :d], initial_rows(item_ids, TABLE_ITEM, d))
+    u_emb = nn.Parameter(torch.from_numpy(np.ascontiguousarray(init[0], np.float32).copy()))
+    v_emb = nn.Parameter(torch.from_numpy(np.ascontiguousarray(init[1], np.float32).copy()))
     opt = torch.optim.Adagrad([u_emb, v_emb], lr=cfg.tower_lr)
     y = torch.from_numpy(logs.clicked.astype(np.float32))
     w = torch.from_numpy(np.where(logs.converted, cfg.conversion_weight, 1.0).astype(np.float32))

@@ -107,33 +107,40 @@ def test_arms_are_named_or_a_learning_rate():
             arm_env(bad)
 
 
-def test_bench_freshness_runs_an_arm_end_to_end(tmp_path):
-    """The benchmark's whole path, tiny: trains, starts a stack and the three services, runs
-    the cohort through a drift, and writes its figures (real broker and Redis)."""
+def test_through_a_drift_online_learning_beats_the_frozen_arm(tmp_path):
+    """The benchmark's whole path, small and seeded: trains models on the cohort's logs,
+    runs a learning and a frozen arm on private stacks (real broker and Redis) through an
+    interest drift, and writes its figures. After the drift, the drifted users' CTR is higher
+    with online learning than frozen: measured gaps 3.1 and 2.9 points at this scale
+    (2026-12-01, ~2,900 impressions an arm after the drift, a standard error of the gap of ~0.9
+    points), so the margin asserted is 1 point."""
     env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
+    drift_s = 12.0
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "tools.bench_freshness",
             "--arms",
-            "online",
+            "online,frozen",
             "--cohort",
-            "20",
+            "40",
             "--rate",
-            "10",
+            "20",
             "--before",
-            "4",
+            str(drift_s),
             "--after",
-            "4",
+            "24",
             "--window",
-            "4",
+            "6",
             "--items",
             "2000",
             "--users",
             "10000",
             "--train-impressions",
-            "20000",
+            "40000",
+            "--seed",
+            "5",
             "--models",
             str(tmp_path / "models"),
             "--out",
@@ -142,23 +149,30 @@ def test_bench_freshness_runs_an_arm_end_to_end(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=480,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_freshness.json").read_text())
-    online = result["arms"]["online"]
-    assert online["replied"] > 40 and online["timeouts"] < 10
-    assert [c["from_s"] for c in online["curve"]] == [0.0, 4.0]
+    online, frozen = result["arms"]["online"], result["arms"]["frozen"]
+    assert online["replied"] > 400 and online["timeouts"] < 20
+    assert [c["from_s"] for c in online["curve"]] == [0.0, 6.0, 12.0, 18.0, 24.0, 30.0]
     assert set(online["ctr_by_tier"]) <= {"full", "light", "cached", "hot"}
     assert online["groups"]["drifted"]["curve"] and online["groups"]["steady"]["curve"]
     assert (tmp_path / "bench_freshness-logs" / "online" / "worker.log").exists()
+    assert (tmp_path / "bench_freshness_drift.png").exists()
     assert (tmp_path / "models" / "manifest.json").exists()
     rows = online["rows"]  # what the rows alone know, at the start and at the end
     for when in ("start", "end"):
         assert 0 < rows[when]["rows_top10_ctr"] <= rows[when]["ideal_top10_ctr"] < 1
-    # and among the items the loop showed (the only ones with feedback)
     assert rows["end"]["shown_items"] >= 10
     assert 0 < rows["end"]["rows_top10_shown_ctr"] <= rows["end"]["ideal_top10_shown_ctr"] < 1
+    assert set(result["recovery"]) == {"online", "frozen"}
+
+    def after(arm: dict) -> float:
+        cells = [c for c in arm["groups"]["drifted"]["curve"] if c["from_s"] >= drift_s]
+        return sum(c["clicks"] for c in cells) / sum(c["impressions"] for c in cells)
+
+    assert after(online) > after(frozen) + 0.01, (after(online), after(frozen))
 
 
 def test_top_k_ctr_of_the_true_scores_is_the_best_any_scores_reach():

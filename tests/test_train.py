@@ -88,3 +88,29 @@ def test_the_tower_and_the_rankers_can_learn_from_disjoint_shares_of_the_logs(tm
     assert t["config"]["tower_share"] == 0.5
     with pytest.raises(ValueError, match="tower_share"):
         replace(cfg, tower_share=0.0)
+
+
+def test_a_logistic_fine_tune_starts_from_the_softmax_rows_and_fits_the_impressions():
+    """``softmax+logistic``: the softmax rows, then the logistic loss over every impression
+    (those not clicked are negatives) from them: the impressions' log loss falls below the
+    softmax rows' own."""
+    from inference.train import train_two_tower
+
+    world = World(SMALL)
+    logs = world.training_log(20_000, np.random.default_rng(4))
+    idx = np.arange(len(logs.items))
+    base = TrainConfig(impressions=20_000, dim=8, tower_epochs=4, finetune_epochs=3)
+
+    def log_loss(cfg: TrainConfig) -> float:
+        users, u, v = train_two_tower(logs, cfg, idx, lambda s: None)
+        row = np.searchsorted(users, logs.users)
+        logit = (u[row, :8] * v[logs.items, :8]).sum(1) + v[logs.items, 8]
+        y = logs.clicked.astype(np.float64)
+        p = 1 / (1 + np.exp(-logit.astype(np.float64)))
+        return float(-(y * np.log(p + 1e-9) + (1 - y) * np.log(1 - p + 1e-9)).mean())
+
+    softmax = log_loss(replace(base, tower_loss="softmax"))
+    tuned = log_loss(replace(base, tower_loss="softmax+logistic"))
+    assert tuned < softmax
+    with pytest.raises(ValueError, match="tower_loss"):
+        replace(base, tower_loss="bpr")

@@ -57,7 +57,7 @@ from freshrec.progress import ProgressLine
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import fetch_rows
 from inference.modelfile import read_manifest
-from inference.train import TrainConfig
+from inference.train import TOWER_LOSSES, TrainConfig
 from schemas.ids import row_ids
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 from tools.benchlib import bench_connection, save, service_process
@@ -121,11 +121,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--tower-loss",
-        choices=("softmax", "logistic"),
-        default="softmax",
+        choices=TOWER_LOSSES,
+        default="softmax+logistic",
         help="the two-tower's loss when trained on the cohort: softmax over clicks (online "
-        "learning then follows with softmax steps) or logistic over impressions (and so "
-        "online); default softmax",
+        "learning then follows with softmax steps), logistic over impressions, or softmax "
+        "then a logistic fine-tune on impressions (online logistic steps; the default)",
     )
     ap.add_argument("--tower-epochs", type=int, default=10, help="two-tower epochs (cohort)")
     ap.add_argument(
