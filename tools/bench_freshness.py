@@ -109,8 +109,9 @@ def main() -> None:
     ap.add_argument(
         "--train-impressions",
         type=int,
-        default=200_000,
-        help="logged impressions the models are trained on",
+        default=None,
+        help="logged impressions the models are trained on (default 400,000 for the cohort: "
+        "at 200,000 the frozen arm started 12%% below the learning one; 200,000 for the world)",
     )
     ap.add_argument(
         "--train-on",
@@ -149,7 +150,7 @@ def main() -> None:
     if not arms:
         ap.error("--arms: name at least one arm")
     if (
-        min(args.cohort, args.repeat, args.train_impressions) < 1
+        min(args.cohort, args.repeat, args.train_impressions or 1) < 1
         or min(args.rate, args.window) <= 0
     ):
         ap.error("--cohort, --rate, --window, --repeat and --train-impressions must be positive")
@@ -170,6 +171,8 @@ def main() -> None:
         "arms": {},
     }
     trained_on = cohort if args.train_on == "cohort" else None
+    if args.train_impressions is None:
+        args.train_impressions = 400_000 if trained_on is not None else 200_000
     source = world.source(trained_on)
     results["trained_on"] = args.train_on
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
