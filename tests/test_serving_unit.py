@@ -29,15 +29,15 @@ def test_event_slices_grow_until_a_slice_fills_its_time_budget():
     s = EventSlicer(budget_ms=10, least=64, most=4096, start=256)
     s.request_seen(now=0.0)  # requests are flowing: the 10 ms budget
 
-    def took_ms(n: int) -> float:  # a slice's cost: 1 ms of fixed work plus 8 µs an event
+    def modelled_ms(n: int) -> float:  # a slice's cost: 1 ms of fixed work plus 8 µs an event
         return 1.0 + 0.008 * n
 
     assert s.size(now=0.0) == 256
     for _ in range(30):
         n = s.size(now=0.0)
-        s.observe(n, took_ms(n) / 1000)
+        s.observe(n, modelled_ms(n) / 1000)
     # the fixed point: as many events as fit in the budget, (10 - 1) / 0.008 = 1,125
-    assert 1080 <= s.size(now=0.0) <= 1125 and took_ms(s.size(now=0.0)) <= 10.0
+    assert 1080 <= s.size(now=0.0) <= 1125 and modelled_ms(s.size(now=0.0)) <= 10.0
     for _ in range(30):  # the events got dearer (cold rows): the slices shrink to the budget
         n = s.size(now=0.0)
         s.observe(n, (1.0 + 0.08 * n) / 1000)

@@ -175,17 +175,19 @@ def main() -> None:
         args.train_impressions = 400_000 if trained_on is not None else 200_000
     source = world.source(trained_on)
     results["trained_on"] = args.train_on
+    config = TrainConfig(impressions=args.train_impressions, dim=DIM)
+    if trained_on is not None:  # rows that know the cohort
+        config = replace(config, tower_loss=args.tower_loss, tower_epochs=args.tower_epochs)
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
         models = args.models or Path(tmp)
         if not (models / "manifest.json").exists():
             progress.done(f"training models for the benchmark world into {models}")
             models.mkdir(parents=True, exist_ok=True)
-            config = TrainConfig(impressions=args.train_impressions, dim=DIM)
-            if trained_on is not None:  # rows that know the cohort
-                config = replace(config, tower_loss=args.tower_loss, tower_epochs=args.tower_epochs)
             world.train(config, models, progress.update, users=trained_on)
         elif not holds_models_of(models, source):
             ap.error(f"--models {models} holds models of another world or cohort")
+        elif (held := trained_with(models, config)) is not None:
+            ap.error(f"--models {models} was trained with {held}: train into another directory")
         for arm, env in arms.items():
             own = env.get("FRESHREC_MODEL_DIR")
             if own and not holds_models_of(Path(own), source):
@@ -322,6 +324,15 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
             conn, loop.world, cohort, int(time.time() * 1000), loop.stats.shown
         )
         return loop.stats, quality
+
+
+def trained_with(directory: Path, config: TrainConfig) -> str | None:
+    """How the models in ``directory`` were trained where that differs from ``config`` in what
+    the benchmark sets (impressions, the two-tower's loss and epochs); None if it does not."""
+    held = read_manifest(directory).get("training", {}).get("config", {})
+    wanted = {k: getattr(config, k) for k in ("impressions", "tower_loss", "tower_epochs")}
+    differ = {k: held.get(k) for k, v in wanted.items() if held.get(k) != v}
+    return ", ".join(f"{k} {v}" for k, v in differ.items()) or None
 
 
 def holds_models_of(directory: Path, source: str) -> bool:

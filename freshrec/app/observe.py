@@ -88,6 +88,7 @@ class Observer:
     def __init__(self, targets: Mapping[str, str], window_s: float = 10.0, keep: int = 600):
         self.targets = dict(targets)
         self.window_s = window_s
+        self.slo = SloSettings.from_env(os.environ)  # read once, not every sample
         self._scrapes: deque[tuple[float, Samples, dict[str, bool]]] = deque()
         self.history: deque[Headline] = deque(maxlen=keep)
         self._lock = threading.Lock()
@@ -105,7 +106,7 @@ class Observer:
         self._scrapes.append((now, samples, up))
         while len(self._scrapes) > 2 and now - self._scrapes[1][0] >= self.window_s:
             self._scrapes.popleft()
-        h = headline(self._scrapes[0], (now, samples, up))
+        h = headline(self._scrapes[0], (now, samples, up), self.slo)
         with self._lock:
             self.history.append(h)
         return h
@@ -136,7 +137,11 @@ def behind(samples: Samples) -> dict[str, float | None]:
     }
 
 
-def headline(before: tuple[float, Samples, dict], after: tuple[float, Samples, dict]) -> Headline:
+def headline(
+    before: tuple[float, Samples, dict],
+    after: tuple[float, Samples, dict],
+    slo: SloSettings | None = None,
+) -> Headline:
     t0, s0, _ = before
     t1, s1, up = after
     dt = max(t1 - t0, 1e-9)
@@ -201,7 +206,7 @@ def headline(before: tuple[float, Samples, dict], after: tuple[float, Samples, d
         if v:
             h.model = labels.get("version")
     h.quality = quality(s0, s1)
-    h.slo = slo_figures(window, SloSettings.from_env(os.environ))
+    h.slo = slo_figures(window, slo or SloSettings())
     return h
 
 
