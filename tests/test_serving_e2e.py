@@ -237,6 +237,7 @@ def test_a_users_clicks_move_their_next_recommendations_within_a_second(seeded, 
         target = int(np.argmin(counts))
         clicked = world.category_items[target][:12]
         now = int(time.time() * 1000)
+        learnt = w.stats["events"]  # before producing: the worker may learn them at once
         produce(
             conn,
             [
@@ -246,7 +247,6 @@ def test_a_users_clicks_move_their_next_recommendations_within_a_second(seeded, 
                 for j, i in enumerate(clicked)
             ],
         )
-        learnt = w.stats["events"]
         wait_for(lambda: w.stats["events"] >= learnt + len(clicked), 30, "the clicks learnt")
         after = {h: ask(h) for h in HOURS}
         shares = {
