@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from freshrec import metrics as m
 from freshrec.health import HEALTH
+from freshrec.redisconn import connect
 from freshrec.settings import metrics_host
 
 log = logging.getLogger("freshrec.endpoints")
@@ -27,22 +28,23 @@ log = logging.getLogger("freshrec.endpoints")
 
 class _RedisCheck:
     def __init__(self, url: str | None) -> None:
-        self.client = (
-            redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
-            if url
-            else None
-        )
+        self.url = url
+        self.client = None  # made at the first check: a cluster's client reads its slot map
         self._at = -1.0
         self._lock = threading.Lock()
 
     def refresh(self) -> None:
-        if self.client is None:
+        if self.url is None:
             return
         with self._lock:
             if time.monotonic() - self._at < 1.0:
                 return
             self._at = time.monotonic()
             try:
+                if self.client is None:
+                    self.client = connect(
+                        self.url, wait_s=0, socket_timeout=0.5, socket_connect_timeout=0.5
+                    )
                 HEALTH.redis(bool(self.client.ping()))
             except redis.RedisError:
                 HEALTH.redis(False)

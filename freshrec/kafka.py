@@ -276,3 +276,22 @@ def produce(
             return
         except BufferError:
             producer.poll(0.05)
+
+
+def gradients_partitions(conn: ConnectionSettings, env=None, timeout_s: float = 10.0) -> int:
+    """How many partitions ``gradients`` has: the broker's count where the topic exists,
+    else the count ``freshrec topics create`` would give it (``FRESHREC_PARTITIONS`` or the
+    catalogue's). Rows in Redis are laid out by it (``freshrec.rowstore.row_shards``)."""
+    import os
+
+    from confluent_kafka.admin import AdminClient
+
+    from freshrec.topics import BY_NAME, TopicNames, partitions_from_env
+
+    name = TopicNames(conn.topic_prefix).gradients
+    # all topics: a metadata request naming one may create it on a broker that auto-creates
+    topic = AdminClient(admin_config(conn)).list_topics(timeout=timeout_s).topics.get(name)
+    if topic is not None and topic.error is None and topic.partitions:
+        return len(topic.partitions)
+    overrides = partitions_from_env(os.environ if env is None else env)
+    return overrides.get("gradients", BY_NAME["gradients"].partitions)

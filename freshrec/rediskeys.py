@@ -1,7 +1,18 @@
 """Every Redis key FreshRec writes, in one place. The topic prefix prefixes them too.
 
+What must change together sits in one hash slot of a Redis Cluster: the rows of ``gradients``
+partition N, their optimizer state, N's applied offset and owner carry the hash tag ``{gN}``
+(a row's partition is the murmur2 of its id, the routing its writers use, so a reader finds a
+row's key from its id alone); the streams app's state of ``events.by_item`` partition N carries
+``{sN}``. Every other key stands alone. The same layout serves a single server.
+
 >>> RedisKeys("t1.").hot("global")
 't1.hot:global'
+>>> k = RedisKeys("t1.")
+>>> k.embeddings("item", 3), k.optimizer("item", 3), k.ps_applied(3), k.ps_owner(3)
+('t1.emb:item:{g3}', 't1.opt:item:{g3}', 't1.ps:applied:{g3}', 't1.ps:owner:{g3}')
+>>> k.streams_rows(5), k.streams_meta(5)
+('t1.streams:{s5}:rows', 't1.streams:{s5}:meta')
 """
 
 from __future__ import annotations
@@ -28,24 +39,29 @@ class RedisKeys:
         }
         self.item_features_as_of = f"{p}item:as_of_ms"  # hash: event time features hold at
 
-    def embeddings(self, table: str) -> str:
-        """Hash: field = 8-byte row id, value = float32 row + u64 version + i64 event ms."""
-        return f"{self.prefix}emb:{table}"
+    def embeddings(self, table: str, shard: int) -> str:
+        """Hash of the rows of ``gradients`` partition ``shard``: field = 8-byte row id,
+        value = float32 row + u64 version + i64 event ms."""
+        return f"{self.prefix}emb:{table}:{{g{shard}}}"
 
-    def optimizer(self, table: str) -> str:
+    def optimizer(self, table: str, shard: int) -> str:
         """Hash: field = 8-byte row id, value = float32 Adagrad accumulator."""
-        return f"{self.prefix}opt:{table}"
+        return f"{self.prefix}opt:{table}:{{g{shard}}}"
+
+    def ps_applied(self, shard: int) -> str:
+        """String: the partition's last applied offset (same transaction as its rows)."""
+        return f"{self.prefix}ps:applied:{{g{shard}}}"
+
+    def ps_owner(self, shard: int) -> str:
+        """String: token of the parameter-server instance that owns the partition (written
+        on assignment; every transaction checks it under WATCH)."""
+        return f"{self.prefix}ps:owner:{{g{shard}}}"
 
     @property
-    def ps_applied(self) -> str:
-        """Hash: gradients partition -> last applied offset (same transaction as the rows)."""
-        return f"{self.prefix}ps:applied"
-
-    @property
-    def ps_owner(self) -> str:
-        """Hash: gradients partition -> token of the parameter-server instance that owns it
-        (written on assignment; every transaction checks it under WATCH)."""
-        return f"{self.prefix}ps:owner"
+    def rows_layout(self) -> str:
+        """String: the number of ``gradients`` partitions the rows are laid out by (the
+        first writer records it; see ``freshrec.rowstore.row_shards``)."""
+        return f"{self.prefix}rows:shards"
 
     @property
     def ps_broadcast(self) -> str:
@@ -69,7 +85,7 @@ class RedisKeys:
         return f"{self.prefix}req:answered:{request_id}"
 
     def streams_rows(self, partition: int) -> str:
-        return f"{self.prefix}streams:p{partition}:rows"
+        return f"{self.prefix}streams:{{s{partition}}}:rows"
 
     def streams_meta(self, partition: int) -> str:
-        return f"{self.prefix}streams:p{partition}:meta"
+        return f"{self.prefix}streams:{{s{partition}}}:meta"

@@ -11,6 +11,7 @@ import redis
 from confluent_kafka import Consumer, Producer
 
 from freshrec.kafka import consumer_config, lag_statistics, producer_config, profile
+from freshrec.redisconn import connect
 from inference.settings import WorkerSettings
 
 
@@ -34,6 +35,7 @@ class WorkerClients:
     """The worker's connections to Redis and Kafka."""
 
     redis: redis.Redis
+    """A single server's client or a cluster's (``freshrec.redisconn``)."""
     producer: Producer
     """Replies, dead letters and gradients."""
     events: Consumer
@@ -47,7 +49,7 @@ class WorkerClients:
         return cls(
             # a stopped Redis must fail calls quickly (serving degrades, learning waits)
             # instead of hanging the loop that also answers requests
-            redis=redis.Redis.from_url(
+            redis=connect(
                 conn.redis_url,
                 socket_timeout=settings.redis_timeout_s,
                 socket_connect_timeout=settings.redis_timeout_s,

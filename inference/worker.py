@@ -52,7 +52,7 @@ from freshrec.kafka import (
 )
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
-from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table
+from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards
 from freshrec.topics import TopicNames
 from inference.admission import AdmissionFilter
 from inference.batching import EventSlicer
@@ -200,13 +200,14 @@ class Worker:
         return len(t.partitions)
 
     def _fetch(self, table: int, ids: list[int]):
-        return fetch_rows(self.redis, self.keys, table, ids, self.dim + 1)
+        return fetch_rows(self.redis, self.keys, table, ids, self.dim + 1, self.outbox.partitions)
 
     def start(self) -> None:
         """Load the item table, then follow the broadcast from before that load; load the
         models and the serving snapshot; join the group."""
+        shards = row_shards(self.redis, self.keys, self.outbox.partitions)  # the rows' layout
         positions = broadcast_offsets(self.redis, self.keys)
-        items = load_table(self.redis, self.keys, TABLE_ITEM, self.dim + 1)
+        items = load_table(self.redis, self.keys, TABLE_ITEM, self.dim + 1, shards)
         self.cache.load_items(items)
         if self.models.load_now() is None:
             log.warning(

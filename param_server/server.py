@@ -5,7 +5,7 @@ lives in one partition, so instances never touch the same row. Every gradient me
 applied as one unit, in offset order (rows clipped, non-finite rows rejected, Adagrad), so the
 tables are a deterministic function of the input log. Every ``flush_interval_ms`` the touched
 rows, their Adagrad accumulators and each partition's last applied offset are written to Redis
-in one MULTI/EXEC; then the new rows are broadcast on ``embeddings.updates`` with the
+in one MULTI/EXEC (on a Redis Cluster one per partition, whose keys share its hash tag); then the new rows are broadcast on ``embeddings.updates`` with the
 (partition, offset) they include. The transaction is a snapshot sent by a persister thread
 while the next messages are applied; its rows are broadcast once Redis has answered, and
 the next transaction starts only after that. On assignment a partition resumes right after its applied
@@ -42,10 +42,14 @@ from freshrec.kafka import (
     producer_config,
 )
 from freshrec.lifecycle import run_until_signalled, settle_heap
+from freshrec.partitioner import row_partitions
+from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
+from freshrec.rowstore import row_shards
 from freshrec.topics import TopicNames
 from param_server.settings import ParamServerSettings
 from param_server.store import (
+    PersistUnit,
     TransactionFailed,
     applied_offsets,
     claim_partitions,
@@ -70,8 +74,7 @@ class _Persist:
     """A transaction handed to the persister thread, and what to broadcast once it is in."""
 
     future: Future
-    payload: bytes
-    replies: int
+    units: list[PersistUnit]
     snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]]
     """partition -> table -> (ids, rows, accumulators, versions, event times), copies."""
     offsets: dict[int, int]
@@ -93,7 +96,7 @@ class ParameterServer:
         conn = settings.conn
         self.names = TopicNames(conn.topic_prefix)
         self.keys = RedisKeys(conn.topic_prefix)
-        self.redis = redis.Redis.from_url(conn.redis_url, socket_timeout=5)
+        self.redis = connect(conn.redis_url, socket_timeout=5)
         self.w = settings.dim + 1
         self.consumer = background_consumer(conn, "freshrec-param-server", "param-server")
         self.producer = Producer(producer_config(conn))
@@ -104,6 +107,8 @@ class ParameterServer:
         self.dirty_rows = 0
         self.owned: set[int] = set()
         self.update_partitions = 1
+        self.shards = 1
+        """``gradients`` partitions: a row's partition (its hash tag in Redis) by its id."""
         self._last_flush = time.monotonic()
         self._newest_applied_ms = 0  # the newest event time persisted so far
         self._evicted_at = time.monotonic()
@@ -130,7 +135,8 @@ class ParameterServer:
         claims = {tp.partition: token for tp in partitions}
         self._redis_retry(lambda: claim_partitions(self.redis, self.keys, claims))
         self.owner.update(claims)
-        applied = self._redis_retry(lambda: applied_offsets(self.redis, self.keys))
+        assigned = [tp.partition for tp in partitions]
+        applied = self._redis_retry(lambda: applied_offsets(self.redis, self.keys, assigned))
         for tp in partitions:
             done = applied.get(tp.partition)
             self.applied[tp.partition] = -1 if done is None else done
@@ -160,6 +166,10 @@ class ParameterServer:
         topic = self.names.gradients
         md = self.producer.list_topics(self.names.embeddings_updates, timeout=15)
         self.update_partitions = len(md.topics[self.names.embeddings_updates].partitions) or 1
+        md = self.producer.list_topics(topic, timeout=15)
+        self.shards = self._redis_retry(
+            lambda: row_shards(self.redis, self.keys, len(md.topics[topic].partitions) or 1)
+        )
         if self.settings.row_ttl_s > 0:
             self._field_expiry = self._redis_retry(lambda: field_expiry(self.redis, self.keys))
             if self._field_expiry is None:
@@ -217,6 +227,17 @@ class ParameterServer:
         if batch.kind != KIND_GRADIENTS or batch.dim != self.w:
             m.PS_SKIPPED.labels("wrong_layout").inc()
             return True
+        if self.shards > 1 and len(batch.ids):
+            routed = row_partitions(np.asarray(batch.ids, np.int64), self.shards)
+            if (routed != partition).any():  # its rows live under another partition's tag
+                m.PS_SKIPPED.labels("misrouted").inc()
+                log.warning(
+                    "gradients %d@%d has rows of other partitions (keyed by row id, murmur2), "
+                    "skipped",
+                    partition,
+                    offset,
+                )
+                return True
         return batch
 
     def apply_messages(self, decoded: list[tuple[int, int, RowBatch | bool]]) -> None:
@@ -293,7 +314,7 @@ class ParameterServer:
         if not wanted:
             return {}
         found = self._redis_retry(
-            lambda: fetch_rows_and_accumulators(self.redis, self.keys, wanted, self.w)
+            lambda: fetch_rows_and_accumulators(self.redis, self.keys, wanted, self.w, self.shards)
         )
         init_acc = self.settings.adagrad.initial_accumulator
         slots: dict[int, np.ndarray] = {}
@@ -342,7 +363,6 @@ class ParameterServer:
     def _start_persist(self) -> None:
         snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]] = {}
         oldest: dict[int, dict[int, np.ndarray]] = {}
-        by_table: dict[int, list[tuple[np.ndarray, ...]]] = defaultdict(list)
         for p, tables in self.dirty.items():
             for t, parts in tables.items():
                 slots, tab = np.unique(np.concatenate(parts)), self.tables[t]
@@ -355,24 +375,18 @@ class ParameterServer:
                 )
                 snapshot.setdefault(p, {})[t] = rows
                 oldest.setdefault(p, {})[t] = tab.take_oldest(slots)
-                by_table[t].append(rows)
-        out = {
-            t: tuple(np.concatenate(col) for col in zip(*parts, strict=True))
-            for t, parts in by_table.items()
-        }
         offsets = {p: self.applied[p] for p in self.dirty}
         owners = {p: self.owner[p] for p in self.dirty}
-        payload, replies = pack_persist(
+        units = pack_persist(
             self.keys,
-            out,
+            snapshot,
             offsets,
             ttl_ms=self.settings.row_ttl_s * 1000,
             expiry=self._field_expiry,
         )
         self._inflight = _Persist(
-            self._persister.submit(persist_fenced, self.redis, self.keys, payload, replies, owners),
-            payload,
-            replies,
+            self._persister.submit(persist_fenced, self.redis, self.keys, units, owners),
+            units,
             snapshot,
             offsets,
             owners,
@@ -396,9 +410,7 @@ class ParameterServer:
             owned = self._redis_retry(
                 lambda: (
                     self._inflight is not done
-                    or persist_fenced(
-                        self.redis, self.keys, done.payload, done.replies, done.owners
-                    )
+                    or persist_fenced(self.redis, self.keys, done.units, done.owners)
                 )
             )
             if self._inflight is not done:  # finished (and broadcast) inside the retry

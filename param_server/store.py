@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import redis
 
+from freshrec.redisconn import ATTEMPTS, is_cluster, node_client, reload_slots
 from freshrec.rediskeys import RedisKeys
-from freshrec.resp import execute, pack, pack_fixed, pooled_connection
+from freshrec.resp import pack, pack_fixed, pooled_connection
+from freshrec.rowstore import fetch_blobs
 from schemas.rowbatch import TABLE_NAMES
 from schemas.rows import (
     decode_rows,
@@ -17,6 +20,7 @@ from schemas.rows import (
 )
 
 Row = tuple[np.ndarray, int, int]
+log = logging.getLogger("freshrec.param_server")
 
 
 @dataclass
@@ -33,21 +37,16 @@ class StoredRows:
 
 
 def fetch_rows_and_accumulators(
-    r: redis.Redis, keys: RedisKeys, wanted: dict[int, np.ndarray], w: int
+    r: redis.Redis, keys: RedisKeys, wanted: dict[int, np.ndarray], w: int, shards: int
 ) -> dict[int, StoredRows]:
-    """Rows and Adagrad accumulators of several tables in one round trip (HMGETs packed
-    with numpy, decoded in one pass)."""
-    payload = []
-    for table, ids in wanted.items():
-        fields = key_matrix(np.asarray(ids, np.int64))
-        name = TABLE_NAMES[table]
-        payload.append(pack_fixed(b"HMGET", keys.embeddings(name).encode(), fields))
-        payload.append(pack_fixed(b"HMGET", keys.optimizer(name).encode(), fields))
-    replies = execute(r, b"".join(payload), len(payload))
+    """Rows and Adagrad accumulators of several tables in one round trip (HMGETs per shard
+    packed with numpy, decoded in one pass)."""
     out = {}
-    for n, table in enumerate(wanted):
-        found, rows, versions, event_ms = decode_rows(replies[2 * n], w)
-        acc_raw = replies[2 * n + 1]
+    for table, ids in wanted.items():
+        name = TABLE_NAMES[table]
+        families = [lambda s, n=name: keys.embeddings(n, s), lambda s, n=name: keys.optimizer(n, s)]
+        blobs, acc_raw = fetch_blobs(r, keys, families, ids, shards)
+        found, rows, versions, event_ms = decode_rows(blobs, w)
         has_accum = np.fromiter((b is not None for b in acc_raw), bool, len(acc_raw))
         accum = np.frombuffer(b"".join(b for b in acc_raw if b is not None), "<f4")
         out[table] = StoredRows(found, rows, versions, event_ms, has_accum, accum.reshape(-1, w))
@@ -60,38 +59,52 @@ HPEXPIRE = "HPEXPIRE"
 """Fields written, then given their time-to-live (Redis 7.4+)."""
 
 
+@dataclass(frozen=True)
+class PersistUnit:
+    """The commands of one ``gradients`` partition's transaction (without MULTI/EXEC): its
+    rows and accumulators and its applied offset, all under the partition's hash tag."""
+
+    partition: int
+    commands: bytes
+    count: int
+
+
 def pack_persist(
     keys: RedisKeys,
-    tables: dict[int, tuple[np.ndarray, ...]],
+    tables: dict[int, dict[int, tuple[np.ndarray, ...]]],
     applied: dict[int, int],
     ttl_ms: int = 0,
     expiry: str | None = HSETEX,
-) -> tuple[bytes, int]:
-    """One MULTI/EXEC, packed, and the number of replies it gets: for each table (ids, rows,
-    accumulators, versions, event times) the rows and accumulators — with ``ttl_ms`` and an
+) -> list[PersistUnit]:
+    """Per partition (``tables``: partition -> table -> ids, rows, accumulators, versions,
+    event times) its commands, packed: the rows and accumulators — with ``ttl_ms`` and an
     ``expiry`` command (``HSETEX`` or ``HPEXPIRE``, see ``field_expiry``), each field expires
-    that long after this write — and the applied offset of each partition. A snapshot, to
-    send (again, if a connection broke) whenever: see ``persist_fenced``."""
-    commands = [pack(b"MULTI")]
-    for table, (ids, rows, accum, versions, event_ms) in tables.items():
-        name = TABLE_NAMES[table]
-        fields = key_matrix(ids)
-        blobs = encode_rows_matrix(rows, versions, event_ms)
-        accs = np.ascontiguousarray(accum, "<f4").view(np.uint8).reshape(len(ids), -1)
-        for key, values in ((keys.embeddings(name), blobs), (keys.optimizer(name), accs)):
-            if ttl_ms <= 0 or expiry is None:
-                commands.append(pack_fixed(b"HSET", key.encode(), fields, values))
-            elif expiry == HSETEX:  # one command: half the hash lookups of HSET + HPEXPIRE
-                prefix = (b"PX", b"%d" % ttl_ms, b"FIELDS", b"%d" % len(ids))
-                commands.append(pack_fixed(b"HSETEX", key.encode(), fields, values, prefix))
-            else:
-                commands.append(pack_fixed(b"HSET", key.encode(), fields, values))
-                prefix = (b"%d" % ttl_ms, b"FIELDS", b"%d" % len(ids))
-                commands.append(pack_fixed(b"HPEXPIRE", key.encode(), fields, prefix=prefix))
-    flat = [b"%d" % x for p, o in applied.items() for x in (p, o)]
-    commands.append(pack(b"HSET", keys.ps_applied.encode(), *flat))
-    commands.append(pack(b"EXEC"))
-    return b"".join(commands), len(commands)
+    that long after this write — and the partition's applied offset. A snapshot, to send
+    (again, if a connection broke) whenever: see ``persist_fenced``."""
+    units = []
+    for partition, offset in applied.items():
+        commands = []
+        for table, (ids, rows, accum, versions, event_ms) in tables.get(partition, {}).items():
+            name = TABLE_NAMES[table]
+            fields = key_matrix(ids)
+            blobs = encode_rows_matrix(rows, versions, event_ms)
+            accs = np.ascontiguousarray(accum, "<f4").view(np.uint8).reshape(len(ids), -1)
+            for key, values in (
+                (keys.embeddings(name, partition), blobs),
+                (keys.optimizer(name, partition), accs),
+            ):
+                if ttl_ms <= 0 or expiry is None:
+                    commands.append(pack_fixed(b"HSET", key.encode(), fields, values))
+                elif expiry == HSETEX:  # one command: half the hash lookups of HSET + HPEXPIRE
+                    prefix = (b"PX", b"%d" % ttl_ms, b"FIELDS", b"%d" % len(ids))
+                    commands.append(pack_fixed(b"HSETEX", key.encode(), fields, values, prefix))
+                else:
+                    commands.append(pack_fixed(b"HSET", key.encode(), fields, values))
+                    prefix = (b"%d" % ttl_ms, b"FIELDS", b"%d" % len(ids))
+                    commands.append(pack_fixed(b"HPEXPIRE", key.encode(), fields, prefix=prefix))
+        commands.append(pack(b"SET", keys.ps_applied(partition).encode(), b"%d" % offset))
+        units.append(PersistUnit(partition, b"".join(commands), len(commands)))
+    return units
 
 
 class TransactionFailed(redis.exceptions.RedisError):
@@ -104,34 +117,58 @@ def claim_partitions(r: redis.Redis, keys: RedisKeys, owners: dict[int, str]) ->
     """Record this instance's token as the owner of each partition: from now on an older
     owner's transaction over them fails (``persist_fenced``)."""
     if owners:
-        r.hset(keys.ps_owner, mapping={str(p): token for p, token in owners.items()})
+        pipe = r.pipeline(transaction=False)
+        for p, token in owners.items():
+            pipe.set(keys.ps_owner(p), token)
+        pipe.execute()
 
 
 def persist_fenced(
     r: redis.Redis,
     keys: RedisKeys,
-    payload: bytes,
-    replies: int,
+    units: list[PersistUnit],
     owners: dict[int, str],
     attempts: int = 20,
 ) -> bool:
-    """Run a ``pack_persist`` transaction only while every partition in ``owners`` is still
-    owned by its token: ``WATCH`` the owner hash, check it, then ``MULTI``/``EXEC`` on the same
+    """Run ``pack_persist``'s units only while every partition in ``owners`` is still owned
+    by its token: ``WATCH`` the owner keys, check them, then ``MULTI``/``EXEC`` on the same
     connection. A claim in between (another instance's assignment) aborts the ``EXEC``, and
-    the check runs again. Returns False, having written nothing, if a partition has another
-    owner: a fenced-off instance (it lost the partition while stalled) cannot overwrite what
-    the new owner computes."""
-    parts = sorted(owners)
-    check = pack(b"WATCH", keys.ps_owner.encode()) + pack(
-        b"HMGET", keys.ps_owner.encode(), *(b"%d" % p for p in parts)
-    )
-    with pooled_connection(r) as conn:
+    the check runs again. Returns False, having written nothing more, if a partition has
+    another owner: a fenced-off instance (it lost the partition while stalled) cannot
+    overwrite what the new owner computes. A single server runs all units in one
+    transaction; a cluster runs one per partition (one hash slot each) on the node that owns
+    it, so a crash there may leave some partitions written and not others — each with its
+    own applied offset, which is all a restart needs."""
+    groups = [units] if not is_cluster(r) else [[u] for u in units]
+    for group in groups:
+        for attempt in range(ATTEMPTS):
+            try:
+                if not _fenced_transaction(r, keys, group, owners, attempts):
+                    return False
+                break
+            except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
+                if not is_cluster(r) or attempt == ATTEMPTS - 1:
+                    raise
+                log.info("persist of partition %d moved (%s)", group[0].partition, exc)
+                reload_slots(r)
+    return True
+
+
+def _fenced_transaction(
+    r: redis.Redis, keys: RedisKeys, units: list[PersistUnit], owners: dict[int, str], attempts
+) -> bool:
+    parts = [u.partition for u in units]
+    owner_keys = [keys.ps_owner(p).encode() for p in parts]
+    check = pack(b"WATCH", *owner_keys) + pack(b"MGET", *owner_keys)
+    payload = b"".join([pack(b"MULTI"), *(u.commands for u in units), pack(b"EXEC")])
+    replies = 2 + sum(u.count for u in units)
+    with pooled_connection(node_client(r, owner_keys[0])) as conn:
         for _ in range(attempts):
             conn.send_packed_command([check])
             conn.read_response()  # WATCH: OK
             current = conn.read_response()
             if [c.decode() if c is not None else None for c in current] != [
-                owners[p] for p in parts
+                owners.get(p) for p in parts
             ]:
                 conn.send_packed_command([pack(b"UNWATCH")])
                 conn.read_response()
@@ -146,13 +183,13 @@ def persist_fenced(
                         f"{failed[0]}"
                     )
                 return True
-        raise redis.WatchError(f"{keys.ps_owner} kept changing over {attempts} attempts")
+        raise redis.WatchError(f"the owners of partitions {parts} kept changing")
 
 
 def field_expiry(r: redis.Redis, keys: RedisKeys) -> str | None:
     """How this server expires hash fields: ``HSETEX`` (Redis 8.0+, Valkey 9.0+),
     ``HPEXPIRE`` (Redis 7.4) or ``None`` (older: fields never expire)."""
-    probe = keys.ps_applied + ":probe"
+    probe = f"{keys.prefix}ps:probe"
     try:
         r.execute_command("HSETEX", probe, "PX", 1000, "FIELDS", 1, "x", "1")
         return HSETEX
@@ -165,5 +202,9 @@ def field_expiry(r: redis.Redis, keys: RedisKeys) -> str | None:
         return None
 
 
-def applied_offsets(r: redis.Redis, keys: RedisKeys) -> dict[int, int]:
-    return {int(k): int(v) for k, v in r.hgetall(keys.ps_applied).items()}
+def applied_offsets(r: redis.Redis, keys: RedisKeys, partitions: list[int]) -> dict[int, int]:
+    """The last applied offset of each of ``partitions`` that has one."""
+    pipe = r.pipeline(transaction=False)
+    for p in partitions:
+        pipe.get(keys.ps_applied(p))
+    return {p: int(v) for p, v in zip(partitions, pipe.execute(), strict=True) if v is not None}

@@ -50,6 +50,7 @@ from freshrec.endpoints import serve_metrics
 from freshrec.health import HEALTH
 from freshrec.kafka import admin_config, profile
 from freshrec.lifecycle import settle_heap
+from freshrec.redisconn import connect_async
 from freshrec.rediskeys import RedisKeys
 from freshrec.settings import state_dir
 from freshrec.topics import TopicNames
@@ -167,7 +168,7 @@ class StreamsApp:
 
     async def _redis(self) -> StreamsSink:
         if self.sink is None:
-            self.redis = Redis.from_url(self.settings.conn.redis_url)
+            self.redis = await connect_async(self.settings.conn.redis_url)
             self.sink = StreamsSink(self.redis, self.keys)
         return self.sink
 

@@ -24,6 +24,7 @@ from confluent_kafka import Producer
 
 from freshrec import metrics as m
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
+from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_item, encode_dead_letter
@@ -76,7 +77,7 @@ class CatalogueStage:
             **{"fetch.wait.max.ms": CATALOGUE_FETCH_WAIT_MS},
         )
         self.producer = Producer(producer_config(conn))
-        self.redis = redis.Redis.from_url(conn.redis_url)
+        self.redis = connect(conn.redis_url)
 
     def run(self, stop: threading.Event) -> None:
         self.consumer.subscribe([self.names.items])

@@ -7,8 +7,9 @@ import orjson
 from redis.asyncio import Redis
 
 from freshrec.hotscore import HotList, hot_scores, price_norm
+from freshrec.redisconn import Packed, run_packed_async
 from freshrec.rediskeys import RedisKeys
-from freshrec.resp import Fields, execute_async, float_text, pack, pack_pairs, pack_ragged
+from freshrec.resp import Fields, float_text, pack, pack_pairs, pack_ragged
 from streams.item_state import ItemPartitionState
 
 
@@ -21,22 +22,26 @@ class StreamsSink:
         if not item_ids:
             return {}
         # packed by hand: redis-py's packer was most of this call with thousands of new items
-        command = pack(b"HMGET", self.keys.item_price.encode(), *(i.encode() for i in item_ids))
-        (values,) = await execute_async(self.redis, command, 1)
+        key = self.keys.item_price.encode()
+        command = pack(b"HMGET", key, *(i.encode() for i in item_ids))
+        ((values,),) = await run_packed_async(self.redis, [Packed(key, command, 1)])
         return {i: float(v) for i, v in zip(item_ids, values, strict=True) if v is not None}
 
     async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> None:
-        """Per partition: state rows of touched items and the meta (with applied offsets) —
-        all partitions in one MULTI/EXEC, so a crash leaves either all of a flush or none of
-        it. The touched items' serving features follow in the next publish round. Commands
-        are packed here (``freshrec/resp.py``): redis-py's asyncio packer was most of a count
-        batch's time."""
-        commands = []
+        """Per partition: state rows of touched items and the meta (with applied offsets) in
+        one MULTI/EXEC (the two keys share the partition's hash tag), so a crash leaves each
+        partition with all of a flush or none of it; all partitions in one round trip (one
+        per node of a cluster). The touched items' serving features follow in the next
+        publish round. Commands are packed here (``freshrec/resp.py``): redis-py's asyncio
+        packer was most of a count batch's time."""
+        entries = []
         for partition, state in states:
-            commands += self._persist_commands(partition, state)
-        if commands:
-            payload = b"".join([pack(b"MULTI"), *commands, pack(b"EXEC")])
-            await execute_async(self.redis, payload, len(commands) + 2)
+            commands = self._persist_commands(partition, state)
+            if commands:
+                payload = b"".join([pack(b"MULTI"), *commands, pack(b"EXEC")])
+                key = self.keys.streams_meta(partition).encode()
+                entries.append(Packed(key, payload, len(commands) + 2))
+        await run_packed_async(self.redis, entries)
 
     def _persist_commands(self, partition: int, state: ItemPartitionState) -> list[bytes]:
         touched = state.take_touched()
@@ -62,7 +67,7 @@ class StreamsSink:
             ),
         ]
 
-    def feature_commands(self, state: ItemPartitionState) -> list[bytes]:
+    def feature_commands(self, state: ItemPartitionState) -> list[Packed]:
         """The serving features (``item:{impressions,…,hot}``, ``item:as_of_ms``) of the
         items persisted since the last call, decayed to the partition's event time."""
         due = state.take_features_due()
@@ -85,26 +90,30 @@ class StreamsSink:
             ("cvr", cvr),
             ("hot", hot),
         ):
-            out.append(pack_ragged(b"HSET", k.item_feature[name].encode(), ids, float_text(values)))
+            key = k.item_feature[name].encode()
+            out.append(Packed(key, pack_ragged(b"HSET", key, ids, float_text(values)), 1))
         # the event time these counts are decayed to; items untouched since keep older ones
         as_of = np.frombuffer(b"%d" % t, np.uint8)
-        out.append(
-            pack_ragged(
-                b"HSET",
-                k.item_features_as_of.encode(),
-                ids,
-                np.broadcast_to(as_of, (len(idx), len(as_of))),
-            )
-        )
+        key = k.item_features_as_of.encode()
+        values = np.broadcast_to(as_of, (len(idx), len(as_of)))
+        out.append(Packed(key, pack_ragged(b"HSET", key, ids, values), 1))
         return out
 
     async def restore(self, partition: int, config) -> ItemPartitionState:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(self.keys.streams_meta(partition))
-        pipe.hgetall(self.keys.streams_rows(partition))
-        meta_raw, rows_raw = await pipe.execute()
-        meta = {a.decode(): b.decode() for a, b in meta_raw.items()}
-        rows = {a.decode(): b for a, b in rows_raw.items()}
+        meta_key = self.keys.streams_meta(partition).encode()
+        read = b"".join(
+            [
+                pack(b"MULTI"),
+                pack(b"HGETALL", meta_key),
+                pack(b"HGETALL", self.keys.streams_rows(partition).encode()),
+                pack(b"EXEC"),
+            ]
+        )
+        ((*_, (meta_raw, rows_raw)),) = await run_packed_async(
+            self.redis, [Packed(meta_key, read, 4)]
+        )
+        meta = {a.decode(): b.decode() for a, b in _pairs(meta_raw)}
+        rows = {a.decode(): b for a, b in _pairs(rows_raw)}
         return ItemPartitionState.restore(config, meta, rows)
 
     async def publish_hot(self, payloads: dict[int, dict[str, bytes]]) -> None:
@@ -113,22 +122,29 @@ class StreamsSink:
         scopes = set()
         for partition, lists in payloads.items():
             for scope, payload in lists.items():
-                commands.append(
-                    pack(b"HSET", self.keys.hot(scope).encode(), str(partition).encode(), payload)
-                )
+                key = self.keys.hot(scope).encode()
+                commands.append(Packed(key, pack(b"HSET", key, b"%d" % partition, payload), 1))
             scopes.update(lists)
         if scopes:
-            commands.append(
-                pack(
-                    b"SADD", self.keys.hot_scopes().encode(), *(s.encode() for s in sorted(scopes))
-                )
-            )
+            key = self.keys.hot_scopes().encode()
+            command = pack(b"SADD", key, *(s.encode() for s in sorted(scopes)))
+            commands.append(Packed(key, command, 1))
         await self.write(commands)
 
-    async def write(self, commands: list[bytes]) -> None:
-        """Packed commands (``feature_commands``), one round trip."""
-        if commands:
-            await execute_async(self.redis, b"".join(commands), len(commands))
+    async def write(self, commands: list[Packed]) -> None:
+        """Packed commands (``feature_commands``), one round trip (one per node)."""
+        await run_packed_async(self.redis, commands)
+
+
+def _pairs(reply) -> list[tuple]:
+    """An ``HGETALL`` reply as pairs: flat (field, value, …) in RESP2, a map in RESP3.
+
+    >>> _pairs([b"a", b"1", b"b", b"2"]), _pairs({b"a": b"1"})
+    ([(b'a', b'1'), (b'b', b'2')], [(b'a', b'1')])
+    """
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return list(zip(reply[::2], reply[1::2], strict=True))
 
 
 def _fields(state: ItemPartitionState, slots: list[int]) -> Fields:

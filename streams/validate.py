@@ -35,6 +35,7 @@ from freshrec.dedupe import DedupeWindow
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
 from freshrec.lifecycle import die_with_parent, set_from_signal
 from freshrec.partitioner import str_partitions
+from freshrec.redisconn import Packed, connect, is_cluster, run_packed
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Pipelined, pack
 from freshrec.settings import LOG_FORMAT
@@ -49,18 +50,17 @@ SERVICE = "streams"
 COMMIT_INTERVAL_S = 1.0
 
 
-def pack_recent(keys: RedisKeys, clicks, keep: int) -> tuple[bytes, int]:
-    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim: all
-    users' commands packed by hand, and how many replies they get (0: nothing to send)."""
+def pack_recent(keys: RedisKeys, clicks, keep: int) -> list[Packed]:
+    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim:
+    each user's commands packed by hand (none: nothing to send)."""
     per_user: dict[str, list[bytes]] = defaultdict(list)
     for user_id, item_id, ts in clicks:
         per_user[user_id].append(b"%s|%d" % (item_id.encode(), ts))
     stop = b"%d" % (keep - 1)
-    payload = b"".join(
-        pack(b"LPUSH", key, *entries) + pack(b"LTRIM", key, b"0", stop)
+    return [
+        Packed(key, pack(b"LPUSH", key, *entries) + pack(b"LTRIM", key, b"0", stop), 2)
         for key, entries in ((keys.user_recent(u).encode(), e) for u, e in per_user.items())
-    )
-    return payload, 2 * len(per_user)
+    ]
 
 
 def _run_bounds(keys: np.ndarray) -> list[int]:
@@ -81,10 +81,11 @@ class ValidateStage:
         self.by_item_partitions = by_item_partitions
         self.consumer = background_consumer(conn, "freshrec-streams-validate", "streams-validate")
         self.producer = Producer(producer_config(conn))
-        self.redis = redis.Redis.from_url(conn.redis_url)
+        self.redis = connect(conn.redis_url)
         # recent clicks are written without waiting for the reply (read at the next write
-        # or before a commit): a round trip per batch was a sixth of this stage's time
-        self.recent = Pipelined(self.redis)
+        # or before a commit): a round trip per batch was a sixth of this stage's time. A
+        # cluster's are sent to their nodes and waited for (``run_packed``).
+        self.recent = None if is_cluster(self.redis) else Pipelined(self.redis)
         self.dedupe: dict[int, DedupeWindow] = {}
         self._last_commit = time.monotonic()
         self._uncommitted = False
@@ -121,8 +122,9 @@ class ValidateStage:
             if not failed:
                 self._commit()
             self.consumer.close()
-            with contextlib.suppress(redis.RedisError):
-                self.recent.close()
+            if self.recent is not None:
+                with contextlib.suppress(redis.RedisError):
+                    self.recent.close()
 
     def _commit(self) -> None:
         self._last_commit = time.monotonic()
@@ -130,7 +132,8 @@ class ValidateStage:
             return
         with m.STREAMS_BATCH_SECONDS.labels("validate_commit").time():
             try:
-                self.recent.drain()  # the recent clicks before these offsets are written
+                if self.recent is not None:  # the recent clicks before these offsets are written
+                    self.recent.drain()
             except redis.ConnectionError as exc:
                 log.warning("offsets not committed, Redis unavailable: %s", exc)
                 return
@@ -166,18 +169,21 @@ class ValidateStage:
             self._route(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
             if clicks:
-                self._send_recent(*pack_recent(self.keys, clicks, self.settings.recent_clicks))
+                self._send_recent(pack_recent(self.keys, clicks, self.settings.recent_clicks))
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
         m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
         m.STREAMS_EVENTS.labels("rejected").inc(n_bad)
 
-    def _send_recent(self, payload: bytes, replies: int) -> None:
+    def _send_recent(self, entries: list[Packed]) -> None:
         """Write recent clicks, waiting out a Redis outage (the batch's offsets are not
         committed meanwhile; the writes not acknowledged before it are sent again)."""
         warned = False
         while True:
             try:
-                self.recent.send(payload, replies)
+                if self.recent is None:
+                    run_packed(self.redis, entries)
+                else:
+                    self.recent.send(b"".join(e.payload for e in entries), 2 * len(entries))
                 if warned:
                     log.info("Redis is back: recent clicks written again")
                 return

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from freshrec.kafka import gradients_partitions
 from inference.breaker import BreakerConfig
 from inference.client import SyncRecommendClient
 from inference.settings import LearningSettings, WorkerSettings
@@ -30,7 +31,13 @@ def train_models(directory: Path) -> dict:
 def seed_redis(conn, model_dir: Path, redis_url: str | None = None) -> None:
     """What `freshrec run` does before the services start (the catalogue and a hot list are
     normally written by the streams app)."""
-    seed_world(redis_url or conn.redis_url, conn.topic_prefix, World(WORLD), model_dir)
+    seed_world(
+        redis_url or conn.redis_url,
+        conn.topic_prefix,
+        World(WORLD),
+        model_dir,
+        gradients_partitions(conn),
+    )
 
 
 def worker_settings(conn, model_dir: Path, **overrides) -> WorkerSettings:

@@ -194,18 +194,18 @@ def test_a_transaction_with_a_failed_command_is_not_taken_for_persisted(conn):
 
     r = redis_lib.Redis.from_url(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
-    r.set(keys.embeddings("user"), "a string: HSET on it fails inside EXEC")
+    r.set(keys.embeddings("user", 0), "a string: HSET on it fails inside EXEC")
     ids = np.array([1, 2], np.int64)
     rows = np.ones((2, 5), np.float32)
-    tables = {TABLE_USER: (ids, rows, rows, np.ones(2, np.uint64), np.ones(2, np.int64))}
-    payload, replies = pack_persist(keys, tables, {0: 7})
+    tables = {0: {TABLE_USER: (ids, rows, rows, np.ones(2, np.uint64), np.ones(2, np.int64))}}
+    units = pack_persist(keys, tables, {0: 7})
     owners = {0: "this-instance"}
     claim_partitions(r, keys, owners)
     with pytest.raises(TransactionFailed, match="WRONGTYPE"):
-        persist_fenced(r, keys, payload, replies, owners)
-    r.delete(keys.embeddings("user"))
-    assert persist_fenced(r, keys, payload, replies, owners)  # sent again, succeeds
-    assert r.hget(keys.ps_applied, "0") == b"7"
+        persist_fenced(r, keys, units, owners)
+    r.delete(keys.embeddings("user", 0))
+    assert persist_fenced(r, keys, units, owners)  # sent again, succeeds
+    assert r.get(keys.ps_applied(0)) == b"7"
 
 
 def test_a_gradient_message_that_fails_delivery_is_produced_again_and_holds_its_events(conn):

@@ -12,9 +12,8 @@ import redis as redis_lib
 from confluent_kafka import Producer
 
 from freshrec.kafka import close_producer, producer_config
-from freshrec.partitioner import kafka_partition
+from freshrec.partitioner import kafka_partition, row_partitions
 from freshrec.rediskeys import RedisKeys
-from freshrec.resp import execute
 from freshrec.topics import TopicNames
 from inference.clients import WorkerClients
 from inference.settings import LearningSettings, WorkerSettings
@@ -23,9 +22,11 @@ from param_server.store import (
     HPEXPIRE,
     HSETEX,
     applied_offsets,
+    claim_partitions,
     fetch_rows_and_accumulators,
     field_expiry,
     pack_persist,
+    persist_fenced,
 )
 from schemas.ids import row_id
 from schemas.records import Event
@@ -40,6 +41,7 @@ from schemas.rows import (
     version_floor,
 )
 
+from .conftest import TEST_PARTITIONS
 from .streams_harness import HeldProducer, private_redis, produce, service, stop, wait_for
 
 DIM = 8
@@ -98,11 +100,23 @@ def score(w: Worker, user, item) -> float:
     return float(w.user_row(user) @ w.item_row(item))
 
 
+def row_redis_key(keys: RedisKeys, table: str, rid: int, family=None) -> str:
+    """The hash that holds row ``rid`` (its gradients partition's; the tests' topics have
+    ``TEST_PARTITIONS``)."""
+    shard = int(row_partitions(np.array([rid], np.int64), TEST_PARTITIONS)[0])
+    return (family or keys.embeddings)(table, shard)
+
+
 def redis_row(conn, table: str, rid: int):
+    keys = RedisKeys(conn.topic_prefix)
     blob = redis_lib.Redis.from_url(conn.redis_url).hget(
-        RedisKeys(conn.topic_prefix).embeddings(table), row_key(rid)
+        row_redis_key(keys, table, rid), row_key(rid)
     )
     return None if blob is None else decode_row(blob, W)
+
+
+def all_applied(r, keys: RedisKeys) -> dict[int, int]:
+    return applied_offsets(r, keys, list(range(TEST_PARTITIONS)))
 
 
 def test_a_click_moves_the_users_row_towards_the_item_before_the_parameter_server_runs(conn):
@@ -554,15 +568,16 @@ def tables(conn) -> dict[int, tuple]:
     r = redis_lib.Redis.from_url(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
     out = {}
-    for k, v in r.hgetall(keys.embeddings("user")).items():
-        row, version, _ = decode_row(v, W)
-        out[k] = (row, version)
+    for shard in range(TEST_PARTITIONS):
+        for k, v in r.hgetall(keys.embeddings("user", shard)).items():
+            row, version, _ = decode_row(v, W)
+            out[k] = (row, version)
     return out
 
 
 def applied_total(conn) -> int:
     r = redis_lib.Redis.from_url(conn.redis_url)
-    return sum(int(v) + 1 for v in r.hgetall(RedisKeys(conn.topic_prefix).ps_applied).values())
+    return sum(v + 1 for v in all_applied(r, RedisKeys(conn.topic_prefix)).values())
 
 
 N_MESSAGES = 400
@@ -631,7 +646,6 @@ def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
     from freshrec.kafka import consumer_config
     from param_server.server import ParameterServer
     from param_server.settings import ParamServerSettings
-    from param_server.store import applied_offsets
 
     real_persist = ps_module.persist_fenced
 
@@ -665,11 +679,13 @@ def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
                 if msg.error() is not None:
                     continue
                 batch = RowBatch.decode(msg.value())
-                stored = r.hmget(keys.embeddings("user"), [row_key(i) for i in batch.ids])
+                stored = [
+                    r.hget(row_redis_key(keys, "user", i), row_key(i)) for i in batch.ids.tolist()
+                ]
                 assert all(b is not None for b in stored), "broadcast before persisted"
                 versions = [decode_row(b, W)[1] for b in stored]
                 assert all(v >= u for v, u in zip(versions, batch.versions.tolist(), strict=True))
-                assert applied_offsets(r, keys)[batch.partition] >= batch.offset
+                assert all_applied(r, keys)[batch.partition] >= batch.offset
                 seen += 1
     finally:
         stop_ps.set()
@@ -685,17 +701,17 @@ def test_a_transaction_is_written_only_while_its_partitions_are_owned(conn):
     keys = RedisKeys(conn.topic_prefix)
     ids = np.array([5], np.int64)
     row = np.ones((1, W), np.float32)
-    table = {TABLE_USER: (ids, row, row, np.ones(1, np.uint64), np.array([1_000]))}
-    payload, replies = pack_persist(keys, table, {2: 10})
+    table = {2: {TABLE_USER: (ids, row, row, np.ones(1, np.uint64), np.array([1_000]))}}
+    units = pack_persist(keys, table, {2: 10})
     claim_partitions(r, keys, {2: "a-1"})
-    assert persist_fenced(r, keys, payload, replies, {2: "a-1"})
-    assert applied_offsets(r, keys) == {2: 10}
+    assert persist_fenced(r, keys, units, {2: "a-1"})
+    assert all_applied(r, keys) == {2: 10}
     claim_partitions(r, keys, {2: "b-1"})  # another instance took partition 2 over
-    later, replies = pack_persist(keys, table, {2: 11})
-    assert not persist_fenced(r, keys, later, replies, {2: "a-1"})
-    assert applied_offsets(r, keys) == {2: 10}  # the fenced-off write left nothing
-    assert persist_fenced(r, keys, later, replies, {2: "b-1"})
-    assert applied_offsets(r, keys) == {2: 11}
+    later = pack_persist(keys, table, {2: 11})
+    assert not persist_fenced(r, keys, later, {2: "a-1"})
+    assert all_applied(r, keys) == {2: 10}  # the fenced-off write left nothing
+    assert persist_fenced(r, keys, later, {2: "b-1"})
+    assert all_applied(r, keys) == {2: 11}
 
 
 def test_a_stalled_instance_whose_partitions_were_claimed_writes_nothing_and_stops(conn):
@@ -705,7 +721,7 @@ def test_a_stalled_instance_whose_partitions_were_claimed_writes_nothing_and_sto
 
     from param_server.server import FencedOff, ParameterServer
     from param_server.settings import ParamServerSettings
-    from param_server.store import applied_offsets, claim_partitions
+    from param_server.store import claim_partitions
 
     r = redis_lib.Redis.from_url(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
@@ -725,11 +741,11 @@ def test_a_stalled_instance_whose_partitions_were_claimed_writes_nothing_and_sto
         send(conn, messages[:40])
         wait_for(lambda: applied_total(conn) == 40, 60, "the first half")
         claim_partitions(r, keys, {p: "another-instance" for p in range(4)})
-        before = (applied_offsets(r, keys), tables(conn))
+        before = (all_applied(r, keys), tables(conn))
         send(conn, messages[40:])
         thread.join(30)
         assert failure and not thread.is_alive(), "the fenced-off instance kept running"
-        after = (applied_offsets(r, keys), tables(conn))
+        after = (all_applied(r, keys), tables(conn))
         assert after[0] == before[0]  # no offset moved after the claim
         assert after[1].keys() == before[1].keys()
         for k, (row, version) in before[1].items():
@@ -805,7 +821,10 @@ def test_rows_not_updated_for_the_ttl_expire_and_come_back_at_a_newer_version(co
         stored = redis_row(conn, "user", row)
         ttl = [
             r.execute_command("HPTTL", key, "FIELDS", 1, row_key(row))[0]
-            for key in (keys.embeddings("user"), keys.optimizer("user"))
+            for key in (
+                row_redis_key(keys, "user", row),
+                row_redis_key(keys, "user", row, keys.optimizer),
+            )
         ]
     assert stored is not None, "the row expired before it could be read"
     assert stored[1] == int(version_floor(np.array([t0]))[0]) + 2  # created, then two updates
@@ -832,14 +851,16 @@ def test_persist_sets_each_fields_ttl_with_either_expiry_command(conn, expiry):
     rows = np.arange(2 * W, dtype=np.float32).reshape(2, W)
     accum = rows + 0.5
     versions, times = np.array([4, 9], np.uint64), np.array([1_000, 2_000], np.int64)
-    table = {TABLE_USER: (ids, rows, accum, versions, times)}
-    execute(r, *pack_persist(keys, table, {0: 41}, ttl_ms=60_000, expiry=expiry))
-    got = fetch_rows_and_accumulators(r, keys, {TABLE_USER: ids}, W)[TABLE_USER]
+    table = {0: {TABLE_USER: (ids, rows, accum, versions, times)}}
+    claim_partitions(r, keys, {0: "ttl-test"})
+    units = pack_persist(keys, table, {0: 41}, ttl_ms=60_000, expiry=expiry)
+    assert persist_fenced(r, keys, units, {0: "ttl-test"})
+    got = fetch_rows_and_accumulators(r, keys, {TABLE_USER: ids}, W, 1)[TABLE_USER]
     assert got.found.all() and got.has_accum.all()
     assert np.array_equal(got.rows, rows) and np.array_equal(got.accum, accum)
     assert got.versions.tolist() == [4, 9] and got.event_ms.tolist() == [1_000, 2_000]
-    assert applied_offsets(r, keys) == {0: 41}
-    for key in (keys.embeddings("user"), keys.optimizer("user")):
+    assert applied_offsets(r, keys, [0]) == {0: 41}
+    for key in (keys.embeddings("user", 0), keys.optimizer("user", 0)):
         ttl = r.execute_command("HPTTL", key, "FIELDS", 2, *(row_key(i) for i in ids))
         if expiry is None:
             assert ttl == [-1, -1]  # no expiry on the fields
@@ -912,7 +933,7 @@ def test_a_revoke_served_while_redis_is_down_persists_no_offset_ahead_of_its_row
     import param_server.server as ps_module
     from param_server.server import ParameterServer
     from param_server.settings import ParamServerSettings
-    from param_server.store import applied_offsets, claim_partitions
+    from param_server.store import claim_partitions
 
     r = redis_lib.Redis.from_url(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
@@ -966,7 +987,7 @@ def test_a_revoke_served_while_redis_is_down_persists_no_offset_ahead_of_its_row
             ps.consumer = RevokingConsumer()
             ps.apply_messages([(0, 1, second)])
             monkeypatch.undo()
-            assert applied_offsets(r, keys) == {0: 0}, "an offset persisted past its rows"
+            assert all_applied(r, keys) == {0: 0}, "an offset persisted past its rows"
             assert not ps.dirty_rows, "rows applied for a partition no longer owned"
             # the next owner (here a fresh instance) resumes after the persisted offset
             close_producer(ps.producer, 10)
@@ -979,7 +1000,7 @@ def test_a_revoke_served_while_redis_is_down_persists_no_offset_ahead_of_its_row
         ps.consumer.close()
         ps._persister.shutdown()
         close_producer(ps.producer, 10)  # an open one logs failed reconnects at the stack's stop
-        return tables(conn), applied_offsets(r, keys)
+        return tables(conn), all_applied(r, keys)
 
     interrupted = run(ParameterServer(ParamServerSettings(conn, dim=DIM)), fail_load=True)
     for k in r.keys(f"{conn.topic_prefix}*"):

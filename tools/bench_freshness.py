@@ -48,12 +48,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import redis
 
 from evaluation.drift import Recovery, level_before, recovery_s
 from freshrec.app.runstatus import wait_until_assigned
 from freshrec.app.stack import free_port
+from freshrec.kafka import gradients_partitions
 from freshrec.progress import ProgressLine
+from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import fetch_rows
 from inference.modelfile import read_manifest
@@ -266,7 +267,7 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
     # another's topics or rows
     prefix = f"fresh{time.time_ns() % 10**12}."
     with bench_connection(prefix) as conn, contextlib.ExitStack() as services:
-        seed_world(conn.redis_url, conn.topic_prefix, world, models)
+        seed_world(conn.redis_url, conn.topic_prefix, world, models, gradients_partitions(conn))
         quality = {"start": rows_quality(conn, world, cohort, int(time.time() * 1000))}
         ports = {name: free_port() for name in ("streams", "param-server", "worker")}
         procs = {
@@ -362,8 +363,9 @@ def true_scores(world: World, users: np.ndarray, t_ms: int, chunk: int = 25) -> 
 def rows_in_redis(conn, world: World, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cohort's user rows and every item's row as Redis holds them (the parameter
     server's; the deterministic initial row where it holds none)."""
-    r = redis.Redis.from_url(conn.redis_url)
+    r = connect(conn.redis_url)
     keys, w = RedisKeys(conn.topic_prefix), width(DIM)
+    shards = gradients_partitions(conn)
     try:
         out = []
         for table, names in (
@@ -372,7 +374,7 @@ def rows_in_redis(conn, world: World, users: np.ndarray) -> tuple[np.ndarray, np
         ):
             ids = row_ids(names)
             rows = initial_rows(ids, table, DIM)
-            found, held, _, _ = fetch_rows(r, keys, table, ids.tolist(), w)
+            found, held, _, _ = fetch_rows(r, keys, table, ids.tolist(), w, shards)
             rows[found] = held
             out.append(rows)
         return out[0], out[1]

@@ -39,7 +39,7 @@ from confluent_kafka.admin import AdminClient
 
 from freshrec.app.stack import free_port
 from freshrec.app.training import ensure_models
-from freshrec.kafka import admin_config, consumer_config, producer_config
+from freshrec.kafka import admin_config, consumer_config, gradients_partitions, producer_config
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
 from freshrec.topics import TopicNames, ensure_topics
@@ -102,7 +102,7 @@ def main() -> None:
         models = args.models or Path(tmp)
         ensure_models(world, models, TrainConfig(impressions=200_000, dim=DIM), progress)
         with bench_connection("bs.") as conn:
-            seed_world(conn.redis_url, conn.topic_prefix, world, models)
+            seed_world(conn.redis_url, conn.topic_prefix, world, models, gradients_partitions(conn))
             if "ranking" in parts:
                 results["ranking"] = bench_ranking(models, device, progress)
             if "recall" in parts:
@@ -318,7 +318,7 @@ def bench_batching(
         progress.done(f"dynamic batching: {n:,} queued requests, max_batch={max_batch}")
         prefix = f"bb{max_batch}."
         c2 = _with_prefix(conn, prefix)
-        seed_world(conn.redis_url, prefix, world, models)
+        seed_world(conn.redis_url, prefix, world, models, gradients_partitions(c2))
         names = TopicNames(prefix)
         p = Producer(producer_config(c2))
         for b in _inbound(world, n, seed=max_batch):
@@ -407,7 +407,7 @@ def bench_latency(
         prefix = f"bl{kind.replace('_', '')}."
         c2 = _with_prefix(conn, prefix)
         if wait is not None:
-            seed_world(conn.redis_url, prefix, world, models)
+            seed_world(conn.redis_url, prefix, world, models, gradients_partitions(c2))
             ctx = service_process(
                 c2,
                 "worker",

@@ -179,7 +179,7 @@ class Pipeline:
             "",
             catalogue_with({n: 4 for n in ("events", "recommend.requests", "gradients")}),
         )
-        seed_world(self.redis.url, "", World(WORLD), models)
+        seed_world(self.redis.url, "", World(WORLD), models, 4)
         self.env = {"FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM)}
         if message_timeout_ms:
             self.env["FRESHREC_MESSAGE_TIMEOUT_MS"] = str(message_timeout_ms)

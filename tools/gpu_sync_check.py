@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freshrec.kafka import gradients_partitions
 from inference.device import HOST_COPIES
 from inference.learning import Examples
 from inference.settings import LearningSettings, WorkerSettings
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, bench_connection("gpucheck.") as conn:
         models = Path(tmp) / "models"
         world.train(TrainConfig(impressions=40_000, dim=DIM), models, lambda s: None)
-        seed_world(conn.redis_url, conn.topic_prefix, world, models)
+        seed_world(conn.redis_url, conn.topic_prefix, world, models, gradients_partitions(conn))
         w = Worker(WorkerSettings(conn, LearningSettings(dim=DIM), model_dir=models, device=device))
         w.start()
         try:

@@ -10,21 +10,26 @@ import time
 from pathlib import Path
 
 import numpy as np
-import redis as redis_lib
 
 from freshrec.hotscore import HotEntry, HotList
+from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
-from freshrec.rowstore import seed_rows
+from freshrec.rowstore import row_shards, seed_rows
 from inference.modelfile import load_tensors, read_manifest
 from schemas.rows import TABLE_ITEM, TABLE_USER
 from tools.traffic import catalogue
 from tools.world import World
 
 
-def seed_world(redis_url: str, prefix: str, world: World, model_dir: Path, hot: int = 50) -> None:
-    r = redis_lib.Redis.from_url(redis_url)
+def seed_world(
+    redis_url: str, prefix: str, world: World, model_dir: Path, partitions: int, hot: int = 50
+) -> None:
+    """The world's catalogue, a hot list and the trained rows, laid out for ``partitions``
+    gradients partitions (the topic's count)."""
+    r = connect(redis_url)
     k = RedisKeys(prefix)
     try:
+        shards = row_shards(r, k, partitions)
         items = list(catalogue(world))
         pipe = r.pipeline(transaction=False)
         pipe.hset(k.item_category, mapping={i.item_id: i.category for i in items})
@@ -41,7 +46,7 @@ def seed_world(redis_url: str, prefix: str, world: World, model_dir: Path, hot: 
         pipe.execute()
         manifest = read_manifest(model_dir)
         t = load_tensors(model_dir, manifest["files"]["two_tower"])
-        seed_rows(r, k, TABLE_ITEM, t["item_ids"].numpy(), t["item_rows"].numpy(), 1, 1)
-        seed_rows(r, k, TABLE_USER, t["user_ids"].numpy(), t["user_rows"].numpy(), 1, 1)
+        seed_rows(r, k, TABLE_ITEM, t["item_ids"].numpy(), t["item_rows"].numpy(), 1, 1, shards)
+        seed_rows(r, k, TABLE_USER, t["user_ids"].numpy(), t["user_rows"].numpy(), 1, 1, shards)
     finally:
         r.close()

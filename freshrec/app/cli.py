@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--workers", type=int, default=1, help="inference workers to start")
     run.add_argument(
+        "--redis-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run on an embedded Redis Cluster of N masters instead of one Redis server",
+    )
+    run.add_argument(
         "--dashboard-port",
         type=int,
         default=8050,
@@ -86,7 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     stack_sub = stack.add_subparsers(dest="action", required=True, metavar="ACTION")
     up = stack_sub.add_parser("up", help="start both on free loopback ports")
     up.add_argument("--kafka-port", type=int, default=None)
-    up.add_argument("--redis-port", type=int, default=None)
+    up.add_argument("--redis-port", type=int, default=None, help="the (first) Redis port")
+    up.add_argument(
+        "--redis-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a Redis Cluster of N masters (2 to 64) instead of one Redis server",
+    )
     up.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for readiness")
     up.set_defaults(func=commands.cmd_stack_up)
     stack_sub.add_parser("down", help="stop what `up` started").set_defaults(

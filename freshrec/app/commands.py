@@ -48,7 +48,12 @@ def cmd_stack_up(args: argparse.Namespace) -> int:
         print("KAFKA_BOOTSTRAP_SERVERS and REDIS_URL are set: using them, starting nothing")
         return 0
     stack = EmbeddedStack(state_dir())
-    stack.up(kafka_port=args.kafka_port, redis_port=args.redis_port, timeout_s=args.timeout)
+    stack.up(
+        kafka_port=args.kafka_port,
+        redis_port=args.redis_port,
+        timeout_s=args.timeout,
+        redis_cluster=args.redis_cluster,
+    )
     print(stack.status())
     print(f"settings written to {stack.env_path}")
     return 0

@@ -41,9 +41,15 @@ class RunContext:
 
 
 @contextlib.contextmanager
-def running_stack() -> Iterator[RunContext]:
-    """Use external services if set, else start an embedded stack owned by this run."""
+def running_stack(redis_cluster: int = 0) -> Iterator[RunContext]:
+    """Use external services if set, else start an embedded stack owned by this run (with a
+    ``redis_cluster``-master Redis Cluster where it is not 0)."""
     if external_services():
+        if redis_cluster:
+            raise StackError(
+                "--redis-cluster starts an embedded cluster, but KAFKA_BOOTSTRAP_SERVERS and "
+                "REDIS_URL name existing services: unset them, or name a cluster in REDIS_URL"
+            )
         yield RunContext(ConnectionSettings.from_env(load_environment()), None)
         return
     stack = EmbeddedStack(state_dir() / "run")
@@ -53,7 +59,7 @@ def running_stack() -> Iterator[RunContext]:
             f"(or `FRESHREC_HOME={stack.state_dir} freshrec stack down`)"
         )
     started = time.monotonic()
-    state = stack.up(detach=False)
+    state = stack.up(detach=False, redis_cluster=redis_cluster)
     log.info(
         "embedded stack up in %.1fs: Kafka %s, Redis %s",
         time.monotonic() - started,
@@ -89,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     models = model_dir()
     impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
     manifest = ensure_models(world, models, TrainConfig(impressions=impressions), progress)
-    with running_stack() as ctx:
+    with running_stack(args.redis_cluster) as ctx:
         provision_topics(ctx.conn)
         rows = load_starting_embeddings(ctx.conn, models, manifest)
         log.info(

