@@ -165,41 +165,101 @@ def run_packed(client, entries: Sequence[Packed]) -> list[list]:
         return _split(execute(client, payload, sum(e.replies for e in entries)), entries)
     out: list[list | None] = [None] * len(entries)
     todo = list(range(len(entries)))
+    asked: dict[int, tuple[str, int]] = {}  # slot -> the node an ASK sent it to
     for attempt in range(ATTEMPTS):
-        failed, error = [], None
-        for node, idx in _by_node(client.get_node_from_key, entries, todo).items():
+        failed, error, ask = [], None, {}
+        for (node, asking), idx in _route(client.get_node_from_key, entries, todo, asked):
             part = [entries[i] for i in idx]
+            payload, replies, extra = _payload(part, asking)
+            target = node if not asking else client.get_node(*asking)
             try:
-                replies = execute(
-                    client.get_redis_connection(node),
-                    b"".join(e.payload for e in part),
-                    sum(e.replies for e in part),
-                )
+                if target is None:
+                    raise redis.exceptions.ConnectionError(f"no node {asking} in the slot map")
+                conn = client.get_redis_connection(target)
+                got = _drop_asking(execute(conn, payload, replies), part, extra)
             except ROUTING_ERRORS as exc:
                 failed += idx
                 error = exc
+                if isinstance(exc, redis.exceptions.AskError):
+                    ask[exc.slot_id] = exc.node_addr
                 continue
-            for i, r in zip(idx, _split(replies, part), strict=True):
+            for i, r in zip(idx, _split(got, part), strict=True):
                 out[i] = r
         if not failed:
             return out  # type: ignore[return-value]
-        todo = failed
+        todo, asked = failed, ask
+        if ask:  # a slot in migration: its keys are asked of the importing node, no reload
+            log.info("Redis Cluster: %r; asking the importing node", error)
+            if any(client.get_node(host, port) is None for host, port in ask.values()):
+                _reload_slots(client, error, attempt)
+            continue
         _reload_slots(client, error, attempt)
     raise error  # type: ignore[misc]
 
 
-def _by_node(node_of, entries: Sequence[Packed], todo: list[int]) -> dict:
+def _route(node_of, entries: Sequence[Packed], todo: list[int], asked: dict) -> list:
+    """``todo``'s entries grouped by where they go: ((node, None), positions), or for a slot
+    an ``ASK`` sent elsewhere ((None, (host, port)), positions), sent with ``ASKING``."""
     groups: dict = defaultdict(list)
-    names: dict = {}
+    nodes: dict = {}
     for i in todo:
+        slot = key_slot(entries[i].key)
+        if slot in asked:
+            groups[(None, asked[slot])].append(i)
+            continue
         node = node_of(entries[i].key)
-        names.setdefault(node.name, node)
-        groups[node.name].append(i)
-    return {names[n]: idx for n, idx in groups.items()}
+        nodes.setdefault(node.name, node)
+        groups[(node.name, None)].append(i)
+    return [((nodes.get(name), asking), idx) for (name, asking), idx in groups.items()]
+
+
+def _payload(part: list[Packed], asking) -> tuple[bytes, int, list[int]]:
+    """The bytes to send for ``part``, their reply count, and where the ``ASKING`` replies
+    fall (before each command, once before a transaction: the flag lasts through ``MULTI``)."""
+    replies = sum(e.replies for e in part)
+    if not asking:
+        return b"".join(e.payload for e in part), replies, []
+    chunks, extra, at = [], [], 0
+    for e in part:
+        commands = [e.payload] if e.payload.startswith(_MULTI) else split_commands(e.payload)
+        for c in commands:
+            chunks += [_ASKING, c]
+            extra.append(at)
+            at += 1 + (e.replies if len(commands) == 1 else 1)
+    return b"".join(chunks), replies + len(extra), extra
+
+
+def _drop_asking(replies: list, part: list[Packed], extra: list[int]) -> list:
+    if not extra:
+        return replies
+    skip = set(extra)
+    return [r for n, r in enumerate(replies) if n not in skip]
+
+
+_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+
+
+def split_commands(payload: bytes) -> list[bytes]:
+    """Packed commands (RESP arrays of bulk strings) one by one.
+
+    >>> split_commands(b"*1\\r\\n$4\\r\\nPING\\r\\n*2\\r\\n$3\\r\\nGET\\r\\n$1\\r\\nk\\r\\n")
+    [b'*1\\r\\n$4\\r\\nPING\\r\\n', b'*2\\r\\n$3\\r\\nGET\\r\\n$1\\r\\nk\\r\\n']
+    """
+    out, at = [], 0
+    while at < len(payload):
+        start = at
+        end = payload.index(b"\r\n", at)
+        n, at = int(payload[at + 1 : end]), end + 2
+        for _ in range(n):
+            end = payload.index(b"\r\n", at)
+            at = end + 2 + int(payload[at + 1 : end]) + 2
+        out.append(payload[start:at])
+    return out
 
 
 def _reload_slots(client, error: Exception | None, attempt: int) -> None:
-    log.info("Redis Cluster: %s; reloading the slot map", error)
+    log.info("Redis Cluster: %r; reloading the slot map", error)
     time.sleep(0.05 * 2**attempt)
     try:
         client.nodes_manager.initialize()
@@ -215,10 +275,11 @@ def node_client(client, key: bytes | str):
     return client.get_redis_connection(client.get_node_from_key(key))
 
 
-def reload_slots(client) -> None:
-    """Read a cluster's slot map again (after ``MOVED`` outside ``run_packed``)."""
+def reload_slots(client, error: Exception | None = None, attempt: int = 0) -> None:
+    """Read a cluster's slot map again after ``error`` (``MOVED``/``ASK`` outside
+    ``run_packed``), first waiting longer with each ``attempt``."""
     if is_cluster(client):
-        _reload_slots(client, None, 0)
+        _reload_slots(client, error, attempt)
 
 
 async def run_packed_async(client, entries: Sequence[Packed]) -> list[list]:
@@ -237,27 +298,33 @@ async def run_packed_async(client, entries: Sequence[Packed]) -> list[list]:
     manager = client.nodes_manager
     out: list[list | None] = [None] * len(entries)
     todo = list(range(len(entries)))
+    asked: dict[int, tuple[str, int]] = {}
     for attempt in range(ATTEMPTS):
-        failed, error = [], None
-        groups = _by_node(
-            lambda key: manager.get_node_from_slot(key_slot(key)), entries, todo
-        ).items()
-        for node, idx in groups:
+        failed, error, ask = [], None, {}
+        groups = _route(lambda key: manager.get_node_from_slot(key_slot(key)), entries, todo, asked)
+        for (node, asking), idx in groups:
             part = [entries[i] for i in idx]
+            payload, replies, extra = _payload(part, asking)
+            target = node if not asking else client.get_node(*asking)
             try:
-                replies = await _node_execute(
-                    node, b"".join(e.payload for e in part), sum(e.replies for e in part)
-                )
+                if target is None:
+                    raise redis.exceptions.ConnectionError(f"no node {asking} in the slot map")
+                got = _drop_asking(await _node_execute(target, payload, replies), part, extra)
             except ROUTING_ERRORS as exc:
                 failed += idx
                 error = exc
+                if isinstance(exc, redis.exceptions.AskError):
+                    ask[exc.slot_id] = exc.node_addr
                 continue
-            for i, r in zip(idx, _split(replies, part), strict=True):
+            for i, r in zip(idx, _split(got, part), strict=True):
                 out[i] = r
         if not failed:
             return out  # type: ignore[return-value]
-        todo = failed
-        log.info("Redis Cluster: %s; reloading the slot map", error)
+        todo, asked = failed, ask
+        if ask:
+            log.info("Redis Cluster: %r; asking the importing node", error)
+            continue
+        log.info("Redis Cluster: %r; reloading the slot map", error)
         await asyncio.sleep(0.05 * 2**attempt)
         try:
             await manager.initialize()

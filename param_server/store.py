@@ -149,8 +149,7 @@ def persist_fenced(
             except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
                 if not is_cluster(r) or attempt == ATTEMPTS - 1:
                     raise
-                log.info("persist of partition %d moved (%s)", group[0].partition, exc)
-                reload_slots(r)
+                reload_slots(r, exc, attempt)  # resharded: MOVED, or ASK until the move ends
     return True
 
 

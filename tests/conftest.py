@@ -81,6 +81,37 @@ def conn(services: Services, prefix: str) -> ConnectionSettings:
     return c
 
 
+@pytest.fixture(scope="session")
+def cluster_services(tmp_path_factory) -> Iterator[Services]:
+    """An embedded stack whose Redis is a Redis Cluster of three masters (``freshrec stack up
+    --redis-cluster 3``), for the tests that must hold on a cluster too."""
+    stack = EmbeddedStack(tmp_path_factory.mktemp("cluster-stack"))
+    state = stack.up(detach=False, redis_cluster=3)
+    try:
+        yield Services(
+            "embedded-cluster", state.env["KAFKA_BOOTSTRAP_SERVERS"], state.env["REDIS_URL"]
+        )
+    finally:
+        stack.down()
+
+
+@pytest.fixture
+def cluster_conn(cluster_services: Services, prefix: str) -> ConnectionSettings:
+    """``conn`` on the cluster stack."""
+    c = cluster_services.conn(prefix)
+    specs = catalogue_with(
+        {name: TEST_PARTITIONS for name in ("events", "recommend.requests", "gradients")}
+    )
+    ensure_topics(AdminClient(admin_config(c)), prefix, specs)
+    return c
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def any_conn(request) -> ConnectionSettings:
+    """``conn`` on a single Redis server, then on a Redis Cluster."""
+    return request.getfixturevalue("conn" if request.param == "redis" else "cluster_conn")
+
+
 @pytest.fixture
 def redis_client(services: Services):
     import redis

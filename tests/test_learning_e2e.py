@@ -13,6 +13,7 @@ from confluent_kafka import Producer
 
 from freshrec.kafka import close_producer, producer_config
 from freshrec.partitioner import kafka_partition, row_partitions
+from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.clients import WorkerClients
@@ -109,9 +110,7 @@ def row_redis_key(keys: RedisKeys, table: str, rid: int, family=None) -> str:
 
 def redis_row(conn, table: str, rid: int):
     keys = RedisKeys(conn.topic_prefix)
-    blob = redis_lib.Redis.from_url(conn.redis_url).hget(
-        row_redis_key(keys, table, rid), row_key(rid)
-    )
+    blob = connect(conn.redis_url).hget(row_redis_key(keys, table, rid), row_key(rid))
     return None if blob is None else decode_row(blob, W)
 
 
@@ -565,7 +564,7 @@ def gradient_stream(conn, n_messages: int, seed: int = 0, poison: bool = False) 
 
 
 def tables(conn) -> dict[int, tuple]:
-    r = redis_lib.Redis.from_url(conn.redis_url)
+    r = connect(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
     out = {}
     for shard in range(TEST_PARTITIONS):
@@ -576,7 +575,7 @@ def tables(conn) -> dict[int, tuple]:
 
 
 def applied_total(conn) -> int:
-    r = redis_lib.Redis.from_url(conn.redis_url)
+    r = connect(conn.redis_url)
     return sum(v + 1 for v in all_applied(r, RedisKeys(conn.topic_prefix)).values())
 
 
@@ -616,8 +615,9 @@ def assert_same_tables(got, want):
 
 
 def test_sigkill_mid_stream_and_restart_give_the_uninterrupted_tables(
-    conn, tmp_path, reference_tables
+    any_conn, tmp_path, reference_tables
 ):
+    conn = any_conn
     messages = gradient_messages(N_MESSAGES)
     with service(
         conn, "param-server", tmp_path / "ps1.log", **{**ENV, "FRESHREC_FLUSH_INTERVAL_MS": "5"}
@@ -756,8 +756,9 @@ def test_a_stalled_instance_whose_partitions_were_claimed_writes_nothing_and_sto
 
 
 def test_two_instances_share_partitions_and_one_takes_over_when_the_other_dies(
-    conn, tmp_path, reference_tables
+    any_conn, tmp_path, reference_tables
 ):
+    conn = any_conn
     with (
         service(conn, "param-server", tmp_path / "a.log", **ENV) as a,
         service(conn, "param-server", tmp_path / "b.log", **ENV),

@@ -17,6 +17,7 @@ import pytest
 import redis as redis_lib
 
 from freshrec.hotscore import HotWeights, merge_hot_lists
+from freshrec.redisconn import connect, connect_async
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from schemas.records import Event, Item
@@ -66,7 +67,7 @@ def catalogue() -> list[Item]:
 
 def merged(conn, scope: str, k: int = K):
     async def read():
-        client = redis_lib.asyncio.Redis.from_url(conn.redis_url)
+        client = await connect_async(conn.redis_url)
         try:
             return await read_hot_lists(client, RedisKeys(conn.topic_prefix), scope)
         finally:
@@ -78,7 +79,7 @@ def merged(conn, scope: str, k: int = K):
 
 def matches_brute_force(conn, events, prices) -> bool | str:
     """True when Redis holds exactly what a brute-force pass over ``events`` gives."""
-    r = redis_lib.Redis.from_url(conn.redis_url)
+    r = connect(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
     at = max(e.ts_ms for e in events)
     feats = {n: r.hgetall(k) for n, k in keys.item_feature.items()}
@@ -226,7 +227,8 @@ def test_two_instances_split_partitions_and_the_merged_top_k_stays_exact(conn, t
         assert len({h.partition for h in lists}) > 1
 
 
-def test_sigkill_and_restart_continue_the_counts_without_double_counting(conn, tmp_path):
+def test_sigkill_and_restart_continue_the_counts_without_double_counting(any_conn, tmp_path):
+    conn = any_conn
     t0 = int(time.time() * 1000) - 300_000
     first, second = world_events(3, 2000, t0, "c"), world_events(4, 2000, t0 + 130_000, "d")
     prices = {i.item_id: i.price for i in catalogue()}
@@ -243,9 +245,7 @@ def test_sigkill_and_restart_continue_the_counts_without_double_counting(conn, t
             "both halves counted once",
         )
     assert "restored" in (tmp_path / "s2.log").read_text()
-    meta = redis_lib.Redis.from_url(conn.redis_url).hgetall(
-        RedisKeys(conn.topic_prefix).streams_meta(0)
-    )
+    meta = connect(conn.redis_url).hgetall(RedisKeys(conn.topic_prefix).streams_meta(0))
     assert json.loads(meta[b"applied"])
 
 
