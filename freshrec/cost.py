@@ -1,5 +1,6 @@
 """What a recommendation costs: CPU-seconds per 1,000 requests and per 1,000 events from the
-services' own resource use, priced per core-hour. Pure.
+services' own resource use, priced per core-hour, and GPU-seconds (the time a service holds a
+GPU: billed while held, busy or not) priced per GPU-hour. Pure.
 
 >>> use = {"streams": 12.0, "worker": 30.0, "param-server": 6.0}
 >>> c = costs(use, requests=2_000, events=40_000, core_hour=0.04)
@@ -7,6 +8,9 @@ services' own resource use, priced per core-hour. Pure.
 (15.0, 0.3)
 >>> round(c.price_per_thousand_requests, 6)   # every service's CPU over the requests
 0.000267
+>>> g = costs(use, 2_000, 40_000, 0.04, gpu_seconds={"worker": 60.0}, gpu_hour=1.2)
+>>> g.gpu_per_thousand_requests["worker"], round(g.price_per_thousand_requests, 6)
+(30.0, 0.010267)
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 CORE_HOUR_PRICE = 0.04
 """USD per core-hour by default: a typical on-demand price of one vCPU on a public cloud (an
 assumption to replace with your own, ``--core-hour-price``)."""
+GPU_HOUR_PRICE = 1.0
+"""USD per GPU-hour by default: between an inference GPU's and a training GPU's on-demand
+price on a public cloud (an assumption to replace with your own, ``--gpu-hour-price``)."""
 
 
 @dataclass(frozen=True)
@@ -24,25 +31,42 @@ class Costs:
     per_thousand_requests: dict[str, float | None]
     per_thousand_events: dict[str, float | None]
     price_per_thousand_requests: float | None
-    """Every service's CPU, priced, over the requests served (USD per 1,000)."""
+    """Every service's CPU and GPU, priced, over the requests served (USD per 1,000)."""
+    gpu_seconds: dict[str, float]
+    gpu_per_thousand_requests: dict[str, float | None]
 
 
-def costs(cpu_seconds: dict[str, float], requests: float, events: float, core_hour: float) -> Costs:
+def costs(
+    cpu_seconds: dict[str, float],
+    requests: float,
+    events: float,
+    core_hour: float,
+    gpu_seconds: dict[str, float] | None = None,
+    gpu_hour: float = GPU_HOUR_PRICE,
+) -> Costs:
     """Each service's CPU seconds over the requests and over the events of the same span
-    (a worker's CPU serves both: each figure is an upper bound for its own side)."""
+    (a worker's CPU serves both: each figure is an upper bound for its own side), and the
+    GPU-seconds of services that hold a GPU over the requests."""
+    gpu = dict(gpu_seconds or {})
 
-    def per(count: float) -> dict[str, float | None]:
+    def per(seconds: dict[str, float], count: float) -> dict[str, float | None]:
         return {
-            name: round(1000 * s / count, 4) if count > 0 else None
-            for name, s in cpu_seconds.items()
+            name: round(1000 * s / count, 4) if count > 0 else None for name, s in seconds.items()
         }
 
-    total = sum(cpu_seconds.values())
-    price = total / 3600 * core_hour * 1000 / requests if requests > 0 else None
-    return Costs(dict(cpu_seconds), per(requests), per(events), price)
+    spend = sum(cpu_seconds.values()) / 3600 * core_hour + sum(gpu.values()) / 3600 * gpu_hour
+    price = spend * 1000 / requests if requests > 0 else None
+    return Costs(
+        dict(cpu_seconds),
+        per(cpu_seconds, requests),
+        per(cpu_seconds, events),
+        price,
+        gpu,
+        per(gpu, requests),
+    )
 
 
-def line(c: Costs, core_hour: float) -> str:
+def line(c: Costs, core_hour: float, gpu_hour: float = GPU_HOUR_PRICE) -> str:
     """The run summary's cost line."""
 
     def f(v: float | None, digits: int) -> str:
@@ -53,10 +77,16 @@ def line(c: Costs, core_hour: float) -> str:
         f" {f(c.per_thousand_events.get(name), 3)} per 1,000 events)"
         for name, s in c.cpu_seconds.items()
     ]
+    parts += [
+        f"{name} {s:.1f} GPU-s held ({f(c.gpu_per_thousand_requests.get(name), 2)} per 1,000"
+        " requests)"
+        for name, s in c.gpu_seconds.items()
+    ]
     price = c.price_per_thousand_requests
+    gpu = f" and ${gpu_hour:g}/GPU-hour" if c.gpu_seconds else ""
     tail = (
         ""
         if price is None
-        else f"; all: ${price:.5f} per 1,000 requests at ${core_hour:g}/core-hour"
+        else f"; all: ${price:.5f} per 1,000 requests at ${core_hour:g}/core-hour{gpu}"
     )
     return "cost: " + "; ".join(parts) + tail

@@ -210,6 +210,9 @@ BREAKER_STATE = Gauge(
     "freshrec_breaker_state", "Recall channel breaker: 0 closed, 1 half-open, 2 open", ["channel"]
 )
 MODEL_INFO = Gauge("freshrec_model_info", "The ranking model version in use (value 1)", ["version"])
+DEVICE_INFO = Gauge(
+    "freshrec_device_info", "The device the worker's tables live on (value 1)", ["device"]
+)
 MODEL_RELOADS = Counter("freshrec_model_reloads_total", "Model loads", ["outcome"])
 CATALOGUE_ITEMS = Gauge("freshrec_catalogue_items", "Items in the worker's catalogue snapshot")
 ANN_INDEX_ITEMS = Gauge(

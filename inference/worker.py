@@ -104,6 +104,7 @@ class Worker:
             self.dim, settings.user_capacity_rows, self._fetch, pick_device(settings.device)
         )
         self.cache.on_evict = self._evicted
+        m.DEVICE_INFO.labels(str(self.cache.device)).set(1)  # a GPU held is a GPU paid for
         # ~40 MB written now, not page by page inside the first slices
         self.pending = PendingSteps(capacity=1 << 17, width=self.cache.w, touch=True)
         learning = settings.learning

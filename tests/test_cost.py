@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from freshrec.app.proctime import cpu_seconds
-from freshrec.cost import costs
+from freshrec.cost import costs, line
 
 from .conftest import wait_for
 
@@ -41,3 +41,15 @@ def test_cost_per_thousand_is_cpu_over_count_and_none_without_traffic():
     assert c.per_thousand_events == {"worker": None, "streams": None}
     assert c.price_per_thousand_requests == pytest.approx(3.6 / 3600 * 1000 / 3600)
     assert costs({"worker": 1.0}, 0, 0, 1.0).price_per_thousand_requests is None
+
+
+def test_a_held_gpu_is_priced_per_gpu_hour_over_the_requests():
+    c = costs(
+        {"worker": 36.0}, 1_000, 0, core_hour=1.0, gpu_seconds={"worker": 360.0}, gpu_hour=2.0
+    )
+    assert c.gpu_per_thousand_requests == {"worker": 360.0}
+    # CPU 36 s at $1/h = $0.01, GPU 360 s at $2/h = $0.20: $0.21 per 1,000 requests
+    assert c.price_per_thousand_requests == pytest.approx(0.21)
+    assert costs({"worker": 36.0}, 1_000, 0, 1.0).gpu_seconds == {}
+    assert "GPU-s held" in line(c, 1.0, 2.0) and "$2/GPU-hour" in line(c, 1.0, 2.0)
+    assert "GPU" not in line(costs({"worker": 36.0}, 1_000, 0, 1.0), 1.0)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from freshrec.app.options import EnvDefault, add_log_options, add_world_options
-from freshrec.cost import CORE_HOUR_PRICE
+from freshrec.cost import CORE_HOUR_PRICE, GPU_HOUR_PRICE
 from freshrec.settings import LOG_FORMAT, SettingsError
 
 Command = Callable[[argparse.Namespace], int]
@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=CORE_HOUR_PRICE,
         help="USD per core-hour, for the summary's cost per 1,000 requests "
         f"(default {CORE_HOUR_PRICE}: an assumption, replace it with yours)",
+    )
+    run.add_argument(
+        "--gpu-hour-price",
+        type=float,
+        default=GPU_HOUR_PRICE,
+        help="USD per GPU-hour, for the workers that hold a GPU "
+        f"(default {GPU_HOUR_PRICE}: an assumption, replace it with yours)",
     )
     run.add_argument(
         "--train-impressions",

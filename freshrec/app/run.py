@@ -81,6 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         StatusPoller,
         cost_line,
         counts,
+        gpu_services,
         service_cpu,
         summary,
         wait_until_assigned,
@@ -142,6 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             watcher.start()
             # the services' CPU from here on is the load's: the cost per 1,000 requests
             used_before = (service_cpu(services.children), counts(ports))
+            held_gpu, started_at = gpu_services(ports), time.monotonic()
             loop = ClosedLoop(ctx.conn, world, args.requests, seed=args.seed)
             loop_thread = loop.run_in_thread(stop) if args.requests > 0 else None
             try:
@@ -162,10 +164,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                         loop_thread.join(15)
                     time.sleep(2.5)  # let the services drain the last events
                     final = summary(ports)
+                    span = time.monotonic() - started_at
                     cost = cost_line(
                         used_before,
                         (service_cpu(services.children), counts(ports)),
                         args.core_hour_price,
+                        dict.fromkeys(held_gpu, span),
+                        args.gpu_hour_price,
                     )
                     if cost:
                         final += "\n" + cost

@@ -41,6 +41,25 @@ def counts(ports: dict[str, int]) -> tuple[float, float]:
     return requests, total(s.get("streams", {}), "freshrec_streams_counted_events_total")
 
 
+def gpu_services(ports: dict[str, int]) -> list[str]:
+    """The services whose tables live on a GPU (``freshrec_device_info{device="cuda…"}``)."""
+    return [name for name, samples in _scrape_all(ports).items() if holds_gpu(samples)]
+
+
+def holds_gpu(samples: Samples) -> bool:
+    """Whether a scrape says the service's tables live on a CUDA device.
+
+    >>> from freshrec.promtext import parse
+    >>> holds_gpu(parse('freshrec_device_info{device="cuda:0"} 1')), holds_gpu(parse(
+    ...     'freshrec_device_info{device="cpu"} 1')), holds_gpu(parse(""))
+    (True, False, False)
+    """
+    return any(
+        labels.get("device", "").startswith("cuda") and value > 0
+        for labels, value in samples.get("freshrec_device_info", [])
+    )
+
+
 def service_cpu(children) -> dict[str, float]:
     """CPU seconds so far of each (name, process) and its descendants; empty without /proc."""
     from freshrec.app.proctime import cpu_seconds
@@ -53,15 +72,24 @@ def service_cpu(children) -> dict[str, float]:
     return out
 
 
-def cost_line(before, after, core_hour: float) -> str | None:
-    """The summary's cost line from two (cpu per service, (requests, events)) snapshots."""
-    from freshrec.cost import costs, line
+def cost_line(
+    before,
+    after,
+    core_hour: float,
+    gpu_seconds: dict[str, float] | None = None,
+    gpu_hour: float | None = None,
+) -> str | None:
+    """The summary's cost line from two (cpu per service, (requests, events)) snapshots and
+    the seconds between them that each GPU-holding service held its GPU."""
+    from freshrec.cost import GPU_HOUR_PRICE, costs, line
 
     (cpu0, (req0, ev0)), (cpu1, (req1, ev1)) = before, after
     used = {name: max(cpu1[name] - cpu0.get(name, 0.0), 0.0) for name in cpu1}
     if not used:
         return None
-    return line(costs(used, req1 - req0, ev1 - ev0, core_hour), core_hour)
+    gpu_hour = GPU_HOUR_PRICE if gpu_hour is None else gpu_hour
+    c = costs(used, req1 - req0, ev1 - ev0, core_hour, gpu_seconds, gpu_hour)
+    return line(c, core_hour, gpu_hour)
 
 
 def wait_until_assigned(ports: dict[str, int], timeout_s: float, on_wait=None) -> None:
