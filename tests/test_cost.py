@@ -53,3 +53,25 @@ def test_a_held_gpu_is_priced_per_gpu_hour_over_the_requests():
     assert costs({"worker": 36.0}, 1_000, 0, 1.0).gpu_seconds == {}
     assert "GPU-s held" in line(c, 1.0, 2.0) and "$2/GPU-hour" in line(c, 1.0, 2.0)
     assert "GPU" not in line(costs({"worker": 36.0}, 1_000, 0, 1.0), 1.0)
+
+
+def test_the_scale_benchmark_reports_each_point_as_a_table_row_and_a_plot(tmp_path):
+    from tools.bench_scale import plot, table
+
+    point = {
+        "items": 10_000,
+        "users": 100_000,
+        "redis_bytes_per_row": 335.7,
+        "worker_rss_mb": 98.0,
+        "vector_recall_ms": 5.03,
+        "vector_index": "exact",
+        "request_p50_ms": 20.5,
+        "request_p99_ms": 26.7,
+        "param_server_rows_per_s": 174_232,
+    }
+    results = {"points": [point, {**point, "items": 100_000, "users": 1_000_000}]}
+    rows = table(results).splitlines()
+    assert len(rows) == 4
+    assert rows[2] == "| 10,000 | 100,000 | 335.7 | 98.0 | 5.03 (exact) | 20.5 / 26.7 | 174,232 |"
+    png = plot(results, tmp_path / "scale.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -39,16 +39,19 @@ def learning_world() -> World:
 
 
 @contextlib.contextmanager
-def bench_connection(prefix: str) -> Iterator[ConnectionSettings]:
-    """External services when set, else a private embedded stack; topics provisioned."""
+def bench_connection(prefix: str, redis_cluster: int = 0) -> Iterator[ConnectionSettings]:
+    """External services when set, else a private embedded stack (its Redis a cluster of
+    ``redis_cluster`` masters where that is not 0); topics provisioned."""
     if external_services():
+        if redis_cluster:
+            raise SystemExit("--redis-cluster starts an embedded cluster; unset REDIS_URL")
         conn = ConnectionSettings.from_env(os.environ).with_prefix(prefix)
         ensure_topics(AdminClient(admin_config(conn)), prefix)
         yield conn
         return
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-") as tmp:
         stack = EmbeddedStack(Path(tmp))
-        state = stack.up(detach=False)
+        state = stack.up(detach=False, redis_cluster=redis_cluster)
         try:
             conn = ConnectionSettings(
                 state.env["KAFKA_BOOTSTRAP_SERVERS"], state.env["REDIS_URL"], prefix
