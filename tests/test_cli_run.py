@@ -187,9 +187,13 @@ def _sigint_as_from_a_terminal() -> None:
 
 
 def test_ctrl_c_stops_the_run_and_its_stack(tmp_path):
+    """On a Redis Cluster of three masters (``--redis-cluster 3``): the run starts on it, and
+    Ctrl-C stops the broker and every node."""
     proc = freshrec(
         tmp_path,
         "run",
+        "--redis-cluster",
+        "3",
         "--items",
         "500",
         "--users",
@@ -210,11 +214,19 @@ def test_ctrl_c_stops_the_run_and_its_stack(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, "".join(lines) + out
-    assert "embedded stack stopped" in out
-    kafka_port = re.search(r"Kafka 127.0.0.1:(\d+)", up).group(1)
+    assert "Redis redis+cluster://127.0.0.1:" in up
+    stopped = re.search(r"embedded stack stopped \((.*)\)", out).group(1)
+    ports = [int(p) for p in re.findall(r"port (\d+)", stopped)]
+    assert [name.split()[0] for name in stopped.split("), ")] == [
+        "kafka",
+        "redis",
+        "redis1",
+        "redis2",
+    ]
     state = tmp_path / "run" / "stack.json"
     assert not state.exists()
     import socket
 
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", int(kafka_port))) != 0, "broker still listening"
+    for port in ports:
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listening"
