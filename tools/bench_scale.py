@@ -385,6 +385,7 @@ def plot(results: dict, path: Path) -> Path:
     for ax, (title, key) in zip(axes, panels, strict=True):
         ax.plot(x, [p[key] for p in pts], marker="o")
         ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("items (users ×10)")
         ax.grid(alpha=0.3)
