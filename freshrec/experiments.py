@@ -147,6 +147,16 @@ def allocate(old: bytes | None, old_names: list[str], exp: Experiment) -> bytes:
 
 
 # ------------------------------------------------------------------------------------ files
+def load(path) -> Experiment:
+    """``parse`` of the file at ``path``; an unreadable file is an ``ExperimentError`` too."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ExperimentError(f"{path}: cannot read the experiments file: {exc}") from None
+    return parse(text, str(path))
+
+
 _VARIANT_KEYS = {"name", "share", "ranking", "mmr_lambda", "exclude_seen", "recall_quotas"}
 _EXPERIMENT_KEYS = {"name", "salt", "control"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -210,6 +210,17 @@ BREAKER_STATE = Gauge(
     "freshrec_breaker_state", "Recall channel breaker: 0 closed, 1 half-open, 2 open", ["channel"]
 )
 MODEL_INFO = Gauge("freshrec_model_info", "The ranking model version in use (value 1)", ["version"])
+EXPERIMENT_REQUESTS = Counter(
+    "freshrec_experiment_requests_total",
+    "Requests served per A/B experiment variant",
+    ["experiment", "variant"],
+)
+EXPERIMENT_EVENTS = Counter(
+    "freshrec_experiment_events_total",
+    "Impressions, clicks and conversions naming a reply, per experiment variant (streams app); "
+    "variant 'unattributed' when the reply's variant is not known (no experiment, or expired)",
+    ["experiment", "variant", "event_type"],
+)
 DEVICE_INFO = Gauge(
     "freshrec_device_info", "The device the worker's tables live on (value 1)", ["device"]
 )

@@ -84,6 +84,24 @@ class RedisKeys:
         """String with a TTL: this request id has been answered (answer-once across workers)."""
         return f"{self.prefix}req:answered:{request_id}"
 
+    @property
+    def experiments(self) -> str:
+        """Set of the names of the A/B experiments workers have run."""
+        return f"{self.prefix}experiments"
+
+    def experiment(self, name: str) -> str:
+        """Hash: an experiment's variants (JSON, table order), shares, control, salt and
+        allocation table (``freshrec/experiments.py``)."""
+        return f"{self.prefix}exp:{name}"
+
+    def experiment_counts(self, name: str) -> str:
+        """Hash: ``{variant}:{requests|impression|click|conversion}`` -> count."""
+        return f"{self.prefix}exp:{name}:counts"
+
+    def request_variant(self, request_id: str) -> str:
+        """String with a TTL: ``{experiment}/{variant}`` of the reply to this request id."""
+        return f"{self.prefix}req:variant:{request_id}"
+
     def streams_rows(self, partition: int) -> str:
         return f"{self.prefix}streams:{{s{partition}}}:rows"
 

@@ -98,6 +98,8 @@ class RequestIntake:
         )
         self._retries: list[tuple] = []
         self.feedback = Feedback()
+        self.experiment = None
+        """The worker's ``LiveExperiment``: each reply's variant is recorded before it leaves."""
         """The tiers of recent replies: events naming them are counted by tier."""
 
     def __len__(self) -> int:
@@ -198,6 +200,8 @@ class RequestIntake:
                 continue
             m.REQUEST_BATCH_SIZE.observe(len(live))
             replies = self.recommender.serve(live, queue_depth=len(self.queue))
+            if self.experiment is not None:
+                self.experiment.record(replies)
             for b, reply in zip(live, replies, strict=True):
                 m.REQUESTS.labels("served").inc()
                 self.feedback.served(reply.request_id, reply.tier)

@@ -60,15 +60,17 @@ def scaled(relevance: np.ndarray) -> np.ndarray:
     return (relevance - lo) / max(hi - lo, 1e-12)
 
 
-def mmr_batch(relevance, vectors, k: int, lam: float = 0.7):
+def mmr_batch(relevance, vectors, k: int, lam: float | list[float] = 0.7):
     """``mmr`` for a batch of requests at once, in torch where the inputs live (a GPU's
     ranking batch stays on it): ``relevance`` (B, P) with ``-inf`` where a request has fewer
     than P candidates (padding), ``vectors`` (B, P, d). Returns (B, k) indices in MMR order,
     ``-1`` past a request's candidates — a tensor on the inputs' device, or a numpy array for
     numpy inputs. Picks are those of ``mmr`` run per request (same scores, same first-index
-    tie-break), in k vectorised steps instead of B × k small ones.
+    tie-break), in k vectorised steps instead of B × k small ones. ``lam`` is one λ for all,
+    or one per request (an experiment's variants).
     """
-    if not 0.0 <= lam <= 1.0:
+    per_request = not isinstance(lam, (int, float))
+    if not all(0.0 <= x <= 1.0 for x in (lam if per_request else [lam])):
         raise ValueError(f"lambda must be in [0, 1], got {lam}")
     host = isinstance(relevance, np.ndarray)
     rel = torch.as_tensor(relevance, dtype=torch.float64)
@@ -85,6 +87,11 @@ def mmr_batch(relevance, vectors, k: int, lam: float = 0.7):
     unit = vecs / vecs.norm(dim=2, keepdim=True).clamp_min(1e-12)
     flat_unit = unit.reshape(b * n, -1)
     alive = torch.isfinite(rel)  # a candidate not picked yet (padding never is one)
+    if per_request:
+        if len(lam) != b:
+            raise ValueError(f"{len(lam)} lambdas for {b} requests")
+        lam = torch.tensor(lam, dtype=torch.float64, device=rel.device)[:, None]
+        keep = 1.0 - lam
     base = lam * rel.masked_fill(~alive, 0.0)
     offsets = torch.arange(b, device=rel.device) * n
     score = base.masked_fill(~alive, -torch.inf)
@@ -98,7 +105,10 @@ def mmr_batch(relevance, vectors, k: int, lam: float = 0.7):
         alive.view(-1).index_fill_(0, at, False)
         sim = (unit * flat_unit.index_select(0, at)[:, None, :]).sum(2)  # a CPU's bmm is slower
         max_sim = sim if max_sim is None else torch.maximum(max_sim, sim)
-        score = torch.add(base, max_sim, alpha=-(1.0 - lam)).masked_fill_(~alive, -torch.inf)
+        if per_request:
+            score = (base - keep * max_sim).masked_fill_(~alive, -torch.inf)
+        else:
+            score = torch.add(base, max_sim, alpha=-(1.0 - lam)).masked_fill_(~alive, -torch.inf)
     out = torch.stack(bests, 1).masked_fill_(torch.stack(tops, 1) == -torch.inf, -1)
     return out.numpy() if host else out
 

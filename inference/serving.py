@@ -26,6 +26,8 @@ from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
 from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
 from inference.ann import IVFIndex, ivf_cells
+from inference.arms import Arm, lambdas, quotas, reply_fields, steer
+from inference.arms import request as request_of
 from inference.cache import EmbeddingCache
 from inference.channels import NEW_ITEMS, ServingState, category_members, default_channels
 from inference.degrade import (
@@ -41,6 +43,7 @@ from inference.degrade import (
 )
 from inference.device import to_host
 from inference.features import RECENT, FeatureEncoder, recent_category_share, recent_similarity
+from inference.hotreply import HotReplies
 from inference.merge import found_by, merge_slot_arrays
 from inference.modelfile import ModelWatcher
 from inference.ranking import score
@@ -121,6 +124,7 @@ class Recommender:
         worker_id: str,
         recent_clicks: Callable[[str], list[str]] = lambda user_id: [],
         seen: Callable[[RecommendRequest], RecommendRequest] = lambda request: request,
+        arm_of: Callable[[str], Arm | None] = lambda user_id: None,
     ) -> None:
         self.settings = settings
         self.cache = cache
@@ -130,6 +134,7 @@ class Recommender:
         self.models = models
         self.worker_id = worker_id
         self.with_seen = seen  # a request with the user's consumed items excluded, if it asks
+        self.arm_of = arm_of  # the user's experiment variant (``arms.py``), if any
         self.encoder = FeatureEncoder()
         self.ladder = Ladder(settings.ladder)
         self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
@@ -143,8 +148,7 @@ class Recommender:
         self.full_cost_ms: float | None = None
         self.light_cost_ms: float | None = None
         self.full_failed_until = 0.0
-        self._hot_ranked: dict[str | None, list] = {}
-        self._hot_ranked_of: Snapshot | None = None
+        self.hot_replies = HotReplies()
         self.runner: RecallRunner = runner_factory(self.state)
         self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
 
@@ -253,7 +257,8 @@ class Recommender:
         degraded: list[str] = []
         if not self.snapshots.healthy:
             degraded.append("redis unavailable: cached features and lists")
-        reqs = [self.with_seen(b.request) for b in batch]
+        arms = [self.arm_of(b.request.user_id) for b in batch]
+        reqs = [self.with_seen(request_of(b.request, a)) for b, a in zip(batch, arms, strict=True)]
         user_rows, versions, ages, user_note, user_slots = self._users(reqs, now_ms)
         if user_note:
             degraded.append(user_note)
@@ -269,7 +274,10 @@ class Recommender:
             degraded.append(
                 "recall channels dropped: " + ", ".join(recall.timed_out + recall.failed)
             )
-        merged = [self._candidates(recall.per_query[j], r.exclude) for j, r in enumerate(reqs)]
+        merged = [
+            self._candidates(recall.per_query[j], r.exclude, quotas(self.quotas, arms[j]))
+            for j, r in enumerate(reqs)
+        ]
         models = self.models.current
         choices = []
         for j, r in enumerate(reqs):
@@ -277,17 +285,21 @@ class Recommender:
             key = self._cache_key(r)
             budget_left = budgets[j] - (t_recall - start) * 1000
             choices.append(
-                self.ladder.choose(
-                    Situation(
-                        device=device,
-                        budget_ms=budget_left,
-                        queue_depth=queue_depth,
-                        cached=self.results.peek_valid(key, versions[j], now_ms),
-                        full_ok=models is not None and time.monotonic() >= self.full_failed_until,
-                        light_ok=models is not None,
-                        full_cost_ms=self.full_cost_ms,
-                        light_cost_ms=self.light_cost_ms,
-                    )
+                steer(
+                    self.ladder.choose(
+                        Situation(
+                            device=device,
+                            budget_ms=budget_left,
+                            queue_depth=queue_depth,
+                            cached=self.results.peek_valid(key, versions[j], now_ms),
+                            full_ok=models is not None
+                            and time.monotonic() >= self.full_failed_until,
+                            light_ok=models is not None,
+                            full_cost_ms=self.full_cost_ms,
+                            light_cost_ms=self.light_cost_ms,
+                        )
+                    ),
+                    arms[j],
                 )
             )
         ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
@@ -296,7 +308,7 @@ class Recommender:
             degraded.append(features_note)
         t_rank = time.monotonic()
         item_table_version = int(self.cache.items.version.max(initial=0))  # once per batch
-        reranked = self._rerank(merged, ranked, reqs)
+        reranked = self._rerank(merged, ranked, reqs, lambdas(arms, s.mmr_lambda))
         replies = []
         for j, (b, r) in enumerate(zip(batch, reqs, strict=True)):
             tier, reason = choices[j].tier, choices[j].reason
@@ -310,7 +322,7 @@ class Recommender:
                 items = [i for i in items if i[0] not in excluded and self._listed(i[0])][: r.k]
             else:
                 tier = HOT
-                items = self._hot_items(r)
+                items = self.hot_replies.items(self.snap, r, self._listed)
             done = time.monotonic()
             timings = {
                 "queue": float(max(0, now_ms - b.enqueued_ms)),
@@ -335,6 +347,7 @@ class Recommender:
                     item_table_version=item_table_version,
                     timings_ms={k: round(v, 3) for k, v in timings.items()},
                     worker=self.worker_id,
+                    **reply_fields(arms[j]),
                 )
             )
             m.REPLIES.labels(tier).inc()
@@ -372,11 +385,11 @@ class Recommender:
         ages = [max(a, 0) if a is not None else None for a in ages]
         return rows, versions.tolist(), ages, note, slots
 
-    def _candidates(self, per_channel: dict[str, np.ndarray], exclude: tuple[str, ...]):
+    def _candidates(self, per_channel: dict[str, np.ndarray], exclude: tuple[str, ...], quota):
         ex = None
         if exclude:
             ex = np.fromiter((self.slot_of[x] for x in exclude if x in self.slot_of), np.int64)
-        slots = merge_slot_arrays(per_channel, self.quotas, self.settings.candidates, ex)
+        slots = merge_slot_arrays(per_channel, quota, self.settings.candidates, ex)
         return Candidates(slots, per_channel)
 
     @staticmethod
@@ -497,7 +510,7 @@ class Recommender:
                     dense[base + k, 1:4] = got
         return None
 
-    def _rerank(self, merged: list[Candidates], ranked: dict[int, torch.Tensor], reqs):
+    def _rerank(self, merged: list[Candidates], ranked: dict[int, torch.Tensor], reqs, lams):
         """MMR over the head of each ranking (all requests of the batch in one ``mmr_batch``,
         on the tables' device), then category spacing. Returns, per ranked request,
         [(item, score, channels)]. The picks, their slots and scores come to the host in one
@@ -524,7 +537,8 @@ class Recommender:
         outside = np.arange(width)[None, :] >= heads[:, None]  # past a request's head
         rel.masked_fill_(self.cache.to_device(outside), -torch.inf)
         vecs = self.cache.items.rows.index_select(0, head_slots.reshape(-1))[:, : self.cache.dim]
-        picks = mmr_batch(rel, vecs.reshape(len(js), width, -1), k, self.settings.mmr_lambda)
+        lam = lams[js[0]] if len(set(lams)) == 1 else [lams[j] for j in js]
+        picks = mmr_batch(rel, vecs.reshape(len(js), width, -1), k, lam)
         taken = picks.clamp_min(0)
         reply = to_host(
             torch.stack(
@@ -564,32 +578,6 @@ class Recommender:
             return [-1] * len(slots)
         ci = np.where(inside, self.cat_index[np.where(inside, slots, 0)], -1)
         return np.where(ci >= 0, cat.category[np.maximum(ci, 0)], -1).tolist()
-
-    def _hot_items(self, r: RecommendRequest):
-        """The regional hot list, then the global one, minus exclusions (no model)."""
-        region = r.context.region if r.context else None
-        ranked = self._hot_ranked.get(region)
-        if ranked is None or self._hot_ranked_of is not self.snap:
-            if self._hot_ranked_of is not self.snap:
-                self._hot_ranked, self._hot_ranked_of = {}, self.snap
-            lists = []
-            if region and region in self.snap.hot:
-                lists.append(("region", self.snap.hot[region]))
-            lists.append(("hot", self.snap.hot.get("global", [])))
-            best: dict[str, tuple[str, float, tuple[str, ...]]] = {}
-            for channel, names in lists:
-                for pos, name in enumerate(names):
-                    if name not in best:
-                        best[name] = (name, round(1.0 / (1 + pos), 6), (channel,))
-            ranked = self._hot_ranked[region] = sorted(best.values(), key=lambda x: -x[1])
-        excluded = set(r.exclude)
-        out = []
-        for entry in ranked:
-            if entry[0] not in excluded and self._listed(entry[0]):
-                out.append(entry)
-                if len(out) == r.k:
-                    break
-        return out
 
 
 @functools.cache

@@ -126,6 +126,9 @@ class WorkerSettings:
     """The consumed items the worker remembers for ``exclude_seen``: per user, the newest
     this many, for the most recently active ``seen_users`` users (~100 bytes an item)."""
     answered_ttl_s: int = 3600
+    experiments_file: Path | None = None
+    """An A/B experiment's declaration (``FRESHREC_EXPERIMENTS_FILE``; docs/experiments.md):
+    requests get their user's variant; None: no experiment."""
     reply_topic_pattern: str | None = None
     """The reply topics a request may name (a regular expression the whole name matches;
     None: the shared reply topic and clients' own ``recommend.replies.<id>``)."""
@@ -228,6 +231,9 @@ class WorkerSettings:
             hot_decay_per_hour=hot.decay_per_hour,
             reply_topic_pattern=_reply_pattern(env),
             dead_letters=dead_letter_limits(env),
+            experiments_file=Path(env["FRESHREC_EXPERIMENTS_FILE"])
+            if env.get("FRESHREC_EXPERIMENTS_FILE")
+            else None,
         )
 
 

@@ -62,6 +62,7 @@ from inference.channels import make_channels
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter
 from inference.device import pick_device
+from inference.experiment import LiveExperiment
 from inference.gradients import GradientSender
 from inference.intake import RequestIntake
 from inference.learner import LocalLearner
@@ -163,6 +164,13 @@ class Worker:
             rate_per_hour=settings.hot_decay_per_hour,
         )
         self.models = ModelWatcher(settings.model_dir, self.cache.device, self.dim)
+        self.experiment = (
+            LiveExperiment(
+                settings.experiments_file, self.redis, self.keys, settings.answered_ttl_s
+            )
+            if settings.experiments_file
+            else None
+        )
         sv = settings.serving
         self.recommender = Recommender(
             sv,
@@ -180,10 +188,12 @@ class Worker:
             settings.worker_id,
             recent_clicks=self.recent.get,
             seen=lambda r: with_seen(r, self.seen.get, settings.exclude_seen),
+            arm_of=self.experiment.arm if self.experiment else lambda user_id: None,
         )
         self.intake = RequestIntake(
             settings, self.names, self.keys, self.redis, self.producer, self.recommender
         )
+        self.intake.experiment = self.experiment
         self.commits = OffsetCommitter(
             self.events,
             self.names.events,
@@ -207,6 +217,8 @@ class Worker:
         """Load the item table, then follow the broadcast from before that load; load the
         models and the serving snapshot; join the group."""
         shards = row_shards(self.redis, self.keys, self.outbox.partitions)  # the rows' layout
+        if self.experiment:
+            self.experiment.load()  # a bad file stops the worker here, with the line at fault
         positions = broadcast_offsets(self.redis, self.keys)
         items = load_table(self.redis, self.keys, TABLE_ITEM, self.dim + 1, shards)
         self.cache.load_items(items)
@@ -327,6 +339,8 @@ class Worker:
             self._expired_at = now
             self.expire_items(_now_ms())
         self.models.poll()
+        if self.experiment:
+            self.experiment.poll(now)
         self.recommender.adopt_snapshot()  # also when idle: the catalogue gauge stays true
         self.recommender.maybe_rebuild_index()
         for name, state in self.recommender.runner.breaker_states().items():

@@ -258,6 +258,8 @@ def encode_reply(reply: RecommendReply) -> bytes:
         "item_table_version": reply.item_table_version,
         "timings_ms": reply.timings_ms or None,
         "worker": reply.worker,
+        "experiment": reply.experiment,
+        "variant": reply.variant,
         "served_at_ms": reply.served_at_ms,
     }
     # orjson (~20x faster than ``json`` for a reply) writes NaN and infinity as null; the

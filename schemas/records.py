@@ -105,6 +105,8 @@ class RecommendReply:
     item_table_version: int | None = None
     timings_ms: dict[str, float] = field(default_factory=dict)
     worker: str | None = None
+    experiment: str | None = None
+    variant: str | None = None
     schema_version: int = SCHEMA_VERSION
 
 

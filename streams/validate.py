@@ -42,6 +42,7 @@ from freshrec.settings import LOG_FORMAT
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
+from streams.attribution import Attribution
 from streams.item_state import BY_ITEM_COLUMNS, EVENT_CODES
 from streams.settings import StreamsSettings
 
@@ -86,6 +87,7 @@ class ValidateStage:
         # or before a commit): a round trip per batch was a sixth of this stage's time. A
         # cluster's are sent to their nodes and waited for (``run_packed``).
         self.recent = None if is_cluster(self.redis) else Pipelined(self.redis)
+        self.attribution = Attribution(self.redis, self.keys)
         self.dedupe: dict[int, DedupeWindow] = {}
         self._last_commit = time.monotonic()
         self._uncommitted = False
@@ -168,11 +170,25 @@ class ValidateStage:
         if n_ok:
             self._route(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
-            if clicks:
-                self._send_recent(pack_recent(self.keys, clicks, self.settings.recent_clicks))
+            writes = pack_recent(self.keys, clicks, self.settings.recent_clicks) if clicks else []
+            writes += self._until_redis_answers(lambda: self.attribution.commands(events))
+            if writes:
+                self._send_recent(writes)
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
         m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
         m.STREAMS_EVENTS.labels("rejected").inc(n_bad)
+
+    def _until_redis_answers(self, op):
+        """``op()``, again every second while Redis is unreachable (offsets wait meanwhile)."""
+        warned = False
+        while True:
+            try:
+                return op()
+            except redis.ConnectionError as exc:
+                if not warned:
+                    log.warning("experiment attribution: Redis unavailable (%s); waiting", exc)
+                    warned = True
+                time.sleep(1.0)
 
     def _send_recent(self, entries: list[Packed]) -> None:
         """Write recent clicks, waiting out a Redis outage (the batch's offsets are not
@@ -183,7 +199,8 @@ class ValidateStage:
                 if self.recent is None:
                     run_packed(self.redis, entries)
                 else:
-                    self.recent.send(b"".join(e.payload for e in entries), 2 * len(entries))
+                    payload = b"".join(e.payload for e in entries)
+                    self.recent.send(payload, sum(e.replies for e in entries))
                 if warned:
                     log.info("Redis is back: recent clicks written again")
                 return

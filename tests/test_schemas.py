@@ -322,6 +322,8 @@ def test_reply_encoder_writes_every_field():
         item_table_version=5,
         timings_ms={"total": 1.0},
         worker="w",
+        experiment="e",
+        variant="v",
     )
     encoded = json.loads(encode_reply(reply))
     assert set(encoded) == {f.name for f in dataclasses.fields(RecommendReply)}

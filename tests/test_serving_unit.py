@@ -149,6 +149,22 @@ def test_batched_mmr_picks_what_mmr_picks_per_request():
         mmr_batch(np.zeros((1, 3)), np.zeros((1, 3, 2)), 2, lam=-0.1)
 
 
+def test_batched_mmr_with_a_lambda_per_request_picks_what_mmr_picks_with_each():
+    rng = np.random.default_rng(8)
+    for _ in range(100):
+        b, p, k = rng.integers(1, 8), rng.integers(1, 40), rng.integers(0, 15)
+        lams = rng.random(b).round(2).tolist()
+        rel = rng.random((b, p))
+        vecs = rng.standard_normal((b, p, 8)).astype(np.float32)
+        got = mmr_batch(rel, vecs, k, lams)
+        for j in range(b):
+            assert [x for x in got[j].tolist() if x >= 0] == mmr(rel[j], vecs[j], k, lams[j])
+    with pytest.raises(ValueError):
+        mmr_batch(np.zeros((2, 3)), np.zeros((2, 3, 2)), 2, lam=[0.5])
+    with pytest.raises(ValueError):
+        mmr_batch(np.zeros((1, 3)), np.zeros((1, 3, 2)), 2, lam=[1.5])
+
+
 def test_category_spacing_keeps_a_gap_where_possible():
     order = space_categories(["a", "a", "a", "b", "b", "c"], min_gap=2)
     cats = [["a", "a", "a", "b", "b", "c"][i] for i in order]

@@ -10,6 +10,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from freshrec.app.options import EnvDefault, add_log_options, add_world_options
 from freshrec.cost import CORE_HOUR_PRICE, GPU_HOUR_PRICE
@@ -57,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="closed-loop recommendation requests per second",
     )
     run.add_argument("--workers", type=int, default=1, help="inference workers to start")
+    run.add_argument(
+        "--experiment",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run the workers with this A/B experiment (examples/experiments.toml) and print "
+        "its report at the end",
+    )
     run.add_argument(
         "--redis-cluster",
         type=int,
@@ -116,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     stack_sub.add_parser("status", help="what runs where").set_defaults(
         func=commands.cmd_stack_status
     )
+
+    exps = sub.add_parser("experiments", help="A/B experiments (docs/experiments.md)")
+    exps_sub = exps.add_subparsers(dest="action", required=True, metavar="ACTION")
+    report = exps_sub.add_parser(
+        "report", help="per variant: requests, CTR and CVR with 95%% intervals, test vs control"
+    )
+    report.add_argument("--name", action="append", help="this experiment (default: all)")
+    report.add_argument("--json", action="store_true", help="JSON instead of a table")
+    report.set_defaults(func=commands.cmd_experiments_report)
+    check = exps_sub.add_parser("check", help="parse an experiments file and show its split")
+    check.add_argument("file", type=Path)
+    check.set_defaults(func=commands.cmd_experiments_check)
 
     topics = sub.add_parser("topics", help="the topic catalogue")
     topics_sub = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -264,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _sigterm_as_interrupt()
     from freshrec.app.stack import StackError
     from freshrec.app.supervisor import ServiceDied
+    from freshrec.experiments import ExperimentError
+    from freshrec.rowstore import LayoutMismatch
     from freshrec.topics import TopicMismatchError
     from inference.client import RecommendError, RecommendTimeout
     from inference.interactions import LogError
@@ -284,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         RecommendTimeout,
         ModelFileError,
         LogError,
+        ExperimentError,
+        LayoutMismatch,
     ) as exc:
         print(f"freshrec: error: {exc}", file=sys.stderr)
         return 2

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -76,6 +78,43 @@ def cmd_stack_status(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------- topics
+
+
+def cmd_experiments_report(args: argparse.Namespace) -> int:
+    from freshrec.app.abreport import read, render
+    from freshrec.redisconn import connect
+    from freshrec.rediskeys import RedisKeys
+
+    conn = connection()
+    r = connect(conn.redis_url)
+    try:
+        reports = read(r, RedisKeys(conn.topic_prefix), args.name)
+    except KeyError as exc:
+        print(f"freshrec: error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    print(json.dumps(reports, indent=2) if args.json else render(reports))
+    return 0
+
+
+def cmd_experiments_check(args: argparse.Namespace) -> int:
+    from freshrec.experiments import ExperimentError, allocate, load
+
+    try:
+        exp = load(args.file)
+    except ExperimentError as exc:
+        print(f"freshrec: error: {exc}", file=sys.stderr)
+        return 2
+    table = allocate(None, [], exp)
+    print(f"experiment {exp.name} (salt {exp.salt!r}, control {exp.control})")
+    for i, v in enumerate(exp.variants):
+        changes = {
+            k: getattr(v, k)
+            for k in ("ranking", "mmr_lambda", "exclude_seen", "recall_quotas")
+            if getattr(v, k) not in (None, {})
+        }
+        what = ", ".join(f"{k}={val}" for k, val in changes.items()) or "as the worker is set"
+        print(f"  {v.name:<14} {v.share:>6.1%}  {table.count(i):>4} of 1000 buckets  {what}")
+    return 0
 
 
 def cmd_topics_create(args: argparse.Namespace) -> int:

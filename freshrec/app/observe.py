@@ -79,6 +79,9 @@ class Headline:
     quality: dict[str, float | None] = field(default_factory=dict)
     """CTR and CVR of served recommendations over the window: ``ctr``, ``cvr`` and
     ``ctr_<tier>`` (from the events naming a reply, ``freshrec_feedback_events_total``)."""
+    variants: dict[str, float | None] = field(default_factory=dict)
+    """CTR over the window per A/B experiment variant, ``experiment/variant`` (from the
+    streams app's attribution, ``freshrec_experiment_events_total``)."""
     slo: dict[str, float | None] = field(default_factory=dict)
     """Per freshness objective (``served``, ``reply``): the share of the window's events
     later than it, and the burn rate of its error budget (``served_burn``)."""
@@ -206,6 +209,7 @@ def headline(
         if v:
             h.model = labels.get("version")
     h.quality = quality(s0, s1)
+    h.variants = variant_ctr(s0, s1)
     h.slo = slo_figures(window, slo or SloSettings())
     return h
 
@@ -235,6 +239,38 @@ def quality(s0: Samples, s1: Samples) -> dict[str, float | None]:
         out[f"ctr_{tier}"] = share(
             d(event_type="click", tier=tier), d(event_type="impression", tier=tier)
         )
+    return out
+
+
+EXPERIMENT_EVENTS = "freshrec_experiment_events_total"
+
+
+def variant_ctr(s0: Samples, s1: Samples) -> dict[str, float | None]:
+    """CTR per ``experiment/variant`` between two scrapes (events naming replies that had a
+    variant; the unattributed ones are left out).
+
+    >>> from freshrec.promtext import parse
+    >>> row = 'freshrec_experiment_events_total{{experiment="e",variant="{}",event_type="{}"}} {}'
+    >>> s1 = parse("\\n".join(row.format(*x) for x in [("a", "impression", 10), ("a", "click", 3)]))
+    >>> variant_ctr({}, s1)
+    {'e/a': 0.3}
+    """
+    names = sorted(
+        {
+            (labels.get("experiment", ""), labels.get("variant", ""))
+            for labels, _ in s1.get(EXPERIMENT_EVENTS, [])
+            if labels.get("experiment")
+        }
+    )
+
+    def d(exp: str, variant: str, kind: str) -> float:
+        match = {"experiment": exp, "variant": variant, "event_type": kind}
+        return max(total(s1, EXPERIMENT_EVENTS, **match) - total(s0, EXPERIMENT_EVENTS, **match), 0)
+
+    out = {}
+    for exp, variant in names:
+        shown = d(exp, variant, "impression")
+        out[f"{exp}/{variant}"] = round(d(exp, variant, "click") / shown, 4) if shown else None
     return out
 
 

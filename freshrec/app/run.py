@@ -93,6 +93,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     world = world_from_args(args)
     progress = ProgressLine()
+    experiment_env = {}
+    if args.experiment:
+        from freshrec.experiments import load
+
+        load(args.experiment)  # a bad file stops the run here, naming the line
+        experiment_env["FRESHREC_EXPERIMENTS_FILE"] = str(args.experiment.resolve())
     models = model_dir()
     impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
     manifest = ensure_models(world, models, TrainConfig(impressions=impressions), progress)
@@ -110,6 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 **ctx.conn_env,
                 "FRESHREC_MODEL_DIR": str(models),
                 "FRESHREC_EMBEDDING_DIM": str(manifest["dim"]),
+                **experiment_env,
             },
             state_dir() / "run" / "logs",
         )
@@ -174,6 +181,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     )
                     if cost:
                         final += "\n" + cost
+                    if args.experiment:
+                        final += "\n" + experiment_report(ctx.conn)
             finally:
                 stop.set()
                 dashboard.stop()
@@ -190,6 +199,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     return 0 if stats.failed == 0 and (args.requests == 0 or loop.stats.replied > 0) else 1
+
+
+def experiment_report(conn) -> str:
+    """``freshrec experiments report`` of this run's experiment."""
+    from freshrec.app.abreport import read, render
+    from freshrec.redisconn import connect
+    from freshrec.rediskeys import RedisKeys
+
+    r = connect(conn.redis_url)
+    try:
+        return render(read(r, RedisKeys(conn.topic_prefix)))
+    finally:
+        r.close()
 
 
 def _stop_on_signals(stop: threading.Event) -> list[int]:

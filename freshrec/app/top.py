@@ -53,6 +53,10 @@ def render(h: Headline) -> str:
         f"quality    CTR {_pct(q.get('ctr'))}  CVR {_pct(q.get('cvr'))}"
         + (f"  (CTR by tier: {tiers})" if tiers else "")
     )
+    if h.variants:
+        lines.append(
+            "variants   CTR " + "  ".join(f"{k} {_pct(v)}" for k, v in sorted(h.variants.items()))
+        )
     slo = h.slo
     lines.append(
         f"SLO        served late {_pct(slo.get('served_late'))} burn {_f(slo.get('served_burn'))}"

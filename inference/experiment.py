@@ -1,0 +1,140 @@
+"""The worker's A/B experiment: the file it is declared in (``FRESHREC_EXPERIMENTS_FILE``),
+reloaded when it changes, and its allocation table, shared through Redis so every worker
+assigns a user alike (``freshrec/experiments.py``).
+
+Redis holds, per experiment, ``exp:{name}`` (the variants in table order, their shares, the
+control, the salt and the allocation table) and ``exp:{name}:counts`` (per variant,
+``requests`` counted by the workers and ``impression``/``click``/``conversion`` by the
+streams app); each served request's variant is kept under ``req:variant:{request_id}`` for
+the streams app to attribute the events that name the request. A worker whose file's shares
+differ from the stored ones writes the table anew from the stored one (``allocate``: the
+fewest users move); workers reading the same file compute the same table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import redis
+
+from freshrec import metrics as m
+from freshrec.experiments import Experiment, ExperimentError, allocate, load
+from freshrec.rediskeys import RedisKeys
+from inference.arms import Arm
+
+log = logging.getLogger("freshrec.worker")
+CHECK_EVERY_S = 2.0
+
+
+def stored_layout(exp: Experiment) -> dict[str, str]:
+    """What ``exp:{name}`` says besides the table: variants in table order and their shares."""
+    return {
+        "variants": json.dumps([v.name for v in exp.variants]),
+        "shares": json.dumps([v.share for v in exp.variants]),
+        "control": exp.control,
+        "salt": exp.salt,
+    }
+
+
+def sync_table(r: redis.Redis, keys: RedisKeys, exp: Experiment) -> bytes:
+    """The allocation table for ``exp``: the stored one if it was made for these variants and
+    shares, else one made from it (or from nothing) with the fewest users moved, stored."""
+    key = keys.experiment(exp.name)
+    stored = r.hgetall(key)
+    layout = stored_layout(exp)
+    table = stored.get(b"table")
+    if table is not None and all(stored.get(k.encode()) == v.encode() for k, v in layout.items()):
+        return table
+    old_names = json.loads(stored[b"variants"]) if b"variants" in stored else []
+    if stored.get(b"salt", exp.salt.encode()) != exp.salt.encode():
+        table, old_names = None, []  # another salt: another assignment altogether
+    new = allocate(table, old_names, exp)
+    r.hset(key, mapping={**layout, "table": new, "changed_ms": int(time.time() * 1000)})
+    r.sadd(keys.experiments, exp.name)
+    log.info(
+        "experiment %s: %s",
+        exp.name,
+        ", ".join(f"{v.name} {v.share:.1%}" for v in exp.variants),
+    )
+    return new
+
+
+class LiveExperiment:
+    def __init__(self, path: Path, client: redis.Redis, keys: RedisKeys, ttl_s: int) -> None:
+        self.path = Path(path)
+        self.redis = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self.experiment: Experiment | None = None
+        self.table = b""
+        self._stamp: tuple | None = None
+        self._checked = 0.0
+        self._arms: dict[str, Arm] = {}
+
+    def load(self) -> None:
+        """Read the file and the table now: a bad file is an error at start."""
+        self.experiment = load(self.path)
+        self._stamp = self._file_stamp()
+        self._adopt(sync_table(self.redis, self.keys, self.experiment))
+
+    def arm(self, user_id: str) -> Arm | None:
+        if self.experiment is None:
+            return None
+        return self._arms[self.experiment.variant_of(self.table, user_id)]
+
+    def poll(self, now: float) -> None:
+        """Every couple of seconds: a changed file is parsed and its shares applied (a bad
+        one is logged and the running experiment kept), and a table another worker stored is
+        adopted."""
+        if now - self._checked < CHECK_EVERY_S:
+            return
+        self._checked = now
+        try:
+            stamp = self._file_stamp()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                exp = load(self.path)
+                if self.experiment is None or exp != self.experiment:
+                    log.info("experiments file %s changed: reloading", self.path)
+                self.experiment = exp
+            if self.experiment is not None:
+                self._adopt(sync_table(self.redis, self.keys, self.experiment))
+        except ExperimentError as exc:
+            log.error("experiments file not reloaded, the running experiment stays: %s", exc)
+        except OSError as exc:  # the file gone or unreadable between stat and read
+            log.error("experiments file %s unreadable, the running one stays: %s", self.path, exc)
+        except redis.RedisError as exc:
+            log.warning("experiment table not refreshed (Redis): %s", exc)
+
+    def record(self, replies) -> None:
+        """Before the replies leave: each one's variant under its request id, and the
+        requests per variant. A Redis error loses these counts (logged), not the replies."""
+        arms = [(r.request_id, r.experiment, r.variant) for r in replies if r.variant]
+        if not arms:
+            return
+        per = Counter((e, v) for _, e, v in arms)
+        for (e, v), n in per.items():
+            m.EXPERIMENT_REQUESTS.labels(e, v).inc(n)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for rid, e, v in arms:
+                pipe.set(self.keys.request_variant(rid), f"{e}/{v}", ex=self.ttl_s)
+            for (e, v), n in per.items():
+                pipe.hincrby(self.keys.experiment_counts(e), f"{v}:requests", n)
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("variants of %d replies not recorded: %s", len(arms), exc)
+
+    def _adopt(self, table: bytes) -> None:
+        self.table = table
+        exp = self.experiment
+        self._arms = {v.name: Arm(exp.name, v) for v in exp.variants}
+
+    def _file_stamp(self) -> tuple:
+        st = os.stat(self.path)
+        return (st.st_mtime_ns, st.st_size)
