@@ -32,12 +32,23 @@ class RedisKeys:
         self.new_items = f"{p}items:new"  # zset, score = created_at_ms
         # counter: bumped by every catalogue write (sets and deletions); workers reload on a move
         self.catalogue_version = f"{p}items:version"
-        # serving features of items (global scope), hashes, field = item_id
-        self.item_feature = {
-            name: f"{p}item:{name}"
-            for name in ("impressions", "clicks", "conversions", "ctr", "cvr", "hot")
-        }
-        self.item_features_as_of = f"{p}item:as_of_ms"  # hash: event time features hold at
+        # the number of events.by_item partitions the serving features are laid out by
+        self.feature_shards = f"{p}item:shards"
+
+    FEATURES = ("impressions", "clicks", "conversions", "ctr", "cvr", "hot")
+
+    def item_feature(self, name: str, shard: int) -> str:
+        """Hash of the items of ``events.by_item`` partition ``shard`` (an item's partition
+        is the murmur2 of its id): field = item id, value = the serving feature ``name``.
+
+        >>> RedisKeys("t1.").item_feature("ctr", 2)
+        't1.item:ctr:{s2}'
+        """
+        return f"{self.prefix}item:{name}:{{s{shard}}}"
+
+    def item_features_as_of(self, shard: int) -> str:
+        """Hash: item id -> the event time its features are decayed to."""
+        return f"{self.prefix}item:as_of_ms:{{s{shard}}}"
 
     def embeddings(self, table: str, shard: int) -> str:
         """Hash of the rows of ``gradients`` partition ``shard``: field = 8-byte row id,

@@ -50,7 +50,7 @@ from inference.ranking import score
 from inference.recall import ChannelConfig, RecallQuery, RecallRunner
 from inference.rerank import mmr_batch, space_categories
 from inference.resultcache import ResultCache
-from inference.snapshot import Snapshot, SnapshotRefresher
+from inference.snapshot import Snapshot, SnapshotRefresher, read_features
 from schemas.ids import row_ids
 from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
@@ -490,18 +490,10 @@ class Recommender:
         )
         cand_names = {j: self.name_of_slot[merged[j].slots].tolist() for j in realtime}
         names = sorted({name for j in realtime for name in cand_names[j]})
-        pipe = self.redis.pipeline(transaction=False)
-        for feature in ("ctr", "cvr", "hot"):
-            pipe.hmget(self.keys.item_feature[feature], names)
         try:
-            ctr, cvr, hot = pipe.execute()
+            fresh = read_features(self.redis, self.keys, names, self.snap.feature_shards)
         except redis.RedisError:
             return "redis unavailable: cached features for high_end"
-        fresh = {
-            n: [float(c), float(v or 0.0), float(h or 0.0)]
-            for n, c, v, h in zip(names, ctr, cvr, hot, strict=True)
-            if c is not None
-        }
         for j in realtime:
             base = offsets[j]
             for k, name in enumerate(cand_names[j]):

@@ -27,6 +27,7 @@ import redis
 
 from freshrec import metrics as m
 from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR, HotWeights, merge_published
+from freshrec.partitioner import str_partitions
 from freshrec.rediskeys import RedisKeys
 from inference.features import CATEGORY_BUCKETS, bucket
 from schemas.ids import row_ids
@@ -55,6 +56,31 @@ class Snapshot:
     new: list[str] = field(default_factory=list)
     version: int = 0
     """Bumped when the catalogue is replaced (the worker then re-maps slots)."""
+    feature_shards: int = 0
+    """``events.by_item`` partitions the features are laid out by (0: none written yet)."""
+
+
+def read_features(r, keys: RedisKeys, names: list[str], shards: int) -> dict[str, list[float]]:
+    """[ctr, cvr, hot] of each of ``names`` that has features, read now: one HMGET per
+    feature and ``events.by_item`` partition holding some of them, in one round trip."""
+    if not names or shards <= 0:
+        return {}
+    part = str_partitions(names, shards).tolist()
+    groups: dict[int, list[str]] = {}
+    for name, p in zip(names, part, strict=True):
+        groups.setdefault(p, []).append(name)
+    pipe = r.pipeline(transaction=False)
+    for p, mine in groups.items():
+        for feature in ("ctr", "cvr", "hot"):
+            pipe.hmget(keys.item_feature(feature, p), mine)
+    replies = iter(pipe.execute())
+    out = {}
+    for mine in groups.values():
+        ctr, cvr, hot = next(replies), next(replies), next(replies)
+        for n, c, v, h in zip(mine, ctr, cvr, hot, strict=True):
+            if c is not None:
+                out[n] = [float(c), float(v or 0.0), float(h or 0.0)]
+    return out
 
 
 def _decode_hash(raw: dict) -> dict[str, str]:
@@ -148,7 +174,9 @@ class SnapshotRefresher:
         pipe = self.redis.pipeline(transaction=False)
         pipe.get(k.catalogue_version)
         pipe.hlen(k.item_category)
-        version, size = pipe.execute()
+        pipe.get(k.feature_shards)
+        version, size, shards = pipe.execute()
+        shards = int(shards or 0)
         if (
             cat is None
             or version != self._catalogue_version
@@ -162,12 +190,12 @@ class SnapshotRefresher:
             self._features_at = 0.0
         features = old.features if cat is old.catalogue else None
         if features is None or now - self._features_at > self.features_refresh_s:
-            features = self._load_features(cat)
+            features = self._load_features(cat, shards)
             self._features_at = now
         hot = self._load_hot()
         new = [v.decode() for v in self.redis.zrevrange(k.new_items, 0, self.new_items - 1)]
         version = old.version + (cat is not old.catalogue)
-        return Snapshot(cat, features, hot, new, version)
+        return Snapshot(cat, features, hot, new, version, shards)
 
     def _load_catalogue(self) -> Catalogue:
         k = self.keys
@@ -195,15 +223,19 @@ class SnapshotRefresher:
             index=index,
         )
 
-    def _load_features(self, cat: Catalogue) -> np.ndarray:
+    def _load_features(self, cat: Catalogue, shards: int) -> np.ndarray:
         k = self.keys
         pipe = self.redis.pipeline(transaction=False)
-        for name in ("ctr", "cvr", "hot"):
-            pipe.hgetall(k.item_feature[name])
+        names = ("ctr", "cvr", "hot")
+        for name in names:
+            for shard in range(shards):
+                pipe.hgetall(k.item_feature(name, shard))
         out = np.zeros((len(cat.names), 3), np.float32)
         out[:, 0] = PRIOR_CTR  # for items not seen in events yet
         out[:, 1] = PRIOR_CVR
-        for col, raw in enumerate(pipe.execute()):
+        replies = pipe.execute() if shards else []
+        for n, raw in enumerate(replies):
+            col = n // shards
             for name, value in raw.items():
                 j = cat.index.get(name.decode())
                 if j is not None:

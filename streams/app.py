@@ -169,6 +169,8 @@ class StreamsApp:
     async def _redis(self) -> StreamsSink:
         if self.sink is None:
             self.redis = await connect_async(self.settings.conn.redis_url)
+            # readers find an item's feature hash by the by-item partition count
+            await self.redis.set(self.keys.feature_shards, self.by_item_partitions)
             self.sink = StreamsSink(self.redis, self.keys)
         return self.sink
 
@@ -336,7 +338,7 @@ class StreamsApp:
         if time.monotonic() < self._features_not_before:
             return
         self._features_not_before = time.monotonic() + self.settings.features_interval_ms / 1000
-        features = [c for state in self.states.values() for c in sink.feature_commands(state)]
+        features = [c for q, state in self.states.items() for c in sink.feature_commands(q, state)]
         if features:
             await sink.write(features)
 

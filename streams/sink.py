@@ -67,9 +67,10 @@ class StreamsSink:
             ),
         ]
 
-    def feature_commands(self, state: ItemPartitionState) -> list[Packed]:
-        """The serving features (``item:{impressions,…,hot}``, ``item:as_of_ms``) of the
-        items persisted since the last call, decayed to the partition's event time."""
+    def feature_commands(self, partition: int, state: ItemPartitionState) -> list[Packed]:
+        """The serving features (``item:{impressions,…,hot}:{sN}``, ``item:as_of_ms:{sN}``)
+        of the partition's items persisted since the last call, decayed to the partition's
+        event time."""
         due = state.take_features_due()
         if not due:
             return []
@@ -90,11 +91,11 @@ class StreamsSink:
             ("cvr", cvr),
             ("hot", hot),
         ):
-            key = k.item_feature[name].encode()
+            key = k.item_feature(name, partition).encode()
             out.append(Packed(key, pack_ragged(b"HSET", key, ids, float_text(values)), 1))
         # the event time these counts are decayed to; items untouched since keep older ones
         as_of = np.frombuffer(b"%d" % t, np.uint8)
-        key = k.item_features_as_of.encode()
+        key = k.item_features_as_of(partition).encode()
         values = np.broadcast_to(as_of, (len(idx), len(as_of)))
         out.append(Packed(key, pack_ragged(b"HSET", key, ids, values), 1))
         return out

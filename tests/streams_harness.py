@@ -238,3 +238,24 @@ def private_redis(conn) -> Iterator[tuple]:
         os.kill(proc.pid, signal.SIGCONT)
         proc.terminate()
         proc.wait(10)
+
+
+def item_feature(r, keys, name: str, item: str):
+    """The serving feature ``name`` of ``item`` as Redis holds it (None: not written yet),
+    from the hash of the item's ``events.by_item`` partition."""
+    from freshrec.partitioner import str_partitions
+
+    shards = int(r.get(keys.feature_shards) or 0)
+    if not shards:
+        return None
+    return r.hget(keys.item_feature(name, int(str_partitions([item], shards)[0])), item)
+
+
+def all_features(r, keys, name: str) -> dict:
+    """Every item's serving feature ``name`` (``keys.item_features_as_of`` for ``as_of``)."""
+    shards = int(r.get(keys.feature_shards) or 0)
+    out = {}
+    for s in range(shards):
+        key = keys.item_features_as_of(s) if name == "as_of" else keys.item_feature(name, s)
+        out.update(r.hgetall(key))
+    return out

@@ -314,3 +314,24 @@ class _GradientLog:
             for v in values:
                 p.produce(topic, v, partition=partition)
         assert p.flush(30) == 0
+
+
+def test_serving_features_are_read_from_the_hash_of_each_items_partition(any_conn):
+    """What the streams app writes per ``events.by_item`` partition, a worker reads back for
+    any items at once (the high_end devices' realtime features), on a single server and a
+    cluster."""
+    from freshrec.partitioner import str_partitions
+    from inference.snapshot import read_features
+
+    r = connect(any_conn.redis_url)
+    keys = RedisKeys(any_conn.topic_prefix)
+    items = [f"i{n}" for n in range(40)]
+    part = str_partitions(items, 4).tolist()
+    assert len(set(part)) == 4
+    for item, p in zip(items, part, strict=True):
+        for name, value in (("ctr", 0.1), ("cvr", 0.2), ("hot", 3.0)):
+            r.hset(keys.item_feature(name, p), item, value + int(item[1:]))
+    got = read_features(r, keys, [*items, "unknown"], 4)
+    assert set(got) == set(items)
+    assert all(got[i] == [0.1 + int(i[1:]), 0.2 + int(i[1:]), 3.0 + int(i[1:])] for i in items)
+    assert read_features(r, keys, items, 0) == {}  # no layout recorded yet: no features

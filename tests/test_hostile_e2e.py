@@ -26,7 +26,7 @@ from schemas.codec import encode_request
 from schemas.records import RecommendRequest
 
 from .serving_harness import client_for, counter, running_worker, worker_settings
-from .streams_harness import HeldProducer, dead_letters, wait_for
+from .streams_harness import HeldProducer, dead_letters, item_feature, wait_for
 
 
 def send_request(conn, value: bytes, headers, key: bytes = b"u1") -> None:
@@ -293,7 +293,7 @@ def test_an_event_or_item_of_any_size_gets_a_bounded_dead_letter_from_the_stream
     keys = RedisKeys(conn.topic_prefix)
 
     def clicks() -> float:
-        got = r.hget(keys.item_feature["clicks"], "i7")
+        got = item_feature(r, keys, "clicks", "i7")
         return float(got) if got is not None else 0.0
 
     with service(conn, "streams", tmp_path / "streams.log"):

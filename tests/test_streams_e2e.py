@@ -24,9 +24,11 @@ from schemas.records import Event, Item
 from streams.sink import read_hot_lists
 
 from .streams_harness import (
+    all_features,
     brute_force,
     close,
     dead_letters,
+    item_feature,
     private_redis,
     produce,
     service,
@@ -82,11 +84,11 @@ def matches_brute_force(conn, events, prices) -> bool | str:
     r = connect(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
     at = max(e.ts_ms for e in events)
-    feats = {n: r.hgetall(k) for n, k in keys.item_feature.items()}
+    feats = {n: all_features(r, keys, n) for n in keys.FEATURES}
     if len(feats["clicks"]) != len({e.item_id for e in events}):
         return f"{len(feats['clicks'])} items have features"
     # each item's features are decayed to the event time recorded beside them
-    as_of = {k.decode(): int(v) for k, v in r.hgetall(keys.item_features_as_of).items()}
+    as_of = {k.decode(): int(v) for k, v in all_features(r, keys, "as_of").items()}
     for item in {e.item_id for e in events}:
         mine = [e for e in events if e.item_id == item and e.ts_ms <= as_of.get(item, 0)]
         if not mine:
@@ -182,8 +184,8 @@ def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn
         keys = RedisKeys(conn.topic_prefix)
         wait_for(
             lambda: (
-                r.hget(keys.item_feature["clicks"], "i1") is not None
-                and abs(float(r.hget(keys.item_feature["clicks"], "i1")) - 20) < 1e-3
+                item_feature(r, keys, "clicks", "i1") is not None
+                and abs(float(item_feature(r, keys, "clicks", "i1")) - 20) < 1e-3
             ),
             60,
             "20 clicks on i1",
@@ -193,7 +195,7 @@ def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn
         assert [base64.b64decode(d.value_b64) for d in letters] == [v for _, v, _ in poison]
         assert all(d.source_topic == TopicNames(conn.topic_prefix).events for d in letters)
         time.sleep(0.5)  # give a wrong double count the chance to show
-        assert float(r.hget(keys.item_feature["clicks"], "i1")) == pytest.approx(20, abs=1e-3)
+        assert float(item_feature(r, keys, "clicks", "i1")) == pytest.approx(20, abs=1e-3)
 
 
 def test_two_instances_split_partitions_and_the_merged_top_k_stays_exact(conn, tmp_path):
