@@ -34,11 +34,16 @@ def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
     )
 
 
+EXAMPLE_EXPERIMENT = Path(__file__).resolve().parents[1] / "examples" / "experiments.toml"
+
+
 def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
-    """`freshrec run --duration 40`: trains (small world), serves simulated users who click,
-    and prints served requests, a nonzero CTR and freshness figures; nothing left behind.
-    While it runs: every service's /metrics has the named series with plausible values, the
-    dashboard renders with data in headless Chromium (screenshot saved), `freshrec top` prints."""
+    """`freshrec run --duration 40 --experiment examples/experiments.toml`: trains (small
+    world), serves simulated users who click, and prints served requests, a nonzero CTR,
+    freshness figures and the experiment's report (every variant served and clicked);
+    nothing left behind. While it runs: every service's /metrics has the named series with
+    plausible values, the dashboard renders with data — per-variant CTR too — in headless
+    Chromium (screenshot saved), `freshrec top` prints."""
     proc = freshrec(
         tmp_path,
         "run",
@@ -54,6 +59,8 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
         "20",
         "--dashboard-port",
         "0",
+        "--experiment",
+        str(EXAMPLE_EXPERIMENT),
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -71,6 +78,7 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
     top = freshrec(tmp_path, "top", "--once")
     top_out, _ = top.communicate(timeout=60)
     assert top.returncode == 0 and "freshness" in top_out and "requests/s" in top_out, top_out
+    assert "variants   CTR ranking-2026-12/control" in top_out, top_out
     behind = re.search(r"behind\s+global_applied ([\d.]+) s\s+served ([\d.]+) s", top_out)
     assert behind and all(0 <= float(v) < 60 for v in behind.groups()), top_out
     proc.wait(timeout=240)
@@ -92,6 +100,11 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
         r"cost: streams ([\d.]+) CPU-s .*worker ([\d.]+) CPU-s \(([\d.]+) per 1,000 requests", out
     )
     assert cost and float(cost.group(2)) > 0 and float(cost.group(3)) > 0, out
+    report = out.split("experiment ranking-2026-12 (control: control)")[1]
+    for variant in ("control", "light", "diverse"):
+        row = re.search(rf"\n  {variant} +[\d.]+% +([\d,]+) +([\d,]+) +([\d,]+) ", report)
+        assert row and all(int(x.replace(",", "")) > 0 for x in row.groups()), report
+    assert "(p=" in report, report
     assert (tmp_path / "models" / "manifest.json").exists()  # cached for the next run
     assert not (tmp_path / "run" / "services.json").exists()
     pids = [int(p) for p in PIDS.findall(out.split("embedded stack stopped")[1])]
@@ -167,7 +180,7 @@ def check_dashboard_in_chromium(url: str) -> None:
     assert set(points) >= {"fresh99", "fresh50", "behind", "lag", "rates", "latency", "tiers"}, (
         dom.stdout[-2000:]
     )
-    for chart in ("fresh99", "behind", "rates", "latency", "lag"):
+    for chart in ("fresh99", "behind", "rates", "latency", "lag", "variants"):
         assert int(points[chart]) > 0, points
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
