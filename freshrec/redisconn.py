@@ -26,6 +26,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
@@ -35,7 +36,7 @@ import redis.asyncio.cluster
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from freshrec.resp import execute
+from freshrec.resp import exchange_async, execute
 
 log = logging.getLogger("freshrec.redis")
 
@@ -163,38 +164,84 @@ def run_packed(client, entries: Sequence[Packed]) -> list[list]:
     if not is_cluster(client):
         payload = b"".join(e.payload for e in entries)
         return _split(execute(client, payload, sum(e.replies for e in entries)), entries)
-    out: list[list | None] = [None] * len(entries)
-    todo = list(range(len(entries)))
-    asked: dict[int, tuple[str, int]] = {}  # slot -> the node an ASK sent it to
+    rounds = _Rounds(entries)
     for attempt in range(ATTEMPTS):
-        failed, error, ask = [], None, {}
-        for (node, asking), idx in _route(client.get_node_from_key, entries, todo, asked):
-            part = [entries[i] for i in idx]
-            payload, replies, extra = _payload(part, asking)
-            target = node if not asking else client.get_node(*asking)
+        for target, job in rounds.jobs(client.get_node_from_key, client.get_node):
             try:
                 if target is None:
-                    raise redis.exceptions.ConnectionError(f"no node {asking} in the slot map")
+                    raise redis.exceptions.ConnectionError(f"no node {job.asking} in the slot map")
                 conn = client.get_redis_connection(target)
-                got = _drop_asking(execute(conn, payload, replies), part, extra)
+                rounds.done(job, execute(conn, job.payload, job.replies))
             except ROUTING_ERRORS as exc:
-                failed += idx
-                error = exc
-                if isinstance(exc, redis.exceptions.AskError):
-                    ask[exc.slot_id] = exc.node_addr
-                continue
-            for i, r in zip(idx, _split(got, part), strict=True):
-                out[i] = r
-        if not failed:
-            return out  # type: ignore[return-value]
-        todo, asked = failed, ask
-        if ask:  # a slot in migration: its keys are asked of the importing node, no reload
-            log.info("Redis Cluster: %r; asking the importing node", error)
-            if any(client.get_node(host, port) is None for host, port in ask.values()):
-                _reload_slots(client, error, attempt)
+                rounds.fail(job, exc)
+        if rounds.complete():
+            return rounds.out
+        if rounds.asking:  # a slot in migration: its keys are asked of the importing node
+            log.info("Redis Cluster: %r; asking the importing node", rounds.error)
+            if any(client.get_node(host, port) is None for host, port in rounds.asking):
+                _reload_slots(client, rounds.error, attempt)
             continue
-        _reload_slots(client, error, attempt)
-    raise error  # type: ignore[misc]
+        _reload_slots(client, rounds.error, attempt)
+    raise rounds.error
+
+
+@dataclass
+class _Job:
+    """Entries for one node (``asking``: the node an ``ASK`` named), packed to send."""
+
+    idx: list[int]
+    part: list[Packed]
+    asking: tuple[str, int] | None
+    payload: bytes
+    replies: int
+    extra: list[int]
+
+
+class _Rounds:
+    """``run_packed``'s rounds on a cluster: the replies so far, and in each round the
+    entries that failed, the last error and the slots an ``ASK`` sent elsewhere."""
+
+    def __init__(self, entries: Sequence[Packed]) -> None:
+        self.entries = entries
+        self.out: list = [None] * len(entries)
+        self.todo = list(range(len(entries)))
+        self.asked: dict[int, tuple[str, int]] = {}
+        self.failed: list[int] = []
+        self.error: Exception | None = None
+        self.ask: dict[int, tuple[str, int]] = {}
+
+    def jobs(self, node_of, node_at):
+        """(the node to send to, or None if the slot map lacks it; the job) for this round."""
+        self.failed, self.error, self.ask = [], None, {}
+        for (node, asking), idx in _route(node_of, self.entries, self.todo, self.asked):
+            part = [self.entries[i] for i in idx]
+            payload, replies, extra = _payload(part, asking)
+            yield (
+                (node if not asking else node_at(*asking)),
+                _Job(idx, part, asking, payload, replies, extra),
+            )
+
+    def done(self, job: _Job, replies: list) -> None:
+        got = _drop_asking(replies, job.extra)
+        for i, r in zip(job.idx, _split(got, job.part), strict=True):
+            self.out[i] = r
+
+    def fail(self, job: _Job, exc: Exception) -> None:
+        self.failed += job.idx
+        self.error = exc
+        if isinstance(exc, redis.exceptions.AskError):
+            self.ask[exc.slot_id] = exc.node_addr
+
+    def complete(self) -> bool:
+        """True when every entry has its replies; else the next round takes the failed."""
+        if not self.failed:
+            return True
+        self.todo, self.asked = self.failed, self.ask
+        return False
+
+    @property
+    def asking(self) -> list[tuple[str, int]]:
+        return list(self.ask.values())
 
 
 def _route(node_of, entries: Sequence[Packed], todo: list[int], asked: dict) -> list:
@@ -229,7 +276,7 @@ def _payload(part: list[Packed], asking) -> tuple[bytes, int, list[int]]:
     return b"".join(chunks), replies + len(extra), extra
 
 
-def _drop_asking(replies: list, part: list[Packed], extra: list[int]) -> list:
+def _drop_asking(replies: list, extra: list[int]) -> list:
     if not extra:
         return replies
     skip = set(extra)
@@ -296,50 +343,33 @@ async def run_packed_async(client, entries: Sequence[Packed]) -> list[list]:
 
     await client.initialize()
     manager = client.nodes_manager
-    out: list[list | None] = [None] * len(entries)
-    todo = list(range(len(entries)))
-    asked: dict[int, tuple[str, int]] = {}
+    rounds = _Rounds(entries)
     for attempt in range(ATTEMPTS):
-        failed, error, ask = [], None, {}
-        groups = _route(lambda key: manager.get_node_from_slot(key_slot(key)), entries, todo, asked)
-        for (node, asking), idx in groups:
-            part = [entries[i] for i in idx]
-            payload, replies, extra = _payload(part, asking)
-            target = node if not asking else client.get_node(*asking)
+        node_of = lambda key: manager.get_node_from_slot(key_slot(key))  # noqa: E731
+        for target, job in rounds.jobs(node_of, client.get_node):
             try:
                 if target is None:
-                    raise redis.exceptions.ConnectionError(f"no node {asking} in the slot map")
-                got = _drop_asking(await _node_execute(target, payload, replies), part, extra)
+                    raise redis.exceptions.ConnectionError(f"no node {job.asking} in the slot map")
+                rounds.done(job, await _node_execute(target, job.payload, job.replies))
             except ROUTING_ERRORS as exc:
-                failed += idx
-                error = exc
-                if isinstance(exc, redis.exceptions.AskError):
-                    ask[exc.slot_id] = exc.node_addr
-                continue
-            for i, r in zip(idx, _split(got, part), strict=True):
-                out[i] = r
-        if not failed:
-            return out  # type: ignore[return-value]
-        todo, asked = failed, ask
-        if ask:
-            log.info("Redis Cluster: %r; asking the importing node", error)
+                rounds.fail(job, exc)
+        if rounds.complete():
+            return rounds.out
+        if rounds.asking:
+            log.info("Redis Cluster: %r; asking the importing node", rounds.error)
             continue
-        log.info("Redis Cluster: %r; reloading the slot map", error)
+        log.info("Redis Cluster: %r; reloading the slot map", rounds.error)
         await asyncio.sleep(0.05 * 2**attempt)
         try:
             await manager.initialize()
         except (redis.exceptions.RedisClusterException, redis.exceptions.ConnectionError) as exc:
             log.warning("Redis Cluster slot map not reloaded: %s", exc)
-    raise error  # type: ignore[misc]
+    raise rounds.error
 
 
 async def _node_execute(node, payload: bytes, replies: int) -> list:
     conn = node.acquire_connection()
     try:
-        await conn.send_packed_command([payload])
-        return [await conn.read_response() for _ in range(replies)]
-    except BaseException:
-        await conn.disconnect()
-        raise
+        return await exchange_async(conn, payload, replies)
     finally:
         node.release(conn)

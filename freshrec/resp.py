@@ -302,10 +302,17 @@ async def execute_async(client, payload: bytes, replies: int) -> list:
     pool = client.connection_pool
     conn = await pool.get_connection()
     try:
+        return await exchange_async(conn, payload, replies)
+    finally:
+        await pool.release(conn)
+
+
+async def exchange_async(conn, payload: bytes, replies: int) -> list:
+    """Send packed commands on an asyncio connection and read ``replies`` replies; the
+    connection is dropped if anything raises, so no unread reply is left on it."""
+    try:
         await conn.send_packed_command([payload])
         return [await conn.read_response() for _ in range(replies)]
     except BaseException:
         await conn.disconnect()
         raise
-    finally:
-        await pool.release(conn)

@@ -70,15 +70,19 @@ def prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}."
 
 
-@pytest.fixture
-def conn(services: Services, prefix: str) -> ConnectionSettings:
-    """Connection settings with this test's own topic prefix; topics provisioned."""
+def _provisioned(services: Services, prefix: str) -> ConnectionSettings:
     c = services.conn(prefix)
     specs = catalogue_with(
         {name: TEST_PARTITIONS for name in ("events", "recommend.requests", "gradients")}
     )
     ensure_topics(AdminClient(admin_config(c)), prefix, specs)
     return c
+
+
+@pytest.fixture
+def conn(services: Services, prefix: str) -> ConnectionSettings:
+    """Connection settings with this test's own topic prefix; topics provisioned."""
+    return _provisioned(services, prefix)
 
 
 @pytest.fixture(scope="session")
@@ -98,12 +102,7 @@ def cluster_services(tmp_path_factory) -> Iterator[Services]:
 @pytest.fixture
 def cluster_conn(cluster_services: Services, prefix: str) -> ConnectionSettings:
     """``conn`` on the cluster stack."""
-    c = cluster_services.conn(prefix)
-    specs = catalogue_with(
-        {name: TEST_PARTITIONS for name in ("events", "recommend.requests", "gradients")}
-    )
-    ensure_topics(AdminClient(admin_config(c)), prefix, specs)
-    return c
+    return _provisioned(cluster_services, prefix)
 
 
 @pytest.fixture(params=["redis", "cluster"])

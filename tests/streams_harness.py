@@ -203,23 +203,15 @@ def close(a: float, b: float) -> bool:
 def private_redis(conn) -> Iterator[tuple]:
     """A Redis server of the test's own (to freeze with SIGSTOP): (connection settings that
     use it, its process). Always resumed and stopped on exit."""
+    import tempfile
+
     import redis as redis_lib
 
-    from freshrec.app.stack import free_port, redis_binary
+    from freshrec.app.stack import free_port, redis_argv, redis_binary
 
     port = free_port()
     proc = subprocess.Popen(
-        [
-            redis_binary(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
+        redis_argv(redis_binary(), port, Path(tempfile.gettempdir())),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

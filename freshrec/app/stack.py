@@ -256,7 +256,8 @@ def _describe(masters: int) -> str:
     return f"a {masters}-master Redis Cluster" if masters else "a single Redis server"
 
 
-def _redis_argv(binary: str, port: int, directory: Path, cluster: bool) -> list[str]:
+def redis_argv(binary: str, port: int, directory: Path, cluster: bool = False) -> list[str]:
+    """A Redis server on loopback, nothing saved; in cluster mode with ``cluster``."""
     argv = [
         binary,
         "--port",
@@ -426,7 +427,7 @@ class EmbeddedStack:
                 node_dir = redis_dir if not redis_cluster else redis_dir / str(port)
                 node_dir.mkdir(parents=True, exist_ok=True)
                 (node_dir / "nodes.conf").unlink(missing_ok=True)  # a new cluster, not an old one
-                argv = _redis_argv(redis_bin, port, node_dir, cluster=bool(redis_cluster))
+                argv = redis_argv(redis_bin, port, node_dir, cluster=bool(redis_cluster))
                 log_path = logs / f"{name}.log"
                 proc = _spawn(argv, log_path, detach=detach)
                 started.append(proc)
