@@ -597,7 +597,9 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
         )
         assert np.isin(gone_slots, rec.ann.order).any()  # the same index: nothing rebuilt it
         # the hot tier
-        hot = rec._hot_items(RecommendRequest(request_id="h", user_id="u0", k=50))
+        hot = rec.hot_replies.items(
+            rec.snap, RecommendRequest(request_id="h", user_id="u0", k=50), rec._listed
+        )
         listed = [n for n in rec.snap.hot["global"] if n not in set(gone)]
         assert [name for name, *_ in hot] == listed[:50]
         assert len(listed) <= len(rec.snap.hot["global"]) - 3  # the list still names them
