@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from freshrec.app.stack import pid_alive
 
 PIDS = re.compile(r"pid (\d+)")
@@ -20,9 +22,11 @@ DASHBOARD = re.compile(r"dashboard: (http://\S+)")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
-def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
+def freshrec(tmp_path, *args: str, models: Path | None = None, **kw) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
     env["FRESHREC_HOME"] = str(tmp_path)
+    if models is not None:  # the runs of this module share their trained models
+        env["FRESHREC_MODEL_DIR"] = str(models)
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.Popen(
         [sys.executable, "-m", "freshrec.app.cli", *args],
@@ -35,9 +39,16 @@ def freshrec(tmp_path, *args: str, **kw) -> subprocess.Popen:
 
 
 EXAMPLE_EXPERIMENT = Path(__file__).resolve().parents[1] / "examples" / "experiments.toml"
+WORLD_ARGS = ("--items", "2000", "--users", "10000")
 
 
-def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """Where this module's runs keep their models: the first trains them, the next reuse."""
+    return tmp_path_factory.mktemp("run-models")
+
+
+def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path, models):
     """`freshrec run --duration 40 --experiment examples/experiments.toml`: trains (small
     world), serves simulated users who click, and prints served requests, a nonzero CTR,
     freshness figures and the experiment's report (every variant served and clicked);
@@ -49,10 +60,7 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
         "run",
         "--duration",
         "40",
-        "--items",
-        "2000",
-        "--users",
-        "10000",
+        *WORLD_ARGS,
         "--rate",
         "100",
         "--requests",
@@ -61,6 +69,7 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
         "0",
         "--experiment",
         str(EXAMPLE_EXPERIMENT),
+        models=models,
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -105,7 +114,7 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path):
         row = re.search(rf"\n  {variant} +[\d.]+% +([\d,]+) +([\d,]+) +([\d,]+) ", report)
         assert row and all(int(x.replace(",", "")) > 0 for x in row.groups()), report
     assert "(p=" in report, report
-    assert (tmp_path / "models" / "manifest.json").exists()  # cached for the next run
+    assert (models / "manifest.json").exists()  # cached for the next run
     assert not (tmp_path / "run" / "services.json").exists()
     pids = [int(p) for p in PIDS.findall(out.split("embedded stack stopped")[1])]
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
@@ -199,22 +208,18 @@ def _sigint_as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_stops_the_run_and_its_stack(tmp_path):
+def test_ctrl_c_stops_the_run_and_its_stack(tmp_path, models):
     """On a Redis Cluster of three masters (``--redis-cluster 3``): the run starts on it, and
-    Ctrl-C stops the broker and every node."""
+    Ctrl-C stops the broker and every node. (The world of the test above: its models.)"""
     proc = freshrec(
         tmp_path,
         "run",
         "--redis-cluster",
         "3",
-        "--items",
-        "500",
-        "--users",
-        "1000",
+        *WORLD_ARGS,
         "--rate",
         "200",
-        "--train-impressions",
-        "20000",
+        models=models,
         preexec_fn=_sigint_as_from_a_terminal,
     )
     lines: list[str] = []

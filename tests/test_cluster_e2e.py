@@ -174,7 +174,7 @@ def test_two_workers_parameter_servers_and_streams_apps_under_load_on_a_cluster(
     from freshrec.app.stack import free_port
     from freshrec.promtext import scrape_port_now, total
 
-    from .test_streams_e2e import SETTINGS, catalogue, matches_brute_force, world_events
+    from .test_streams_e2e import SETTINGS, catalogue, matches_brute_force, merged, world_events
 
     conn = cluster_conn
     seed_redis(conn, model_dir)
@@ -234,7 +234,10 @@ def test_two_workers_parameter_servers_and_streams_apps_under_load_on_a_cluster(
             assert sum((r.user_embedding_version or 0) >= 1 for r in replies) >= 10
             assert len({r.request_id for r in replies}) == 100
             wait_for(lambda: learnt() >= len(events), 90, "both workers to learn every event")
+            # two instances' lists, one per by-item partition, merge into the exact top-k
             wait_for(lambda: matches_brute_force(conn, events, prices), 90, "exact counts")
+            lists, _ = merged(conn, "global")
+            assert len({h.partition for h in lists}) > 1
             assert client.stats.duplicate == 0 and client.stats.unknown == 0
         served = {
             n: total(scrape_port_now(p) or {}, "freshrec_requests_total", outcome="served")

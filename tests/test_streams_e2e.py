@@ -1,5 +1,5 @@
 """The streams app against the real broker and Redis: exact hot lists, features, dead letters,
-duplicates, two instances, and SIGKILL + restart."""
+duplicates, and SIGKILL + restart (two instances: tests/test_cluster_e2e.py)."""
 
 from __future__ import annotations
 
@@ -196,37 +196,6 @@ def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn
         assert all(d.source_topic == TopicNames(conn.topic_prefix).events for d in letters)
         time.sleep(0.5)  # give a wrong double count the chance to show
         assert float(item_feature(r, keys, "clicks", "i1")) == pytest.approx(20, abs=1e-3)
-
-
-def test_two_instances_split_partitions_and_the_merged_top_k_stays_exact(conn, tmp_path):
-    t0 = int(time.time() * 1000) - 300_000
-    events = world_events(2, 3000, t0, "b")
-    prices = {i.item_id: i.price for i in catalogue()}
-    produce(conn, items=catalogue())
-    with (
-        service(conn, "streams", tmp_path / "a.log", **SETTINGS),
-        service(conn, "streams", tmp_path / "b.log", **SETTINGS),
-    ):
-
-        def both_assigned():
-            logs = [(tmp_path / n).read_text() for n in ("a.log", "b.log")]
-            owned = [
-                line
-                for log in logs
-                for line in log.splitlines()
-                if "assigned events.by_item" in line
-            ]
-            last = [
-                log.rsplit("assigned events.by_item partitions", 1)[-1].split("\n")[0]
-                for log in logs
-            ]
-            return (len(owned) >= 2 and all(x.strip() not in ("", "[]") for x in last)) or last
-
-        wait_for(both_assigned, 60, "both instances to own by-item partitions")
-        produce(conn, events)
-        wait_for(lambda: matches_brute_force(conn, events, prices), 90, "exact merged hot lists")
-        lists, _ = merged(conn, "global")
-        assert len({h.partition for h in lists}) > 1
 
 
 def test_sigkill_and_restart_continue_the_counts_without_double_counting(any_conn, tmp_path):
