@@ -68,10 +68,7 @@ def parse_url(url: str) -> tuple[str, bool | None]:
     plain = _SCHEMES.get(parts.scheme)
     if plain is None:
         return url, None
-    path = parts.path if parts.path not in ("/0", "/") else ""
-    if path:
-        raise ValueError(f"a Redis Cluster has only database 0, not {parts.path[1:]!r}: {url}")
-    return urlunsplit((plain, parts.netloc, "", parts.query, parts.fragment)), True
+    return _cluster_url(urlunsplit((plain, *parts[1:]))), True
 
 
 def _cluster_url(plain: str) -> str:

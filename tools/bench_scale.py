@@ -62,7 +62,7 @@ from schemas.ids import row_ids
 from schemas.records import RecommendRequest
 from schemas.rowbatch import KIND_GRADIENTS, TABLE_NAMES, RowBatch
 from schemas.rows import TABLE_ITEM, TABLE_USER, encode_rows_matrix, key_matrix, width
-from tools.benchlib import bench_connection, save, service_process
+from tools.benchlib import bench_connection, save, service_process, wait_until
 from tools.traffic import catalogue
 from tools.world import World, WorldConfig
 
@@ -212,9 +212,11 @@ def worker_figures(conn, models: Path, world: World, users: int, n_requests: int
     started = time.perf_counter()
     thread.start()
     try:
-        rec = _wait(lambda: w.assigned > 0 and w.recommender, errors, 300, "the worker to join")
+        rec = wait_until(
+            lambda: w.assigned > 0 and w.recommender, 300, "the worker to join", errors
+        )
         if rec.state.named_count >= settings.serving.ann_min_items:
-            _wait(lambda: rec.ann is not None, errors, 600, "the IVF index")
+            wait_until(lambda: rec.ann is not None, 600, "the IVF index", errors)
         ready_s = time.perf_counter() - started
         gc.collect()
         rss = rss_bytes() - rss0
@@ -246,19 +248,6 @@ def worker_figures(conn, models: Path, world: World, users: int, n_requests: int
         "request_p50_ms": round(float(np.percentile(totals, 50)), 1),
         "request_p99_ms": round(float(np.percentile(totals, 99)), 1),
     }
-
-
-def _wait(condition, errors, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if errors:
-            raise errors[0]
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.1)
 
 
 async def _requests(conn, users: int, n: int, progress) -> list[float]:

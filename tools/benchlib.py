@@ -338,3 +338,18 @@ def save(name: str, results: dict, out_dir: Path = Path("artifacts")) -> Path:
     print(json.dumps(results, indent=2))
     print(f"saved {path}")
     return path
+
+
+def wait_until(condition, timeout_s: float, what: str, errors: list | tuple = ()):
+    """Poll ``condition`` until it is truthy and return it; stop with ``what`` after
+    ``timeout_s`` (``errors``: exceptions a thread reported, raised at once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if errors:
+            raise errors[0]
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.1)

@@ -24,7 +24,7 @@ import redis
 from freshrec.app.stack import form_cluster, free_cluster_port, redis_argv, redis_binary, stop_pid
 from freshrec.redisconn import Packed, connect, run_packed
 from freshrec.resp import pack
-from tools.benchlib import save
+from tools.benchlib import save, wait_until
 
 KEYS = 2000
 
@@ -40,14 +40,14 @@ def main() -> None:
                 (Path(tmp) / str(port)).mkdir()
                 argv = redis_argv(redis_binary(), port, Path(tmp) / str(port), cluster=True)
                 procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
-            _wait(lambda: all(_pings(p) for p in ports), 20, "the servers")
+            wait_until(lambda: all(_pings(p) for p in ports), 20, "the servers")
             form_cluster(ports[:3], 20)
             replica = redis.Redis(port=ports[3])
             replica.execute_command("CLUSTER", "MEET", "127.0.0.1", ports[0])
             first = redis.Redis(port=ports[0]).execute_command("CLUSTER", "MYID").decode()
-            _wait(lambda: _knows(replica, first), 20, "the replica to learn the cluster")
+            wait_until(lambda: _knows(replica, first), 20, "the replica to learn the cluster")
             replica.execute_command("CLUSTER", "REPLICATE", first)
-            _wait(
+            wait_until(
                 lambda: replica.info("replication").get("master_link_status") == "up",
                 30,
                 "the replica to sync",
@@ -95,14 +95,6 @@ def _pings(port: int) -> bool:
 
 def _knows(client: redis.Redis, node_id: str) -> bool:
     return node_id in client.execute_command("CLUSTER", "NODES").decode()
-
-
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":

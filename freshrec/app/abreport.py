@@ -75,6 +75,17 @@ def read(r, keys: RedisKeys, names: list[str] | None = None) -> dict[str, dict]:
     return out
 
 
+def read_from(conn, names: list[str] | None = None) -> dict[str, dict]:
+    """``read`` on the Redis of ``conn`` (its own connection, closed after)."""
+    from freshrec.redisconn import connect
+
+    r = connect(conn.redis_url)
+    try:
+        return read(r, RedisKeys(conn.topic_prefix), names)
+    finally:
+        r.close()
+
+
 def render(reports: dict[str, dict]) -> str:
     """A table per experiment."""
     if not reports:

@@ -81,14 +81,10 @@ def cmd_stack_status(args: argparse.Namespace) -> int:
 
 
 def cmd_experiments_report(args: argparse.Namespace) -> int:
-    from freshrec.app.abreport import read, render
-    from freshrec.redisconn import connect
-    from freshrec.rediskeys import RedisKeys
+    from freshrec.app.abreport import read_from, render
 
-    conn = connection()
-    r = connect(conn.redis_url)
     try:
-        reports = read(r, RedisKeys(conn.topic_prefix), args.name)
+        reports = read_from(connection(), args.name)
     except KeyError as exc:
         print(f"freshrec: error: {exc.args[0]}", file=sys.stderr)
         return 2

@@ -95,6 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = ProgressLine()
     experiment_env = {}
     if args.experiment:
+        from freshrec.app.abreport import read_from, render
         from freshrec.experiments import load
 
         load(args.experiment)  # a bad file stops the run here, naming the line
@@ -182,7 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     if cost:
                         final += "\n" + cost
                     if args.experiment:
-                        final += "\n" + experiment_report(ctx.conn)
+                        final += "\n" + render(read_from(ctx.conn))
             finally:
                 stop.set()
                 dashboard.stop()
@@ -199,19 +200,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     return 0 if stats.failed == 0 and (args.requests == 0 or loop.stats.replied > 0) else 1
-
-
-def experiment_report(conn) -> str:
-    """``freshrec experiments report`` of this run's experiment."""
-    from freshrec.app.abreport import read, render
-    from freshrec.redisconn import connect
-    from freshrec.rediskeys import RedisKeys
-
-    r = connect(conn.redis_url)
-    try:
-        return render(read(r, RedisKeys(conn.topic_prefix)))
-    finally:
-        r.close()
 
 
 def _stop_on_signals(stop: threading.Event) -> list[int]:
