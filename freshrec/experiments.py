@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 BUCKETS = 1000
 """Hash buckets a share is counted in: shares are multiples of 0.1%."""
 UNASSIGNED = 255
-RANKINGS = ("full", "light")
+RANKINGS = (
+    "full",
+    "light",
+    "pruned",
+    "attention",
+    "attention_window",
+    "attention_lowrank",
+    "tiered",
+)
 CHANNELS = ("vector", "i2i", "hot", "new")
 
 EXAMPLE = """\
@@ -62,13 +70,21 @@ class Variant:
     name: str
     share: float
     ranking: str | None = None
-    """``full`` or ``light``: the ranking model this variant's requests get (None: the
-    degradation ladder chooses, as without an experiment)."""
+    """The ranking model of this variant's requests (``RANKINGS``; None: the worker's):
+    ``light`` is the light tier; the others replace the full tier's model (``full``:
+    Wide&Deep, ``pruned``, the attention rankers, ``tiered``: by item heat). A ladder that
+    steps down, for a device, a deadline or a failure, still wins."""
     mmr_lambda: float | None = None
     exclude_seen: bool | None = None
     """Applied to requests that do not say themselves."""
     recall_quotas: dict[str, int] = field(default_factory=dict)
     """Per recall channel, the most candidates it contributes (lower than the worker's)."""
+    head_share: float | None = None
+    """``tiered`` only: the hottest share of the catalogue the full model ranks (None: the
+    worker's ``FRESHREC_TIER_HEAD_SHARE``)."""
+    mid_share: float | None = None
+    """``tiered`` only: the next share, which the pruned model ranks; the rest is the light
+    model's (None: ``FRESHREC_TIER_MID_SHARE``)."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +173,16 @@ def load(path) -> Experiment:
     return parse(text, str(path))
 
 
-_VARIANT_KEYS = {"name", "share", "ranking", "mmr_lambda", "exclude_seen", "recall_quotas"}
+_VARIANT_KEYS = {
+    "name",
+    "share",
+    "ranking",
+    "mmr_lambda",
+    "exclude_seen",
+    "recall_quotas",
+    "head_share",
+    "mid_share",
+}
 _EXPERIMENT_KEYS = {"name", "salt", "control"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -221,11 +246,19 @@ def _variant(v: dict, n: int, fail) -> Variant:
     ranking = v.get("ranking")
     if ranking is not None and ranking not in RANKINGS:
         raise fail(f"variant {name!r}: ranking must be one of {', '.join(RANKINGS)}", "ranking", n)
-    lam = v.get("mmr_lambda")
-    if lam is not None and (
-        isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= 1
-    ):
-        raise fail(f"variant {name!r}: mmr_lambda must be a number from 0 to 1", "mmr_lambda", n)
+    fractions = {}
+    for key in ("mmr_lambda", "head_share", "mid_share"):
+        x = v.get(key)
+        if x is not None and (
+            isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1
+        ):
+            raise fail(f"variant {name!r}: {key} must be a number from 0 to 1", key, n)
+        fractions[key] = None if x is None else float(x)
+    for key in ("head_share", "mid_share"):
+        if fractions[key] is not None and ranking != "tiered":
+            raise fail(f'variant {name!r}: {key} applies to ranking = "tiered" only', key, n)
+    if (fractions["head_share"] or 0) + (fractions["mid_share"] or 0) > 1:
+        raise fail(f"variant {name!r}: head_share + mid_share exceed 1", "mid_share", n)
     seen = v.get("exclude_seen")
     if seen is not None and not isinstance(seen, bool):
         raise fail(f"variant {name!r}: exclude_seen must be true or false", "exclude_seen", n)
@@ -249,9 +282,11 @@ def _variant(v: dict, n: int, fail) -> Variant:
         name,
         float(share),
         ranking,
-        None if lam is None else float(lam),
+        fractions["mmr_lambda"],
         seen,
         {c: int(q) for c, q in quotas.items()},
+        fractions["head_share"],
+        fractions["mid_share"],
     )
 
 

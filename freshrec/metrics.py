@@ -196,6 +196,18 @@ REQUEST_BATCH_SIZE = Histogram(
     "Requests per dynamic batch",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+RANKING_SECONDS = Histogram(
+    "freshrec_ranking_batch_seconds",
+    "One ranking model's forward pass over a batch's candidates, by model "
+    "(wide_deep, light, pruned, attention, attention_window, attention_lowrank)",
+    ["ranker"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+)
+RANKED_CANDIDATES = Counter(
+    "freshrec_ranked_candidates_total",
+    "Candidates scored, by the model that scored them (a tiered request's by each tier's)",
+    ["ranker"],
+)
 DEGRADED = Counter(
     "freshrec_degraded_replies_total",
     "Replies below the full tier or degraded, by reason",

@@ -12,6 +12,10 @@ failure, still wins), and MMR (the variant's λ).
 Choice(tier='light', reason='ok; experiment e1: variant light')
 >>> steer(Choice("hot", "no models"), arm).tier  # degradation wins
 'hot'
+>>> tiered = Arm("e1", Variant("tiered", 0.5, ranking="tiered"))
+>>> choice = steer(Choice("full", "ok"), tiered)
+>>> choice.tier, ranker_of(choice, tiered, "wide_deep"), ranker_of(choice, None, "wide_deep")
+('full', 'tiered', 'wide_deep')
 >>> quotas({"hot": 50, "vector": 200}, arm)
 {'hot': 5, 'vector': 200}
 >>> lambdas([arm, None], 0.7)
@@ -23,8 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from freshrec.experiments import Variant
-from inference.degrade import FULL, Choice
+from inference.degrade import FULL, LIGHT, Choice
 from schemas.records import RecommendRequest
+
+TIERED = "tiered"
+"""The ranking that routes candidates by item heat (``inference/tiers.py``)."""
 
 
 @dataclass(frozen=True)
@@ -49,12 +56,28 @@ def quotas(default: dict[str, int], arm: Arm | None) -> dict[str, int]:
 
 
 def steer(choice: Choice, arm: Arm | None) -> Choice:
-    """The ladder's choice with the variant's ranking model where the ladder chose the full
-    model (any step down — light, cached, hot — is the ladder's to make, and stays)."""
+    """The ladder's choice with the variant's ranking where the ladder chose the full tier
+    (any step down — light, cached, hot — is the ladder's to make, and stays): the light
+    tier for ``light``; the full tier, its model named, for the others (``ranker_of``)."""
     if arm is None or arm.variant.ranking is None or choice.tier != FULL:
         return choice
     note = f"experiment {arm.experiment}: variant {arm.variant.name}"
-    return Choice(arm.variant.ranking, f"{choice.reason}; {note}")
+    tier = LIGHT if arm.variant.ranking == LIGHT else FULL
+    return Choice(tier, f"{choice.reason}; {note}")
+
+
+def ranker_of(choice: Choice, arm: Arm | None, default: str) -> str | None:
+    """The model that ranks a request's candidates: ``light`` on the light tier; on the full
+    tier the variant's (``full`` is Wide&Deep), else the worker's ``default``; None on the
+    tiers no model ranks (cached, hot)."""
+    if choice.tier == LIGHT:
+        return LIGHT
+    if choice.tier != FULL:
+        return None
+    mine = arm.variant.ranking if arm is not None else None
+    if mine is None:
+        return default
+    return "wide_deep" if mine == FULL else mine
 
 
 def lambdas(arms: list[Arm | None], default: float) -> list[float]:

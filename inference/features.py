@@ -27,7 +27,7 @@ True
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -77,15 +77,69 @@ class RankInputs:
     sparse: np.ndarray  # (n, 4) int64: category, device, hour, region
     cross: np.ndarray  # (n, 3) int64: category × device, × hour, × region, hashed
     owner: np.ndarray | None = None  # (n,) int64, grouped form only
+    seq: torch.Tensor | None = None
+    """The attention rankers' input (``inference/attention.py``): the user's sequence as item
+    rows, (n, N, dim + 1), newest first; grouped: one per request."""
+    seq_len: torch.Tensor | None = None  # (n,) or (requests,): valid positions of ``seq``
 
     def __len__(self) -> int:
         return len(self.dense)
 
     def expanded(self) -> RankInputs:
-        """The same pairs with one user row per pair."""
+        """The same pairs with one user row (and sequence) per pair."""
         if self.owner is None:
             return self
-        return RankInputs(self.user[self.owner], self.item, self.dense, self.sparse, self.cross)
+        seq = seq_len = None
+        if self.seq is not None:
+            own = to_device(self.owner, self.seq.device)
+            seq, seq_len = self.seq.index_select(0, own), self.seq_len.index_select(0, own)
+        return RankInputs(
+            self.user[self.owner],
+            self.item,
+            self.dense,
+            self.sparse,
+            self.cross,
+            None,
+            seq,
+            seq_len,
+        )
+
+    def with_sequences(self, seq: torch.Tensor, seq_len: torch.Tensor) -> RankInputs:
+        return replace(self, seq=seq, seq_len=seq_len)
+
+    def subset(self, keep: np.ndarray) -> RankInputs:
+        """The pairs where ``keep`` (bool, (n,)) holds; the grouped form's per-request rows
+        stay (a request may keep no pair)."""
+        idx = np.flatnonzero(keep)
+        if self.owner is not None:
+            per_request = (self.user, _take(self.owner, idx), self.seq, self.seq_len)
+        else:
+            per_request = (
+                _take(self.user, idx),
+                None,
+                _take(self.seq, idx),
+                _take(self.seq_len, idx),
+            )
+        user, owner, seq, seq_len = per_request
+        return RankInputs(
+            user,
+            _take(self.item, idx),
+            _take(self.dense, idx),
+            self.sparse[idx],
+            self.cross[idx],
+            owner,
+            seq,
+            seq_len,
+        )
+
+
+def _take(a, idx: np.ndarray):
+    """Rows ``idx`` of an array or tensor (None stays None)."""
+    if a is None:
+        return None
+    if isinstance(a, torch.Tensor):
+        return a.index_select(0, to_device(idx, a.device))
+    return a[idx]
 
 
 class FeatureEncoder:

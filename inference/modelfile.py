@@ -6,6 +6,10 @@ Layout of a model directory (default ``$FRESHREC_HOME/models``)::
     manifest.json                      the current set (written last, atomically)
     wide_deep-<version>.safetensors    the full ranking model
     light-<version>.safetensors        the distilled model
+    pruned-<version>.safetensors       the pruned tier (optional, as are the next three)
+    attention-<version>.safetensors    the attention rankers (``inference/attention.py``)
+    attention_window-<version>.safetensors
+    attention_lowrank-<version>.safetensors
     two_tower-<version>.safetensors    starting embeddings (user_ids, user_rows, item_ids, item_rows)
 
 ``manifest.json``::
@@ -27,17 +31,51 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from inference.ranking import build
+from inference.attention import ATTENTION_KINDS, SEQUENCE, AttentionRanker
+from inference.prune import PrunedWideDeep
+from inference.ranking import LightRanker, WideDeep
 
 log = logging.getLogger("freshrec.models")
 MANIFEST = "manifest.json"
+MODEL_KINDS = (
+    "wide_deep",
+    "light",
+    "pruned",
+    "attention",
+    "attention_window",
+    "attention_lowrank",
+)
+
+
+def build(kind: str, dim: int, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """An untrained model of ``kind``; ``state`` (the weights it will load) gives the sizes
+    of models whose shape is chosen by training (the pruned model's hidden units)."""
+    if kind == "wide_deep":
+        return WideDeep(dim)
+    if kind == "light":
+        return LightRanker(dim)
+    if kind == "pruned":
+        if state is None:
+            raise ValueError("a pruned model's sizes come from its weights")
+        layers = sorted({int(k.split(".")[1]) for k in state if k.startswith("deep.")})
+        hidden = tuple(int(state[f"deep.{i}.weight"].shape[0]) for i in layers[:-1])
+        return PrunedWideDeep(dim, hidden)
+    if kind in ATTENTION_KINDS:
+        length = SEQUENCE if state is None else int(state["position"].shape[0])
+        if kind == "attention_lowrank" and state is not None:
+            rank, length = (int(x) for x in state["project"].shape)
+            return AttentionRanker(dim, kind, length=length, rank=rank)
+        if kind == "attention_window":
+            return AttentionRanker(dim, kind, length=max(length, SEQUENCE), window=length)
+        return AttentionRanker(dim, kind, length=length)
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {MODEL_KINDS}")
 
 
 class ModelFileError(RuntimeError):
@@ -108,10 +146,11 @@ def load_model(directory: Path, manifest: dict, kind: str, device: torch.device)
     entry = manifest["files"].get(kind)
     if entry is None:
         raise ModelFileError(f"manifest {manifest['version']} has no {kind} model")
-    model = build(kind, int(manifest["dim"]))
+    state = load_tensors(directory, entry)
     try:
-        model.load_state_dict(load_tensors(directory, entry))
-    except RuntimeError as exc:
+        model = build(kind, int(manifest["dim"]), state)
+        model.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError) as exc:
         raise ModelFileError(f"{entry['file']} does not fit a {kind} model: {exc}") from None
     return model.to(device).eval()
 
@@ -121,6 +160,16 @@ class ModelSet:
     version: str
     full: nn.Module
     light: nn.Module
+    others: dict[str, nn.Module] = field(default_factory=dict)
+    """The further models the manifest names (``inference/rankers.py``): the pruned tier,
+    the attention rankers."""
+
+    def get(self, kind: str) -> nn.Module | None:
+        if kind == "wide_deep":
+            return self.full
+        if kind == "light":
+            return self.light
+        return self.others.get(kind)
 
 
 class ModelWatcher:
@@ -173,11 +222,16 @@ class ModelWatcher:
                 )
             full = load_model(self.directory, manifest, "wide_deep", self.device)
             light = load_model(self.directory, manifest, "light", self.device)
+            others = {
+                kind: load_model(self.directory, manifest, kind, self.device)
+                for kind in manifest["files"]
+                if kind in MODEL_KINDS and kind not in ("wide_deep", "light")
+            }
         except (ModelFileError, OSError, KeyError, ValueError) as exc:
             self.last_error = str(exc)
             log.error("models not loaded, keeping %s: %s", self.version or "none", exc)
             return
-        new = ModelSet(manifest["version"], full, light)
+        new = ModelSet(manifest["version"], full, light, others)
         with self._lock:
             self.current = new
             self.last_error = None

@@ -28,15 +28,17 @@ from inference.features import (
     RankInputs,
 )
 
-MODEL_KINDS = ("wide_deep", "light")
-
 
 class WideDeep(nn.Module):
     kind = "wide_deep"
 
-    def __init__(self, dim: int = 64, hidden: tuple[int, ...] = (128, 64)) -> None:
+    def __init__(self, dim: int = 64, hidden: tuple[int, ...] = (128, 64), extra: int = 0) -> None:
+        """``extra``: the width of further deep inputs a subclass appends (the attention
+        ranker's interest vector)."""
         super().__init__()
         self.dim = dim
+        self.hidden = tuple(hidden)
+        self.extra = extra
         n_dense = len(DENSE)
         self.wide_dense = nn.Linear(n_dense, 1)
         self.wide_cross = nn.EmbeddingBag(CROSS_BUCKETS, 1, mode="sum")
@@ -45,7 +47,7 @@ class WideDeep(nn.Module):
         self.hour = nn.Embedding(HOUR_UNKNOWN + 1, 4)
         self.region = nn.Embedding(REGION_BUCKETS, 4)
         layers: list[nn.Module] = []
-        width = 3 * dim + n_dense + 8 + 4 + 4 + 4
+        width = 3 * dim + n_dense + 8 + 4 + 4 + 4 + extra
         for h in hidden:
             layers += [nn.Linear(width, h), nn.ReLU()]
             width = h
@@ -53,7 +55,7 @@ class WideDeep(nn.Module):
         self.deep = nn.Sequential(*layers)
         nn.init.zeros_(self.wide_cross.weight)
 
-    def forward(self, user, item, dense, sparse, cross) -> torch.Tensor:
+    def forward(self, user, item, dense, sparse, cross, extra=None) -> torch.Tensor:
         u, v = user[:, : self.dim], item[:, : self.dim]
         deep_in = torch.cat(
             [
@@ -65,26 +67,27 @@ class WideDeep(nn.Module):
                 self.device(sparse[:, 1]),
                 self.hour(sparse[:, 2]),
                 self.region(sparse[:, 3]),
+                *(() if extra is None else (extra,)),
             ],
             dim=1,
         )
         wide = self.wide_dense(dense) + self.wide_cross(cross)
         return (wide + self.deep(deep_in)).squeeze(1)
 
-    def forward_grouped(self, users, owner, item, dense, sparse, cross) -> torch.Tensor:
+    def forward_grouped(self, users, owner, item, dense, sparse, cross, extra=None):
         """``forward`` for candidates grouped by request (``RankInputs`` grouped form):
         ``users`` (requests, w), ``owner`` (n,) non-decreasing. The deep part's first layer
         is split by input block, W·x = W_p·(u⊙v) + W_u·u + W_v·v + W_d·dense + embeddings;
         the user and context blocks become one bias per request, and W_v + W_p·diag(u) one
         matrix per request, so per candidate only a dim × hidden product remains (a third
         of the first layer's work). Equal to ``forward`` on the expanded rows up to float
-        round-off.
+        round-off. ``extra``: (n, self.extra) per-candidate inputs, as in ``forward``.
         """
         d, n_dense = self.dim, len(DENSE)
         first, rest = self.deep[0], self.deep[1:]
         w, b = first.weight, first.bias
-        splits = [d, d, d, n_dense, 8, 4, 4, 4]
-        w_prod, w_user, w_item, w_dense, w_cat, w_dev, w_hour, w_region = torch.split(
+        splits = [d, d, d, n_dense, 8, 4, 4, 4, self.extra]
+        w_prod, w_user, w_item, w_dense, w_cat, w_dev, w_hour, w_region, w_extra = torch.split(
             w, splits, dim=1
         )
         n_req, n = users.shape[0], len(owner)
@@ -106,13 +109,15 @@ class WideDeep(nn.Module):
                 w_item.unsqueeze(0) + w_prod.unsqueeze(0) * u.unsqueeze(1),
                 w_dense.unsqueeze(0).expand(n_req, -1, -1),
                 w_cat.unsqueeze(0).expand(n_req, -1, -1),
+                w_extra.unsqueeze(0).expand(n_req, -1, -1),
             ],
             dim=2,
-        )  # (requests, H, d + n_dense + 8)
+        )  # (requests, H, d + n_dense + 8 + extra)
         pos = torch.arange(n, device=owner.device) - starts[owner]
         width = int(counts.max()) if n else 0
         padded = item.new_zeros(n_req, width, mixed.shape[2])
-        padded[owner, pos] = torch.cat([item[:, :d], dense, self.cat(sparse[:, 0])], dim=1)
+        per_candidate = [item[:, :d], dense, self.cat(sparse[:, 0])]
+        padded[owner, pos] = torch.cat([*per_candidate, *(() if extra is None else (extra,))], 1)
         hidden = torch.baddbmm(per_request.unsqueeze(1), padded, mixed.transpose(1, 2))
         out = rest(hidden.view(n_req * width, -1)).view(n_req, width)[owner, pos]
         wide = self.wide_dense(dense) + self.wide_cross(cross)
@@ -132,14 +137,6 @@ class LightRanker(nn.Module):
         return self.net(torch.cat([dense, self.device(sparse[:, 1])], dim=1)).squeeze(1)
 
 
-def build(kind: str, dim: int) -> nn.Module:
-    if kind == "wide_deep":
-        return WideDeep(dim)
-    if kind == "light":
-        return LightRanker(dim)
-    raise ValueError(f"unknown model kind {kind!r}; expected one of {MODEL_KINDS}")
-
-
 def as_tensors(x: RankInputs, device: torch.device) -> tuple[torch.Tensor, ...]:
     """The inputs on ``device`` (those already there are not copied)."""
     return tuple(to_device(a, device) for a in (x.user, x.item, x.dense, x.sparse, x.cross))
@@ -156,12 +153,17 @@ def score(model: nn.Module, x: RankInputs, device: torch.device, on_device: bool
     if x.owner is not None and not grouped:
         x = x.expanded()
     user, item, dense, sparse, cross = as_tensors(x, device)
+    seq: tuple[torch.Tensor, ...] = ()
+    if getattr(model, "uses_sequence", False):
+        if x.seq is None:
+            raise ValueError(f"a {model.kind} model needs the users' sequences")
+        seq = (to_device(x.seq, device), to_device(x.seq_len, device))
 
     def run() -> torch.Tensor:
         if grouped:
             owner = to_device(x.owner, device)
-            return model.forward_grouped(user, owner, item, dense, sparse, cross)
-        return model(user, item, dense, sparse, cross)
+            return model.forward_grouped(user, owner, item, dense, sparse, cross, *seq)
+        return model(user, item, dense, sparse, cross, *seq)
 
     if device.type == "cuda":
         with torch.autocast("cuda", dtype=torch.float16):

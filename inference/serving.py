@@ -22,7 +22,6 @@ import redis
 import torch
 
 from freshrec import metrics as m
-from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
 from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
 from inference.ann import IVFIndex, ivf_cells
@@ -34,23 +33,22 @@ from inference.degrade import (
     CACHED,
     FULL,
     HOT,
-    LIGHT,
     Ladder,
     LadderConfig,
     Situation,
-    ewma,
     reason_label,
 )
 from inference.device import to_host
-from inference.features import RECENT, FeatureEncoder, recent_category_share, recent_similarity
+from inference.features import FeatureEncoder
 from inference.hotreply import HotReplies
 from inference.merge import found_by, merge_slot_arrays
 from inference.modelfile import ModelWatcher
-from inference.ranking import score
+from inference.rankstage import RankingStage
 from inference.recall import ChannelConfig, RecallQuery, RecallRunner
 from inference.rerank import mmr_batch, space_categories
 from inference.resultcache import ResultCache
-from inference.snapshot import Snapshot, SnapshotRefresher, read_features
+from inference.snapshot import Snapshot, SnapshotRefresher
+from inference.tiers import HeatSplit
 from schemas.ids import row_ids
 from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
@@ -79,6 +77,11 @@ class ServingSettings:
     ann_refresh_s: float = 300.0
     recall_share: float = 0.5
     """At most this share of the tightest budget in a batch is spent waiting for recall."""
+    ranker: str = "wide_deep"
+    """The model of the full tier (``inference/rankstage.py``); a variant's ``ranking``
+    overrides it for its users."""
+    heat_split: HeatSplit = field(default_factory=HeatSplit)
+    """The ``tiered`` ranker's head and middle shares of the catalogue by heat."""
 
 
 @dataclass
@@ -108,7 +111,7 @@ class Inbound:
         return d if d is not None else self.enqueued_ms + default_budget_ms
 
 
-class Recommender:
+class Recommender(RankingStage):
     """Serves batches of requests from the worker's cache: recall (``channels.py``), the
     degradation ladder, ranking, re-ranking, replies."""
 
@@ -123,6 +126,7 @@ class Recommender:
         runner_factory: Callable[[ServingState], RecallRunner],
         worker_id: str,
         recent_clicks: Callable[[str], list[str]] = lambda user_id: [],
+        sequence: Callable[[str], list[str]] = lambda user_id: [],
         seen: Callable[[RecommendRequest], RecommendRequest] = lambda request: request,
         arm_of: Callable[[str], Arm | None] = lambda user_id: None,
     ) -> None:
@@ -135,6 +139,8 @@ class Recommender:
         self.worker_id = worker_id
         self.with_seen = seen  # a request with the user's consumed items excluded, if it asks
         self.arm_of = arm_of  # the user's experiment variant (``arms.py``), if any
+        self.sequence_of = sequence  # the user's last clicked items, newest first
+        self._heat_cuts: dict = {}  # (features, split) -> the tiers' hot-score thresholds
         self.encoder = FeatureEncoder()
         self.ladder = Ladder(settings.ladder)
         self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
@@ -303,7 +309,7 @@ class Recommender:
                 )
             )
         ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
-        features_note = self._rank(reqs, user_rows, merged, choices, ranked, models)
+        features_note, rankers = self._rank(reqs, user_rows, merged, choices, ranked, models, arms)
         if features_note:
             degraded.append(features_note)
         t_rank = time.monotonic()
@@ -347,6 +353,7 @@ class Recommender:
                     item_table_version=item_table_version,
                     timings_ms={k: round(v, 3) for k, v in timings.items()},
                     worker=self.worker_id,
+                    ranker=rankers[j] if j in ranked else None,
                     **reply_fields(arms[j]),
                 )
             )
@@ -396,111 +403,6 @@ class Recommender:
     def _cache_key(r: RecommendRequest) -> tuple:
         ctx = r.context
         return (r.user_id, ctx.device if ctx else None, ctx.region if ctx else None, r.k)
-
-    def _rank(self, reqs, user_rows, merged, choices, ranked, models) -> str | None:
-        note = None
-        for tier in (FULL, LIGHT):
-            group = [j for j, c in enumerate(choices) if c.tier == tier and len(merged[j])]
-            if not group or models is None:
-                continue
-            t0 = time.monotonic()
-            model = models.full if tier == FULL else models.light
-            inputs, realtime_note = self._inputs(reqs, user_rows, merged, group, tier)
-            note = note or realtime_note
-            try:
-                probs = score(model, inputs, self.cache.device, on_device=True)
-            except Exception as exc:  # a broken model must not stop serving
-                log.error("%s model failed on a batch: %s", tier, exc)
-                m.DEGRADED.labels(tier, "model_error").inc()
-                if tier == FULL:
-                    self.full_failed_until = time.monotonic() + 10
-                for j in group:
-                    choices[j] = type(choices[j])(HOT, f"{tier} model error")
-                continue
-            for j, part in zip(
-                group, torch.split(probs, [len(merged[j]) for j in group]), strict=True
-            ):
-                ranked[j] = part
-            cost = (time.monotonic() - t0) * 1000
-            if tier == FULL:
-                self.full_cost_ms = ewma(self.full_cost_ms, cost)
-            else:
-                self.light_cost_ms = ewma(self.light_cost_ms, cost)
-        return note
-
-    def _inputs(self, reqs, user_rows, merged, group, tier):
-        lens = [len(merged[j]) for j in group]
-        slots = np.concatenate([merged[j].slots for j in group])
-        owner = np.repeat(np.asarray(group, np.int64), lens)
-        n = len(slots)
-        items = self.cache.rows(TABLE_ITEM, slots)
-        cat_idx = self.cat_index[slots]
-        cat = self.snap.catalogue
-        dense = np.zeros((n, 4), np.float32)
-        dense[:, 1], dense[:, 2] = PRIOR_CTR, PRIOR_CVR  # items no event has touched yet
-        known = cat_idx >= 0
-        dense[known, 0] = cat.price[cat_idx[known]]
-        if self.snap.features is not None:
-            dense[known, 1:4] = self.snap.features[cat_idx[known]]
-        note = None
-        realtime = [j for j in group if (reqs[j].context and reqs[j].context.device == "high_end")]
-        if tier == FULL and realtime:
-            note = self._realtime_features(merged, group, lens, realtime, dense)
-        categories = np.zeros(n, np.int64)
-        categories[known] = cat.category[cat_idx[known]]
-        now_ms = int(time.time() * 1000)
-        ctx = self.encoder.context(
-            [r.context.device if r.context else None for r in reqs],
-            [r.context.region if r.context else None for r in reqs],
-            [(r.context.ts_ms if r.context and r.context.ts_ms else now_ms) for r in reqs],
-        )
-        shares, sims = np.zeros(n, np.float32), torch.zeros(n, device=items.device)
-        lo = 0
-        for j, size in zip(group, lens, strict=True):
-            recent = self.recent_clicks(reqs[j].user_id)
-            recent_slots = [self.slot_of[x] for x in recent[:RECENT] if x in self.slot_of]
-            if recent_slots:
-                ci = self.cat_index[recent_slots]
-                recent_cats = cat.category[ci[ci >= 0]].tolist()
-                shares[lo : lo + size] = recent_category_share(
-                    recent_cats, categories[lo : lo + size]
-                )
-                rows = self.cache.rows(TABLE_ITEM, np.asarray(recent_slots, np.int64))
-                sims[lo : lo + size] = recent_similarity(
-                    rows, items[lo : lo + size], self.cache.dim
-                )
-            lo += size
-        local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
-        inputs = self.encoder.encode(
-            user_rows.index_select(0, self.cache.to_device(np.asarray(group, np.int64))),
-            items,
-            dense,
-            categories,
-            ctx[owner],
-            shares,
-            owner=local,
-            recent_similarity=sims.cpu().numpy(),
-        )
-        return inputs, note
-
-    def _realtime_features(self, merged, group, lens, realtime, dense: np.ndarray) -> str | None:
-        """high_end devices: CTR/CVR/hot read from Redis now, not from the snapshot."""
-        offsets = dict(
-            zip(group, np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist(), strict=True)
-        )
-        cand_names = {j: self.name_of_slot[merged[j].slots].tolist() for j in realtime}
-        names = sorted({name for j in realtime for name in cand_names[j]})
-        try:
-            fresh = read_features(self.redis, self.keys, names, self.snap.feature_shards)
-        except redis.RedisError:
-            return "redis unavailable: cached features for high_end"
-        for j in realtime:
-            base = offsets[j]
-            for k, name in enumerate(cand_names[j]):
-                got = fresh.get(name)
-                if got is not None:
-                    dense[base + k, 1:4] = got
-        return None
 
     def _rerank(self, merged: list[Candidates], ranked: dict[int, torch.Tensor], reqs, lams):
         """MMR over the head of each ranking (all requests of the batch in one ``mmr_batch``,

@@ -27,6 +27,7 @@ from inference.channels import default_channels, parse_delays
 from inference.degrade import LadderConfig
 from inference.learning import LOSSES, LabelConfig
 from inference.serving import ServingSettings
+from inference.tiers import HeatSplit
 from schemas.codec import DeadLetterLimits
 
 
@@ -190,6 +191,8 @@ class WorkerSettings:
             ann_min_items=env_int(env, "FRESHREC_ANN_MIN_ITEMS", 200_000, minimum=1),
             ann_nprobe=env_int(env, "FRESHREC_ANN_NPROBE", 0, minimum=0),
             ann_refresh_s=env_float(env, "FRESHREC_ANN_REFRESH_S", 300.0, positive=True),
+            ranker=served_ranker(env),
+            heat_split=heat_split(env),
         )
         try:
             delays = parse_delays(env.get("FRESHREC_RECALL_INJECT_DELAY_MS", ""))
@@ -257,3 +260,32 @@ def _reply_pattern(env: Mapping[str, str]) -> str | None:
         except re.error as exc:
             raise SettingsError(f"FRESHREC_REPLY_TOPIC_PATTERN={pattern!r}: {exc}") from None
     return pattern
+
+
+SERVED_RANKERS = (
+    "wide_deep",
+    "pruned",
+    "attention",
+    "attention_window",
+    "attention_lowrank",
+    "tiered",
+)
+
+
+def served_ranker(env: Mapping[str, str]) -> str:
+    """``FRESHREC_RANKER``: the full tier's model (default ``wide_deep``)."""
+    name = env.get("FRESHREC_RANKER", "") or "wide_deep"
+    if name not in SERVED_RANKERS:
+        raise SettingsError(f"FRESHREC_RANKER must be one of {', '.join(SERVED_RANKERS)}")
+    return name
+
+
+def heat_split(env: Mapping[str, str]) -> HeatSplit:
+    """``FRESHREC_TIER_HEAD_SHARE`` and ``FRESHREC_TIER_MID_SHARE``: the ``tiered`` ranker's
+    shares of the catalogue by heat (defaults 0.1 and 0.3)."""
+    head = env_float(env, "FRESHREC_TIER_HEAD_SHARE", 0.1, minimum=0, maximum=1)
+    middle = env_float(env, "FRESHREC_TIER_MID_SHARE", 0.3, minimum=0, maximum=1)
+    try:
+        return HeatSplit(head, middle)
+    except ValueError as exc:
+        raise SettingsError(f"FRESHREC_TIER_HEAD_SHARE/FRESHREC_TIER_MID_SHARE: {exc}") from None

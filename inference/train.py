@@ -28,20 +28,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from freshrec.hotscore import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
-from inference.features import (
-    CATEGORY_BUCKETS,
-    DENSE,
-    RECENT,
-    RECENT_DECAY,
-    FeatureEncoder,
-    RankInputs,
-    bucket,
+from inference.attention import SEQUENCE
+from inference.features import DENSE
+from inference.fitting import auc, fit_ranker, optimiser_step, predict, shuffled_batches
+from inference.logfeatures import (
+    TrainingLog,
+    category_buckets,
+    item_features,
+    rank_inputs,
+    recent_context,
 )
 from inference.modelfile import save_model, save_tensors, write_manifest
+from inference.rankers import RANKERS, Split, parse_rankers, train_rankers
 from inference.ranking import LightRanker, WideDeep, as_tensors
+from inference.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
 from schemas.ids import row_ids
-from schemas.records import DEVICE_CLASSES
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
 
 log = logging.getLogger("freshrec.train")
@@ -86,6 +87,13 @@ class TrainConfig:
     """Adam's step size for the softmax two-tower."""
     features: str = ",".join(DENSE)
     """The ranking models' dense inputs: models trained with others are trained again."""
+    rankers: str = ",".join(RANKERS)
+    """The further ranking models (``inference/rankers.py``): the pruned tier and the
+    attention rankers; Wide&Deep and the light model always train."""
+    prune_keep: float = 0.5
+    """The share of each hidden layer's units the pruned model keeps."""
+    sequence: int = SEQUENCE
+    """Items of a user's history the attention rankers read."""
 
     def __post_init__(self) -> None:
         if min(self.impressions, self.dim, self.tower_epochs, self.rank_epochs, self.batch) < 1:
@@ -96,96 +104,14 @@ class TrainConfig:
             raise ValueError(f"tower_share must be in (0, 1], got {self.tower_share}")
         if self.tower_loss not in TOWER_LOSSES:
             raise ValueError(f"tower_loss must be one of {TOWER_LOSSES}, got {self.tower_loss!r}")
+        parse_rankers(self.rankers)
+        if not 0 < self.prune_keep < 1:
+            raise ValueError(f"prune_keep must be in (0, 1), got {self.prune_keep}")
+        if self.sequence < 1:
+            raise ValueError(f"sequence must be at least 1, got {self.sequence}")
 
 
 TOWER_LOSSES = ("logistic", "softmax", "softmax+logistic")
-
-
-@dataclass
-class TrainingLog:
-    """Labelled impressions of catalogue items: what offline training learns from, whoever
-    wrote it. Users and items are numbered (``users[j]`` indexes ``user_ids``, ``items[j]``
-    indexes ``item_ids``); per impression its event time, whether it was clicked and
-    converted, and the user's device class (index into ``DEVICE_CLASSES``, -1 unknown) and
-    region (None unknown)."""
-
-    user_ids: np.ndarray
-    """Distinct user ids (str)."""
-    item_ids: np.ndarray
-    """The catalogue's item ids (str), in catalogue order."""
-    item_category: np.ndarray
-    """Per item: its category name (str, or None when unknown)."""
-    item_price: np.ndarray
-    """Per item: its price (0 when unknown)."""
-    users: np.ndarray
-    items: np.ndarray
-    t_ms: np.ndarray
-    clicked: np.ndarray
-    converted: np.ndarray
-    device: np.ndarray
-    region: np.ndarray
-    source: str = ""
-    """What the log came from (recorded in the manifest; models are reused for the same
-    source and configuration)."""
-    sampled: np.ndarray | None = None
-    """Per row: a negative drawn by the trainer, not a logged impression (positive-only logs,
-    ``inference/logtrain.py``). Such rows count as no impression in the item features, as
-    nothing counts them live."""
-
-    def __len__(self) -> int:
-        return len(self.users)
-
-
-def item_features(log: TrainingLog, idx: np.ndarray) -> np.ndarray:
-    """(n_items, 4) [price, ctr, cvr, hot] from the impressions at ``idx`` (the training split:
-    the held-out labels must not leak into features), as the streams app computes them live."""
-    n = len(log.item_ids)
-    if log.sampled is not None:  # positive-only: no impression logged, none counted live
-        idx = idx[~log.sampled[idx]]
-        imp = np.zeros(n)
-    else:
-        imp = np.bincount(log.items[idx], minlength=n).astype(np.float64)
-    items = log.items[idx]
-    clk = np.bincount(items, weights=log.clicked[idx], minlength=n)
-    conv = np.bincount(items, weights=log.converted[idx], minlength=n)
-    s = Smoothing()
-    ctr = smoothed_rate(clk, imp, s.ctr_prior, s.ctr_strength)
-    cvr = smoothed_rate(conv, clk, s.cvr_prior, s.cvr_strength)
-    price = np.asarray(log.item_price, np.float64)
-    hot = hot_scores(clk, cvr, price_norm(price), HotWeights())
-    return np.column_stack([price, ctr, cvr, hot]).astype(np.float32)
-
-
-def auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Area under the ROC curve by ranks (ties averaged)."""
-    labels = labels.astype(bool)
-    pos, neg = int(labels.sum()), int((~labels).sum())
-    if pos == 0 or neg == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    sorted_scores = scores[order]
-    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
-    avg = first + (counts - 1) / 2.0 + 1
-    ranks[order] = np.repeat(avg, counts)
-    return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
-
-
-def _step(opt, loss, step: int, progress: Progress, what: str, steps: int) -> int:
-    """One optimiser step; the progress line every 20."""
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    step += 1
-    if step % 20 == 0:
-        progress(f"{what}, step {step}/{steps}, loss {loss.item():.4f}")
-    return step
-
-
-def _batches(n: int, size: int, rng: np.random.Generator):
-    order = rng.permutation(n)
-    for lo in range(0, n, size):
-        yield order[lo : lo + size]
 
 
 def train_two_tower(
@@ -219,13 +145,13 @@ def train_two_tower(
     steps = cfg.tower_epochs * -(-len(train_idx) // cfg.batch)
     step = 0
     for epoch in range(cfg.tower_epochs):
-        for b in _batches(len(train_idx), cfg.batch, rng):
+        for b in shuffled_batches(len(train_idx), cfg.batch, rng):
             idx = torch.from_numpy(train_idx[b])
             u, v = u_emb[up[idx]], v_emb[it[idx]]
             logit = (u * v[:, :d]).sum(1) + v[:, d]
             loss = nn.functional.binary_cross_entropy_with_logits(logit, y[idx], weight=w[idx])
             loss = loss + cfg.l2 * ((u * u).sum(1).mean() + (v * v).sum(1).mean())
-            step = _step(
+            step = optimiser_step(
                 opt, loss, step, progress, f"two-tower: epoch {epoch + 1}/{cfg.tower_epochs}", steps
             )
     users = np.concatenate([u_emb.detach().numpy(), np.ones((len(uniq_users), 1), np.float32)], 1)
@@ -254,7 +180,7 @@ def _train_two_tower_softmax(
     steps = cfg.tower_epochs * -(-len(positives) // batch)
     step = 0
     for epoch in range(cfg.tower_epochs):
-        for b in _batches(len(positives), batch, rng):
+        for b in shuffled_batches(len(positives), batch, rng):
             idx = torch.from_numpy(positives[b])
             u, pos = u_emb[up[idx]], it[idx]
             neg = torch.from_numpy(rng.integers(0, n_items, cfg.softmax_negatives))
@@ -263,142 +189,11 @@ def _train_two_tower_softmax(
             logits = u @ v[:, :d].T + v[:, d]
             loss = nn.functional.cross_entropy(logits, torch.arange(len(b)))
             loss = loss + cfg.softmax_l2 * ((u * u).sum(1).mean() + (v * v).sum(1).mean())
-            step = _step(
+            step = optimiser_step(
                 opt, loss, step, progress, f"two-tower: epoch {epoch + 1}/{cfg.tower_epochs}", steps
             )
     users = np.concatenate([u_emb.detach().numpy(), np.ones((len(uniq_users), 1), np.float32)], 1)
     return uniq_users, users, v_emb.detach().numpy()
-
-
-def recent_context(logs: TrainingLog, cats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per impression, the real-time features' inputs as serving sees them: the share of the
-    user's previous ``RECENT`` clicks (in time order, in the logs) in the impressed item's
-    category, and those clicked items, newest first ((n, RECENT) item numbers, -1 padding;
-    a re-clicked item counts once, where it was clicked last, as the worker keeps them)."""
-    order = np.lexsort((logs.t_ms, logs.users))
-    shares = np.zeros(len(order), np.float32)
-    recent_items = np.full((len(order), RECENT), -1, np.int64)
-    item_cat = cats[logs.items]
-    last_user = -1
-    recent: list[int] = []
-    slate_t = -1
-    pending: list[int] = []
-    for j in order.tolist():
-        u = int(logs.users[j])
-        if u != last_user:
-            last_user, recent, pending, slate_t = u, [], [], -1
-        t = int(logs.t_ms[j])
-        if t != slate_t:  # clicks of one slate are known after it, not during it
-            merged = pending[::-1] + recent
-            recent = list(dict.fromkeys(merged))[:RECENT]
-            pending, slate_t = [], t
-        if recent:
-            c = item_cat[j]
-            shares[j] = sum(1 for r in recent if cats[r] == c) / len(recent)
-            recent_items[j, : len(recent)] = recent
-        if logs.clicked[j]:
-            pending.append(int(logs.items[j]))
-    return shares, recent_items
-
-
-def recent_similarities(
-    recent_items: np.ndarray, items: np.ndarray, item_rows: np.ndarray, dim: int
-) -> np.ndarray:
-    """``features.recent_similarity`` of each (impressed item, recent items) row, in chunks."""
-    out = np.zeros(len(items), np.float32)
-    decay = RECENT_DECAY ** np.arange(recent_items.shape[1], dtype=np.float32)
-    for lo in range(0, len(items), 50_000):
-        idx = recent_items[lo : lo + 50_000]
-        valid = idx >= 0
-        w = np.where(valid, decay, 0.0)
-        total = w.sum(1, keepdims=True)
-        w = np.divide(w, total, out=np.zeros_like(w), where=total > 0)
-        q = np.einsum("nr,nrd->nd", w, item_rows[np.maximum(idx, 0), :dim])
-        out[lo : lo + 50_000] = (q * item_rows[items[lo : lo + 50_000], :dim]).sum(1)
-    return out
-
-
-def rank_inputs(
-    logs: TrainingLog, idx: np.ndarray, user_rows, user_pos, item_rows, feats, recent
-) -> RankInputs:
-    shares, recent_items = recent
-    enc = FeatureEncoder()
-    items = logs.items[idx]
-    device = logs.device[idx]
-    ctx = enc.context(
-        [DEVICE_CLASSES[d] if d >= 0 else None for d in device.tolist()],
-        logs.region[idx].tolist(),
-        logs.t_ms[idx].tolist(),
-    )
-    cats = category_buckets(logs)[items]
-    sims = recent_similarities(recent_items[idx], items, item_rows, item_rows.shape[1] - 1)
-    return enc.encode(
-        user_rows[user_pos[idx]],
-        item_rows[items],
-        feats[items],
-        cats,
-        ctx,
-        shares[idx],
-        recent_similarity=sims,
-    )
-
-
-def category_buckets(logs: TrainingLog) -> np.ndarray:
-    """Per catalogue item, its category's bucket (as serving computes it from the catalogue)."""
-    names = {c: bucket(c, CATEGORY_BUCKETS) for c in set(logs.item_category.tolist())}
-    return np.array([names[c] for c in logs.item_category.tolist()], np.int64)
-
-
-def _loss(logit, y, w, soft=None):
-    loss = nn.functional.binary_cross_entropy_with_logits(logit, y, weight=w)
-    if soft is not None:
-        loss = 0.5 * loss + 0.5 * nn.functional.mse_loss(logit, soft)
-    return loss
-
-
-def _from_numpy(a: np.ndarray | None) -> torch.Tensor | None:
-    return None if a is None else torch.from_numpy(a)
-
-
-def _fit(model, data, valid, cfg, rng, progress, label) -> dict:
-    """Adam on shuffled mini-batches, epoch after epoch, until the loss on ``valid`` has not
-    improved for ``cfg.rank_patience`` epochs (``cfg.rank_epochs`` at most); the weights of the
-    best epoch are kept. ``data`` and ``valid`` are (the model's input tensors, targets,
-    weights, soft targets or None). Returns the epochs run, the best epoch and its validation
-    loss."""
-    if cfg.rank_epochs < 1:
-        raise ValueError(f"rank_epochs must be at least 1, got {cfg.rank_epochs}")
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    tensors, y, w, soft = data[0], *map(_from_numpy, data[1:])
-    v_tensors, v_y, v_w, v_soft = valid[0], *map(_from_numpy, valid[1:])
-    per_epoch = -(-len(y) // cfg.batch)
-    best, best_epoch, best_state = float("inf"), 0, None
-    step = epoch = 0
-    for epoch in range(1, cfg.rank_epochs + 1):
-        model.train()
-        what = f"{label}: epoch {epoch} (at most {cfg.rank_epochs})"
-        for b in _batches(len(y), cfg.batch, rng):
-            bt = torch.from_numpy(b)
-            logit = model(*(t[bt] for t in tensors))
-            loss = _loss(logit, y[bt], w[bt], None if soft is None else soft[bt])
-            step = _step(opt, loss, step, progress, what, cfg.rank_epochs * per_epoch)
-        model.eval()
-        with torch.inference_mode():
-            v_loss = float(_loss(model(*v_tensors), v_y, v_w, v_soft))
-        progress(f"{what}: validation loss {v_loss:.4f} (best {min(best, v_loss):.4f})")
-        if v_loss < best:
-            best, best_epoch = v_loss, epoch
-            best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
-        elif epoch - best_epoch >= cfg.rank_patience:
-            break
-    model.load_state_dict(best_state)
-    model.eval()
-    return {"epochs": epoch, "best_epoch": best_epoch, "validation_loss": round(best, 5)}
-
-
-@torch.inference_mode()
-def _logits(model, inputs: RankInputs) -> np.ndarray:
-    return model(*as_tensors(inputs, torch.device("cpu"))).numpy()
 
 
 ONLINE_SOFTMAX = {
@@ -450,6 +245,21 @@ def top_k_hits(
     return round(hits / len(clicks), 4)
 
 
+def tiered_auc(logs, test_idx, feats, y, t_test, full, light, more) -> dict:
+    """The pruned model's sparsity, and the held-out AUC of ranking by item heat
+    (``inference/tiers.py``, default shares): each impression scored by its item's tier's
+    model, the heat the training split's."""
+    cut = thresholds(feats[:, 3], HeatSplit())
+    tiers = route(feats[logs.items[test_idx], 3], cut)
+    logits = [predict(model, t_test) for model in (full, more["pruned"]["model"], light)]
+    mixed = np.select([tiers == HEAD, tiers == MIDDLE], logits[:2], logits[2])
+    return {
+        "pruned_sparsity": more["pruned"]["sparsity"],
+        "auc_tiered": auc(y[test_idx], mixed),
+        "tiered_shares": [round(float((tiers == t).mean()), 4) for t in (HEAD, MIDDLE, TAIL)],
+    }
+
+
 def random_split(n: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     """(train, valid, test): a tenth held out for the reported metrics, a tenth to stop on."""
     split = rng.random(n)
@@ -485,18 +295,20 @@ def train(
     tower_scores = np.einsum(
         "ij,ij->i", user_rows[user_pos[test_idx]], item_rows[logs.items[test_idx]]
     )
-    recent = recent_context(logs, category_buckets(logs))
+    recent = recent_context(logs, category_buckets(logs), cfg.sequence)
     args = (user_rows, user_pos, item_rows, feats, recent)
     x_train = rank_inputs(logs, rank_idx, *args)
     x_valid = rank_inputs(logs, valid_idx, *args)
     x_test = rank_inputs(logs, test_idx, *args)
     y = logs.clicked.astype(np.float32)
     w = np.where(logs.converted, cfg.conversion_weight, 1.0).astype(np.float32)
-    t_train, t_valid = (as_tensors(x, torch.device("cpu")) for x in (x_train, x_valid))
+    t_train, t_valid, t_test = (
+        as_tensors(x, torch.device("cpu")) for x in (x_train, x_valid, x_test)
+    )
     torch.manual_seed(cfg.seed)
     full = WideDeep(cfg.dim)
     fits = {
-        "wide_deep": _fit(
+        "wide_deep": fit_ranker(
             full,
             (t_train, y[rank_idx], w[rank_idx], None),
             (t_valid, y[valid_idx], w[valid_idx], None),
@@ -507,20 +319,33 @@ def train(
         )
     }
     light = LightRanker(cfg.dim)
-    fits["light"] = _fit(
+    fits["light"] = fit_ranker(
         light,
-        (t_train, y[rank_idx], w[rank_idx], _logits(full, x_train)),
-        (t_valid, y[valid_idx], w[valid_idx], _logits(full, x_valid)),
+        (t_train, y[rank_idx], w[rank_idx], predict(full, t_train)),
+        (t_valid, y[valid_idx], w[valid_idx], predict(full, t_valid)),
         cfg,
         rng,
         progress,
         "light",
     )
+    parts = tuple(
+        Split(t, y[i], w[i], recent[1][i, : cfg.sequence])
+        for t, i in ((t_train, rank_idx), (t_valid, valid_idx), (t_test, test_idx))
+    )
+    more = train_rankers(parse_rankers(cfg.rankers), full, parts, item_rows, cfg, rng, progress)
+    for name, got in more.items():
+        fits[name] = got["fit"]
     metrics = {
         "hr_at_10_two_tower": top_k_hits(logs, test_idx, tower_idx, user_pos, user_rows, item_rows),
         "auc_two_tower": auc(y[test_idx], tower_scores),
-        "auc_wide_deep": auc(y[test_idx], _logits(full, x_test)),
-        "auc_light": auc(y[test_idx], _logits(light, x_test)),
+        "auc_wide_deep": auc(y[test_idx], predict(full, t_test)),
+        "auc_light": auc(y[test_idx], predict(light, t_test)),
+        **{f"auc_{name}": got["auc"] for name, got in more.items()},
+        **(
+            tiered_auc(logs, test_idx, feats, y, t_test, full, light, more)
+            if "pruned" in more
+            else {}
+        ),
         "impressions": int(n),
         "tower_impressions": len(tower_idx),
         "ranking_impressions": len(rank_idx),
@@ -540,6 +365,7 @@ def train(
     files = {
         "wide_deep": save_model(out_dir, full, version, cfg.dim),
         "light": save_model(out_dir, light, version, cfg.dim),
+        **{name: save_model(out_dir, got["model"], version, cfg.dim) for name, got in more.items()},
         "two_tower": save_tensors(
             out_dir,
             f"two_tower-{version}.safetensors",

@@ -187,6 +187,7 @@ class Worker:
             ),
             settings.worker_id,
             recent_clicks=self.recent.get,
+            sequence=lambda user_id: self.seen.get(user_id) or self.recent.get(user_id),
             seen=lambda r: with_seen(r, self.seen.get, settings.exclude_seen),
             arm_of=self.experiment.arm if self.experiment else lambda user_id: None,
         )

@@ -260,6 +260,7 @@ def encode_reply(reply: RecommendReply) -> bytes:
         "worker": reply.worker,
         "experiment": reply.experiment,
         "variant": reply.variant,
+        "ranker": reply.ranker,
         "served_at_ms": reply.served_at_ms,
     }
     # orjson (~20x faster than ``json`` for a reply) writes NaN and infinity as null; the

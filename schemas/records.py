@@ -107,6 +107,7 @@ class RecommendReply:
     worker: str | None = None
     experiment: str | None = None
     variant: str | None = None
+    ranker: str | None = None
     schema_version: int = SCHEMA_VERSION
 
 

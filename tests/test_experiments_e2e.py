@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from freshrec.experiments import parse
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
@@ -125,3 +127,86 @@ def test_variants_are_served_counted_and_attributed_and_shares_move_few_users(
             if exp.variant_of(table, u) == "light" and grown.variant_of(new, u) == "control"
         )
         assert client.recommend(mover, 5, timeout_s=20).variant == "control"
+
+
+RANKERS_EXP = """\
+[experiment]
+name = "rankers"
+
+[[variant]]
+name = "attention"
+share = 0.25
+ranking = "attention"
+
+[[variant]]
+name = "window"
+share = 0.25
+ranking = "attention_window"
+
+[[variant]]
+name = "lowrank"
+share = 0.25
+ranking = "attention_lowrank"
+
+[[variant]]
+name = "tiered"
+share = 0.25
+ranking = "tiered"
+head_share = 0.3
+mid_share = 0.3
+"""
+
+
+def test_variants_rank_with_the_attention_models_and_the_heat_tiers(seeded, model_dir, tmp_path):
+    """Each variant's replies are ranked by its model (the reply's ``ranker``), the tiered
+    variant's candidates by all three tier models, and the attention rankers read the user's
+    sequence from the clicks the worker has read."""
+    from freshrec import metrics as m
+    from inference.attention import SEQUENCE
+    from schemas.records import RecommendRequest
+
+    from .serving_harness import counter
+
+    conn = seeded
+    path = tmp_path / "experiments.toml"
+    path.write_text(RANKERS_EXP)
+    exp = parse(RANKERS_EXP)
+    kinds = {v.name: v.ranking for v in exp.variants}
+    tier_models = ("wide_deep", "pruned", "light")
+    before = {k: counter(m.RANKED_CANDIDATES, k) for k in (*tier_models, *kinds.values())}
+    settings = worker_settings(conn, model_dir, experiments_file=path)
+    r = connect(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    # item heat as the streams app publishes it: item iN is N hot (400 items)
+    r.hset(keys.item_feature("hot", 0), mapping={f"i{n}": float(n) for n in range(400)})
+    r.set(keys.feature_shards, 1)
+    with running_worker(settings) as w, client_for(conn) as client:
+        table = r.hget(keys.experiment("rankers"), "table")
+        users = [f"u{i}" for i in range(24)]
+        for u in users:
+            reply = client.recommend(u, 5, context={"device": "pc"}, timeout_s=20)
+            variant = exp.variant_of(table, u)
+            assert (reply.variant, reply.tier, reply.ranker) == (variant, "full", kinds[variant])
+            assert len(reply.items) == 5, reply
+        after = {k: counter(m.RANKED_CANDIDATES, k) for k in before}
+        grew = {k for k in before if after[k] > before[k]}
+        assert grew == set(before) - {"tiered"}, (before, after)
+
+        # a user's clicks become their sequence, newest first
+        user = users[0]
+        clicked = ["i3", "i7", "i11"]
+        now = int(time.time() * 1000)
+        produce(
+            conn,
+            [
+                Event(f"seq-{n}", "click", user, item, now + n, None, "pc")
+                for n, item in enumerate(clicked)
+            ],
+        )
+        wait_for(lambda: w.seen.get(user)[:3] == clicked[::-1], 30, "the worker to read the clicks")
+        rec = w.recommender
+        seq, lens = rec._sequences([RecommendRequest("x", user)], [0], SEQUENCE)
+        assert int(lens[0]) >= 3
+        slots = [rec.slot_of[x] for x in clicked[::-1]]
+        want = rec.cache.items.rows.index_select(0, torch.tensor(slots))
+        assert torch.equal(seq[0, :3], want)

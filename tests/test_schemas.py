@@ -324,6 +324,7 @@ def test_reply_encoder_writes_every_field():
         worker="w",
         experiment="e",
         variant="v",
+        ranker="attention",
     )
     encoded = json.loads(encode_reply(reply))
     assert set(encoded) == {f.name for f in dataclasses.fields(RecommendReply)}

@@ -314,7 +314,8 @@ def test_auc_matches_the_pairwise_definition():
 
 
 def test_recent_features_in_training_only_see_earlier_slates():
-    from inference.train import TrainingLog, recent_context
+    from inference.logfeatures import recent_context
+    from inference.train import TrainingLog
 
     # one user, two slates: clicks in slate 1 (t=1) inform slate 2 (t=2), not slate 1 itself
     logs = TrainingLog(
@@ -339,7 +340,7 @@ def test_recent_features_in_training_only_see_earlier_slates():
 
 def test_recent_similarity_in_training_matches_serving():
     from inference.features import recent_similarity
-    from inference.train import recent_similarities
+    from inference.logfeatures import recent_similarities
 
     rng = np.random.default_rng(4)
     rows = rng.standard_normal((6, 5)).astype(np.float32)

@@ -12,7 +12,7 @@ import torch
 from freshrec.app.training import ensure_models
 from freshrec.progress import ProgressLine
 from inference.modelfile import read_manifest
-from inference.train import TrainConfig, _fit
+from inference.train import TrainConfig, fit_ranker
 from tools.world import World, WorldConfig
 
 SMALL = WorldConfig(seed=3, n_users=400, n_items=120, n_categories=6)
@@ -37,7 +37,7 @@ def test_ranking_models_stop_on_validation_loss_and_keep_their_best_epoch():
 
     model = Model()
     cfg = TrainConfig(batch=64, rank_epochs=50, rank_patience=2)
-    fit = _fit(
+    fit = fit_ranker(
         model,
         ((x,), y, np.ones(n, np.float32), None),
         ((x_valid,), y_valid, np.ones(256, np.float32), None),

@@ -49,8 +49,7 @@ def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dic
     manifest = world.train(config, directory, progress.update)
     t = manifest["training"]
     progress.done(
-        f"trained {manifest['version']} in {time.monotonic() - started:.0f}s: AUC two-tower "
-        f"{t['auc_two_tower']:.3f}, wide&deep {t['auc_wide_deep']:.3f}, light {t['auc_light']:.3f}"
+        f"trained {manifest['version']} in {time.monotonic() - started:.0f}s: " + held_out_line(t)
     )
     return manifest
 
@@ -96,8 +95,23 @@ def held_out_line(training: dict, prefix: str = "") -> str:
         prefix
         + (f"HR@10 two-tower {hr:.3f}, " if hr is not None else "")
         + f"AUC two-tower {training['auc_two_tower']:.3f}, "
-        f"wide&deep {training['auc_wide_deep']:.3f}, light {training['auc_light']:.3f}"
+        + ", ".join(
+            f"{name.replace('wide_deep', 'wide&deep').replace('_', ' ')} "
+            f"{training[f'auc_{name}']:.3f}"
+            for name in (*RANKING_MODELS, "tiered")
+            if training.get(f"auc_{name}") is not None
+        )
     )
+
+
+RANKING_MODELS = (
+    "wide_deep",
+    "light",
+    "pruned",
+    "attention",
+    "attention_window",
+    "attention_lowrank",
+)
 
 
 def train_on_log(args: argparse.Namespace, directory: Path, progress: ProgressLine) -> dict:

@@ -1,0 +1,112 @@
+"""``freshrec train``'s further ranking models, trained after Wide&Deep on the same pairs: the
+pruned tier (``inference/prune.py``, distilled from the full model after pruning) and the
+attention rankers over users' sequences (``inference/attention.py``, on the labels).
+
+``TrainConfig.rankers`` says which; each is stopped by the validation tenth like the others,
+and its held-out AUC, and the pruned model's sparsity, go to the manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from inference.attention import ATTENTION_KINDS, AttentionRanker, gather_sequences
+from inference.fitting import auc, fit_ranker, predict
+from inference.prune import prune, sparsity
+
+PRUNED = "pruned"
+RANKERS = (PRUNED, *ATTENTION_KINDS)
+"""The models ``TrainConfig.rankers`` may name (Wide&Deep and the light model always train)."""
+
+
+def parse_rankers(text: str) -> tuple[str, ...]:
+    """``"pruned,attention"`` → the names, checked; ``""`` → none.
+
+    >>> parse_rankers("pruned, attention")
+    ('pruned', 'attention')
+    """
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in RANKERS]
+    if unknown:
+        raise ValueError(f"unknown rankers {unknown}; expected some of {', '.join(RANKERS)}")
+    return names
+
+
+class WithTable(nn.Module):
+    """Training's view of an attention ranker: sequences come as item numbers (-1 padding)
+    and are read from the item table here, a batch at a time (the rows of every impression's
+    sequence would not fit in memory). The table is not part of the model's state."""
+
+    def __init__(self, model: AttentionRanker, table: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, user, item, dense, sparse, cross, seq_index) -> torch.Tensor:
+        seq, seq_len = gather_sequences(lambda ix: self.table[ix], seq_index.long())
+        return self.model(user, item, dense, sparse, cross, seq, seq_len)
+
+
+@dataclass
+class Split:
+    """One part of the log as the ranking models see it: input tensors, labels, weights,
+    and each impression's sequence (item numbers, newest first, -1 padding)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    y: np.ndarray
+    w: np.ndarray
+    sequences: np.ndarray
+
+
+def train_rankers(
+    names: tuple[str, ...],
+    full: nn.Module,
+    parts: tuple[Split, Split, Split],
+    item_rows: np.ndarray,
+    cfg,
+    rng: np.random.Generator,
+    progress,
+) -> dict[str, dict]:
+    """Per name: {"model", "fit", "auc", ...}. ``parts``: train, valid, test."""
+    train, valid, test = parts
+    table = torch.from_numpy(np.ascontiguousarray(item_rows, np.float32))
+    out: dict[str, dict] = {}
+    for name in names:
+        torch.manual_seed(cfg.seed)
+        if name == PRUNED:
+            model = prune(full, cfg.prune_keep)
+            found = {"sparsity": round(sparsity(full, model), 4)}
+            soft = [predict(full, part.tensors) for part in (train, valid)]
+            fit = fit_ranker(
+                model,
+                (train.tensors, train.y, train.w, soft[0]),
+                (valid.tensors, valid.y, valid.w, soft[1]),
+                cfg,
+                rng,
+                progress,
+                "pruned",
+            )
+            found["auc"] = auc(test.y, predict(model, test.tensors))
+        else:
+            model = AttentionRanker(cfg.dim, name, length=cfg.sequence)
+            view = WithTable(model, table)
+
+            def inputs(part: Split) -> tuple[torch.Tensor, ...]:
+                return (*part.tensors, torch.from_numpy(part.sequences))
+
+            fit = fit_ranker(
+                view,
+                (inputs(train), train.y, train.w, None),
+                (inputs(valid), valid.y, valid.w, None),
+                cfg,
+                rng,
+                progress,
+                name.replace("_", " "),
+            )
+            found = {"auc": auc(test.y, predict(view, inputs(test)))}
+        out[name] = {"model": model.eval(), "fit": fit, **found}
+    return out

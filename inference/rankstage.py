@@ -1,0 +1,233 @@
+"""The ranking stage of a serving batch: which model scores each request's candidates, and
+one forward pass per model over all the candidates it scores.
+
+A request's ranker: the light model where the ladder chose the light tier; where it chose
+the full tier, its experiment variant's ``ranking``, else the worker's ``FRESHREC_RANKER``
+(``wide_deep`` by default). The attention rankers read the user's sequence (their last
+clicked items, ``inference/attention.py``); ``tiered`` routes each candidate by its item's
+heat to the full, pruned or light model (``inference/tiers.py``). A model the loaded set
+lacks (models trained before it existed) is replaced by Wide&Deep, and the reply says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import redis
+import torch
+
+from freshrec import metrics as m
+from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
+from inference.arms import TIERED, Arm, ranker_of
+from inference.attention import gather_sequences, sequence_index
+from inference.degrade import HOT, LIGHT, Choice, ewma
+from inference.features import RECENT, recent_category_share, recent_similarity
+from inference.modelfile import ModelSet
+from inference.ranking import score
+from inference.snapshot import read_features
+from inference.tiers import TIER_MODELS, HeatSplit, route, thresholds
+from schemas.rows import TABLE_ITEM
+
+log = logging.getLogger("freshrec.serving")
+
+
+class RankingStage:
+    """``Recommender``'s ranking (a mixin: it reads the recommender's cache, snapshot and
+    settings)."""
+
+    def _rank(self, reqs, user_rows, merged, choices, ranked, models: ModelSet | None, arms):
+        """Fills ``ranked`` (request → probability per candidate); returns a features note
+        (or None) and each request's ranker (None where no model ranked it)."""
+        rankers: list[str | None] = [None] * len(reqs)
+        if models is None:
+            return None, rankers
+        for j, choice in enumerate(choices):
+            kind = ranker_of(choice, arms[j], self.settings.ranker) if len(merged[j]) else None
+            if kind is not None and kind != TIERED and models.get(kind) is None:
+                note = f"no {kind} model in {models.version}: wide_deep"
+                choices[j] = Choice(choice.tier, f"{choice.reason}; {note}")
+                kind = "wide_deep"
+            rankers[j] = kind
+        note = None
+        for kind in dict.fromkeys(k for k in rankers if k is not None):
+            group = [j for j, k in enumerate(rankers) if k == kind]
+            t0 = time.monotonic()
+            inputs, realtime_note, dense = self._inputs(
+                reqs, user_rows, merged, group, realtime_features=kind != LIGHT
+            )
+            note = note or realtime_note
+            try:
+                if kind == TIERED:
+                    probs = self._score_tiered(models, inputs, dense, [arms[j] for j in group])
+                else:
+                    probs = self._score(models.get(kind), kind, inputs, reqs, group)
+            except Exception as exc:  # a broken model must not stop serving
+                log.error("%s model failed on a batch: %s", kind, exc)
+                m.DEGRADED.labels(choices[group[0]].tier, "model_error").inc()
+                if kind != LIGHT:
+                    self.full_failed_until = time.monotonic() + 10
+                for j in group:
+                    choices[j], rankers[j] = Choice(HOT, f"{kind} model error"), None
+                continue
+            lens = [len(merged[j]) for j in group]
+            for j, part in zip(group, torch.split(probs, lens), strict=True):
+                ranked[j] = part
+            cost = (time.monotonic() - t0) * 1000
+            if kind == "wide_deep":
+                self.full_cost_ms = ewma(self.full_cost_ms, cost)
+            elif kind == LIGHT:
+                self.light_cost_ms = ewma(self.light_cost_ms, cost)
+        return note, rankers
+
+    def _score(self, model, kind: str, inputs, reqs, group) -> torch.Tensor:
+        if getattr(model, "uses_sequence", False):
+            inputs = inputs.with_sequences(*self._sequences(reqs, group, model.length))
+        return timed_score(model, kind, inputs, self.cache.device)
+
+    def _sequences(self, reqs, group, length: int):
+        """Each request's user sequence as item rows: their last clicked items the worker
+        holds (or Redis gave recall), newest first, those in the catalogue."""
+        slot_of = self.slot_of
+        sequences = []
+        for j in group:
+            uid = reqs[j].user_id
+            items = self.sequence_of(uid) or self.recent_clicks(uid)
+            sequences.append([slot_of[x] for x in items[: 4 * length] if x in slot_of][:length])
+        index = sequence_index(sequences, length)
+        rows = self.cache.items.rows
+        return gather_sequences(lambda ix: rows.index_select(0, ix), index, rows.device)
+
+    def _score_tiered(self, models: ModelSet, inputs, dense, arms: list[Arm | None]):
+        """Each candidate scored by its heat tier's model: one forward pass per tier."""
+        owner = inputs.owner
+        tiers = np.empty(len(inputs), np.int8)
+        for r, arm in enumerate(arms):
+            mine = owner == r
+            tiers[mine] = route(dense[mine, 3], self._heat_cut(self._split_of(arm)))
+        return score_by_tiers(models, inputs, tiers, self.cache.device)
+
+    def _split_of(self, arm: Arm | None) -> HeatSplit:
+        v = arm.variant if arm is not None else None
+        base = self.settings.heat_split
+        if v is None or (v.head_share is None and v.mid_share is None):
+            return base
+        return HeatSplit(
+            base.head_share if v.head_share is None else v.head_share,
+            base.mid_share if v.mid_share is None else v.mid_share,
+        )
+
+    def _heat_cut(self, split: HeatSplit) -> tuple[float, float]:
+        """The split's hot-score thresholds over the catalogue snapshot's items, computed once
+        per snapshot and split."""
+        features = self.snap.features
+        key = (id(features), split)
+        cut = self._heat_cuts.get(key)
+        if cut is None:
+            hot = features[:, 2] if features is not None else np.zeros(0)
+            cut = thresholds(hot, split)
+            if len(self._heat_cuts) > 16:
+                self._heat_cuts.clear()
+            self._heat_cuts[key] = cut
+        return cut
+
+    def _inputs(self, reqs, user_rows, merged, group, realtime_features: bool):
+        """The ranking inputs of the requests ``group`` (grouped form), with the features
+        note, and the items' [price, ctr, cvr, hot] per candidate (the tiers route by hot).
+        ``realtime_features``: high_end devices' CTR/CVR/hot read from Redis now."""
+        lens = [len(merged[j]) for j in group]
+        slots = np.concatenate([merged[j].slots for j in group])
+        owner = np.repeat(np.asarray(group, np.int64), lens)
+        n = len(slots)
+        items = self.cache.rows(TABLE_ITEM, slots)
+        cat_idx = self.cat_index[slots]
+        cat = self.snap.catalogue
+        dense = np.zeros((n, 4), np.float32)
+        dense[:, 1], dense[:, 2] = PRIOR_CTR, PRIOR_CVR  # items no event has touched yet
+        known = cat_idx >= 0
+        dense[known, 0] = cat.price[cat_idx[known]]
+        if self.snap.features is not None:
+            dense[known, 1:4] = self.snap.features[cat_idx[known]]
+        note = None
+        realtime = [j for j in group if (reqs[j].context and reqs[j].context.device == "high_end")]
+        if realtime_features and realtime:
+            note = self._realtime_features(merged, group, lens, realtime, dense)
+        categories = np.zeros(n, np.int64)
+        categories[known] = cat.category[cat_idx[known]]
+        now_ms = int(time.time() * 1000)
+        ctx = self.encoder.context(
+            [r.context.device if r.context else None for r in reqs],
+            [r.context.region if r.context else None for r in reqs],
+            [(r.context.ts_ms if r.context and r.context.ts_ms else now_ms) for r in reqs],
+        )
+        shares, sims = np.zeros(n, np.float32), torch.zeros(n, device=items.device)
+        lo = 0
+        for j, size in zip(group, lens, strict=True):
+            recent = self.recent_clicks(reqs[j].user_id)
+            recent_slots = [self.slot_of[x] for x in recent[:RECENT] if x in self.slot_of]
+            if recent_slots:
+                ci = self.cat_index[recent_slots]
+                recent_cats = cat.category[ci[ci >= 0]].tolist()
+                shares[lo : lo + size] = recent_category_share(
+                    recent_cats, categories[lo : lo + size]
+                )
+                rows = self.cache.rows(TABLE_ITEM, np.asarray(recent_slots, np.int64))
+                sims[lo : lo + size] = recent_similarity(
+                    rows, items[lo : lo + size], self.cache.dim
+                )
+            lo += size
+        local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
+        inputs = self.encoder.encode(
+            user_rows.index_select(0, self.cache.to_device(np.asarray(group, np.int64))),
+            items,
+            dense,
+            categories,
+            ctx[owner],
+            shares,
+            owner=local,
+            recent_similarity=sims.cpu().numpy(),
+        )
+        return inputs, note, dense
+
+    def _realtime_features(self, merged, group, lens, realtime, dense: np.ndarray) -> str | None:
+        """high_end devices: CTR/CVR/hot read from Redis now, not from the snapshot."""
+        offsets = dict(
+            zip(group, np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist(), strict=True)
+        )
+        cand_names = {j: self.name_of_slot[merged[j].slots].tolist() for j in realtime}
+        names = sorted({name for j in realtime for name in cand_names[j]})
+        try:
+            fresh = read_features(self.redis, self.keys, names, self.snap.feature_shards)
+        except redis.RedisError:
+            return "redis unavailable: cached features for high_end"
+        for j in realtime:
+            base = offsets[j]
+            for k, name in enumerate(cand_names[j]):
+                got = fresh.get(name)
+                if got is not None:
+                    dense[base + k, 1:4] = got
+        return None
+
+
+def timed_score(model, kind: str, inputs, device: torch.device) -> torch.Tensor:
+    """``score`` on ``device``, its time and candidates counted under ``kind``."""
+    t0 = time.monotonic()
+    probs = score(model, inputs, device, on_device=True)
+    m.RANKING_SECONDS.labels(kind).observe(time.monotonic() - t0)
+    m.RANKED_CANDIDATES.labels(kind).inc(len(inputs))
+    return probs
+
+
+def score_by_tiers(models: ModelSet, inputs, tiers: np.ndarray, device: torch.device):
+    """Each candidate scored by the model of its tier (``tiers``: ``route``'s), one forward
+    pass per tier; the pruned tier's by the full model where the set has no pruned one."""
+    probs = torch.empty(len(inputs), device=device)
+    for tier, kind in enumerate(TIER_MODELS):
+        keep = tiers == tier
+        if not keep.any():
+            continue
+        model = models.get(kind) or models.full
+        picked = torch.from_numpy(np.flatnonzero(keep)).to(device)
+        probs[picked] = timed_score(model, kind, inputs.subset(keep), device)
+    return probs
