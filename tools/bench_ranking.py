@@ -2,7 +2,8 @@
 candidates, for Wide&Deep, the light and pruned tiers, the three attention rankers and the
 tiered ranking by item heat, trained in one run by ``freshrec train``'s code.
 
-    python -m tools.bench_ranking                                  # the synthetic world
+    python -m tools.bench_ranking                      # `freshrec run`'s world, trained here
+    python -m tools.bench_ranking --models .freshrec/models    # the models `freshrec run` serves
     python -m tools.bench_ranking --log ml-100k/u.data --format movielens --items ml-100k/u.item
 
 AUCs are the manifest's (the held-out tenth of the synthetic log; the last tenth by time of
@@ -48,7 +49,7 @@ def train_models(args, directory: Path, progress: ProgressLine) -> dict:
 
         inter, items = read_log_from_args(args, args.log, progress)
         return train_from_log(inter, items, directory, progress.update)
-    world = World(WorldConfig(seed=5, n_users=args.users, n_items=args.items_count))
+    world = World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items_count))
     return world.train(TrainConfig(impressions=args.impressions), directory, progress.update)
 
 
@@ -94,9 +95,10 @@ def median_ms(fn, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--impressions", type=int, default=300_000, help="synthetic log size")
-    ap.add_argument("--users", type=int, default=100_000)
+    ap.add_argument("--impressions", type=int, default=200_000, help="synthetic log size")
+    ap.add_argument("--users", type=int, default=1_000_000)
     ap.add_argument("--items-count", type=int, default=20_000, help="synthetic catalogue size")
+    ap.add_argument("--seed", type=int, default=7, help="the synthetic world's seed")
     ap.add_argument("--log", default=None, help="train on this interaction log instead")
     add_log_options(ap, items_help="with --log: the log's item file (docs/replay.md)")
     ap.add_argument("--models", type=Path, default=None, help="reuse/keep models here")
