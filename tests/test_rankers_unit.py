@@ -287,3 +287,23 @@ def test_bad_ranking_settings_are_one_line_errors():
     assert served_ranker({}) == "wide_deep"
     with pytest.raises(SettingsError, match="at most 1"):
         heat_split({"FRESHREC_TIER_HEAD_SHARE": "0.8", "FRESHREC_TIER_MID_SHARE": "0.5"})
+
+
+def test_a_ranker_the_models_lack_is_replaced_by_wide_deep_and_the_reply_says_so():
+    class Stage(_Stage):
+        def _inputs(self, reqs, user_rows, merged, group, realtime_features):
+            n = sum(len(merged[j]) for j in group)
+            return _pairs(n), None, np.zeros((n, 4), np.float32)
+
+    stage = Stage(np.zeros(4), HeatSplit())
+    stage.settings.ranker = "attention"
+    stage.full_cost_ms = stage.light_cost_ms = None
+    full = WideDeep(D)
+    models = ModelSet("v1", full, LightRanker(D))  # trained with --rankers ""
+    merged = [np.arange(5), np.arange(3), np.arange(0)]
+    choices = [Choice("full", "ok"), Choice("light", "low_end device"), Choice("full", "ok")]
+    ranked = {}
+    _, rankers = stage._rank([None] * 3, None, merged, choices, ranked, models, [None] * 3)
+    assert rankers == ["wide_deep", "light", None]  # no candidates: nothing ranked
+    assert "no attention model in v1: wide_deep" in choices[0].reason
+    assert sorted(ranked) == [0, 1] and len(ranked[0]) == 5 and len(ranked[1]) == 3

@@ -79,9 +79,18 @@ def test_models_are_reused_for_the_same_world_and_configuration_only(tmp_path, c
 def test_the_tower_and_the_rankers_can_learn_from_disjoint_shares_of_the_logs(tmp_path):
     world = World(SMALL)
     cfg = TrainConfig(impressions=3000, dim=8, tower_epochs=1, rank_epochs=2)
-    both = world.train(cfg, tmp_path / "both", lambda s: None)["training"]
+    manifest = world.train(cfg, tmp_path / "both", lambda s: None)
+    both = manifest["training"]
     assert both["tower_impressions"] == both["ranking_impressions"]  # the whole training split
-    split = world.train(replace(cfg, tower_share=0.5), tmp_path / "split", lambda s: None)
+    # every ranking model by default, each with its held-out AUC
+    rankers = {"wide_deep", "light", "pruned", "attention", "attention_window", "attention_lowrank"}
+    assert set(manifest["files"]) == {*rankers, "two_tower"}
+    assert all(0 <= both[f"auc_{k}"] <= 1 for k in (*rankers, "tiered"))
+    assert 0 < both["pruned_sparsity"] < 1
+    split = world.train(
+        replace(cfg, tower_share=0.5, rankers="pruned"), tmp_path / "split", lambda s: None
+    )
+    assert set(split["files"]) == {"wide_deep", "light", "pruned", "two_tower"}
     t = split["training"]
     assert t["tower_impressions"] + t["ranking_impressions"] == both["tower_impressions"]
     assert 0.4 < t["tower_impressions"] / both["tower_impressions"] < 0.6

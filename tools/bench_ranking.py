@@ -104,9 +104,13 @@ def main() -> None:
     ap.add_argument("--models", type=Path, default=None, help="reuse/keep models here")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (the worker's default: 1)"
+    )
     ap.add_argument("--out", type=Path, default=Path("artifacts"))
     args = ap.parse_args()
     device = pick_device(args.device)
+    torch.set_num_threads(args.threads)
     progress = ProgressLine()
     with tempfile.TemporaryDirectory(prefix="freshrec-ranking-") as tmp:
         directory = args.models or Path(tmp)

@@ -243,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="two-tower epochs (default 3; with --log 10)",
     )
     train.add_argument(
+        "--rankers",
+        default=None,
+        help="the further ranking models, comma-separated, '' for none (default: "
+        "pruned,attention,attention_window,attention_lowrank; docs/serving.md)",
+    )
+    train.add_argument(
         "--out",
         default=None,
         help="model directory [env FRESHREC_MODEL_DIR; default .freshrec/models]",

@@ -105,7 +105,14 @@ def cmd_experiments_check(args: argparse.Namespace) -> int:
     for i, v in enumerate(exp.variants):
         changes = {
             k: getattr(v, k)
-            for k in ("ranking", "mmr_lambda", "exclude_seen", "recall_quotas")
+            for k in (
+                "ranking",
+                "head_share",
+                "mid_share",
+                "mmr_lambda",
+                "exclude_seen",
+                "recall_quotas",
+            )
             if getattr(v, k) not in (None, {})
         }
         what = ", ".join(f"{k}={val}" for k, val in changes.items()) or "as the worker is set"

@@ -127,6 +127,7 @@ def train_on_log(args: argparse.Namespace, directory: Path, progress: ProgressLi
             LOG_CONFIG,
             tower_epochs=args.tower_epochs or LOG_CONFIG.tower_epochs,
             tower_share=args.tower_share,
+            **rankers_option(args),
         )
         started = time.monotonic()
         manifest = train_from_log(
@@ -141,6 +142,11 @@ def train_on_log(args: argparse.Namespace, directory: Path, progress: ProgressLi
         f"{100 * args.holdout:g}% by time): " + held_out_line(t)
     )
     return manifest
+
+
+def rankers_option(args: argparse.Namespace) -> dict:
+    """``--rankers`` as a ``TrainConfig`` field (absent: the default, all of them)."""
+    return {} if args.rankers is None else {"rankers": args.rankers}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -162,6 +168,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             l2=args.l2,
             tower_share=args.tower_share,
             tower_epochs=args.tower_epochs or 3,
+            **rankers_option(args),
         )
     except ValueError as exc:
         raise SystemExit(f"freshrec train: {exc}") from None
