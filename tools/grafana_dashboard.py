@@ -279,6 +279,28 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 8,
             ),
             (
+                "Ranking time per model (one forward pass over a batch), p99",
+                "s",
+                [
+                    (q(0.99, "freshrec_ranking_batch_seconds", "ranker"), "p99 {{ranker}}"),
+                    (q(0.5, "freshrec_ranking_batch_seconds", "ranker"), "p50 {{ranker}}"),
+                ],
+                8,
+            ),
+            (
+                "CTR per experiment variant (5 min)",
+                "percentunit",
+                [
+                    (
+                        'sum by (experiment, variant) (rate(freshrec_experiment_events_total{event_type="click"}[5m]))'
+                        " / sum by (experiment, variant) "
+                        '(rate(freshrec_experiment_events_total{event_type="impression"}[5m]))',
+                        "{{experiment}} {{variant}}",
+                    ),
+                ],
+                8,
+            ),
+            (
                 "Model in use",
                 "short",
                 [

@@ -82,6 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cost_line,
         counts,
         gpu_services,
+        ranking_line,
         service_cpu,
         summary,
         wait_until_assigned,
@@ -182,6 +183,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                     )
                     if cost:
                         final += "\n" + cost
+                    ranking = ranking_line(ports)
+                    if ranking:
+                        final += "\n" + ranking
                     if args.experiment:
                         final += "\n" + render(read_from(ctx.conn))
             finally:

@@ -30,6 +30,28 @@ def summary(ports: dict[str, int]) -> str:
     )
 
 
+def ranking_line(ports: dict[str, int]) -> str | None:
+    """Each ranking model's forward pass per batch (p50 / p99) and the candidates it scored,
+    over the run's workers; None when no model ranked."""
+    worker = _scrape_all({k: v for k, v in ports.items() if k.startswith("worker")})
+    samples: Samples = {}
+    for one in worker.values():
+        for name, rows in one.items():
+            samples.setdefault(name, []).extend(rows)
+    seen = sorted(
+        {labels["ranker"] for labels, _ in samples.get("freshrec_ranked_candidates_total", [])}
+    )
+    parts = []
+    for ranker in seen:
+        n = total(samples, "freshrec_ranked_candidates_total", ranker=ranker)
+        q = [
+            histogram_quantile(samples, "freshrec_ranking_batch_seconds", x, ranker=ranker)
+            for x in (0.5, 0.99)
+        ]
+        parts.append(f"{ranker} {q[0] * 1000:.1f}/{q[1] * 1000:.1f} ms ({n:,.0f} candidates)")
+    return "ranking per batch, p50/p99: " + ", ".join(parts) if parts else None
+
+
 def counts(ports: dict[str, int]) -> tuple[float, float]:
     """(requests served by every worker, events counted by the streams app) so far."""
     s = _scrape_all(ports)
