@@ -2,18 +2,19 @@
 
 The seed serves hot items with the full model, the middle with a pruned one and the long
 tail with a distilled one. Heat is the hot score the streams app publishes (clicks, CVR and
-price, decayed). The split is by share of the catalogue: the ``head_share`` hottest items
-are the head (Wide&Deep), the next ``mid_share`` the middle (the pruned model), the rest the
-tail (the light model). An item no event has warmed (hot score 0) is tail whatever the
-shares say. All three models output click probabilities (the pruned and light models are
-distilled from the full one), so one ranking orders candidates of all three.
+price, decayed); its thresholds adapt to the traffic, as the seed's P90 of item QPS does.
+The split is by share of the warm catalogue — the items some event has given a hot score:
+the ``head_share`` hottest of them are the head (Wide&Deep), the next ``mid_share`` the
+middle (the pruned model), the rest the tail (the light model), with every item no event has
+warmed (hot score 0). All three models output click probabilities (the pruned and light
+models are distilled from the full one), so one ranking orders candidates of all three.
 
->>> split = HeatSplit(head_share=0.25, mid_share=0.25)
+>>> split = HeatSplit(head_share=0.25, mid_share=0.5)
 >>> cut = thresholds(np.array([9.0, 7.0, 5.0, 3.0, 0.0, 0.0, 0.0, 0.0]), split)
 >>> cut
-(7.0, 3.0)
->>> route(np.array([8.0, 7.0, 4.0, 1.0, 0.0]), cut).tolist()
-[0, 0, 1, 2, 2]
+(9.0, 5.0)
+>>> route(np.array([9.5, 7.0, 5.0, 4.0, 0.0]), cut).tolist()
+[0, 1, 1, 2, 2]
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ class HeatSplit:
 
 def thresholds(catalogue_hot: np.ndarray, split: HeatSplit) -> tuple[float, float]:
     """The least hot score of the head and of the middle: the scores at ranks
-    ⌈head_share·n⌉ and ⌈(head_share + mid_share)·n⌉ of the catalogue, hottest first (inf
-    where a share is 0)."""
-    n = len(catalogue_hot)
+    ⌈head_share·n⌉ and ⌈(head_share + mid_share)·n⌉ of the n warm items (hot score > 0),
+    hottest first (inf where a share is 0 or nothing is warm)."""
+    hot = np.asarray(catalogue_hot, np.float64)
+    ordered = np.sort(hot[hot > 0])[::-1]
+    n = len(ordered)
     if n == 0:
         return float("inf"), float("inf")
-    ordered = np.sort(np.asarray(catalogue_hot, np.float64))[::-1]
 
     def at(share: float) -> float:
         rank = int(np.ceil(share * n))

@@ -206,9 +206,9 @@ def test_prune_keeps_units_by_importance():
 # ------------------------------------------------------------------------------- routing
 def test_heat_thresholds_and_routes():
     hot = np.array([10.0, 8.0, 6.0, 4.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0])
-    cut = thresholds(hot, HeatSplit(0.2, 0.3))
-    assert cut == (8.0, 2.0)
-    assert route(np.array([9.0, 8.0, 7.9, 2.0, 1.9, 0.0]), cut).tolist() == [
+    cut = thresholds(hot, HeatSplit(0.2, 0.3))  # of the six warm items: 2 head, 1 middle
+    assert cut == (8.0, 6.0)
+    assert route(np.array([9.0, 8.0, 7.9, 6.0, 5.9, 0.0]), cut).tolist() == [
         HEAD,
         HEAD,
         MIDDLE,
@@ -236,7 +236,7 @@ class _Stage(RankingStage):
 def test_a_tiered_request_scores_each_candidate_with_its_heat_tiers_model():
     full = _trained_like(WideDeep(D, hidden=(16, 8)))
     models = ModelSet("v", full, _trained_like(LightRanker(D)), {"pruned": prune(full, 0.5)})
-    catalogue_hot = np.arange(100, dtype=np.float64)  # 0..99
+    catalogue_hot = np.arange(100, dtype=np.float64)  # 0 (cold) and 1..99 (warm)
     stage = _Stage(catalogue_hot, HeatSplit(0.1, 0.3))  # head >= 90, middle >= 60
     x = _pairs(12, requests=3)
     dense = np.zeros((12, 4), np.float32)
