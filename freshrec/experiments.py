@@ -80,7 +80,7 @@ class Variant:
     recall_quotas: dict[str, int] = field(default_factory=dict)
     """Per recall channel, the most candidates it contributes (lower than the worker's)."""
     head_share: float | None = None
-    """``tiered`` only: the hottest share of the catalogue the full model ranks (None: the
+    """``tiered`` only: the hottest share of the warm catalogue the full model ranks (None: the
     worker's ``FRESHREC_TIER_HEAD_SHARE``)."""
     mid_share: float | None = None
     """``tiered`` only: the next share, which the pruned model ranks; the rest is the light

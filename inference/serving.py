@@ -81,7 +81,7 @@ class ServingSettings:
     """The model of the full tier (``inference/rankstage.py``); a variant's ``ranking``
     overrides it for its users."""
     heat_split: HeatSplit = field(default_factory=HeatSplit)
-    """The ``tiered`` ranker's head and middle shares of the catalogue by heat."""
+    """The ``tiered`` ranker's head and middle shares of the warm catalogue by heat."""
 
 
 @dataclass

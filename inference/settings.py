@@ -282,7 +282,7 @@ def served_ranker(env: Mapping[str, str]) -> str:
 
 def heat_split(env: Mapping[str, str]) -> HeatSplit:
     """``FRESHREC_TIER_HEAD_SHARE`` and ``FRESHREC_TIER_MID_SHARE``: the ``tiered`` ranker's
-    shares of the catalogue by heat (defaults 0.1 and 0.3)."""
+    shares of the warm catalogue by heat (defaults 0.1 and 0.3)."""
     head = env_float(env, "FRESHREC_TIER_HEAD_SHARE", 0.1, minimum=0, maximum=1)
     middle = env_float(env, "FRESHREC_TIER_MID_SHARE", 0.3, minimum=0, maximum=1)
     try:
