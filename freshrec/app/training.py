@@ -90,6 +90,8 @@ def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest
 
 def held_out_line(training: dict, prefix: str = "") -> str:
     """The metrics ``train`` measured on its held-out part, in one line."""
+    from inference.modelfile import MODEL_KINDS
+
     hr = training.get("hr_at_10_two_tower")
     return (
         prefix
@@ -98,20 +100,10 @@ def held_out_line(training: dict, prefix: str = "") -> str:
         + ", ".join(
             f"{name.replace('wide_deep', 'wide&deep').replace('_', ' ')} "
             f"{training[f'auc_{name}']:.3f}"
-            for name in (*RANKING_MODELS, "tiered")
+            for name in (*MODEL_KINDS, "tiered")
             if training.get(f"auc_{name}") is not None
         )
     )
-
-
-RANKING_MODELS = (
-    "wide_deep",
-    "light",
-    "pruned",
-    "attention",
-    "attention_window",
-    "attention_lowrank",
-)
 
 
 def train_on_log(args: argparse.Namespace, directory: Path, progress: ProgressLine) -> dict:
