@@ -36,6 +36,21 @@ def parse_rankers(text: str) -> tuple[str, ...]:
     return names
 
 
+def rankers_for(ranker: str, rankings=()) -> str:
+    """The further models a deployment serves, for ``TrainConfig.rankers``: the full tier's
+    ``ranker`` (``FRESHREC_RANKER``) and an experiment's variants' ``rankings``; ``tiered``
+    needs the pruned model. ``freshrec run`` and ``freshrec replay`` train these only.
+
+    >>> rankers_for("wide_deep", ["full", "light", "tiered", "attention", None])
+    'pruned,attention'
+    >>> rankers_for("attention_window")
+    'attention_window'
+    """
+    wanted = [ranker, *rankings]
+    names = [PRUNED if k == "tiered" else k for k in wanted if k is not None]
+    return ",".join(k for k in RANKERS if k in names)
+
+
 class WithTable(nn.Module):
     """Training's view of an attention ranker: sequences come as item numbers (-1 padding)
     and are read from the item table here, a batch at a time (the rows of every impression's

@@ -176,7 +176,8 @@ def main() -> None:
         args.train_impressions = 400_000 if trained_on is not None else 200_000
     source = world.source(trained_on)
     results["trained_on"] = args.train_on
-    config = TrainConfig(impressions=args.train_impressions, dim=DIM)
+    # the arms rank with Wide&Deep: the other ranking models are not trained
+    config = TrainConfig(impressions=args.train_impressions, dim=DIM, rankers="")
     if trained_on is not None:  # rows that know the cohort
         config = replace(config, tower_loss=args.tower_loss, tower_epochs=args.tower_epochs)
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:

@@ -91,7 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="freshrec-scale-models-") as tmp:
         models = Path(tmp)
         small = World(WorldConfig(seed=5, n_users=20_000, n_items=10_000))
-        ensure_models(small, models, TrainConfig(impressions=50_000, dim=DIM), progress)
+        ensure_models(small, models, TrainConfig(impressions=50_000, dim=DIM, rankers=""), progress)
         with bench_connection("sc.", redis_cluster=args.redis_cluster) as base:
             for n, (items, users) in enumerate(points):
                 conn = base.with_prefix(f"sc{n}.")

@@ -100,7 +100,9 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
         models = args.models or Path(tmp)
-        ensure_models(world, models, TrainConfig(impressions=200_000, dim=DIM), progress)
+        ensure_models(
+            world, models, TrainConfig(impressions=200_000, dim=DIM, rankers=""), progress
+        )
         with bench_connection("bs.") as conn:
             seed_world(conn.redis_url, conn.topic_prefix, world, models, gradients_partitions(conn))
             if "ranking" in parts:

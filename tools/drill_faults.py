@@ -218,7 +218,9 @@ class Pipeline:
 
 
 def train_models(directory: Path) -> Path:
-    World(WORLD).train(TrainConfig(impressions=40_000, dim=DIM), directory, lambda s: None)
+    World(WORLD).train(
+        TrainConfig(impressions=40_000, dim=DIM, rankers=""), directory, lambda s: None
+    )
     return directory
 
 

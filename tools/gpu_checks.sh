@@ -9,7 +9,7 @@
 #   PYTHON=/path/to/python tools/gpu_checks.sh
 #
 # Writes OUT_DIR/sync_check.log, pytest.log, bench_ann_cuda.json, bench_serving_cuda.json,
-# bench_serving_cpu.json and a log of each step; exits non-zero if any step failed.
+# bench_serving_cpu.json, bench_ranking.json and a log of each step; exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -30,7 +30,7 @@ step() {  # step NAME COMMAND...: run, log, keep going
 step sync_check "$PY" -m tools.gpu_sync_check
 # the kafkajs interop test needs node and npm, not a GPU
 step pytest "$PY" -m pytest -q -p no:cacheprovider -k "not kafkajs" \
-  tests/test_learning_unit.py tests/test_serving_unit.py tests/test_learning_e2e.py tests/test_serving_e2e.py
+  tests/test_learning_unit.py tests/test_serving_unit.py tests/test_rankers_unit.py tests/test_learning_e2e.py tests/test_serving_e2e.py
 step bench_ann_cuda "$PY" -m tools.bench_ann --device cuda --items 200000,1000000,5000000
 cp artifacts/bench_ann.json "$OUT/bench_ann_cuda.json" 2>/dev/null
 step bench_serving_cuda "$PY" -m tools.bench_serving --device cuda --parts ranking,recall,serve,batching \
@@ -39,4 +39,7 @@ cp artifacts/bench_serving.json "$OUT/bench_serving_cuda.json" 2>/dev/null
 step bench_serving_cpu "$PY" -m tools.bench_serving --device cpu --parts ranking,recall,serve \
   --models "$OUT/models"
 cp artifacts/bench_serving.json "$OUT/bench_serving_cpu.json" 2>/dev/null
+# every ranking model (attention included) on the GPU, from a small training run
+step bench_ranking_cuda "$PY" -m tools.bench_ranking --device cuda --impressions 50000 \
+  --out "$OUT" --models "$OUT/ranking-models"
 exit $failed

@@ -101,6 +101,7 @@ def add_parser(sub) -> None:
 def _models(prefix, items, out: Path, args, progress: ProgressLine) -> tuple[Path, dict]:
     """Models trained on the log's training part: reused when ``out/models`` holds the ones
     for this part and these settings, else trained."""
+    from freshrec.app.training import served_rankers
     from inference.logtrain import LOG_CONFIG, fingerprint, train_from_log
     from inference.modelfile import ModelFileError, read_manifest
 
@@ -108,6 +109,7 @@ def _models(prefix, items, out: Path, args, progress: ProgressLine) -> tuple[Pat
         LOG_CONFIG,
         tower_epochs=args.tower_epochs or LOG_CONFIG.tower_epochs,
         tower_share=args.tower_share or LOG_CONFIG.tower_share,
+        rankers=served_rankers(),
     )
     key = {
         "log": fingerprint(prefix),

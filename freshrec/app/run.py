@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from freshrec.app.commands import provision_topics, start_dashboard
 from freshrec.app.stack import EmbeddedStack, StackError, external_services
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
-from freshrec.app.training import ensure_models, load_starting_embeddings, model_dir
+from freshrec.app.training import (
+    ensure_models,
+    load_starting_embeddings,
+    model_dir,
+    served_rankers,
+)
 from freshrec.lifecycle import set_from_signal
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings, load_environment, state_dir
@@ -95,15 +100,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     world = world_from_args(args)
     progress = ProgressLine()
     experiment_env = {}
+    rankings = []
     if args.experiment:
         from freshrec.app.abreport import read_from, render
         from freshrec.experiments import load
 
-        load(args.experiment)  # a bad file stops the run here, naming the line
+        # a bad file stops the run here, naming the line
+        rankings = [v.ranking for v in load(args.experiment).variants]
         experiment_env["FRESHREC_EXPERIMENTS_FILE"] = str(args.experiment.resolve())
     models = model_dir()
     impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
-    manifest = ensure_models(world, models, TrainConfig(impressions=impressions), progress)
+    config = TrainConfig(impressions=impressions, rankers=served_rankers(rankings))
+    manifest = ensure_models(world, models, config, progress)
     with running_stack(args.redis_cluster) as ctx:
         provision_topics(ctx.conn)
         rows = load_starting_embeddings(ctx.conn, models, manifest)

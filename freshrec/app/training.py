@@ -136,6 +136,19 @@ def train_on_log(args: argparse.Namespace, directory: Path, progress: ProgressLi
     return manifest
 
 
+def served_rankers(rankings=()) -> str:
+    """The further ranking models the services will serve (``FRESHREC_RANKER``, and an
+    experiment's variants' ``rankings``): what ``freshrec run`` and ``freshrec replay``
+    train; ``freshrec train`` trains all of them."""
+    from inference.rankers import rankers_for
+    from inference.settings import served_ranker
+
+    try:
+        return rankers_for(served_ranker(load_environment()), rankings)
+    except ValueError as exc:
+        raise SystemExit(f"freshrec: {exc}") from None
+
+
 def rankers_option(args: argparse.Namespace) -> dict:
     """``--rankers`` as a ``TrainConfig`` field (absent: the default, all of them)."""
     return {} if args.rankers is None else {"rankers": args.rankers}
