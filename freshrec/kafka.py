@@ -20,7 +20,7 @@ and kafkajs would choose: ``events`` and ``recommend.requests`` must agree on a 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError
@@ -77,13 +77,27 @@ PROFILES: dict[str, ClientProfile] = {
 
 
 def profile(conn: ConnectionSettings) -> ClientProfile:
+    """The connection's profile, with its session timeout where the settings give one (the
+    heartbeat then at most a third of it).
+
+    >>> profile(ConnectionSettings("k:9092", "r", kafka_session_timeout_ms=3000)).session_timeout_ms
+    3000
+    """
     try:
-        return PROFILES[conn.kafka_profile]
+        p = PROFILES[conn.kafka_profile]
     except KeyError:
         known = ", ".join(sorted(PROFILES))
         raise SettingsError(
             f"FRESHREC_KAFKA_PROFILE={conn.kafka_profile!r} is unknown (known: {known})"
         ) from None
+    session = conn.kafka_session_timeout_ms
+    if session is None:
+        return p
+    return replace(
+        p,
+        session_timeout_ms=session,
+        heartbeat_interval_ms=min(p.heartbeat_interval_ms, session // 3),
+    )
 
 
 def admin_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any]:

@@ -258,6 +258,11 @@ class ConnectionSettings:
     """How long a producer tries to deliver a message before reporting it undelivered
     (``FRESHREC_MESSAGE_TIMEOUT_MS``; None: librdkafka's 300,000). Replies, dead letters and
     gradients that fail are produced again; drills shorten it to make failures happen."""
+    kafka_session_timeout_ms: int | None = None
+    """The consumer groups' session timeout, over the profile's
+    (``FRESHREC_KAFKA_SESSION_TIMEOUT_MS``; None: 6,000 ``local``, 45,000 ``production``). On
+    the embedded broker a group join takes about half of it; a member silent this long is
+    dropped from its group."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ConnectionSettings:
@@ -268,6 +273,9 @@ class ConnectionSettings:
             kafka_profile=env_str(env, "FRESHREC_KAFKA_PROFILE", "local"),
             kafka_security=KafkaSecurity.from_env(env),
             message_timeout_ms=env_optional_int(env, "FRESHREC_MESSAGE_TIMEOUT_MS", minimum=1),
+            kafka_session_timeout_ms=env_optional_int(
+                env, "FRESHREC_KAFKA_SESSION_TIMEOUT_MS", minimum=1500
+            ),
         )
 
     def with_prefix(self, prefix: str) -> ConnectionSettings:

@@ -22,6 +22,11 @@ from freshrec.settings import ConnectionSettings
 from freshrec.topics import catalogue_with, ensure_topics
 
 TEST_PARTITIONS = 4
+SESSION_TIMEOUT_MS = 3000
+"""The tests' consumer-group session, half the ``local`` profile's 6 s: a group join on the
+embedded broker takes about half of the session, and the suite joins groups a few hundred
+times. Processes the tests start get it through the environment."""
+os.environ["FRESHREC_KAFKA_SESSION_TIMEOUT_MS"] = str(SESSION_TIMEOUT_MS)
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,13 @@ class Services:
     redis_url: str
 
     def conn(self, prefix: str = "") -> ConnectionSettings:
-        return ConnectionSettings(self.kafka_bootstrap_servers, self.redis_url, prefix, "local")
+        return ConnectionSettings(
+            self.kafka_bootstrap_servers,
+            self.redis_url,
+            prefix,
+            "local",
+            kafka_session_timeout_ms=SESSION_TIMEOUT_MS,
+        )
 
 
 def _docker_engine_answers() -> bool:

@@ -32,6 +32,8 @@ def service_env(conn, **extra: str) -> dict[str, str]:
         FRESHREC_TOPIC_PREFIX=conn.topic_prefix,
         PYTHONUNBUFFERED="1",
     )
+    if conn.kafka_session_timeout_ms is not None:
+        env["FRESHREC_KAFKA_SESSION_TIMEOUT_MS"] = str(conn.kafka_session_timeout_ms)
     env.update(extra)
     return env
 

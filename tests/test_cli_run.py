@@ -109,6 +109,9 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path, models)
         r"cost: streams ([\d.]+) CPU-s .*worker ([\d.]+) CPU-s \(([\d.]+) per 1,000 requests", out
     )
     assert cost and float(cost.group(2)) > 0 and float(cost.group(3)) > 0, out
+    ranking = re.search(r"ranking per batch, p50/p99: (.*)", out)  # control and light variant
+    assert ranking and re.search(r"wide_deep [\d.]+/[\d.]+ ms \([\d,]+ candidates\)", ranking[1])
+    assert "light " in ranking[1], out
     report = out.split("experiment ranking-2026-12 (control: control)")[1]
     for variant in ("control", "light", "diverse"):
         row = re.search(rf"\n  {variant} +[\d.]+% +([\d,]+) +([\d,]+) +([\d,]+) ", report)

@@ -60,12 +60,14 @@ def test_the_worker_default_excludes_seen_items_when_a_request_does_not_say(seed
         learnt = w.stats["events"]
         produce(seeded, _clicks(user, first[:2], "default"))
         wait_for(lambda: w.stats["events"] >= learnt + 2, 30, "the clicks learnt")
-        absent = [i.item_id for i in client.recommend(user, 10, timeout_s=10).items]
+        # a deep list: the clicks move the user's ranking, so whether a clicked item stays in
+        # a short one depends on the model, not on the exclusion
+        absent = [i.item_id for i in client.recommend(user, 200, timeout_s=10).items]
         kept = [
-            i.item_id for i in client.recommend(user, 10, exclude_seen=False, timeout_s=10).items
+            i.item_id for i in client.recommend(user, 200, exclude_seen=False, timeout_s=10).items
         ]
     assert not set(first[:2]) & set(absent), (first, absent)
-    assert set(first[:2]) & set(kept), (first, kept)
+    assert set(first[:2]) <= set(kept), (first, kept)
 
 
 def test_an_event_delivered_twice_is_learnt_once(seeded, model_dir):

@@ -55,6 +55,22 @@ def test_the_workers_fetch_wait_is_its_setting_else_the_profiles(env, wait_ms):
     assert cfg["group.id"] == "g" and cfg["partition.assignment.strategy"] == "range"
 
 
+def test_the_session_timeout_is_its_setting_else_the_profiles():
+    for env, session, heartbeat in (
+        ({}, 6000, 500),
+        ({"FRESHREC_KAFKA_SESSION_TIMEOUT_MS": "3000"}, 3000, 500),
+        ({"FRESHREC_KAFKA_SESSION_TIMEOUT_MS": "1500"}, 1500, 500),
+        ({"FRESHREC_KAFKA_PROFILE": "production"}, 45000, 3000),
+        (
+            {"FRESHREC_KAFKA_PROFILE": "production", "FRESHREC_KAFKA_SESSION_TIMEOUT_MS": "6000"},
+            6000,
+            2000,
+        ),
+    ):
+        cfg = events_consumer_config(WorkerSettings.from_env({**BASE, **env}), "g")
+        assert (cfg["session.timeout.ms"], cfg["heartbeat.interval.ms"]) == (session, heartbeat)
+
+
 @pytest.mark.parametrize(
     ("settings", "name", "value", "why"),
     [
@@ -71,6 +87,9 @@ def test_the_workers_fetch_wait_is_its_setting_else_the_profiles(env, wait_ms):
         (WorkerSettings, "FRESHREC_WORKER_FETCH_WAIT_MS", "soon", "not an integer"),
         (WorkerSettings, "FRESHREC_MAX_PENDING_STEPS", "10", "must be >= 1000"),
         (WorkerSettings, "FRESHREC_ROW_TTL_S", "-1", "must be >= 0"),
+        (WorkerSettings, "FRESHREC_KAFKA_SESSION_TIMEOUT_MS", "500", "must be >= 1500"),
+        (WorkerSettings, "FRESHREC_RANKER", "deep", "must be one of"),
+        (WorkerSettings, "FRESHREC_TIER_HEAD_SHARE", "2", "must be <= 1"),
         (ParamServerSettings, "FRESHREC_GLOBAL_LR", "-1", "must be >= 0"),
         (ParamServerSettings, "FRESHREC_GLOBAL_LR", "inf", "not a finite number"),
         (ParamServerSettings, "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR", "-0.1", "must be >= 0"),
