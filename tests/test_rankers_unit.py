@@ -307,3 +307,24 @@ def test_a_ranker_the_models_lack_is_replaced_by_wide_deep_and_the_reply_says_so
     assert rankers == ["wide_deep", "light", None]  # no candidates: nothing ranked
     assert "no attention model in v1: wide_deep" in choices[0].reason
     assert sorted(ranked) == [0, 1] and len(ranked[0]) == 5 and len(ranked[1]) == 3
+
+
+def test_freshrec_recommend_shows_the_ranker_and_the_variant():
+    from freshrec.app.commands import format_reply
+    from schemas.records import RecommendReply, ReplyItem
+
+    reply = RecommendReply(
+        "r1",
+        "u1",
+        (ReplyItem("i1", 0.5, ("vector",)),),
+        "full",
+        "ok",
+        1_767_225_600_000,
+        model_version="v1",
+        worker="w0",
+        experiment="e",
+        variant="a",
+        ranker="attention",
+    )
+    head = format_reply(reply, 3.0).splitlines()[0]
+    assert head.endswith("model attention v1, worker w0, variant e/a"), head

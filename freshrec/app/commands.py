@@ -286,7 +286,9 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 def format_reply(reply, elapsed_ms: float) -> str:
     lines = [
         f"user {reply.user_id}: {len(reply.items)} items, tier {reply.tier} ({reply.tier_reason}),"
-        f" model {reply.model_version or '-'}, worker {reply.worker or '-'}",
+        f" model {reply.ranker + ' ' if reply.ranker else ''}{reply.model_version or '-'},"
+        f" worker {reply.worker or '-'}"
+        + (f", variant {reply.experiment}/{reply.variant}" if reply.variant else ""),
         f"user embedding v{reply.user_embedding_version} "
         f"age {_age(reply.user_embedding_age_ms)}; round trip {elapsed_ms:.1f} ms; "
         + ", ".join(f"{k} {v:.1f}" for k, v in (reply.timings_ms or {}).items()),
