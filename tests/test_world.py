@@ -93,7 +93,12 @@ from tools.traffic import EventSynthesizer
 w = World(WorldConfig(seed=1, n_users=10_000_000, n_items=1_000_000))
 events = EventSynthesizer(w, seed=1).batch(2000, w.config.start_ms)
 users = w.sample_users(np.random.default_rng(0), 1_000_000)
-print(json.dumps({"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+try:  # this process's peak (Linux keeps ru_maxrss across exec: it would count the parent's)
+    with open("/proc/self/status") as f:
+        peak_kb = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+except OSError:
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"rss_mb": peak_kb / 1024,
                   "max_user": int(users.max()), "events": len(events)}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
