@@ -51,6 +51,7 @@ class RankingStage:
                 kind = "wide_deep"
             rankers[j] = kind
         note = None
+        full_ms = 0.0  # the full tier's models together: what the ladder budgets for
         for kind in dict.fromkeys(k for k in rankers if k is not None):
             group = [j for j, k in enumerate(rankers) if k == kind]
             t0 = time.monotonic()
@@ -75,10 +76,12 @@ class RankingStage:
             for j, part in zip(group, torch.split(probs, lens), strict=True):
                 ranked[j] = part
             cost = (time.monotonic() - t0) * 1000
-            if kind == "wide_deep":
-                self.full_cost_ms = ewma(self.full_cost_ms, cost)
-            elif kind == LIGHT:
+            if kind == LIGHT:
                 self.light_cost_ms = ewma(self.light_cost_ms, cost)
+            else:
+                full_ms += cost
+        if full_ms:
+            self.full_cost_ms = ewma(self.full_cost_ms, full_ms)
         return note, rankers
 
     def _score(self, model, kind: str, inputs, reqs, group) -> torch.Tensor:
@@ -120,16 +123,15 @@ class RankingStage:
 
     def _heat_cut(self, split: HeatSplit) -> tuple[float, float]:
         """The split's hot-score thresholds over the catalogue snapshot's items, computed once
-        per snapshot and split."""
+        per features snapshot and split."""
         features = self.snap.features
-        key = (id(features), split)
-        cut = self._heat_cuts.get(key)
-        if cut is None:
-            hot = features[:, 2] if features is not None else np.zeros(0)
-            cut = thresholds(hot, split)
-            if len(self._heat_cuts) > 16:
-                self._heat_cuts.clear()
-            self._heat_cuts[key] = cut
+        held = self._heat_cuts.get(split)
+        if held is not None and held[0] is features:
+            return held[1]
+        cut = thresholds(features[:, 2] if features is not None else np.zeros(0), split)
+        if len(self._heat_cuts) > 16:  # splits come from the experiment file: a few
+            self._heat_cuts.clear()
+        self._heat_cuts[split] = (features, cut)
         return cut
 
     def _inputs(self, reqs, user_rows, merged, group, realtime_features: bool):

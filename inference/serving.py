@@ -140,7 +140,7 @@ class Recommender(RankingStage):
         self.with_seen = seen  # a request with the user's consumed items excluded, if it asks
         self.arm_of = arm_of  # the user's experiment variant (``arms.py``), if any
         self.sequence_of = sequence  # the user's last clicked items, newest first
-        self._heat_cuts: dict = {}  # (features, split) -> the tiers' hot-score thresholds
+        self._heat_cuts: dict = {}  # split -> (the features snapshot, its hot-score thresholds)
         self.encoder = FeatureEncoder()
         self.ladder = Ladder(settings.ladder)
         self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
