@@ -75,6 +75,8 @@ class Split:
     y: np.ndarray
     w: np.ndarray
     sequences: np.ndarray
+    full_logits: np.ndarray
+    """Wide&Deep's logits on this part: the pruned model's soft targets."""
 
 
 def train_rankers(
@@ -86,7 +88,7 @@ def train_rankers(
     rng: np.random.Generator,
     progress,
 ) -> dict[str, dict]:
-    """Per name: {"model", "fit", "auc", ...}. ``parts``: train, valid, test."""
+    """Per name: {"model", "fit", "auc", "test_logits", ...}. ``parts``: train, valid, test."""
     train, valid, test = parts
     table = torch.from_numpy(np.ascontiguousarray(item_rows, np.float32))
     out: dict[str, dict] = {}
@@ -95,17 +97,16 @@ def train_rankers(
         if name == PRUNED:
             model = prune(full, cfg.prune_keep)
             found = {"sparsity": round(sparsity(full, model), 4)}
-            soft = [predict(full, part.tensors) for part in (train, valid)]
             fit = fit_ranker(
                 model,
-                (train.tensors, train.y, train.w, soft[0]),
-                (valid.tensors, valid.y, valid.w, soft[1]),
+                (train.tensors, train.y, train.w, train.full_logits),
+                (valid.tensors, valid.y, valid.w, valid.full_logits),
                 cfg,
                 rng,
                 progress,
                 "pruned",
             )
-            found["auc"] = auc(test.y, predict(model, test.tensors))
+            found["test_logits"] = predict(model, test.tensors)
         else:
             model = AttentionRanker(cfg.dim, name, length=cfg.sequence)
             view = WithTable(model, table)
@@ -122,6 +123,7 @@ def train_rankers(
                 progress,
                 name.replace("_", " "),
             )
-            found = {"auc": auc(test.y, predict(view, inputs(test)))}
+            found = {"test_logits": predict(view, inputs(test))}
+        found["auc"] = auc(test.y, found["test_logits"])
         out[name] = {"model": model.eval(), "fit": fit, **found}
     return out

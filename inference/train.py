@@ -245,16 +245,17 @@ def top_k_hits(
     return round(hits / len(clicks), 4)
 
 
-def tiered_auc(logs, test_idx, feats, y, t_test, full, light, more) -> dict:
+def tiered_auc(logs, test_idx, feats, y, tier_models) -> dict:
     """The pruned model's sparsity, and the held-out AUC of ranking by item heat
     (``inference/tiers.py``, default shares): each impression scored by its item's tier's
-    model, the heat the training split's."""
+    model, the heat the training split's. ``tier_models``: Wide&Deep's test logits, the
+    pruned model's entry of ``train_rankers``, the light model's test logits."""
+    full, pruned, light = tier_models
     cut = thresholds(feats[:, 3], HeatSplit())
     tiers = route(feats[logs.items[test_idx], 3], cut)
-    logits = [predict(model, t_test) for model in (full, more["pruned"]["model"], light)]
-    mixed = np.select([tiers == HEAD, tiers == MIDDLE], logits[:2], logits[2])
+    mixed = np.select([tiers == HEAD, tiers == MIDDLE], [full, pruned["test_logits"]], light)
     return {
-        "pruned_sparsity": more["pruned"]["sparsity"],
+        "pruned_sparsity": pruned["sparsity"],
         "auc_tiered": auc(y[test_idx], mixed),
         "tiered_shares": [round(float((tiers == t).mean()), 4) for t in (HEAD, MIDDLE, TAIL)],
     }
@@ -318,31 +319,35 @@ def train(
             "wide&deep",
         )
     }
+    full_logits = [predict(full, t) for t in (t_train, t_valid, t_test)]
     light = LightRanker(cfg.dim)
     fits["light"] = fit_ranker(
         light,
-        (t_train, y[rank_idx], w[rank_idx], predict(full, t_train)),
-        (t_valid, y[valid_idx], w[valid_idx], predict(full, t_valid)),
+        (t_train, y[rank_idx], w[rank_idx], full_logits[0]),
+        (t_valid, y[valid_idx], w[valid_idx], full_logits[1]),
         cfg,
         rng,
         progress,
         "light",
     )
     parts = tuple(
-        Split(t, y[i], w[i], recent[1][i, : cfg.sequence])
-        for t, i in ((t_train, rank_idx), (t_valid, valid_idx), (t_test, test_idx))
+        Split(t, y[i], w[i], recent[1][i, : cfg.sequence], logits)
+        for t, i, logits in zip(
+            (t_train, t_valid, t_test), (rank_idx, valid_idx, test_idx), full_logits, strict=True
+        )
     )
+    light_test = predict(light, t_test)
     more = train_rankers(parse_rankers(cfg.rankers), full, parts, item_rows, cfg, rng, progress)
     for name, got in more.items():
         fits[name] = got["fit"]
     metrics = {
         "hr_at_10_two_tower": top_k_hits(logs, test_idx, tower_idx, user_pos, user_rows, item_rows),
         "auc_two_tower": auc(y[test_idx], tower_scores),
-        "auc_wide_deep": auc(y[test_idx], predict(full, t_test)),
-        "auc_light": auc(y[test_idx], predict(light, t_test)),
+        "auc_wide_deep": auc(y[test_idx], full_logits[2]),
+        "auc_light": auc(y[test_idx], light_test),
         **{f"auc_{name}": got["auc"] for name, got in more.items()},
         **(
-            tiered_auc(logs, test_idx, feats, y, t_test, full, light, more)
+            tiered_auc(logs, test_idx, feats, y, (full_logits[2], more["pruned"], light_test))
             if "pruned" in more
             else {}
         ),

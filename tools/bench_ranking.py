@@ -18,7 +18,6 @@ The time is the median of ``--repeats`` passes after warm-up, on ``--device``. R
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -29,14 +28,13 @@ import torch
 from freshrec.app.options import add_log_options
 from freshrec.progress import ProgressLine
 from inference.attention import SEQUENCE, gather_sequences, sequence_index
-from inference.device import pick_device
 from inference.features import FeatureEncoder
 from inference.modelfile import MODEL_KINDS, ModelWatcher, load_tensors, read_manifest
 from inference.ranking import score
 from inference.rankstage import score_by_tiers
 from inference.tiers import HeatSplit, route, thresholds
 from inference.train import TrainConfig
-from tools.benchlib import save
+from tools.benchlib import device_arg, median_ms, save
 from tools.world import World, WorldConfig
 
 BATCH = 500
@@ -82,17 +80,6 @@ def batch_inputs(directory: Path, manifest: dict, device: torch.device, seed: in
     return x.with_sequences(*seq), cand
 
 
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return round(statistics.median(times), 3)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--impressions", type=int, default=200_000, help="synthetic log size")
@@ -103,13 +90,13 @@ def main() -> None:
     add_log_options(ap, items_help="with --log: the log's item file (docs/replay.md)")
     ap.add_argument("--models", type=Path, default=None, help="reuse/keep models here")
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     ap.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (the worker's default: 1)"
     )
     ap.add_argument("--out", type=Path, default=Path("artifacts"))
     args = ap.parse_args()
-    device = pick_device(args.device)
+    device = device_arg(ap, args.device)
     torch.set_num_threads(args.threads)
     progress = ProgressLine()
     with tempfile.TemporaryDirectory(prefix="freshrec-ranking-") as tmp:
@@ -131,14 +118,16 @@ def main() -> None:
             model = models.get(kind)
             if model is None:
                 continue
-            ms = median_ms(lambda m=model: score(m, x, device), args.repeats)
+            ms = round(median_ms(lambda m=model: score(m, x, device), args.repeats, 5), 3)
             rows[kind] = {"auc": t.get(f"auc_{kind}"), "batch_500_ms": ms}
             progress.done(f"{kind}: AUC {t.get(f'auc_{kind}')}, {ms} ms")
         if "pruned" in models.others:
             rng = np.random.default_rng(11)
             heat = rng.random(len(cand))  # the catalogue's heat ranks, uniform candidates
             tiers = route(heat + 1e-9, thresholds(heat + 1e-9, HeatSplit()))
-            ms = median_ms(lambda: score_by_tiers(models, x, tiers, device), args.repeats)
+            ms = round(
+                median_ms(lambda: score_by_tiers(models, x, tiers, device), args.repeats, 5), 3
+            )
             rows["tiered"] = {
                 "auc": t.get("auc_tiered"),
                 "batch_500_ms": ms,

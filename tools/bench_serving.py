@@ -55,7 +55,7 @@ from inference.train import TrainConfig
 from inference.worker import Worker
 from schemas.codec import decode_reply, encode_request
 from schemas.records import RecommendRequest, RequestContext
-from tools.benchlib import bench_connection, device_arg, save, service_process
+from tools.benchlib import bench_connection, device_arg, median_ms, save, service_process
 from tools.seed import seed_world
 from tools.world import World, WorldConfig
 
@@ -204,7 +204,7 @@ def bench_ranking(
     for label, model in (("wide_deep", ms.full), ("light", ms.light)):
         for r in rows[:20]:  # warm (CUDA: kernels, autocast caches)
             score(model, r, device)
-        batched_ms = _median_ms(lambda m=model: score(m, x, device), reps=50)
+        batched_ms = median_ms(lambda m=model: score(m, x, device), repeats=50)
         t = time.perf_counter()
         serial = np.concatenate([score(model, r, device) for r in rows])
         serial_ms = (time.perf_counter() - t) * 1000
@@ -220,20 +220,10 @@ def bench_ranking(
     out["dynamic_batch"] = {
         "requests": n_req,
         "candidates": n * n_req,
-        "wide_deep_ms": round(_median_ms(lambda: score(ms.full, grouped, device), reps=20), 2),
-        "light_ms": round(_median_ms(lambda: score(ms.light, grouped, device), reps=20), 2),
+        "wide_deep_ms": round(median_ms(lambda: score(ms.full, grouped, device), repeats=20), 2),
+        "light_ms": round(median_ms(lambda: score(ms.light, grouped, device), repeats=20), 2),
     }
     return out
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return float(np.median(times))
 
 
 # ---------------------------------------------------------------------------------- recall
@@ -262,7 +252,7 @@ def bench_recall(conn, models: Path, device: torch.device, progress: ProgressLin
             for name in runner.configs:
                 runner._call(name, queries)
         serial = (time.perf_counter() - t) / reps * 1000
-        vector = _median_ms(lambda: runner._call("vector", queries), reps=reps)
+        vector = median_ms(lambda: runner._call("vector", queries), repeats=reps)
     finally:
         w.close()
     return {

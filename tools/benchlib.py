@@ -310,6 +310,20 @@ def lag_alongside(conn: ConnectionSettings, stop, out: str) -> None:
     np.save(out, np.array([reader.sent, reader.lags], np.float64))
 
 
+def median_ms(fn, repeats: int, warmup: int = 1) -> float:
+    """The median wall time of ``repeats`` calls of ``fn``, in ms, after ``warmup`` calls."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
 def device_arg(ap, text: str):
     """The torch device ``text`` names (``auto``: CUDA when there is one), or the parser's
     error when this host cannot use it (e.g. ``cuda`` on a CPU-only build of torch)."""
