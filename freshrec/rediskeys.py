@@ -102,7 +102,7 @@ class RedisKeys:
 
     def experiment(self, name: str) -> str:
         """Hash: an experiment's variants (JSON, table order), shares, control, salt and
-        allocation table (``freshrec/experiments.py``)."""
+        allocation table (``inference/serving/experiments.py``)."""
         return f"{self.prefix}exp:{name}"
 
     def experiment_counts(self, name: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import redis
 
+from freshrec.errors import FreshRecError
 from freshrec.partitioner import row_partitions
 from freshrec.redisconn import Packed, run_packed
 from freshrec.rediskeys import RedisKeys
@@ -18,7 +19,7 @@ from schemas.rows import decode_row, decode_rows, encode_rows, key_matrix, key_t
 Row = tuple[np.ndarray, int, int]
 
 
-class LayoutMismatch(RuntimeError):
+class LayoutMismatch(FreshRecError, RuntimeError):
     """Redis holds rows laid out for another number of ``gradients`` partitions."""
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from freshrec.errors import FreshRecError
 from freshrec.hotscore import HotWeights
 from schemas.codec import DeadLetterLimits
 
@@ -28,7 +29,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """Every process's log lines (the CLI's and the children services start)."""
 
 
-class SettingsError(ValueError):
+class SettingsError(FreshRecError, ValueError):
     """A setting is missing or malformed; the message names the variable."""
 
 

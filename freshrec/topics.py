@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from freshrec.errors import FreshRecError
+
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +85,7 @@ class TopicNames:
         return self.prefix + BY_NAME[logical].name
 
 
-class TopicMismatchError(RuntimeError):
+class TopicMismatchError(FreshRecError, RuntimeError):
     """An existing topic's partition count differs from the catalogue."""
 
 

@@ -24,10 +24,11 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
 from inference.batching import BatchPolicy, split_expired
 from inference.feedback import Feedback
-from inference.gradients import ProducerFailed
+from inference.learning.sender import ProducerFailed
 from inference.offsets import RequestOffsets
 from inference.route import reply_topic_pattern, route
-from inference.serving import Inbound, Recommender
+from inference.serving.liveexperiment import LiveExperiment
+from inference.serving.recommender import Inbound, Recommender
 from inference.settings import WorkerSettings
 from schemas.codec import dead_letter, decode_request, encode_dead_letter, encode_reply
 from schemas.contract import Reason, Rejected
@@ -81,6 +82,7 @@ class RequestIntake:
         client: redis.Redis,
         producer,
         recommender: Recommender,
+        experiment: LiveExperiment | None = None,
     ) -> None:
         self.settings = settings
         self.names = names
@@ -98,9 +100,9 @@ class RequestIntake:
         )
         self._retries: list[tuple] = []
         self.feedback = Feedback()
-        self.experiment = None
-        """The worker's ``LiveExperiment``: each reply's variant is recorded before it leaves."""
         """The tiers of recent replies: events naming them are counted by tier."""
+        self.experiment = experiment
+        """The worker's ``LiveExperiment``: each reply's variant is recorded before it leaves."""
 
     def __len__(self) -> int:
         return len(self.queue)

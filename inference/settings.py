@@ -22,46 +22,15 @@ from freshrec.settings import (
     env_optional_int,
     state_dir,
 )
-from inference.breaker import BreakerConfig
-from inference.channels import default_channels, parse_delays
-from inference.degrade import LadderConfig
-from inference.learning import LOSSES, LabelConfig
-from inference.serving import ServingSettings
-from inference.tiers import HeatSplit
+from inference.learning.learner import LearningSettings
+from inference.learning.steps import LOSSES, LabelConfig
+from inference.models.kinds import served_rankers
+from inference.models.tiers import HeatSplit
+from inference.serving.breaker import BreakerConfig
+from inference.serving.channels import default_channels, parse_delays
+from inference.serving.degrade import LadderConfig
+from inference.serving.recommender import ServingSettings
 from schemas.codec import DeadLetterLimits
-
-
-@dataclass(frozen=True)
-class LearningSettings:
-    dim: int = 64
-    lr: float = 0.05
-    """Local step size of item rows, v ← v − lr·g. Chosen by ``tools/bench_freshness.py``: a
-    closed-loop cohort's CTR rose from ~5% to 20-30% in two minutes at 0.05-0.2, not at all
-    at the seeds' 0.001 or at 0.01, and less at 0.5-1.0 (docs/online-learning.md)."""
-    user_lr: float = 0.05
-    """Local step size of user rows. A user's row is touched only by that user's events, an
-    item's by everyone's: on positive-only logs users want the larger step (0.5 for models
-    trained by ``freshrec train --log``, which record it in their manifest)."""
-    max_grad_norm: float = 1.0
-    admission_touches: int = 1
-    """A row's gradients go to the parameter server from its Nth touch on (Monolith's
-    occurrence filter); before that its steps stay local and are sent on admission."""
-    admission_window_s: int = 3600
-    """Touch counts of rows unseen for this long are forgotten (``inference/admission.py``)."""
-    gradient_linger_ms: int = 100
-    """Admitted gradients wait up to this long and leave summed per row, one message per
-    table and partition (0: one set of messages per learnt slice). Local steps apply at
-    once; only the parameter server sees them later. 100 ms, the parameter server's flush
-    interval: on the embedded broker, whose every fetch costs in proportion to the record
-    batches its partitions hold, 20 ms left the worker's local lag p99 at ~90 ms at 5,000
-    events/s, 100 ms at ~50 (served p50 +30 ms; docs/benchmarks.md)."""
-    max_pending_steps: int = 1_000_000
-    """Bound of the read-your-writes pool (~316 bytes a step at 64 dimensions: ~0.3 GB).
-    Steps leave the pool as broadcast updates include them; while the parameter server is
-    down or far behind they pile up, and past this bound the oldest sent ones are let go
-    (``PendingSteps.trim``, docs/online-learning.md): learning goes on, and a row may miss
-    such a step between an update that lacks it and one that includes it."""
-    labels: LabelConfig = field(default_factory=LabelConfig)
 
 
 def default_model_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -244,7 +213,7 @@ def online_defaults(model_dir: Path) -> dict:
     """What the models in ``model_dir`` recommend for online learning (their manifest's
     ``online``: the loss the starting rows were trained with and step sizes that suit it);
     empty when there are none. Settings in the environment win."""
-    from inference.modelfile import ModelFileError, read_manifest
+    from inference.models.modelfile import ModelFileError, read_manifest
 
     try:
         return dict(read_manifest(model_dir).get("online") or {})
@@ -262,14 +231,8 @@ def _reply_pattern(env: Mapping[str, str]) -> str | None:
     return pattern
 
 
-SERVED_RANKERS = (
-    "wide_deep",
-    "pruned",
-    "attention",
-    "attention_window",
-    "attention_lowrank",
-    "tiered",
-)
+SERVED_RANKERS = served_rankers()
+"""What ``FRESHREC_RANKER`` accepts (``inference/models/kinds.py``)."""
 
 
 def served_ranker(env: Mapping[str, str]) -> str:

@@ -54,28 +54,28 @@ from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards
 from freshrec.topics import TopicNames
-from inference.admission import AdmissionFilter
 from inference.batching import EventSlicer
-from inference.breaker import CLOSED, HALF_OPEN
-from inference.cache import EmbeddingCache
-from inference.channels import make_channels
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter
 from inference.device import pick_device
-from inference.experiment import LiveExperiment
-from inference.gradients import GradientSender
 from inference.intake import RequestIntake
-from inference.learner import LocalLearner
-from inference.modelfile import ModelWatcher
+from inference.learning.admission import AdmissionFilter
+from inference.learning.learner import LocalLearner
+from inference.learning.outbox import GradientOutbox
+from inference.learning.pending import PendingSteps
+from inference.learning.sender import GradientSender
+from inference.learning.updates import UpdateInstaller
+from inference.models.modelfile import ModelWatcher
 from inference.offsets import OffsetGate
-from inference.outbox import GradientOutbox
-from inference.pending import PendingSteps
-from inference.recall import RecallRunner
-from inference.recent import with_seen
-from inference.serving import Recommender
+from inference.serving.breaker import CLOSED, HALF_OPEN
+from inference.serving.channels import make_channels
+from inference.serving.liveexperiment import LiveExperiment
+from inference.serving.recall import RecallRunner
+from inference.serving.recommender import Recommender
+from inference.serving.snapshot import SnapshotRefresher
 from inference.settings import WorkerSettings
-from inference.snapshot import SnapshotRefresher
-from inference.updates import UpdateInstaller
+from inference.tables.cache import EmbeddingCache
+from inference.tables.recent import RecentClicks, with_seen
 from schemas.codec import decode_events
 from schemas.contract import Rejected
 from schemas.ids import row_id
@@ -130,16 +130,9 @@ class Worker:
         """Events learnt, invalid and duplicate, local steps let go: what a test or a drill
         can read."""
         self.dedupe: dict[int, DedupeWindow] = {}  # per events partition
-        self.learner = LocalLearner(
-            settings,
-            self.cache,
-            self.pending,
-            self.outbox,
-            self.send_outbox,
-            lambda: self.recommender.slot_of,
-            self.stats,
-        )
-        self.recent, self.seen = self.learner.recent, self.learner.seen
+        # what learning writes and serving reads: built before both
+        self.recent = RecentClicks(settings.recent_users)
+        self.seen = RecentClicks(settings.seen_users, settings.seen_per_user)
         self._loop_phases = [m.WORKER_LOOP_SECONDS.labels(phase) for phase in LOOP_PHASES]
         self._last_commit = time.monotonic()
         most = settings.event_slice
@@ -191,10 +184,27 @@ class Worker:
             seen=lambda r: with_seen(r, self.seen.get, settings.exclude_seen),
             arm_of=self.experiment.arm if self.experiment else lambda user_id: None,
         )
-        self.intake = RequestIntake(
-            settings, self.names, self.keys, self.redis, self.producer, self.recommender
+        recommender = self.recommender
+        self.learner = LocalLearner(
+            learning,
+            self.cache,
+            self.pending,
+            self.outbox,
+            self.recent,
+            self.seen,
+            lambda: recommender.slot_of,  # the catalogue's slots: the softmax loss's negatives
+            self.stats,
+            seed=abs(hash(settings.worker_id)) % (2**32),
         )
-        self.intake.experiment = self.experiment
+        self.intake = RequestIntake(
+            settings,
+            self.names,
+            self.keys,
+            self.redis,
+            self.producer,
+            self.recommender,
+            self.experiment,
+        )
         self.commits = OffsetCommitter(
             self.events,
             self.names.events,
@@ -306,8 +316,7 @@ class Worker:
         self.sender.retry_due(time.monotonic())
         t2 = time.perf_counter()
         self._learn_slice()
-        if self.outbox.due(_now_ms()):
-            self.send_outbox()
+        self._send_if_due()
         t3 = time.perf_counter()
         for msg in self.updates.consume(1000, 0):
             if self._ok(msg):
@@ -405,6 +414,12 @@ class Worker:
         elif self.paused and len(self.backlog) < self.settings.batch_max:
             self.events.resume(self.paused)
             self.paused = []
+
+    def _send_if_due(self) -> None:
+        """The one place that asks the outbox whether it is due (its linger ran out, or its
+        rows passed their bound) and sends it then."""
+        if self.outbox.due(_now_ms()):
+            self.send_outbox()
 
     def send_outbox(self) -> None:
         """Everything the outbox holds leaves now; what was learnt so far then has its
@@ -509,10 +524,12 @@ class Worker:
 
     def _learn_events(self, events) -> None:
         self.learner.learn_events(events)
+        self._send_if_due()
 
     def learn(self, ex) -> None:
         """The local step for a batch of labelled examples (``LocalLearner.learn``)."""
         self.learner.learn(ex)
+        self._send_if_due()
 
     def _evicted(self, table: int, slots: np.ndarray, ids: list[int]) -> None:
         """Rows left the user slab or the item table: their local steps go with them (the

@@ -33,6 +33,7 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Producer
 
 from freshrec import metrics as m
+from freshrec.errors import FreshRecError
 from freshrec.health import HEALTH
 from freshrec.kafka import (
     background_consumer,
@@ -85,7 +86,7 @@ class _Persist:
     """partition -> table -> the oldest event time each snapshot row's new gradients hold."""
 
 
-class FencedOff(RuntimeError):
+class FencedOff(FreshRecError, RuntimeError):
     """Another instance owns a partition this one still held (it was assigned elsewhere while
     this one stalled): nothing was written; the process must stop and restart from Redis."""
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
+from freshrec.errors import RetriableError
 from freshrec.redisconn import ATTEMPTS, is_cluster, node_client, reload_slots
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import pack, pack_fixed, pooled_connection
@@ -107,7 +108,7 @@ def pack_persist(
     return units
 
 
-class TransactionFailed(redis.exceptions.RedisError):
+class TransactionFailed(RetriableError, redis.exceptions.RedisError):
     """A command inside ``EXEC`` failed (out of memory, a key of the wrong type): Redis ran
     the others, so rows, accumulators and offsets may disagree until the same transaction —
     a snapshot, idempotent — is sent again and succeeds."""

@@ -30,6 +30,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from freshrec.errors import FreshRecError
+
 MIN_TIMESTAMP_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
 
 
@@ -56,7 +58,7 @@ class Reason(StrEnum):
     REPLY_UNDELIVERABLE = "reply_undeliverable"
 
 
-class Rejected(ValueError):
+class Rejected(FreshRecError, ValueError):
     """A record that does not meet its contract."""
 
     def __init__(self, reason: Reason, detail: str) -> None:

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from freshrec.errors import FreshRecError
+
 MAGIC = b"FRRB"
 LAYOUT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -52,7 +54,7 @@ MAX_DIM = 4096
 MAX_COUNT = 1 << 24
 
 
-class CorruptBatch(ValueError):
+class CorruptBatch(FreshRecError, ValueError):
     """A batch that is truncated, corrupted or of an unknown layout."""
 
 

@@ -1,7 +1,7 @@
 """Events attributed to A/B experiment variants (the validate stage): an impression, click or
 conversion whose ``request_id`` names a reply counts for the variant that reply was served
 under, which the worker recorded under ``req:variant:{request_id}`` before the reply left
-(``inference/experiment.py``). The counts go to ``exp:{name}:counts`` and
+(``inference/serving/liveexperiment.py``). The counts go to ``exp:{name}:counts`` and
 ``freshrec_experiment_events_total``. While no experiment has run (``experiments`` is empty,
 checked every few seconds) nothing is looked up.
 

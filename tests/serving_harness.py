@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from freshrec.client import SyncRecommendClient
 from freshrec.kafka import gradients_partitions
-from inference.breaker import BreakerConfig
-from inference.client import SyncRecommendClient
+from inference.serving.breaker import BreakerConfig
 from inference.settings import LearningSettings, WorkerSettings
-from inference.train import TrainConfig
+from inference.training.train import TrainConfig
 from inference.worker import Worker
 from tools.seed import seed_world
 from tools.world import World, WorldConfig
@@ -95,3 +95,65 @@ def client_for(conn, **kwargs) -> SyncRecommendClient:
 def counter(metric, *labels) -> float:
     """An in-process metric child's value (the worker runs on a thread of the test)."""
     return metric.labels(*labels)._value.get()
+
+
+class _NoRecentInRedis:
+    """A Redis double for channel conformance: no recent clicks for anyone (the e2e tests
+    run the channels against a real Redis)."""
+
+    def pipeline(self, transaction: bool = False):
+        calls: list[str] = []
+
+        class Pipe:
+            def lrange(self, key, start, stop):
+                calls.append(key)
+
+            def execute(self):
+                return [[] for _ in calls]
+
+        return Pipe()
+
+
+def serving_state(items: int = 60, catalogue: int = 40, dim: int = 8):
+    """A worker's serving state over ``items`` item rows of which the first ``catalogue`` are
+    in the catalogue (4 categories), hot, regional and new lists of catalogue items, and two
+    queries: a user with recent clicks and one without. For registry conformance tests."""
+    import numpy as np
+    import torch
+
+    from freshrec.rediskeys import RedisKeys
+    from inference.serving.channels import NEW_ITEMS, ServingState, category_members
+    from inference.serving.recall import RecallQuery
+    from inference.tables.cache import EmbeddingCache
+    from schemas.ids import row_id
+    from schemas.rows import TABLE_ITEM
+
+    rng = np.random.default_rng(0)
+    cache = EmbeddingCache(dim, 16, lambda table, ids: {}, torch.device("cpu"))
+    names = [f"i{k}" for k in range(items)]
+    ids = [row_id(x) for x in names]
+    cache.load_items({i: (rng.standard_normal(dim + 1).astype(np.float32), 1, 0) for i in ids})
+    slots = cache.slots(TABLE_ITEM, np.asarray(ids[:catalogue], np.int64))
+    n = len(cache.item_ids)
+    named = torch.zeros(n, dtype=torch.bool)
+    named[torch.from_numpy(slots)] = True
+    categories = np.arange(catalogue) % 4
+    slot_category = np.full(n, -1, np.int64)
+    slot_category[slots] = categories
+    recent = {"u1": names[:3]}
+    state = ServingState(cache, _NoRecentInRedis(), RedisKeys("t."), lambda u: recent.get(u, []))
+    state.slot_of = dict(zip(names[:catalogue], slots.tolist(), strict=True))
+    state.named, state.named_count = named, catalogue
+    state.unnamed_bias = torch.zeros(n).masked_fill(~named, float("-inf"))
+    state.slot_category = slot_category
+    state.category_slots = category_members(categories, slots)
+    state.lists = {
+        "global": slots[:15],
+        "north": slots[5:12],
+        NEW_ITEMS: slots[-5:],
+    }
+    queries = [
+        RecallQuery(u, rng.standard_normal(dim + 1).astype(np.float32), "north")
+        for u in ("u1", "u2")
+    ]
+    return state, queries

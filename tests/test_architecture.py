@@ -91,12 +91,12 @@ def test_the_pure_modules_are_found():
     for name in (
         "freshrec.hotscore",
         "streams.decay",
-        "inference.pending",
-        "inference.outbox",
-        "inference.learning",
+        "inference.learning.pending",
+        "inference.learning.outbox",
+        "inference.learning.steps",
         "inference.batching",
-        "inference.breaker",
-        "inference.rerank",
+        "inference.serving.breaker",
+        "inference.serving.rerank",
         "param_server.adagrad",
         "schemas.rows",
     ):
@@ -134,6 +134,61 @@ def test_services_reach_their_peers_only_through_the_kernel_or_schemas(name):
     own = layer(name)
     bad = {m for m in project_imports(name) if layer(m) not in (own, "kernel", "schemas")}
     assert not bad, f"{name} imports {sorted(bad)}"
+
+
+# The worker's wings (``docs/design.md``, "Module map"): each may import its own rooms, the
+# wings listed here, and the loop's pure leaves; the loop at the top of ``inference/`` (the
+# worker, its intake, commits, offsets, batching, routing and settings) may import any wing.
+WINGS = {
+    "tables": set(),
+    "models": set(),
+    "learning": {"tables"},
+    "serving": {"tables", "models"},
+    "training": {"models"},
+}
+LOOP_LEAVES = {"inference.device", "inference.offsets"}
+"""The loop's modules a wing may use: where the tables live, and the offset gate."""
+
+
+def wing(name: str) -> str | None:
+    """``inference.serving.recall`` -> ``serving``; a module of the loop -> None."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "inference" and len(parts) > 1 and parts[1] in WINGS else None
+
+
+def test_every_inference_module_lives_in_a_wing_or_the_loop():
+    loop = sorted(
+        n for n in MODULES if n.startswith("inference.") and wing(n) is None and n.count(".") == 1
+    )
+    assert set(loop) <= {
+        "inference.batching",
+        "inference.clients",
+        "inference.commits",
+        "inference.device",
+        "inference.feedback",
+        "inference.intake",
+        "inference.offsets",
+        "inference.route",
+        "inference.settings",
+        "inference.worker",
+    } | {f"inference.{w}" for w in WINGS}, f"a new module of the loop: {loop} (or a new wing)"
+    for w in WINGS:
+        assert (ROOT / "inference" / w / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if wing(n) is not None])
+def test_the_wings_stay_apart(name):
+    own = wing(name)
+    allowed = WINGS[own] | {own}
+    bad = {
+        m
+        for m in project_imports(name)
+        if m.startswith("inference")
+        and m != "inference"
+        and m not in LOOP_LEAVES
+        and wing(m) not in allowed
+    }
+    assert not bad, f"{name} ({own}) imports {sorted(bad)}: the wing may use {sorted(allowed)}"
 
 
 def test_no_modules_import_each_other_in_a_circle():

@@ -324,7 +324,7 @@ def test_serving_features_are_read_from_the_hash_of_each_items_partition(any_con
     any items at once (the high_end devices' realtime features), on a single server and a
     cluster."""
     from freshrec.partitioner import str_partitions
-    from inference.snapshot import read_features
+    from inference.serving.snapshot import read_features
 
     r = connect(any_conn.redis_url)
     keys = RedisKeys(any_conn.topic_prefix)

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from freshrec.experiments import parse
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
+from inference.serving.experiments import parse
 from schemas.records import Event
 
 from .serving_harness import client_for, running_worker, worker_settings
@@ -162,7 +162,7 @@ def test_variants_rank_with_the_attention_models_and_the_heat_tiers(seeded, mode
     variant's candidates by all three tier models, and the attention rankers read the user's
     sequence from the clicks the worker has read."""
     from freshrec import metrics as m
-    from inference.attention import SEQUENCE
+    from inference.models.attention import SEQUENCE
     from schemas.records import RecommendRequest
 
     from .serving_harness import counter

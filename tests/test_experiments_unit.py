@@ -12,7 +12,9 @@ import pytest
 
 from freshrec.abstats import two_proportions, wilson
 from freshrec.app.abreport import render, variant_rows
-from freshrec.experiments import (
+from inference.serving.arms import Arm, quotas, request, steer
+from inference.serving.degrade import Choice
+from inference.serving.experiments import (
     BUCKETS,
     EXAMPLE,
     ExperimentError,
@@ -20,8 +22,6 @@ from freshrec.experiments import (
     parse,
     target_counts,
 )
-from inference.arms import Arm, quotas, request, steer
-from inference.degrade import Choice
 from schemas.records import RecommendRequest
 
 

@@ -1,5 +1,5 @@
-"""Interaction logs from files (``inference/interactions.py``) and the training rows made of
-them (``inference/logtrain.py``): every format, bad rows, and logs that cannot be used."""
+"""Interaction logs from files (``inference/training/interactions.py``) and the training rows made of
+them (``inference/training/logtrain.py``): every format, bad rows, and logs that cannot be used."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from inference.interactions import LogError, LogFormat, parse_time, preset, read_log
-from inference.logtrain import (
+from inference.training.interactions import LogError, LogFormat, parse_time, preset, read_log
+from inference.training.logtrain import (
     ItemFormat,
     chronological_split,
     read_items,

@@ -177,7 +177,7 @@ def test_admission_holds_a_rows_gradients_until_its_second_touch_then_sends_thei
 
 def _learn_clicks(w: Worker, pairs) -> None:
     """Learn one click per (user, item), without Kafka: the worker's own ``learn``."""
-    from inference.learning import Examples
+    from inference.learning.steps import Examples
 
     n = len(pairs)
     w.learn(
@@ -283,7 +283,7 @@ def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, m
     partition and by the per-message row cap: every local step is named by the one message
     that carries its row, and no message names a step of a row it does not carry."""
     import inference.worker as worker_module
-    from inference.learning import Examples
+    from inference.learning.steps import Examples
 
     monkeypatch.setattr(worker_module, "MAX_ROWS_PER_MESSAGE", 3)  # several per partition
     s = WorkerSettings(

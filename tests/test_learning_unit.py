@@ -8,9 +8,14 @@ import numpy as np
 import pytest
 
 from freshrec.gradients import clip_rows
-from inference.learning import LabelConfig, aggregate, examples_from_events, logistic_gradients
-from inference.lru import SlotLRU
-from inference.pending import PendingSteps
+from inference.learning.pending import PendingSteps
+from inference.learning.steps import (
+    LabelConfig,
+    aggregate,
+    examples_from_events,
+    logistic_gradients,
+)
+from inference.tables.lru import SlotLRU
 from param_server.adagrad import AdagradConfig, adagrad_step
 from schemas.records import Event
 from schemas.rows import TABLE_ITEM, TABLE_USER, decode_row, encode_row, initial_rows
@@ -501,7 +506,7 @@ def test_a_row_created_again_after_expiry_is_newer_than_its_earlier_life():
 
 
 def test_admission_filter_forgets_rows_unseen_for_a_window():
-    from inference.admission import AdmissionFilter
+    from inference.learning.admission import AdmissionFilter
 
     f = AdmissionFilter(threshold=3, window_ms=100)
     assert [f.touch("a", t) for t in (0, 1, 2, 3)] == [False, False, True, True]
@@ -517,7 +522,7 @@ def test_admission_filter_forgets_rows_unseen_for_a_window():
 def test_item_rows_that_fail_to_load_get_no_slot_and_load_on_the_retry():
     import torch
 
-    from inference.cache import EmbeddingCache
+    from inference.tables.cache import EmbeddingCache
 
     stored = {11: (np.full(5, 0.5, np.float32), 7, 123)}
     outage = [True]
@@ -557,7 +562,7 @@ def test_item_rows_that_fail_to_load_get_no_slot_and_load_on_the_retry():
 def test_items_untouched_since_a_time_leave_the_table_and_their_slots_are_reused():
     import torch
 
-    from inference.cache import EmbeddingCache
+    from inference.tables.cache import EmbeddingCache
 
     now = [1_000]
     outage = [False]
@@ -610,7 +615,7 @@ def test_the_device_local_step_equals_the_numpy_rules_the_parameter_server_appli
     import torch
 
     from freshrec.gradients import clip_rows, finite_rows
-    from inference.learning import TableSlice, device_local_steps
+    from inference.learning.steps import TableSlice, device_local_steps
 
     rng = np.random.default_rng(4)
     for _ in range(20):
@@ -646,8 +651,8 @@ def test_the_device_local_step_equals_the_numpy_rules_the_parameter_server_appli
 def test_freshness_is_timed_from_the_oldest_event_each_stage_includes():
     """The outbox, the parameter server's table and the update carry each row's oldest
     event time beside its newest; the table hands it out once per persist."""
-    from inference.admission import AdmissionFilter
-    from inference.outbox import GradientOutbox
+    from inference.learning.admission import AdmissionFilter
+    from inference.learning.outbox import GradientOutbox
     from param_server.table import ParamTable
 
     for threshold in (1, 2):  # every row admitted at once, and rows held back for admission
@@ -686,7 +691,7 @@ def test_the_reply_stage_counts_each_row_once_from_the_oldest_event_no_reply_use
     import torch
 
     from freshrec import metrics as m
-    from inference.cache import EmbeddingCache
+    from inference.tables.cache import EmbeddingCache
 
     def fetch(table, ids):
         n = len(ids)

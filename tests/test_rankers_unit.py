@@ -10,23 +10,23 @@ import numpy as np
 import pytest
 import torch
 
-from freshrec.experiments import ExperimentError, Variant, parse
-from inference.arms import Arm, ranker_of, steer
-from inference.attention import (
+from inference.models.attention import (
     ATTENTION_KINDS,
     AttentionRanker,
     gather_sequences,
     sequence_index,
 )
-from inference.degrade import Choice
-from inference.features import FeatureEncoder, RankInputs
-from inference.modelfile import ModelSet, build
-from inference.prune import masked, prune, sparsity
-from inference.rankers import parse_rankers
-from inference.ranking import LightRanker, WideDeep, score
-from inference.rankstage import RankingStage
-from inference.recent import RecentClicks
-from inference.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
+from inference.models.features import FeatureEncoder, RankInputs
+from inference.models.modelfile import ModelSet, build
+from inference.models.prune import masked, prune, sparsity
+from inference.models.ranking import LightRanker, WideDeep, score
+from inference.models.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
+from inference.serving.arms import Arm, ranker_of, steer
+from inference.serving.degrade import Choice
+from inference.serving.experiments import ExperimentError, Variant, parse
+from inference.serving.rankstage import RankingStage
+from inference.tables.recent import RecentClicks
+from inference.training.rankers import parse_rankers
 
 D = 8
 CPU = torch.device("cpu")
@@ -133,7 +133,7 @@ def test_training_and_serving_build_the_same_sequence():
     """The worker's per-user clicks (``RecentClicks``) and training's rebuild from a log
     (``recent_context``) give the same items in the same order, and the same encoder turns
     them into the same model input."""
-    from inference.logfeatures import TrainingLog, recent_context
+    from inference.training.logfeatures import TrainingLog, recent_context
 
     # one user: clicks on 0, 1, 2, 1 (again), a conversion on 3, impressions of 4 never
     clicks = [(0, True), (4, False), (1, True), (2, True), (1, True), (3, True), (4, False)]
@@ -196,7 +196,7 @@ def test_prune_keeps_units_by_importance():
             layer.weight.fill_(0.01)
             if i == 0:
                 layer.weight[2] = 1.0  # unit 2 reads a lot
-    from inference.prune import kept_units
+    from inference.models.prune import kept_units
 
     assert kept_units(full, 0.25)[0].tolist() == [2]
     with pytest.raises(ValueError):

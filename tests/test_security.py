@@ -49,7 +49,7 @@ def test_kafka_security_reaches_every_librdkafka_client(ca_file):
 def test_kafka_security_reaches_the_client_and_faust(ca_file):
     import ssl
 
-    from inference.client import RecommendClient
+    from freshrec.client import RecommendClient
 
     security = ConnectionSettings.from_env(
         {**SASL, "KAFKA_SSL_CA_LOCATION": ca_file}

@@ -20,13 +20,13 @@ from confluent_kafka import Producer
 
 from freshrec import metrics as m
 from freshrec.app.stack import free_port
+from freshrec.client import RecommendTimeout
 from freshrec.kafka import producer_config
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
-from inference.breaker import BreakerConfig
-from inference.client import RecommendTimeout
-from inference.modelfile import read_manifest, write_manifest
-from inference.rerank import space_categories
+from inference.models.modelfile import read_manifest, write_manifest
+from inference.serving.breaker import BreakerConfig
+from inference.serving.rerank import space_categories
 from schemas.codec import encode_request
 from schemas.records import Event, RecommendRequest
 from schemas.rows import TABLE_ITEM
@@ -479,7 +479,7 @@ def test_large_catalogues_use_the_ivf_index_for_vector_recall(seeded, model_dir)
         reply = client.recommend("u0", 10, context={"device": "pc"}, timeout_s=10)
         assert reply.tier == "full" and not reply.degraded and len(reply.items) == 10
         # the vector channel now answers from the index: the scanned cells' items, best first
-        from inference.recall import RecallQuery
+        from inference.serving.recall import RecallQuery
 
         rec = w.recommender
         query = RecallQuery("u0", np.asarray(w.user_row("u0")), None)
@@ -542,7 +542,7 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
     import redis as redis_lib
 
     from freshrec.rediskeys import RedisKeys
-    from inference.recall import RecallQuery
+    from inference.serving.recall import RecallQuery
     from streams.catalogue import queue_deletions
 
     conn = seeded
@@ -609,7 +609,7 @@ def test_the_catalogue_reloads_when_the_streams_app_writes_it_not_only_when_it_g
     redis_client, prefix
 ):
     from freshrec.rediskeys import RedisKeys
-    from inference.snapshot import SnapshotRefresher
+    from inference.serving.snapshot import SnapshotRefresher
     from schemas.records import Item
     from streams.catalogue import queue_catalogue, queue_deletions
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from inference.batching import BatchPolicy, Decision, EventSlicer, split_expired
-from inference.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
-from inference.merge import merge_channels
-from inference.rerank import mmr, mmr_batch, space_categories
+from inference.serving.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
+from inference.serving.merge import merge_channels
+from inference.serving.rerank import mmr, mmr_batch, space_categories
 
 
 def test_batching_flushes_on_size_or_on_the_oldest_requests_wait():
@@ -186,13 +186,13 @@ def test_merge_respects_quotas_dedupes_and_fills_the_budget():
 
 # ------------------------------------------------------------------ degradation ladder
 def test_ladder_full_when_everything_fits():
-    from inference.degrade import Ladder, Situation
+    from inference.serving.degrade import Ladder, Situation
 
     assert Ladder().choose(Situation("pc", budget_ms=500)).tier == "full"
 
 
 def test_ladder_falls_to_cached_then_light_then_hot():
-    from inference.degrade import Ladder, LadderConfig, Situation
+    from inference.serving.degrade import Ladder, LadderConfig, Situation
 
     ladder = Ladder(LadderConfig(queue_depth_limit=10, full_cost_ms=40, light_cost_ms=10))
     deep = dict(device="pc", budget_ms=500, queue_depth=11)
@@ -212,7 +212,7 @@ def test_ladder_falls_to_cached_then_light_then_hot():
 
 # ------------------------------------------------------------------------- result cache
 def test_result_cache_ttl_version_and_capacity():
-    from inference.resultcache import ResultCache
+    from inference.serving.resultcache import ResultCache
 
     c = ResultCache(capacity=2, ttl_ms=100)
     c.put("a", 1, ["x"], now_ms=0)
@@ -231,7 +231,7 @@ def test_result_cache_ttl_version_and_capacity():
 
 # ----------------------------------------------------------------------------- features
 def test_recent_category_share_and_encoding():
-    from inference.features import DENSE, FeatureEncoder, recent_category_share
+    from inference.models.features import DENSE, FeatureEncoder, recent_category_share
 
     shares = recent_category_share([3, 3, 5, 3], np.array([3, 5, 9]))
     np.testing.assert_allclose(shares, [0.75, 0.25, 0.0])
@@ -254,8 +254,8 @@ def test_recent_category_share_and_encoding():
 def test_models_score_a_batch_in_one_pass_and_round_trip_through_files(tmp_path):
     import torch
 
-    from inference.features import FeatureEncoder
-    from inference.modelfile import (
+    from inference.models.features import FeatureEncoder
+    from inference.models.modelfile import (
         ModelFileError,
         ModelWatcher,
         load_model,
@@ -263,7 +263,7 @@ def test_models_score_a_batch_in_one_pass_and_round_trip_through_files(tmp_path)
         save_model,
         write_manifest,
     )
-    from inference.ranking import LightRanker, WideDeep, score
+    from inference.models.ranking import LightRanker, WideDeep, score
 
     rng = np.random.default_rng(0)
     enc = FeatureEncoder()
@@ -301,7 +301,7 @@ def test_models_score_a_batch_in_one_pass_and_round_trip_through_files(tmp_path)
 
 # --------------------------------------------------------------------------- training
 def test_auc_matches_the_pairwise_definition():
-    from inference.train import auc
+    from inference.training.train import auc
 
     rng = np.random.default_rng(3)
     y = rng.random(200) < 0.3
@@ -314,8 +314,8 @@ def test_auc_matches_the_pairwise_definition():
 
 
 def test_recent_features_in_training_only_see_earlier_slates():
-    from inference.logfeatures import recent_context
-    from inference.train import TrainingLog
+    from inference.training.logfeatures import recent_context
+    from inference.training.train import TrainingLog
 
     # one user, two slates: clicks in slate 1 (t=1) inform slate 2 (t=2), not slate 1 itself
     logs = TrainingLog(
@@ -339,8 +339,8 @@ def test_recent_features_in_training_only_see_earlier_slates():
 
 
 def test_recent_similarity_in_training_matches_serving():
-    from inference.features import recent_similarity
-    from inference.logfeatures import recent_similarities
+    from inference.models.features import recent_similarity
+    from inference.training.logfeatures import recent_similarities
 
     rng = np.random.default_rng(4)
     rows = rng.standard_normal((6, 5)).astype(np.float32)
@@ -362,8 +362,8 @@ def test_recall_runner_drops_late_channels_and_opens_their_breaker():
     import threading
 
     from freshrec import metrics as m
-    from inference.channels import parse_delays
-    from inference.recall import ChannelConfig, RecallQuery, RecallRunner
+    from inference.serving.channels import parse_delays
+    from inference.serving.recall import ChannelConfig, RecallQuery, RecallRunner
 
     released = threading.Event()
     finished = []
@@ -406,7 +406,7 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
     import threading
     import time
 
-    from inference.recall import ChannelConfig, RecallQuery, RecallRunner
+    from inference.serving.recall import ChannelConfig, RecallQuery, RecallRunner
 
     seen = {}
 
@@ -470,7 +470,7 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
 def test_top_k_rows_matches_torch_topk():
     import torch
 
-    from inference.ann import top_k_rows
+    from inference.serving.ann import top_k_rows
 
     rng = np.random.default_rng(3)
     scores = torch.as_tensor(rng.standard_normal((7, 300)).astype(np.float32))
@@ -486,8 +486,8 @@ def test_top_k_rows_matches_torch_topk():
 def test_grouped_wide_deep_equals_the_per_pair_forward():
     import torch
 
-    from inference.features import FeatureEncoder
-    from inference.ranking import WideDeep, score
+    from inference.models.features import FeatureEncoder
+    from inference.models.ranking import WideDeep, score
 
     torch.manual_seed(0)
     model = WideDeep(16).eval()
@@ -521,7 +521,7 @@ def test_grouped_wide_deep_equals_the_per_pair_forward():
 
 
 def test_lru_discard_frees_the_slot_for_reuse():
-    from inference.lru import SlotLRU
+    from inference.tables.lru import SlotLRU
 
     lru = SlotLRU(2)
     assert lru.admit("a") == (0, None)
@@ -530,7 +530,7 @@ def test_lru_discard_frees_the_slot_for_reuse():
 
 
 def test_vectorised_slot_merge_selects_like_the_reference():
-    from inference.merge import found_by, merge_channels, merge_slot_arrays
+    from inference.serving.merge import found_by, merge_channels, merge_slot_arrays
 
     rng = np.random.default_rng(4)
     for _ in range(200):
@@ -556,7 +556,7 @@ def test_vectorised_slot_merge_selects_like_the_reference():
 def test_ivf_index_finds_most_of_the_exact_top_k_and_scores_with_fresh_rows():
     import torch
 
-    from inference.ann import IVFIndex
+    from inference.serving.ann import IVFIndex
 
     g = torch.Generator().manual_seed(1)
     centres = torch.randn(40, 16, generator=g)
@@ -591,7 +591,7 @@ def test_ivf_search_of_a_batch_is_the_exact_top_k_of_each_querys_probed_cells():
     and a query's result does not depend on the batch it came in."""
     import torch
 
-    from inference.ann import IVFIndex
+    from inference.serving.ann import IVFIndex
 
     g = torch.Generator().manual_seed(3)
     rows = torch.randn(3000, 8, generator=g) * torch.rand(3000, 1, generator=g)
@@ -617,7 +617,7 @@ def test_ivf_index_has_no_empty_cells_so_every_probe_finds_items():
     cells and recall nothing."""
     import torch
 
-    from inference.ann import IVFIndex
+    from inference.serving.ann import IVFIndex
 
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(2000, 8, generator=g) * torch.rand(2000, 1, generator=g) ** 3
@@ -635,7 +635,7 @@ def test_i2i_search_within_categories_equals_a_masked_search_of_the_whole_table(
     those of scoring every item and masking the others out (ties aside)."""
     import torch
 
-    from inference.channels import category_members, search_within_categories
+    from inference.serving.channels import category_members, search_within_categories
 
     rng = np.random.default_rng(11)
     for _ in range(50):
@@ -726,8 +726,8 @@ def test_a_requests_offset_is_committable_only_once_every_earlier_request_is_don
 def test_a_sixth_recall_channel_is_one_class_and_one_line(monkeypatch):
     """The example of docs/serving.md ("Adding a recall channel"): registered in CHANNELS,
     settings know it, the worker's runner builds it and serves from it."""
-    from inference import channels as ch
-    from inference.recall import ChannelConfig, RecallQuery, RecallRunner
+    from inference.serving import channels as ch
+    from inference.serving.recall import ChannelConfig, RecallQuery, RecallRunner
     from inference.settings import WorkerSettings
 
     class RegionalFreshChannel(ch.RecallChannel):

@@ -1,4 +1,4 @@
-"""Offline training (`inference/train.py`) and `freshrec run`'s reuse of trained models."""
+"""Offline training (`inference/training/train.py`) and `freshrec run`'s reuse of trained models."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from freshrec.app.training import ensure_models
 from freshrec.progress import ProgressLine
-from inference.modelfile import read_manifest
-from inference.train import TrainConfig, fit_ranker
+from inference.models.modelfile import read_manifest
+from inference.training.train import TrainConfig, fit_ranker
 from tools.world import World, WorldConfig
 
 SMALL = WorldConfig(seed=3, n_users=400, n_items=120, n_categories=6)
@@ -103,7 +103,7 @@ def test_a_logistic_fine_tune_starts_from_the_softmax_rows_and_fits_the_impressi
     """``softmax+logistic``: the softmax rows, then the logistic loss over every impression
     (those not clicked are negatives) from them: the impressions' log loss falls below the
     softmax rows' own."""
-    from inference.train import train_two_tower
+    from inference.training.train import train_two_tower
 
     world = World(SMALL)
     logs = world.training_log(20_000, np.random.default_rng(4))

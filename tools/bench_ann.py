@@ -2,7 +2,7 @@
 
 For each catalogue size: the exact search the vector channel runs below
 ``FRESHREC_ANN_MIN_ITEMS`` (one fused matmul over every row, then a partial sort), and the IVF
-index it switches to from there (``inference/ann.py``) — its build time, its search time for a
+index it switches to from there (``inference/serving/ann.py``) — its build time, its search time for a
 batch of 1 and of 32 requests at several ``nprobe``, and its recall: the share of the exact
 top-k (k = the vector channel's 250 candidates) that it also returns. One torch thread, as
 the worker runs by default; no Kafka or Redis (the channel's I/O is nil: the rows are
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from freshrec.progress import ProgressLine
-from inference.ann import IVFIndex, auto_nprobe, exact_search, ivf_cells
-from inference.channels import DEFAULT_CHANNELS
+from inference.serving.ann import IVFIndex, auto_nprobe, exact_search, ivf_cells
+from inference.serving.channels import DEFAULT_CHANNELS
 from tools.benchlib import device_arg, save
 from tools.world import World, WorldConfig
 

@@ -57,8 +57,8 @@ from freshrec.progress import ProgressLine
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import fetch_rows
-from inference.modelfile import read_manifest
-from inference.train import TOWER_LOSSES, TrainConfig
+from inference.models.modelfile import read_manifest
+from inference.training.train import TOWER_LOSSES, TrainConfig
 from schemas.ids import row_ids
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 from tools.benchlib import bench_connection, save, service_process

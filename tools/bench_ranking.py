@@ -27,13 +27,14 @@ import torch
 
 from freshrec.app.options import add_log_options
 from freshrec.progress import ProgressLine
-from inference.attention import SEQUENCE, gather_sequences, sequence_index
-from inference.features import FeatureEncoder
-from inference.modelfile import MODEL_KINDS, ModelWatcher, load_tensors, read_manifest
-from inference.ranking import score
-from inference.rankstage import score_by_tiers
-from inference.tiers import HeatSplit, route, thresholds
-from inference.train import TrainConfig
+from inference.models.attention import SEQUENCE, gather_sequences, sequence_index
+from inference.models.features import FeatureEncoder
+from inference.models.kinds import MODEL_KINDS
+from inference.models.modelfile import ModelWatcher, load_tensors, read_manifest
+from inference.models.ranking import score
+from inference.models.tiers import HeatSplit, route, thresholds
+from inference.serving.rankstage import score_by_tiers
+from inference.training.train import TrainConfig
 from tools.benchlib import device_arg, median_ms, save
 from tools.world import World, WorldConfig
 
@@ -43,7 +44,7 @@ BATCH = 500
 def train_models(args, directory: Path, progress: ProgressLine) -> dict:
     if args.log:
         from freshrec.app.options import read_log_from_args
-        from inference.logtrain import train_from_log
+        from inference.training.logtrain import train_from_log
 
         inter, items = read_log_from_args(args, args.log, progress)
         return train_from_log(inter, items, directory, progress.update)

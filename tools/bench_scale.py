@@ -44,6 +44,7 @@ from confluent_kafka.admin import AdminClient
 
 from freshrec.app.stack import free_port
 from freshrec.app.training import ensure_models
+from freshrec.client import RecommendClient
 from freshrec.kafka import admin_config, gradients_partitions, producer_config
 from freshrec.partitioner import row_partitions
 from freshrec.progress import ProgressLine
@@ -53,10 +54,9 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.resp import pack_fixed
 from freshrec.rowstore import row_shards
 from freshrec.topics import TopicNames, ensure_topics
-from inference.client import RecommendClient
-from inference.recall import RecallQuery
+from inference.serving.recall import RecallQuery
 from inference.settings import LearningSettings, WorkerSettings
-from inference.train import TrainConfig
+from inference.training.train import TrainConfig
 from inference.worker import Worker
 from schemas.ids import row_ids
 from schemas.records import RecommendRequest

@@ -39,19 +39,19 @@ from confluent_kafka.admin import AdminClient
 
 from freshrec.app.stack import free_port
 from freshrec.app.training import ensure_models
+from freshrec.client import RecommendClient, RecommendTimeout
 from freshrec.kafka import admin_config, consumer_config, gradients_partitions, producer_config
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
 from freshrec.topics import TopicNames, ensure_topics
-from inference.client import RecommendClient, RecommendTimeout
-from inference.degrade import LadderConfig
-from inference.features import FeatureEncoder
-from inference.modelfile import ModelWatcher
-from inference.ranking import score
-from inference.recall import RecallQuery
-from inference.serving import Inbound
+from inference.models.features import FeatureEncoder
+from inference.models.modelfile import ModelWatcher
+from inference.models.ranking import score
+from inference.serving.degrade import LadderConfig
+from inference.serving.recall import RecallQuery
+from inference.serving.recommender import Inbound
 from inference.settings import LearningSettings, WorkerSettings
-from inference.train import TrainConfig
+from inference.training.train import TrainConfig
 from inference.worker import Worker
 from schemas.codec import decode_reply, encode_request
 from schemas.records import RecommendRequest, RequestContext

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from confluent_kafka import Producer
 
+from freshrec.client import RecommendClient, RecommendError, RecommendTimeout
 from freshrec.kafka import produce, producer_config
 from freshrec.settings import ConnectionSettings
 from freshrec.topics import TopicNames
-from inference.client import RecommendClient, RecommendError, RecommendTimeout
 from schemas.codec import encode_event
 from schemas.records import DEVICE_CLASSES, Event
 from tools.world import World

@@ -44,12 +44,12 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 
 from freshrec.app.stack import EmbeddedStack, free_port, redis_binary
+from freshrec.client import RecommendClient, RecommendTimeout
 from freshrec.kafka import admin_config
 from freshrec.promtext import scrape_port, total
 from freshrec.settings import ConnectionSettings
 from freshrec.topics import TopicNames, catalogue_with, ensure_topics
-from inference.client import RecommendClient, RecommendTimeout
-from inference.train import TrainConfig
+from inference.training.train import TrainConfig
 from tools.benchlib import save, service_process
 from tools.drill_worker import committed, partition_ends
 from tools.produce import produce_events

@@ -30,9 +30,9 @@ import torch
 
 from freshrec.kafka import gradients_partitions
 from inference.device import HOST_COPIES
-from inference.learning import Examples
+from inference.learning.steps import Examples
 from inference.settings import LearningSettings, WorkerSettings
-from inference.train import TrainConfig
+from inference.training.train import TrainConfig
 from inference.worker import Worker
 from tools.bench_serving import _inbound
 from tools.benchlib import bench_connection

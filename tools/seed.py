@@ -15,7 +15,7 @@ from freshrec.hotscore import HotEntry, HotList
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import row_shards, seed_rows
-from inference.modelfile import load_tensors, read_manifest
+from inference.models.modelfile import load_tensors, read_manifest
 from schemas.rows import TABLE_ITEM, TABLE_USER
 from tools.traffic import catalogue
 from tools.world import World

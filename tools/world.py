@@ -29,7 +29,7 @@ from freshrec.hashing import hash_normal, hash_uniform
 from schemas.records import DEVICE_CLASSES
 
 if TYPE_CHECKING:
-    from inference.train import TrainingLog
+    from inference.training.train import TrainingLog
 
 
 def zipf_rank(u: np.ndarray, n: int, s: float) -> np.ndarray:
@@ -256,7 +256,7 @@ class World:
         """``n`` logged impressions over the 24 hours before the world's start, for offline
         training: active users (or ``users``, uniformly) see slates (half from their
         interests, half popular); the click and conversion model labels them."""
-        from inference.train import TrainingLog  # torch: only for training
+        from inference.training.train import TrainingLog  # torch: only for training
 
         n_slates = max(1, n // slate)
         c = self.config
@@ -306,8 +306,8 @@ class World:
     def train(self, cfg, out_dir, progress, users: np.ndarray | None = None) -> dict:
         """Train the models on ``cfg.impressions`` of this world's logged impressions (of
         ``users`` only, when given: models that know those users well) with
-        ``inference.train.train``; returns the manifest."""
-        from inference.train import train
+        ``inference.training.train.train``; returns the manifest."""
+        from inference.training.train import train
 
         rng = np.random.default_rng(cfg.seed)
         whose = "the synthetic world" if users is None else f"{len(users):,} users"

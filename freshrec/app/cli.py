@@ -14,7 +14,8 @@ from pathlib import Path
 
 from freshrec.app.options import EnvDefault, add_log_options, add_world_options
 from freshrec.cost import CORE_HOUR_PRICE, GPU_HOUR_PRICE
-from freshrec.settings import LOG_FORMAT, SettingsError
+from freshrec.errors import FreshRecError
+from freshrec.settings import LOG_FORMAT
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -289,33 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=LOG_FORMAT,
     )
     _sigterm_as_interrupt()
-    from freshrec.app.stack import StackError
-    from freshrec.app.supervisor import ServiceDied
-    from freshrec.experiments import ExperimentError
-    from freshrec.rowstore import LayoutMismatch
-    from freshrec.topics import TopicMismatchError
-    from inference.client import RecommendError, RecommendTimeout
-    from inference.interactions import LogError
-    from inference.modelfile import ModelFileError
-
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except (
-        StackError,
-        TopicMismatchError,
-        SettingsError,
-        TimeoutError,
-        ServiceDied,
-        RecommendError,
-        RecommendTimeout,
-        ModelFileError,
-        LogError,
-        ExperimentError,
-        LayoutMismatch,
-    ) as exc:
+    except (FreshRecError, TimeoutError) as exc:  # every error FreshRec raises on purpose
         print(f"freshrec: error: {exc}", file=sys.stderr)
         return 2
 

@@ -93,7 +93,7 @@ def cmd_experiments_report(args: argparse.Namespace) -> int:
 
 
 def cmd_experiments_check(args: argparse.Namespace) -> int:
-    from freshrec.experiments import ExperimentError, allocate, load
+    from inference.serving.experiments import ExperimentError, allocate, load
 
     try:
         exp = load(args.file)
@@ -261,7 +261,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from inference.client import SyncRecommendClient
+    from freshrec.client import SyncRecommendClient
 
     conn = connection()
     context = {k: v for k, v in (("device", args.device), ("region", args.region)) if v}

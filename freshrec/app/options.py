@@ -61,7 +61,7 @@ def world_from_args(args: argparse.Namespace):
 
 
 def add_log_options(p: argparse.ArgumentParser, items_help: str | None = None) -> None:
-    """How to read an interaction log (``inference/interactions.py``) and its item file."""
+    """How to read an interaction log (``inference/training/interactions.py``) and its item file."""
     g = p.add_argument_group("interaction log")
     g.add_argument(
         "--format",
@@ -115,7 +115,7 @@ def log_format_from_args(args: argparse.Namespace, path: str):
     """The ``LogFormat`` the options describe (a preset, then the columns named)."""
     from dataclasses import replace
 
-    from inference.interactions import LogError, LogFormat, preset
+    from inference.training.interactions import LogError, LogFormat, preset
 
     fmt = preset(args.format, path) if args.format else LogFormat()
     types = None
@@ -147,8 +147,8 @@ def log_format_from_args(args: argparse.Namespace, path: str):
 
 def read_log_from_args(args: argparse.Namespace, path: str, progress=None):
     """(interactions, item table) as the options say; a summary line on ``progress``."""
-    from inference.interactions import read_log
-    from inference.logtrain import ItemFormat, ItemTable, read_items
+    from inference.training.interactions import read_log
+    from inference.training.logtrain import ItemFormat, ItemTable, read_items
 
     inter = read_log(path, log_format_from_args(args, path))
     users, items = len(set(inter.users.tolist())), len(set(inter.items.tolist()))

@@ -2,7 +2,7 @@
 arm through the live pipeline, beside reference baselines computed in-process on exactly the
 same interactions (``docs/replay.md``).
 
-1. Read the log (``inference/interactions.py``) and cut it at ``--train-share`` by time.
+1. Read the log (``inference/training/interactions.py``) and cut it at ``--train-share`` by time.
 2. Train the starting models on the part before the cut (``freshrec train --log``; cached in
    ``OUT/models`` for the same log part and settings).
 3. For each live arm (``replayarm.py``): ``frozen`` (the whole pipeline, learning rates 0),
@@ -102,8 +102,8 @@ def _models(prefix, items, out: Path, args, progress: ProgressLine) -> tuple[Pat
     """Models trained on the log's training part: reused when ``out/models`` holds the ones
     for this part and these settings, else trained."""
     from freshrec.app.training import served_rankers
-    from inference.logtrain import LOG_CONFIG, fingerprint, train_from_log
-    from inference.modelfile import ModelFileError, read_manifest
+    from inference.models.modelfile import ModelFileError, read_manifest
+    from inference.training.logtrain import LOG_CONFIG, fingerprint, train_from_log
 
     cfg = replace(
         LOG_CONFIG,

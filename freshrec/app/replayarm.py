@@ -102,7 +102,7 @@ class ArmResult:
 def prepare(inter, items_table, plan, windows: int, duration_s: float, speed: float | None):
     """The ``ReplayData`` of a log and its plan."""
     from evaluation.protocol import windows as window_index
-    from inference.logtrain import UNKNOWN_CATEGORY
+    from inference.training.logtrain import UNKNOWN_CATEGORY
 
     train_end = plan.train_end
     users, items = inter.users, inter.items
@@ -331,9 +331,9 @@ async def _replay(
 ) -> None:
     from confluent_kafka import Producer
 
+    from freshrec.client import RecommendClient, RecommendTimeout
     from freshrec.kafka import produce, producer_config
     from freshrec.topics import TopicNames
-    from inference.client import RecommendClient, RecommendTimeout
     from schemas.codec import encode_event
     from schemas.records import Event
 

@@ -93,7 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         wait_until_assigned,
     )
     from freshrec.app.stack import free_port
-    from inference.train import TrainConfig
+    from inference.training.train import TrainConfig
     from tools.closedloop import ClosedLoop
     from tools.produce import produce_events, produce_items
 
@@ -103,7 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     rankings = []
     if args.experiment:
         from freshrec.app.abreport import read_from, render
-        from freshrec.experiments import load
+        from inference.serving.experiments import load
 
         # a bad file stops the run here, naming the line
         rankings = [v.ranking for v in load(args.experiment).variants]

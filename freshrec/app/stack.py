@@ -22,12 +22,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from freshrec.errors import FreshRecError
 from freshrec.settings import STACK_ENV_FILE
 
 STATE_FILE = "stack.json"
 
 
-class StackError(RuntimeError):
+class StackError(FreshRecError, RuntimeError):
     """A one-line, user-facing reason the stack could not start or stop."""
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from freshrec.app.stack import _die_with_parent
+from freshrec.errors import FreshRecError
 
 log = logging.getLogger("freshrec.run")
 
 
-class ServiceDied(RuntimeError):
+class ServiceDied(FreshRecError, RuntimeError):
     """A child service of the run exited; the message carries its last log lines."""
 
 

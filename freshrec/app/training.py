@@ -28,7 +28,7 @@ def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dic
     older release's included — are replaced)."""
     from dataclasses import asdict
 
-    from inference.modelfile import ModelFileError, read_manifest
+    from inference.models.modelfile import ModelFileError, read_manifest
 
     try:
         manifest = read_manifest(directory)
@@ -60,7 +60,7 @@ def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest
     from freshrec.redisconn import connect
     from freshrec.rediskeys import RedisKeys
     from freshrec.rowstore import row_shards, seed_rows
-    from inference.modelfile import load_tensors
+    from inference.models.modelfile import load_tensors
     from schemas.rows import TABLE_ITEM, TABLE_USER
 
     tensors = load_tensors(directory, manifest["files"]["two_tower"])
@@ -90,7 +90,7 @@ def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest
 
 def held_out_line(training: dict, prefix: str = "") -> str:
     """The metrics ``train`` measured on its held-out part, in one line."""
-    from inference.modelfile import MODEL_KINDS
+    from inference.models.kinds import MODEL_KINDS, TIERED
 
     hr = training.get("hr_at_10_two_tower")
     return (
@@ -100,7 +100,7 @@ def held_out_line(training: dict, prefix: str = "") -> str:
         + ", ".join(
             f"{name.replace('wide_deep', 'wide&deep').replace('_', ' ')} "
             f"{training[f'auc_{name}']:.3f}"
-            for name in (*MODEL_KINDS, "tiered")
+            for name in (*MODEL_KINDS, TIERED)
             if training.get(f"auc_{name}") is not None
         )
     )
@@ -111,7 +111,7 @@ def train_on_log(args: argparse.Namespace, directory: Path, progress: ProgressLi
     from dataclasses import replace
 
     from freshrec.app.options import read_log_from_args
-    from inference.logtrain import LOG_CONFIG, train_from_log
+    from inference.training.logtrain import LOG_CONFIG, train_from_log
 
     inter, items = read_log_from_args(args, args.log, progress)
     try:
@@ -140,8 +140,8 @@ def served_rankers(rankings=()) -> str:
     """The further ranking models the services will serve (``FRESHREC_RANKER``, and an
     experiment's variants' ``rankings``): what ``freshrec run`` and ``freshrec replay``
     train; ``freshrec train`` trains all of them."""
-    from inference.rankers import rankers_for
     from inference.settings import served_ranker
+    from inference.training.rankers import rankers_for
 
     try:
         return rankers_for(served_ranker(load_environment()), rankings)
@@ -156,7 +156,7 @@ def rankers_option(args: argparse.Namespace) -> dict:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from freshrec.app.options import world_from_args
-    from inference.train import TrainConfig
+    from inference.training.train import TrainConfig
 
     directory = model_dir(args.out)
     progress = ProgressLine()
@@ -191,7 +191,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _finish_train(args: argparse.Namespace, directory: Path, manifest: dict) -> int:
-    from inference.modelfile import read_manifest
+    from inference.models.modelfile import read_manifest
 
     print(f"models: {directory / 'manifest.json'} (version {read_manifest(directory)['version']})")
     load = args.load == "yes" or (

@@ -78,7 +78,7 @@ class RankInputs:
     cross: np.ndarray  # (n, 3) int64: category × device, × hour, × region, hashed
     owner: np.ndarray | None = None  # (n,) int64, grouped form only
     seq: torch.Tensor | None = None
-    """The attention rankers' input (``inference/attention.py``): the user's sequence as item
+    """The attention rankers' input (``inference/models/attention.py``): the user's sequence as item
     rows, (n, N, dim + 1), newest first; grouped: one per request."""
     seq_len: torch.Tensor | None = None  # (n,) or (requests,): valid positions of ``seq``
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from inference.device import to_device
-from inference.features import (
+from inference.models.features import (
     CATEGORY_BUCKETS,
     CROSS_BUCKETS,
     DENSE,

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from freshrec.errors import FreshRecError
+
 MAX_ID_CHARS = 64
 """The events schema's bound on user and item ids."""
 BAD_EXAMPLES = 5
@@ -46,7 +48,7 @@ ROW_ERROR = "\0error"
 """Key of a row that could not be split into cells; its value says why."""
 
 
-class LogError(ValueError):
+class LogError(FreshRecError, ValueError):
     """The log cannot be used at all: the message is one line, for the user."""
 
 

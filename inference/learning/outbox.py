@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from freshrec.partitioner import row_partitions
-from inference.admission import AdmissionFilter
-from inference.learning import aggregate, oldest_per_group
+from inference.learning.admission import AdmissionFilter
+from inference.learning.steps import aggregate, oldest_per_group
 
 __all__ = ["AdmissionFilter", "GradientBatch", "GradientOutbox", "HeldRow"]
 

@@ -24,7 +24,7 @@ import itertools
 import torch
 from torch import nn
 
-from inference.ranking import WideDeep
+from inference.models.ranking import WideDeep
 
 
 class PrunedWideDeep(WideDeep):

@@ -10,7 +10,7 @@
 4. The light model, distilled from Wide&Deep (its logits as soft targets, plus the labels).
 
 Everything is written as versioned safetensors with checksums and a manifest
-(``inference/modelfile.py``). AUCs on a held-out tenth are recorded in the manifest; another
+(``inference/models/modelfile.py``). AUCs on a held-out tenth are recorded in the manifest; another
 tenth decides when each ranking model stops training (its best epoch is kept).
 """
 
@@ -28,20 +28,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from inference.attention import SEQUENCE
-from inference.features import DENSE
-from inference.fitting import auc, fit_ranker, optimiser_step, predict, shuffled_batches
-from inference.logfeatures import (
+from inference.models.attention import SEQUENCE
+from inference.models.features import DENSE
+from inference.models.modelfile import save_model, save_tensors, write_manifest
+from inference.models.ranking import LightRanker, WideDeep, as_tensors
+from inference.models.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
+from inference.training.fitting import auc, fit_ranker, optimiser_step, predict, shuffled_batches
+from inference.training.logfeatures import (
     TrainingLog,
     category_buckets,
     item_features,
     rank_inputs,
     recent_context,
 )
-from inference.modelfile import save_model, save_tensors, write_manifest
-from inference.rankers import RANKERS, Split, parse_rankers, train_rankers
-from inference.ranking import LightRanker, WideDeep, as_tensors
-from inference.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
+from inference.training.rankers import RANKERS, Split, parse_rankers, train_rankers
 from schemas.ids import row_ids
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
 
@@ -74,7 +74,7 @@ class TrainConfig:
     tower_loss: str = "logistic"
     """``logistic`` over labelled impressions (the synthetic world's logs), or ``softmax``
     over the clicked items of a batch and ``softmax_negatives`` items drawn uniformly from
-    the catalogue (positive-only logs, ``freshrec train --log``; ``inference/learning.py``
+    the catalogue (positive-only logs, ``freshrec train --log``; ``inference/learning/steps.py``
     says why), or ``softmax+logistic``: softmax first, then ``finetune_epochs`` of the
     logistic loss over every impression from those rows (impressions not clicked are
     negatives: what online learning on impressions learns)."""
@@ -88,7 +88,7 @@ class TrainConfig:
     features: str = ",".join(DENSE)
     """The ranking models' dense inputs: models trained with others are trained again."""
     rankers: str = ",".join(RANKERS)
-    """The further ranking models (``inference/rankers.py``): the pruned tier and the
+    """The further ranking models (``inference/training/rankers.py``): the pruned tier and the
     attention rankers; Wide&Deep and the light model always train."""
     prune_keep: float = 0.5
     """The share of each hidden layer's units the pruned model keeps."""
@@ -247,7 +247,7 @@ def top_k_hits(
 
 def tiered_auc(logs, test_idx, feats, y, tier_models) -> dict:
     """The pruned model's sparsity, and the held-out AUC of ranking by item heat
-    (``inference/tiers.py``, default shares): each impression scored by its item's tier's
+    (``inference/models/tiers.py``, default shares): each impression scored by its item's tier's
     model, the heat the training split's. ``tier_models``: Wide&Deep's test logits, the
     pruned model's entry of ``train_rankers``, the light model's test logits."""
     full, pruned, light = tier_models

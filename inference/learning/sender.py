@@ -24,18 +24,19 @@ import numpy as np
 from confluent_kafka import KafkaError
 
 from freshrec import metrics as m
+from freshrec.errors import FreshRecError
 from freshrec.kafka import produce
-from inference.cache import EmbeddingCache
+from inference.learning.outbox import GradientBatch
+from inference.learning.pending import PendingSteps
 from inference.offsets import OffsetGate
-from inference.outbox import GradientBatch
-from inference.pending import PendingSteps
+from inference.tables.cache import EmbeddingCache
 from schemas.rowbatch import KIND_GRADIENTS, TABLE_NAMES, RowBatch
 from schemas.rows import row_key
 
 log = logging.getLogger("freshrec.worker")
 
 
-class ProducerFailed(RuntimeError):
+class ProducerFailed(FreshRecError, RuntimeError):
     """The worker's producer reported a fatal error (e.g. an idempotent producer fenced by the
     broker): it can deliver nothing more. The worker exits; restarted, it resumes from its
     committed offsets, so the events behind the undelivered messages are learnt again."""

@@ -7,7 +7,7 @@ Layout of a model directory (default ``$FRESHREC_HOME/models``)::
     wide_deep-<version>.safetensors    the full ranking model
     light-<version>.safetensors        the distilled model
     pruned-<version>.safetensors       the pruned tier (optional, as are the next three)
-    attention-<version>.safetensors    the attention rankers (``inference/attention.py``)
+    attention-<version>.safetensors    the attention rankers (``inference/models/attention.py``)
     attention_window-<version>.safetensors
     attention_lowrank-<version>.safetensors
     two_tower-<version>.safetensors    starting embeddings (user_ids, user_rows, item_ids, item_rows)
@@ -38,47 +38,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from inference.attention import ATTENTION_KINDS, SEQUENCE, AttentionRanker
-from inference.prune import PrunedWideDeep
-from inference.ranking import LightRanker, WideDeep
+from freshrec.errors import FreshRecError
+from inference.models.kinds import OPTIONAL, build
 
 log = logging.getLogger("freshrec.models")
 MANIFEST = "manifest.json"
-MODEL_KINDS = (
-    "wide_deep",
-    "light",
-    "pruned",
-    "attention",
-    "attention_window",
-    "attention_lowrank",
-)
 
 
-def build(kind: str, dim: int, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """An untrained model of ``kind``; ``state`` (the weights it will load) gives the sizes
-    of models whose shape is chosen by training (the pruned model's hidden units)."""
-    if kind == "wide_deep":
-        return WideDeep(dim)
-    if kind == "light":
-        return LightRanker(dim)
-    if kind == "pruned":
-        if state is None:
-            raise ValueError("a pruned model's sizes come from its weights")
-        layers = sorted({int(k.split(".")[1]) for k in state if k.startswith("deep.")})
-        hidden = tuple(int(state[f"deep.{i}.weight"].shape[0]) for i in layers[:-1])
-        return PrunedWideDeep(dim, hidden)
-    if kind in ATTENTION_KINDS:
-        length = SEQUENCE if state is None else int(state["position"].shape[0])
-        if kind == "attention_lowrank" and state is not None:
-            rank, length = (int(x) for x in state["project"].shape)
-            return AttentionRanker(dim, kind, length=length, rank=rank)
-        if kind == "attention_window":
-            return AttentionRanker(dim, kind, length=max(length, SEQUENCE), window=length)
-        return AttentionRanker(dim, kind, length=length)
-    raise ValueError(f"unknown model kind {kind!r}; expected one of {MODEL_KINDS}")
-
-
-class ModelFileError(RuntimeError):
+class ModelFileError(FreshRecError, RuntimeError):
     """A model file or manifest is missing, corrupt, or does not match its checksum."""
 
 
@@ -161,7 +128,7 @@ class ModelSet:
     full: nn.Module
     light: nn.Module
     others: dict[str, nn.Module] = field(default_factory=dict)
-    """The further models the manifest names (``inference/rankers.py``): the pruned tier,
+    """The further models the manifest names (``inference/training/rankers.py``): the pruned tier,
     the attention rankers."""
 
     def get(self, kind: str) -> nn.Module | None:
@@ -225,7 +192,7 @@ class ModelWatcher:
             others = {
                 kind: load_model(self.directory, manifest, kind, self.device)
                 for kind in manifest["files"]
-                if kind in MODEL_KINDS and kind not in ("wide_deep", "light")
+                if kind in OPTIONAL
             }
         except (ModelFileError, OSError, KeyError, ValueError) as exc:
             self.last_error = str(exc)

@@ -6,7 +6,7 @@ channel's quota lowered to the variant's), the ranking tier (the variant's model
 ladder chose the full one — a ladder that steps down, for a device, a deadline or a
 failure, still wins), and MMR (the variant's λ).
 
->>> from freshrec.experiments import Variant
+>>> from inference.serving.experiments import Variant
 >>> arm = Arm("e1", Variant("light", 0.5, ranking="light", mmr_lambda=0.3, recall_quotas={"hot": 5}))
 >>> steer(Choice("full", "ok"), arm)
 Choice(tier='light', reason='ok; experiment e1: variant light')
@@ -26,12 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from freshrec.experiments import Variant
-from inference.degrade import FULL, LIGHT, Choice
+from inference.models.kinds import FULL_ALIAS
+from inference.serving.degrade import FULL, LIGHT, Choice
+from inference.serving.experiments import Variant
 from schemas.records import RecommendRequest
-
-TIERED = "tiered"
-"""The ranking that routes candidates by item heat (``inference/tiers.py``)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ def ranker_of(choice: Choice, arm: Arm | None, default: str) -> str | None:
     mine = arm.variant.ranking if arm is not None else None
     if mine is None:
         return default
-    return "wide_deep" if mine == FULL else mine
+    return "wide_deep" if mine == FULL_ALIAS else mine
 
 
 def lambdas(arms: list[Arm | None], default: float) -> list[float]:

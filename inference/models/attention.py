@@ -3,7 +3,7 @@ items (DIN, Zhou et al., 2018), with the seed's two cheaper variants for long se
 
 The sequence is the user's last ``SEQUENCE`` clicked or converted items, newest first, an
 item clicked again counted once where it was clicked last: what the worker keeps per user
-(``inference/recent.py``) and what ``freshrec train`` rebuilds from a log
+(``inference/tables/recent.py``) and what ``freshrec train`` rebuilds from a log
 (``logfeatures.recent_context``). Each item enters as its row of the item table, as the other
 features do; ``sequence_index`` and ``gather_sequences`` turn item positions into model
 inputs for training and serving alike. Positions past a user's length are padding, masked
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from inference.device import to_device
-from inference.ranking import WideDeep
+from inference.models.ranking import WideDeep
 
 SEQUENCE = 50
 """Items of a user's history the attention rankers read (N)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from freshrec.hotscore import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
-from inference.features import (
+from inference.models.features import (
     CATEGORY_BUCKETS,
     RECENT,
     RECENT_DECAY,
@@ -49,7 +49,7 @@ class TrainingLog:
     source and configuration)."""
     sampled: np.ndarray | None = None
     """Per row: a negative drawn by the trainer, not a logged impression (positive-only logs,
-    ``inference/logtrain.py``). Such rows count as no impression in the item features, as
+    ``inference/training/logtrain.py``). Such rows count as no impression in the item features, as
     nothing counts them live."""
 
     def __len__(self) -> int:

@@ -29,7 +29,7 @@ from freshrec import metrics as m
 from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR, HotWeights, merge_published
 from freshrec.partitioner import str_partitions
 from freshrec.rediskeys import RedisKeys
-from inference.features import CATEGORY_BUCKETS, bucket
+from inference.models.features import CATEGORY_BUCKETS, bucket
 from schemas.ids import row_ids
 
 log = logging.getLogger("freshrec.snapshot")

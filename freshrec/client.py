@@ -32,6 +32,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
+from freshrec.errors import FreshRecError
 from freshrec.kafka import PROFILES
 from freshrec.settings import KafkaSecurity
 from freshrec.topics import TopicNames
@@ -42,11 +43,12 @@ from schemas.records import RecommendReply, RecommendRequest, RequestContext
 log = logging.getLogger("freshrec.client")
 
 
-class RecommendTimeout(TimeoutError):
+class RecommendTimeout(FreshRecError, TimeoutError):
+    retriable = True
     """No reply within the timeout (the worker may still answer; that reply is dropped)."""
 
 
-class RecommendError(RuntimeError):
+class RecommendError(FreshRecError, RuntimeError):
     """The worker rejected the request (tier ``error``); the message is its reason."""
 
     def __init__(self, reply: RecommendReply) -> None:

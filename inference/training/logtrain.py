@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from inference.interactions import Interactions, LogError, _open_text, _split
-from inference.train import TrainConfig, TrainingLog, train
+from inference.training.interactions import Interactions, LogError, _open_text, _split
+from inference.training.train import TrainConfig, TrainingLog, train
 
 UNKNOWN_CATEGORY = "unknown"
 MOVIELENS_GENRES = [

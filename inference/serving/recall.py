@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from freshrec import metrics as m
-from inference.breaker import BreakerConfig, CircuitBreaker
+from inference.serving.breaker import BreakerConfig, CircuitBreaker
 
 log = logging.getLogger("freshrec.recall")
 

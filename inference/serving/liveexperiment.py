@@ -1,6 +1,6 @@
 """The worker's A/B experiment: the file it is declared in (``FRESHREC_EXPERIMENTS_FILE``),
 reloaded when it changes, and its allocation table, shared through Redis so every worker
-assigns a user alike (``freshrec/experiments.py``).
+assigns a user alike (``inference/serving/experiments.py``).
 
 Redis holds, per experiment, ``exp:{name}`` (the variants in table order, their shares, the
 control, the salt and the allocation table) and ``exp:{name}:counts`` (per variant,
@@ -23,9 +23,9 @@ from pathlib import Path
 import redis
 
 from freshrec import metrics as m
-from freshrec.experiments import Experiment, ExperimentError, allocate, load
 from freshrec.rediskeys import RedisKeys
-from inference.arms import Arm
+from inference.serving.arms import Arm
+from inference.serving.experiments import Experiment, ExperimentError, allocate, load
 
 log = logging.getLogger("freshrec.worker")
 CHECK_EVERY_S = 2.0

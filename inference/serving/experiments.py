@@ -25,19 +25,17 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
+from freshrec.errors import FreshRecError
+from inference.models.kinds import experiment_rankings
+from inference.serving.channels import CHANNELS as REGISTERED_CHANNELS
+
 BUCKETS = 1000
 """Hash buckets a share is counted in: shares are multiples of 0.1%."""
 UNASSIGNED = 255
-RANKINGS = (
-    "full",
-    "light",
-    "pruned",
-    "attention",
-    "attention_window",
-    "attention_lowrank",
-    "tiered",
-)
-CHANNELS = ("vector", "i2i", "hot", "new")
+RANKINGS = experiment_rankings()
+"""What a variant's ``ranking`` may name (``inference/models/kinds.py``)."""
+CHANNELS = tuple(REGISTERED_CHANNELS)
+"""What a variant's ``recall_quotas`` may name: every registered recall channel."""
 
 EXAMPLE = """\
 [experiment]
@@ -61,7 +59,7 @@ recall_quotas = { hot = 50 }
 """
 
 
-class ExperimentError(ValueError):
+class ExperimentError(FreshRecError, ValueError):
     """A one-line reason an experiments file is refused, naming the file and line."""
 
 

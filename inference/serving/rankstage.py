@@ -4,8 +4,8 @@ one forward pass per model over all the candidates it scores.
 A request's ranker: the light model where the ladder chose the light tier; where it chose
 the full tier, its experiment variant's ``ranking``, else the worker's ``FRESHREC_RANKER``
 (``wide_deep`` by default). The attention rankers read the user's sequence (their last
-clicked items, ``inference/attention.py``); ``tiered`` routes each candidate by its item's
-heat to the full, pruned or light model (``inference/tiers.py``). A model the loaded set
+clicked items, ``inference/models/attention.py``); ``tiered`` routes each candidate by its item's
+heat to the full, pruned or light model (``inference/models/tiers.py``). A model the loaded set
 lacks (models trained before it existed) is replaced by Wide&Deep, and the reply says so.
 """
 
@@ -20,14 +20,15 @@ import torch
 
 from freshrec import metrics as m
 from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
-from inference.arms import TIERED, Arm, ranker_of
-from inference.attention import gather_sequences, sequence_index
-from inference.degrade import HOT, LIGHT, Choice, ewma
-from inference.features import RECENT, recent_category_share, recent_similarity
-from inference.modelfile import ModelSet
-from inference.ranking import score
-from inference.snapshot import read_features
-from inference.tiers import TIER_MODELS, HeatSplit, route, thresholds
+from inference.models.attention import gather_sequences, sequence_index
+from inference.models.features import RECENT, recent_category_share, recent_similarity
+from inference.models.kinds import TIER_MODELS, TIERED
+from inference.models.modelfile import ModelSet
+from inference.models.ranking import score
+from inference.models.tiers import HeatSplit, route, thresholds
+from inference.serving.arms import Arm, ranker_of
+from inference.serving.degrade import HOT, LIGHT, Choice, ewma
+from inference.serving.snapshot import read_features
 from schemas.rows import TABLE_ITEM
 
 log = logging.getLogger("freshrec.serving")

@@ -9,12 +9,15 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from freshrec import metrics as m
-from inference.cache import EmbeddingCache
-from inference.learning import (
+from inference.learning.outbox import GradientOutbox
+from inference.learning.pending import PendingSteps
+from inference.learning.steps import (
+    LabelConfig,
     TableSlice,
     counts_and_newest,
     device_local_steps,
@@ -22,37 +25,70 @@ from inference.learning import (
     gradients,
     oldest_per_group,
 )
-from inference.outbox import GradientOutbox
-from inference.pending import PendingSteps
-from inference.recent import RecentClicks
-from inference.settings import WorkerSettings
+from inference.tables.cache import EmbeddingCache
+from inference.tables.recent import RecentClicks
 from schemas.ids import RowIdMemo, row_ids
 from schemas.rowbatch import TABLE_ITEM, TABLE_NAMES, TABLE_USER
 
 log = logging.getLogger("freshrec.worker")
 
 
+@dataclass(frozen=True)
+class LearningSettings:
+    dim: int = 64
+    lr: float = 0.05
+    """Local step size of item rows, v ← v − lr·g. Chosen by ``tools/bench_freshness.py``: a
+    closed-loop cohort's CTR rose from ~5% to 20-30% in two minutes at 0.05-0.2, not at all
+    at the seeds' 0.001 or at 0.01, and less at 0.5-1.0 (docs/online-learning.md)."""
+    user_lr: float = 0.05
+    """Local step size of user rows. A user's row is touched only by that user's events, an
+    item's by everyone's: on positive-only logs users want the larger step (0.5 for models
+    trained by ``freshrec train --log``, which record it in their manifest)."""
+    max_grad_norm: float = 1.0
+    admission_touches: int = 1
+    """A row's gradients go to the parameter server from its Nth touch on (Monolith's
+    occurrence filter); before that its steps stay local and are sent on admission."""
+    admission_window_s: int = 3600
+    """Touch counts of rows unseen for this long are forgotten (``inference/learning/admission.py``)."""
+    gradient_linger_ms: int = 100
+    """Admitted gradients wait up to this long and leave summed per row, one message per
+    table and partition (0: one set of messages per learnt slice). Local steps apply at
+    once; only the parameter server sees them later. 100 ms, the parameter server's flush
+    interval: on the embedded broker, whose every fetch costs in proportion to the record
+    batches its partitions hold, 20 ms left the worker's local lag p99 at ~90 ms at 5,000
+    events/s, 100 ms at ~50 (served p50 +30 ms; docs/benchmarks.md)."""
+    max_pending_steps: int = 1_000_000
+    """Bound of the read-your-writes pool (~316 bytes a step at 64 dimensions: ~0.3 GB).
+    Steps leave the pool as broadcast updates include them; while the parameter server is
+    down or far behind they pile up, and past this bound the oldest sent ones are let go
+    (``PendingSteps.trim``, docs/online-learning.md): learning goes on, and a row may miss
+    such a step between an update that lacks it and one that includes it."""
+    labels: LabelConfig = field(default_factory=LabelConfig)
+
+
 class LocalLearner:
     def __init__(
         self,
-        settings: WorkerSettings,
+        learning: LearningSettings,
         cache: EmbeddingCache,
         pending: PendingSteps,
         outbox: GradientOutbox,
-        send_outbox: Callable[[], None],
+        recent: RecentClicks,
+        seen: RecentClicks,
         catalogue: Callable[[], dict[str, int]],
         stats: dict[str, int],
+        seed: int = 0,
     ) -> None:
-        self.settings = settings
+        self.learning = learning
         self.cache, self.pending, self.outbox = cache, pending, outbox
-        self.send_outbox = send_outbox
+        self.recent, self.seen = recent, seen
+        """Each user's last clicks (the i2i channel's and the rankers' inputs) and what they
+        consumed (excluded from their lists): remembered here, read by serving."""
         self.catalogue = catalogue
         """The catalogue's items (id → cache slot): the softmax loss's negatives."""
         self.stats = stats
-        self.recent = RecentClicks(settings.recent_users)
-        self.seen = RecentClicks(settings.seen_users, settings.seen_per_user)
         self.item_row_ids = RowIdMemo(200_000)  # a catalogue's items come back every slice
-        self.rng = np.random.default_rng(abs(hash(settings.worker_id)) % (2**32))
+        self.rng = np.random.default_rng(seed)
         self.item_pool: list[str] = []
         self._catalogue_pool: list[str] = []
         self._newest_local_ms = 0  # the newest event time learnt, ms
@@ -65,7 +101,7 @@ class LocalLearner:
     def _negatives_pool(self, events) -> list[str]:
         """Where sampled negatives come from: for the logistic loss the items of recent
         examples (popular items more often); for softmax the catalogue, uniformly."""
-        if self.settings.learning.labels.loss == "softmax":
+        if self.learning.labels.loss == "softmax":
             catalogue = self.catalogue()
             if len(catalogue) != len(self._catalogue_pool):
                 self._catalogue_pool = list(catalogue)
@@ -79,7 +115,7 @@ class LocalLearner:
         self.recent.remember(events)
         self.seen.remember(events)
         pool = self._negatives_pool(events)
-        ex = examples_from_events(events, self.settings.learning.labels, self.rng, pool)
+        ex = examples_from_events(events, self.learning.labels, self.rng, pool)
         if len(ex.labels) == 0:
             return
         self.learn(ex)
@@ -109,7 +145,7 @@ class LocalLearner:
         u = user_rows.index_select(0, us.index_select(0, ui))
         v = item_rows.index_select(0, its.index_select(0, ii))
         gu, gv = gradients(u, v, ex, to_device)
-        learning = self.settings.learning
+        learning = self.learning
         local = device_local_steps(
             [TableSlice(user_rows, us, ui, gu), TableSlice(item_rows, its, ii, gv)],
             [learning.user_lr, learning.lr],
@@ -139,8 +175,6 @@ class LocalLearner:
             self.cache.learnt(table, key_slots[step.ok], oldest[step.ok], newest[step.ok])
             if held_back:
                 m.GRADIENT_ROWS.labels(TABLE_NAMES[table], "held_for_admission").inc(held_back)
-        if self.outbox.due(now_ms):
-            self.send_outbox()
         if len(self.pending) > learning.max_pending_steps:
             self._trim_pending()
 
@@ -148,7 +182,7 @@ class LocalLearner:
         """The read-your-writes pool is at its bound (no broadcast has taken steps out of
         it for a while): let the oldest sent steps go, down to 90% of it, so that this
         happens once in many slices."""
-        most = self.settings.learning.max_pending_steps
+        most = self.learning.max_pending_steps
         held = len(self.pending)
         let_go = self.pending.trim(most * 9 // 10)
         m.PENDING_STEPS_LET_GO.inc(let_go)

@@ -34,10 +34,10 @@ import redis
 import torch
 
 from freshrec.rediskeys import RedisKeys
-from inference.ann import IVFIndex, auto_nprobe, exact_search, top_k_rows
-from inference.cache import EmbeddingCache
 from inference.device import to_device
-from inference.recall import ChannelConfig, RecallQuery
+from inference.serving.ann import IVFIndex, auto_nprobe, exact_search, top_k_rows
+from inference.serving.recall import ChannelConfig, RecallQuery
+from inference.tables.cache import EmbeddingCache
 from schemas.rowbatch import TABLE_ITEM
 
 NONE = np.empty(0, np.int64)

@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from freshrec import metrics as m
-from inference.cache import EmbeddingCache
-from inference.pending import PendingSteps
+from inference.learning.pending import PendingSteps
+from inference.tables.cache import EmbeddingCache
 from schemas.rowbatch import KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
 
 log = logging.getLogger("freshrec.worker")

@@ -23,7 +23,7 @@ import torch
 from freshrec import metrics as m
 from freshrec.idindex import IdIndex
 from inference.device import to_device, to_host
-from inference.lru import SlotLRU
+from inference.tables.lru import SlotLRU
 from schemas.rowbatch import TABLE_NAMES
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 

@@ -1,6 +1,6 @@
 """``freshrec train``'s further ranking models, trained after Wide&Deep on the same pairs: the
-pruned tier (``inference/prune.py``, distilled from the full model after pruning) and the
-attention rankers over users' sequences (``inference/attention.py``, on the labels).
+pruned tier (``inference/models/prune.py``, distilled from the full model after pruning) and the
+attention rankers over users' sequences (``inference/models/attention.py``, on the labels).
 
 ``TrainConfig.rankers`` says which; each is stopped by the validation tenth like the others,
 and its held-out AUC, and the pruned model's sparsity, go to the manifest.
@@ -14,13 +14,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from inference.attention import ATTENTION_KINDS, AttentionRanker, gather_sequences
-from inference.fitting import auc, fit_ranker, predict
-from inference.prune import prune, sparsity
+from inference.models.attention import ATTENTION_KINDS, AttentionRanker, gather_sequences
+from inference.models.kinds import OPTIONAL, TIERED
+from inference.models.prune import prune, sparsity
+from inference.training.fitting import auc, fit_ranker, predict
 
 PRUNED = "pruned"
-RANKERS = (PRUNED, *ATTENTION_KINDS)
-"""The models ``TrainConfig.rankers`` may name (Wide&Deep and the light model always train)."""
+RANKERS = OPTIONAL
+"""The models ``TrainConfig.rankers`` may name (Wide&Deep and the light model always train):
+``inference/models/kinds.py``'s."""
 
 
 def parse_rankers(text: str) -> tuple[str, ...]:
@@ -47,7 +49,7 @@ def rankers_for(ranker: str, rankings=()) -> str:
     'attention_window'
     """
     wanted = [ranker, *rankings]
-    names = [PRUNED if k == "tiered" else k for k in wanted if k is not None]
+    names = [PRUNED if k == TIERED else k for k in wanted if k is not None]
     return ",".join(k for k in RANKERS if k in names)
 
 
@@ -79,6 +81,53 @@ class Split:
     """Wide&Deep's logits on this part: the pruned model's soft targets."""
 
 
+def train_pruned(name, full, parts, table, cfg, rng, progress) -> tuple[nn.Module, object, dict]:
+    """Wide&Deep's hidden units pruned (``cfg.prune_keep`` kept), then distilled from it."""
+    train, valid, test = parts
+    model = prune(full, cfg.prune_keep)
+    found = {"sparsity": round(sparsity(full, model), 4)}
+    fit = fit_ranker(
+        model,
+        (train.tensors, train.y, train.w, train.full_logits),
+        (valid.tensors, valid.y, valid.w, valid.full_logits),
+        cfg,
+        rng,
+        progress,
+        name,
+    )
+    found["test_logits"] = predict(model, test.tensors)
+    return model, fit, found
+
+
+def train_attention(name, full, parts, table, cfg, rng, progress) -> tuple[nn.Module, object, dict]:
+    """An attention ranker over each impression's sequence, on the labels."""
+    train, valid, test = parts
+    model = AttentionRanker(cfg.dim, name, length=cfg.sequence)
+    view = WithTable(model, table)
+
+    def inputs(part: Split) -> tuple[torch.Tensor, ...]:
+        return (*part.tensors, torch.from_numpy(part.sequences))
+
+    fit = fit_ranker(
+        view,
+        (inputs(train), train.y, train.w, None),
+        (inputs(valid), valid.y, valid.w, None),
+        cfg,
+        rng,
+        progress,
+        name.replace("_", " "),
+    )
+    return model, fit, {"test_logits": predict(view, inputs(test))}
+
+
+TRAINERS = {
+    PRUNED: train_pruned,
+    **dict.fromkeys(ATTENTION_KINDS, train_attention),
+}
+"""How each model of ``RankerKind``'s that ``--rankers`` names is trained (Wide&Deep and the
+light model are fitted by ``train.py`` before these); one line per new ranker."""
+
+
 def train_rankers(
     names: tuple[str, ...],
     full: nn.Module,
@@ -89,41 +138,11 @@ def train_rankers(
     progress,
 ) -> dict[str, dict]:
     """Per name: {"model", "fit", "auc", "test_logits", ...}. ``parts``: train, valid, test."""
-    train, valid, test = parts
     table = torch.from_numpy(np.ascontiguousarray(item_rows, np.float32))
     out: dict[str, dict] = {}
     for name in names:
         torch.manual_seed(cfg.seed)
-        if name == PRUNED:
-            model = prune(full, cfg.prune_keep)
-            found = {"sparsity": round(sparsity(full, model), 4)}
-            fit = fit_ranker(
-                model,
-                (train.tensors, train.y, train.w, train.full_logits),
-                (valid.tensors, valid.y, valid.w, valid.full_logits),
-                cfg,
-                rng,
-                progress,
-                "pruned",
-            )
-            found["test_logits"] = predict(model, test.tensors)
-        else:
-            model = AttentionRanker(cfg.dim, name, length=cfg.sequence)
-            view = WithTable(model, table)
-
-            def inputs(part: Split) -> tuple[torch.Tensor, ...]:
-                return (*part.tensors, torch.from_numpy(part.sequences))
-
-            fit = fit_ranker(
-                view,
-                (inputs(train), train.y, train.w, None),
-                (inputs(valid), valid.y, valid.w, None),
-                cfg,
-                rng,
-                progress,
-                name.replace("_", " "),
-            )
-            found = {"test_logits": predict(view, inputs(test))}
-        found["auc"] = auc(test.y, found["test_logits"])
+        model, fit, found = TRAINERS[name](name, full, parts, table, cfg, rng, progress)
+        found["auc"] = auc(parts[2].y, found["test_logits"])
         out[name] = {"model": model.eval(), "fit": fit, **found}
     return out

@@ -24,12 +24,15 @@ import torch
 from freshrec import metrics as m
 from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
-from inference.ann import IVFIndex, ivf_cells
-from inference.arms import Arm, lambdas, quotas, reply_fields, steer
-from inference.arms import request as request_of
-from inference.cache import EmbeddingCache
-from inference.channels import NEW_ITEMS, ServingState, category_members, default_channels
-from inference.degrade import (
+from inference.device import to_host
+from inference.models.features import FeatureEncoder
+from inference.models.modelfile import ModelWatcher
+from inference.models.tiers import HeatSplit
+from inference.serving.ann import IVFIndex, ivf_cells
+from inference.serving.arms import Arm, lambdas, quotas, reply_fields, steer
+from inference.serving.arms import request as request_of
+from inference.serving.channels import NEW_ITEMS, ServingState, category_members, default_channels
+from inference.serving.degrade import (
     CACHED,
     FULL,
     HOT,
@@ -38,17 +41,14 @@ from inference.degrade import (
     Situation,
     reason_label,
 )
-from inference.device import to_host
-from inference.features import FeatureEncoder
-from inference.hotreply import HotReplies
-from inference.merge import found_by, merge_slot_arrays
-from inference.modelfile import ModelWatcher
-from inference.rankstage import RankingStage
-from inference.recall import ChannelConfig, RecallQuery, RecallRunner
-from inference.rerank import mmr_batch, space_categories
-from inference.resultcache import ResultCache
-from inference.snapshot import Snapshot, SnapshotRefresher
-from inference.tiers import HeatSplit
+from inference.serving.hotreply import HotReplies
+from inference.serving.merge import found_by, merge_slot_arrays
+from inference.serving.rankstage import RankingStage
+from inference.serving.recall import ChannelConfig, RecallQuery, RecallRunner
+from inference.serving.rerank import mmr_batch, space_categories
+from inference.serving.resultcache import ResultCache
+from inference.serving.snapshot import Snapshot, SnapshotRefresher
+from inference.tables.cache import EmbeddingCache
 from schemas.ids import row_ids
 from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
@@ -78,7 +78,7 @@ class ServingSettings:
     recall_share: float = 0.5
     """At most this share of the tightest budget in a batch is spent waiting for recall."""
     ranker: str = "wide_deep"
-    """The model of the full tier (``inference/rankstage.py``); a variant's ``ranking``
+    """The model of the full tier (``inference/serving/rankstage.py``); a variant's ``ranking``
     overrides it for its users."""
     heat_split: HeatSplit = field(default_factory=HeatSplit)
     """The ``tiered`` ranker's head and middle shares of the warm catalogue by heat."""

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 
 HEAD, MIDDLE, TAIL = 0, 1, 2
-TIER_MODELS = ("wide_deep", "pruned", "light")
-"""The model of the head, the middle and the tail."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,147 @@
+"""Conformance of every registry: an entry passes these checks just by being registered.
+
+- ranking models (``inference/models/kinds.py`` ``KINDS``): built, saved, reloaded through the
+  model files, scoring a batch (grouped and not) with probabilities, trained by
+  ``freshrec train`` (always, or by a ``TRAINERS`` line when named), and accepted wherever a
+  user can name a ranker (``FRESHREC_RANKER``, ``--rankers``, an experiment's ``ranking``);
+- recall channels (``inference/serving/channels.py`` ``CHANNELS``): a name, a default quota and
+  deadline, slots of catalogue items only, one list per query, and accepted by
+  ``FRESHREC_RECALL_CHANNELS``, injected delays and an experiment's ``recall_quotas``.
+
+The lists a user can name are the registries' (a second copy would drift).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from inference.models import kinds
+from inference.models.features import FeatureEncoder, RankInputs
+from inference.models.modelfile import load_model, save_model
+from inference.models.ranking import score
+from inference.serving import channels as ch
+from inference.serving.experiments import CHANNELS as EXPERIMENT_CHANNELS
+from inference.serving.experiments import RANKINGS, ExperimentError, parse
+from inference.settings import SERVED_RANKERS, served_ranker
+from inference.training import rankers
+from inference.training.train import TrainConfig
+
+D = 8
+CPU = torch.device("cpu")
+
+
+def _experiment(variant: str):
+    """An experiments file whose treatment variant says ``variant`` (TOML lines)."""
+    return parse(
+        '[experiment]\nname = "e"\n[[variant]]\nname = "control"\nshare = 0.5\n'
+        f'[[variant]]\nname = "treatment"\nshare = 0.5\n{variant}\n'
+    )
+
+
+def _inputs(n: int, requests: int | None = None, seed: int = 0) -> RankInputs:
+    rng = np.random.default_rng(seed)
+    owner, users = None, n
+    if requests is not None:
+        owner = np.sort(
+            np.concatenate([np.arange(requests), rng.integers(0, requests, n - requests)])
+        )
+        users = requests
+    ctx = FeatureEncoder().context(["pc"] * n, ["north"] * n, [1_767_225_600_000] * n)
+    x = FeatureEncoder().encode(
+        rng.standard_normal((users, D + 1)).astype(np.float32),
+        rng.standard_normal((n, D + 1)).astype(np.float32),
+        rng.random((n, 4)).astype(np.float32),
+        rng.integers(0, 128, n),
+        ctx,
+        rng.random(n).astype(np.float32),
+        owner=owner,
+        recent_similarity=rng.standard_normal(n).astype(np.float32),
+    )
+    return x
+
+
+# ------------------------------------------------------------------------- ranking models
+@pytest.mark.parametrize("name", list(kinds.KINDS))
+def test_every_ranker_builds_saves_reloads_and_scores(name, tmp_path):
+    model = kinds.build(name, D)
+    assert model.kind == name
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    entry = save_model(tmp_path, model.eval(), "v1", D)
+    again = load_model(tmp_path, {"version": "v1", "dim": D, "files": {name: entry}}, name, CPU)
+    for x in (_inputs(12), _inputs(12, requests=3)):
+        if getattr(model, "uses_sequence", False):
+            rng = np.random.default_rng(2)
+            rows = len(x.user) if x.owner is not None else len(x)
+            seq = torch.from_numpy(
+                rng.standard_normal((rows, model.length, D + 1)).astype(np.float32)
+            )
+            x = x.with_sequences(seq, torch.full((rows,), model.length // 2))
+        a, b = score(model.eval(), x, CPU), score(again, x, CPU)
+        assert a.shape == (12,) and np.all(np.isfinite(a) & (a >= 0) & (a <= 1))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(kinds.KINDS))
+def test_every_ranker_is_trained_and_can_be_named(name):
+    kind = kinds.KINDS[name]
+    if kind.always_trained:
+        assert name not in rankers.RANKERS
+    else:
+        assert name in rankers.TRAINERS, (
+            f"{name}: no line in inference/training/rankers.py TRAINERS"
+        )
+        assert rankers.parse_rankers(name) == (name,)
+        assert name in TrainConfig().rankers.split(","), "train's default trains every ranker"
+    assert name in RANKINGS
+    assert _experiment(f'ranking = "{name}"').variants[1].ranking == name
+    if kind.served:
+        assert served_ranker({"FRESHREC_RANKER": name}) == name
+    else:
+        with pytest.raises(ValueError):
+            served_ranker({"FRESHREC_RANKER": name})
+
+
+def test_the_lists_a_user_names_are_the_registry():
+    assert set(SERVED_RANKERS) == {k for k, v in kinds.KINDS.items() if v.served} | {kinds.TIERED}
+    assert set(RANKINGS) == {*kinds.KINDS, kinds.TIERED, kinds.FULL_ALIAS}
+    assert set(rankers.TRAINERS) == set(rankers.RANKERS)
+    assert kinds.TIER_MODELS == ("wide_deep", "pruned", "light")
+    assert set(EXPERIMENT_CHANNELS) == set(ch.CHANNELS)
+    with pytest.raises(ExperimentError, match="ranking must be one of"):
+        _experiment('ranking = "nope"')
+
+
+# --------------------------------------------------------------------------- recall channels
+@pytest.mark.parametrize("name", list(ch.CHANNELS))
+def test_every_channel_answers_a_batch_with_catalogue_slots(name, monkeypatch):
+    from tests.serving_harness import serving_state  # a worker's state over a small catalogue
+
+    cls = ch.CHANNELS[name]
+    assert cls.name == name and cls.default.quota > 0 and cls.default.deadline_ms > 0
+    state, queries = serving_state()
+    lists = ch.make_channels({name: cls.default}, state)[name].recall(queries, 20)
+    assert len(lists) == len(queries)
+    named = state.named.cpu().numpy()
+    for slots in lists:
+        slots = np.asarray(slots)
+        assert slots.dtype == np.int64 and len(slots) <= 20
+        assert named[slots].all(), f"{name} recalled items outside the catalogue"
+        assert len(set(slots.tolist())) == len(slots)
+
+
+@pytest.mark.parametrize("name", list(ch.CHANNELS))
+def test_every_channel_can_be_chosen_delayed_and_given_a_quota(name):
+    from inference.settings import WorkerSettings
+
+    s = WorkerSettings.from_env(
+        {"FRESHREC_RECALL_CHANNELS": name, "FRESHREC_RECALL_INJECT_DELAY_MS": f"{name}=5"}
+    )
+    assert list(s.serving.channels) == [name]
+    assert s.recall_delays_ms == {name: 5.0}
+    exp = _experiment(f"[variant.recall_quotas]\n{name} = 3")
+    assert exp.variants[1].recall_quotas == {name: 3}
