@@ -24,7 +24,7 @@ from inference.models.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresho
 from inference.serving.arms import Arm, ranker_of, steer
 from inference.serving.degrade import Choice
 from inference.serving.experiments import ExperimentError, Variant, parse
-from inference.serving.rankstage import RankingStage
+from inference.serving.rankstage import RankBatch, RankingStage
 from inference.tables.recent import RecentClicks
 from inference.training.rankers import parse_rankers
 
@@ -223,25 +223,27 @@ def test_heat_thresholds_and_routes():
         HeatSplit(0.7, 0.4)
 
 
-class _Stage(RankingStage):
-    """The ranking stage over a catalogue of item heats, without a worker."""
+def _stage(split: HeatSplit, cls=RankingStage) -> RankingStage:
+    """The ranking stage, without a worker."""
+    settings = SimpleNamespace(heat_split=split, ranker="wide_deep")
+    return cls(settings, SimpleNamespace(device=CPU), None, None)
 
-    def __init__(self, hot: np.ndarray, split: HeatSplit) -> None:
-        self.settings = SimpleNamespace(heat_split=split, ranker="wide_deep")
-        self.snap = SimpleNamespace(features=np.column_stack([hot * 0, hot * 0, hot]))
-        self.cache = SimpleNamespace(device=CPU)
-        self._heat_cuts = {}
+
+def _heats(hot: np.ndarray) -> np.ndarray:
+    """A features snapshot whose items have these hot scores."""
+    return np.column_stack([hot * 0, hot * 0, hot])
 
 
 def test_a_tiered_request_scores_each_candidate_with_its_heat_tiers_model():
     full = _trained_like(WideDeep(D, hidden=(16, 8)))
     models = ModelSet("v", full, _trained_like(LightRanker(D)), {"pruned": prune(full, 0.5)})
     catalogue_hot = np.arange(100, dtype=np.float64)  # 0 (cold) and 1..99 (warm)
-    stage = _Stage(catalogue_hot, HeatSplit(0.1, 0.3))  # head >= 90, middle >= 60
+    stage = _stage(HeatSplit(0.1, 0.3))  # head >= 90, middle >= 60
+    features = _heats(catalogue_hot)
     x = _pairs(12, requests=3)
     dense = np.zeros((12, 4), np.float32)
     dense[:, 3] = [95, 5, 70, 0, 91, 61, 59, 99, 1, 65, 0, 90]
-    got = stage._score_tiered(models, x, dense, [None, None, None]).numpy()
+    got = stage._score_tiered(models, x, dense, [None, None, None], features).numpy()
     want = np.select(
         [dense[:, 3] >= 90, dense[:, 3] >= 60],
         [score(full, x, CPU), score(models.others["pruned"], x, CPU)],
@@ -250,7 +252,7 @@ def test_a_tiered_request_scores_each_candidate_with_its_heat_tiers_model():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # a variant's split: everything warm is head
     arm = Arm("e", Variant("t", 1.0, ranking="tiered", head_share=1.0, mid_share=0.0))
-    got = stage._score_tiered(models, x, dense, [arm] * 3).numpy()
+    got = stage._score_tiered(models, x, dense, [arm] * 3, features).numpy()
     want = np.where(dense[:, 3] > 0, score(full, x, CPU), score(models.light, x, CPU))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -290,20 +292,20 @@ def test_bad_ranking_settings_are_one_line_errors():
 
 
 def test_a_ranker_the_models_lack_is_replaced_by_wide_deep_and_the_reply_says_so():
-    class Stage(_Stage):
-        def _inputs(self, reqs, user_rows, merged, group, realtime_features):
-            n = sum(len(merged[j]) for j in group)
+    class Stage(RankingStage):
+        def _inputs(self, b, group, realtime_features):
+            n = sum(len(b.merged[j]) for j in group)
             return _pairs(n), None, np.zeros((n, 4), np.float32)
 
-    stage = Stage(np.zeros(4), HeatSplit())
+    stage = _stage(HeatSplit(), Stage)
     stage.settings.ranker = "attention"
-    stage.full_cost_ms = stage.light_cost_ms = None
     full = WideDeep(D)
     models = ModelSet("v1", full, LightRanker(D))  # trained with --rankers ""
     merged = [np.arange(5), np.arange(3), np.arange(0)]
     choices = [Choice("full", "ok"), Choice("light", "low_end device"), Choice("full", "ok")]
     ranked = {}
-    _, rankers = stage._rank([None] * 3, None, merged, choices, ranked, models, [None] * 3)
+    batch = RankBatch([None] * 3, None, merged, [None] * 3, None, {}, None, None, [], [])
+    _, rankers = stage.rank(batch, choices, ranked, models)
     assert rankers == ["wide_deep", "light", None]  # no candidates: nothing ranked
     assert "no attention model in v1: wide_deep" in choices[0].reason
     assert sorted(ranked) == [0, 1] and len(ranked[0]) == 5 and len(ranked[1]) == 3

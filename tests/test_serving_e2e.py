@@ -582,12 +582,12 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
         served = lambda reply: {i.item_id for i in reply.items}  # noqa: E731
         # the cached tier: u0's last full reply, less the deleted items (five of its ten, at
         # least)
-        rec.full_failed_until = time.monotonic() + 60
+        rec.ranking.full_failed_until = time.monotonic() + 60
         cached = client.recommend("u0", 10, context=ctx, timeout_s=10)
         assert cached.tier == "cached" and cached.items
         assert served(cached) == served(first) - set(gone)
         assert not set(gone) & set(rec.slot_of)  # adopted with that batch
-        rec.full_failed_until = 0.0
+        rec.ranking.full_failed_until = 0.0
         # the full tier, its vector channel answering from the old index
         again = client.recommend("u0", 10, context=ctx, timeout_s=10)
         assert again.tier == "full" and len(again.items) == 10

@@ -800,3 +800,39 @@ def test_the_reply_topics_a_request_may_name():
     assert route(same_twice, allowed, "d").correlation_id == b"c"
     custom = reply_topic_pattern("t.", r"t\.answers\.[a-z]+")
     assert route([("reply-to", b"t.answers.x")], custom, "d").reply_to == "t.answers.x"
+
+
+def test_what_a_channel_read_reaches_ranking_only_if_it_met_its_deadline():
+    """A channel returns what it read on the way (``Recalled``); the runner passes it on only
+    for channels that answered in time, so a timed-out i2i cannot change the ranker's inputs."""
+    import threading
+
+    from inference.serving.recall import ChannelConfig, Recalled, RecallQuery, RecallRunner
+
+    release = threading.Event()
+
+    class Reads:
+        inline = False
+
+        def __init__(self, wait: bool) -> None:
+            self.wait = wait
+
+        def recall(self, queries, n):
+            if self.wait:
+                release.wait(10)  # held until the runner has given up on it
+            return Recalled([np.arange(2)] * len(queries), {q.user_id: ["i1"] for q in queries})
+
+    q = [RecallQuery("u1", np.zeros(3, np.float32), None)]
+    runner = RecallRunner({"fast": Reads(False)}, {"fast": ChannelConfig(5, 5_000.0)})
+    try:
+        result = runner.run(q)
+    finally:
+        runner.close()
+    assert result.recent == {"u1": ["i1"]} and result.per_query[0]["fast"].tolist() == [0, 1]
+    runner = RecallRunner({"slow": Reads(True)}, {"slow": ChannelConfig(5, 1.0)})
+    try:
+        result = runner.run(q)
+    finally:
+        release.set()
+        runner.close()
+    assert result.timed_out == ["slow"] and result.recent == {} and result.per_query == [{}]

@@ -4,7 +4,9 @@ The contract (``RecallChannel``): a channel is built once per worker around the
 ``ServingState`` — the item table, the catalogue as cache slots, the hot lists — which the
 recommender keeps current (a new catalogue or hot list replaces its fields between batches).
 ``recall(queries, n)`` answers, for each query of a batch, up to ``n`` cache slots of items
-(an ``int64`` numpy array, best first) drawn from catalogue items only; it may read Redis
+(an ``int64`` numpy array, best first) drawn from catalogue items only — or a ``Recalled``
+with those lists and the users' recent clicks it read on the way, which the ranking uses only
+if the channel met its deadline (a channel writes no shared state); it may read Redis
 (then it must tolerate ``redis.RedisError`` by raising: the runner counts it as a failure).
 ``inline = True`` declares a channel that only slices memory the worker holds
 (microseconds): the runner calls it on its own thread instead of handing it to the pool.
@@ -36,7 +38,7 @@ import torch
 from freshrec.rediskeys import RedisKeys
 from inference.device import to_device
 from inference.serving.ann import IVFIndex, auto_nprobe, exact_search, top_k_rows
-from inference.serving.recall import ChannelConfig, RecallQuery
+from inference.serving.recall import ChannelConfig, Recalled, RecallQuery
 from inference.tables.cache import EmbeddingCache
 from schemas.rowbatch import TABLE_ITEM
 
@@ -71,8 +73,6 @@ class ServingState:
     """Hot lists per scope (``global``, a region) and the new items (``NEW_ITEMS``), as
     cache slots, best first."""
     ann: IVFIndex | None = None
-    fetched_recent: dict[str, list[str]] = field(default_factory=dict)
-    """Recent clicks the i2i channel read from Redis for the current batch."""
 
 
 class RecallChannel(abc.ABC):
@@ -118,21 +118,21 @@ class I2IChannel(RecallChannel):
                 pipe.lrange(st.keys.user_recent(queries[j].user_id), 0, 9)
             for j, raw in zip(missing, pipe.execute(), strict=True):
                 recents[j] = [r.decode().partition("|")[0] for r in raw]
-                st.fetched_recent[queries[j].user_id] = recents[j]
+        fetched = {queries[j].user_id: recents[j] for j in missing if recents[j]}
         dim = st.cache.dim
         out: list[np.ndarray] = [NONE for _ in queries]
         items = st.cache.items.rows
         size = min(len(st.named), len(items), len(st.slot_category))
         users = [j for j, r in enumerate(recents) if r]
         if not users or size == 0:
-            return out
+            return Recalled(out, fetched)
         get = st.slot_of.get
         clicked = [
             [x for x in (get(name) for name in recents[j][:10]) if x is not None] for j in users
         ]
         keep = [row for row, c in enumerate(clicked) if c]
         if not keep:
-            return out
+            return Recalled(out, fetched)
         users, clicked = [users[r] for r in keep], [clicked[r] for r in keep]
         # one query row per user, on the tables' device: the clicked items' mean row, each
         # weighted 0.8^age (newest first), searched within the clicked items' categories
@@ -150,7 +150,7 @@ class I2IChannel(RecallChannel):
         found = search_within_categories(items[:size], q, allowed, st.category_slots, n)
         for row, j in enumerate(users):
             out[j] = found[row]
-        return out
+        return Recalled(out, fetched)
 
 
 class HotChannel(RecallChannel):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import redis
@@ -20,27 +21,67 @@ import torch
 
 from freshrec import metrics as m
 from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
+from freshrec.rediskeys import RedisKeys
 from inference.models.attention import gather_sequences, sequence_index
-from inference.models.features import RECENT, recent_category_share, recent_similarity
+from inference.models.features import (
+    RECENT,
+    FeatureEncoder,
+    recent_category_share,
+    recent_similarity,
+)
 from inference.models.kinds import TIER_MODELS, TIERED
 from inference.models.modelfile import ModelSet
 from inference.models.ranking import score
 from inference.models.tiers import HeatSplit, route, thresholds
 from inference.serving.arms import Arm, ranker_of
 from inference.serving.degrade import HOT, LIGHT, Choice, ewma
-from inference.serving.snapshot import read_features
+from inference.serving.snapshot import Snapshot, read_features
+from inference.tables.cache import EmbeddingCache
 from schemas.rows import TABLE_ITEM
 
 log = logging.getLogger("freshrec.serving")
 
 
-class RankingStage:
-    """``Recommender``'s ranking (a mixin: it reads the recommender's cache, snapshot and
-    settings)."""
+@dataclass(frozen=True)
+class RankBatch:
+    """What ranking a batch reads, all of it given: the requests, their user rows and merged
+    candidates, their experiment arms, the catalogue snapshot the candidates' slots refer to,
+    and per request the user's recent clicks (newest first: the real-time features) and
+    sequence (the attention rankers' input)."""
 
-    def _rank(self, reqs, user_rows, merged, choices, ranked, models: ModelSet | None, arms):
+    reqs: list
+    user_rows: torch.Tensor
+    merged: list
+    arms: list
+    snap: Snapshot
+    slot_of: dict[str, int]
+    cat_index: np.ndarray
+    """Cache slot → the item's index in ``snap.catalogue`` (-1: not in it)."""
+    name_of_slot: np.ndarray
+    recent: list[list[str]]
+    sequences: list[list[str]]
+
+
+class RankingStage:
+    """The recommender's ranking: which model scores each request's candidates, one forward
+    pass per model, and what the ladder needs to know of it (each tier's cost per batch, a
+    full model that failed)."""
+
+    def __init__(self, settings, cache: EmbeddingCache, client: redis.Redis, keys: RedisKeys):
+        self.settings = settings  # ``ranker`` and ``heat_split`` of ``ServingSettings``
+        self.cache = cache
+        self.redis = client
+        self.keys = keys
+        self.encoder = FeatureEncoder()
+        self._heat_cuts: dict = {}  # split -> (the features snapshot, its hot-score thresholds)
+        self.full_cost_ms: float | None = None
+        self.light_cost_ms: float | None = None
+        self.full_failed_until = 0.0
+
+    def rank(self, b: RankBatch, choices, ranked, models: ModelSet | None):
         """Fills ``ranked`` (request → probability per candidate); returns a features note
         (or None) and each request's ranker (None where no model ranked it)."""
+        reqs, merged, arms = b.reqs, b.merged, b.arms
         rankers: list[str | None] = [None] * len(reqs)
         if models is None:
             return None, rankers
@@ -56,15 +97,15 @@ class RankingStage:
         for kind in dict.fromkeys(k for k in rankers if k is not None):
             group = [j for j, k in enumerate(rankers) if k == kind]
             t0 = time.monotonic()
-            inputs, realtime_note, dense = self._inputs(
-                reqs, user_rows, merged, group, realtime_features=kind != LIGHT
-            )
+            inputs, realtime_note, dense = self._inputs(b, group, realtime_features=kind != LIGHT)
             note = note or realtime_note
             try:
                 if kind == TIERED:
-                    probs = self._score_tiered(models, inputs, dense, [arms[j] for j in group])
+                    probs = self._score_tiered(
+                        models, inputs, dense, [arms[j] for j in group], b.snap.features
+                    )
                 else:
-                    probs = self._score(models.get(kind), kind, inputs, reqs, group)
+                    probs = self._score(models.get(kind), kind, inputs, b, group)
             except Exception as exc:  # a broken model must not stop serving
                 log.error("%s model failed on a batch: %s", kind, exc)
                 m.DEGRADED.labels(choices[group[0]].tier, "model_error").inc()
@@ -85,31 +126,30 @@ class RankingStage:
             self.full_cost_ms = ewma(self.full_cost_ms, full_ms)
         return note, rankers
 
-    def _score(self, model, kind: str, inputs, reqs, group) -> torch.Tensor:
+    def _score(self, model, kind: str, inputs, b: RankBatch, group) -> torch.Tensor:
         if getattr(model, "uses_sequence", False):
-            inputs = inputs.with_sequences(*self._sequences(reqs, group, model.length))
+            inputs = inputs.with_sequences(*self._sequences(b, group, model.length))
         return timed_score(model, kind, inputs, self.cache.device)
 
-    def _sequences(self, reqs, group, length: int):
+    def _sequences(self, b: RankBatch, group, length: int):
         """Each request's user sequence as item rows: their last clicked items the worker
         holds (or Redis gave recall), newest first, those in the catalogue."""
-        slot_of = self.slot_of
+        slot_of = b.slot_of
         sequences = []
         for j in group:
-            uid = reqs[j].user_id
-            items = self.sequence_of(uid) or self.recent_clicks(uid)
+            items = b.sequences[j]
             sequences.append([slot_of[x] for x in items[: 4 * length] if x in slot_of][:length])
         index = sequence_index(sequences, length)
         rows = self.cache.items.rows
         return gather_sequences(lambda ix: rows.index_select(0, ix), index, rows.device)
 
-    def _score_tiered(self, models: ModelSet, inputs, dense, arms: list[Arm | None]):
+    def _score_tiered(self, models: ModelSet, inputs, dense, arms: list[Arm | None], features):
         """Each candidate scored by its heat tier's model: one forward pass per tier."""
         owner = inputs.owner
         tiers = np.empty(len(inputs), np.int8)
         for r, arm in enumerate(arms):
             mine = owner == r
-            tiers[mine] = route(dense[mine, 3], self._heat_cut(self._split_of(arm)))
+            tiers[mine] = route(dense[mine, 3], self._heat_cut(self._split_of(arm), features))
         return score_by_tiers(models, inputs, tiers, self.cache.device)
 
     def _split_of(self, arm: Arm | None) -> HeatSplit:
@@ -122,10 +162,9 @@ class RankingStage:
             base.mid_share if v.mid_share is None else v.mid_share,
         )
 
-    def _heat_cut(self, split: HeatSplit) -> tuple[float, float]:
+    def _heat_cut(self, split: HeatSplit, features) -> tuple[float, float]:
         """The split's hot-score thresholds over the catalogue snapshot's items, computed once
         per features snapshot and split."""
-        features = self.snap.features
         held = self._heat_cuts.get(split)
         if held is not None and held[0] is features:
             return held[1]
@@ -135,27 +174,28 @@ class RankingStage:
         self._heat_cuts[split] = (features, cut)
         return cut
 
-    def _inputs(self, reqs, user_rows, merged, group, realtime_features: bool):
+    def _inputs(self, b: RankBatch, group, realtime_features: bool):
         """The ranking inputs of the requests ``group`` (grouped form), with the features
         note, and the items' [price, ctr, cvr, hot] per candidate (the tiers route by hot).
         ``realtime_features``: high_end devices' CTR/CVR/hot read from Redis now."""
+        reqs, user_rows, merged = b.reqs, b.user_rows, b.merged
         lens = [len(merged[j]) for j in group]
         slots = np.concatenate([merged[j].slots for j in group])
         owner = np.repeat(np.asarray(group, np.int64), lens)
         n = len(slots)
         items = self.cache.rows(TABLE_ITEM, slots)
-        cat_idx = self.cat_index[slots]
-        cat = self.snap.catalogue
+        cat_idx = b.cat_index[slots]
+        cat = b.snap.catalogue
         dense = np.zeros((n, 4), np.float32)
         dense[:, 1], dense[:, 2] = PRIOR_CTR, PRIOR_CVR  # items no event has touched yet
         known = cat_idx >= 0
         dense[known, 0] = cat.price[cat_idx[known]]
-        if self.snap.features is not None:
-            dense[known, 1:4] = self.snap.features[cat_idx[known]]
+        if b.snap.features is not None:
+            dense[known, 1:4] = b.snap.features[cat_idx[known]]
         note = None
         realtime = [j for j in group if (reqs[j].context and reqs[j].context.device == "high_end")]
         if realtime_features and realtime:
-            note = self._realtime_features(merged, group, lens, realtime, dense)
+            note = self._realtime_features(b, group, lens, realtime, dense)
         categories = np.zeros(n, np.int64)
         categories[known] = cat.category[cat_idx[known]]
         now_ms = int(time.time() * 1000)
@@ -167,10 +207,10 @@ class RankingStage:
         shares, sims = np.zeros(n, np.float32), torch.zeros(n, device=items.device)
         lo = 0
         for j, size in zip(group, lens, strict=True):
-            recent = self.recent_clicks(reqs[j].user_id)
-            recent_slots = [self.slot_of[x] for x in recent[:RECENT] if x in self.slot_of]
+            recent = b.recent[j]
+            recent_slots = [b.slot_of[x] for x in recent[:RECENT] if x in b.slot_of]
             if recent_slots:
-                ci = self.cat_index[recent_slots]
+                ci = b.cat_index[recent_slots]
                 recent_cats = cat.category[ci[ci >= 0]].tolist()
                 shares[lo : lo + size] = recent_category_share(
                     recent_cats, categories[lo : lo + size]
@@ -193,15 +233,15 @@ class RankingStage:
         )
         return inputs, note, dense
 
-    def _realtime_features(self, merged, group, lens, realtime, dense: np.ndarray) -> str | None:
+    def _realtime_features(self, b: RankBatch, group, lens, realtime, dense) -> str | None:
         """high_end devices: CTR/CVR/hot read from Redis now, not from the snapshot."""
         offsets = dict(
             zip(group, np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist(), strict=True)
         )
-        cand_names = {j: self.name_of_slot[merged[j].slots].tolist() for j in realtime}
+        cand_names = {j: b.name_of_slot[b.merged[j].slots].tolist() for j in realtime}
         names = sorted({name for j in realtime for name in cand_names[j]})
         try:
-            fresh = read_features(self.redis, self.keys, names, self.snap.feature_shards)
+            fresh = read_features(self.redis, self.keys, names, b.snap.feature_shards)
         except redis.RedisError:
             return "redis unavailable: cached features for high_end"
         for j in realtime:

@@ -42,12 +42,21 @@ class RecallQuery:
     region: str | None
 
 
+@dataclass(frozen=True)
+class Recalled:
+    """A channel's answer with what it read on the way: each query's slots, and the recent
+    clicks it fetched per user (the i2i channel, for users the worker holds none of)."""
+
+    slots: list[np.ndarray]
+    recent: dict[str, list[str]] = field(default_factory=dict)
+
+
 class Channel(Protocol):
     """What the runner calls (``channels.RecallChannel`` is the one implementation)."""
 
     inline: bool
 
-    def recall(self, queries: Sequence[RecallQuery], n: int) -> list[np.ndarray]: ...
+    def recall(self, queries: Sequence[RecallQuery], n: int) -> list[np.ndarray] | Recalled: ...
 
 
 @dataclass
@@ -57,6 +66,8 @@ class RecallResult:
     failed: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     """Channels whose breaker was open."""
+    recent: dict[str, list[str]] = field(default_factory=dict)
+    """Recent clicks per user that channels which met their deadline read on the way."""
     elapsed_ms: float = 0.0
 
 
@@ -85,7 +96,7 @@ class RecallRunner:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _call(self, name: str, queries: list[RecallQuery]) -> list[np.ndarray]:
+    def _call(self, name: str, queries: list[RecallQuery]) -> list[np.ndarray] | Recalled:
         delay = self.delays_ms.get(name)
         if delay:
             time.sleep(delay / 1000)
@@ -139,6 +150,9 @@ class RecallRunner:
                 self._record(name, False, "error")
                 continue
             self._record(name, True, "ok")
+            if isinstance(lists, Recalled):
+                result.recent.update(lists.recent)
+                lists = lists.slots
             for j, items in enumerate(lists):
                 result.per_query[j][name] = items
         result.elapsed_ms = (time.monotonic() - start) * 1000

@@ -25,7 +25,6 @@ from freshrec import metrics as m
 from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
 from inference.device import to_host
-from inference.models.features import FeatureEncoder
 from inference.models.modelfile import ModelWatcher
 from inference.models.tiers import HeatSplit
 from inference.serving.ann import IVFIndex, ivf_cells
@@ -43,7 +42,7 @@ from inference.serving.degrade import (
 )
 from inference.serving.hotreply import HotReplies
 from inference.serving.merge import found_by, merge_slot_arrays
-from inference.serving.rankstage import RankingStage
+from inference.serving.rankstage import RankBatch, RankingStage
 from inference.serving.recall import ChannelConfig, RecallQuery, RecallRunner
 from inference.serving.rerank import mmr_batch, space_categories
 from inference.serving.resultcache import ResultCache
@@ -111,7 +110,7 @@ class Inbound:
         return d if d is not None else self.enqueued_ms + default_budget_ms
 
 
-class Recommender(RankingStage):
+class Recommender:
     """Serves batches of requests from the worker's cache: recall (``channels.py``), the
     degradation ladder, ranking, re-ranking, replies."""
 
@@ -140,8 +139,8 @@ class Recommender(RankingStage):
         self.with_seen = seen  # a request with the user's consumed items excluded, if it asks
         self.arm_of = arm_of  # the user's experiment variant (``arms.py``), if any
         self.sequence_of = sequence  # the user's last clicked items, newest first
-        self._heat_cuts: dict = {}  # split -> (the features snapshot, its hot-score thresholds)
-        self.encoder = FeatureEncoder()
+        self.ranking = RankingStage(settings, cache, client, keys)
+        """Which model scores which candidate, and what each tier costs (the ladder's input)."""
         self.ladder = Ladder(settings.ladder)
         self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
         self.snap = Snapshot()
@@ -151,9 +150,6 @@ class Recommender(RankingStage):
         self.cat_index = np.empty(0, np.int64)  # slot -> catalogue index (-1: unknown)
         self._ann_built_at = 0.0
         self._ann_building = False
-        self.full_cost_ms: float | None = None
-        self.light_cost_ms: float | None = None
-        self.full_failed_until = 0.0
         self.hot_replies = HotReplies()
         self.runner: RecallRunner = runner_factory(self.state)
         self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
@@ -169,9 +165,6 @@ class Recommender(RankingStage):
     @property
     def ann(self) -> IVFIndex | None:
         return self.state.ann
-
-    def recent_clicks(self, user_id: str) -> list[str]:
-        return self.state.recent_clicks(user_id) or self.state.fetched_recent.get(user_id, [])
 
     # ------------------------------------------------------------------------ snapshot
     def adopt_snapshot(self) -> None:
@@ -273,7 +266,6 @@ class Recommender(RankingStage):
             RecallQuery(r.user_id, user_rows[j], r.context.region if r.context else None)
             for j, r in enumerate(reqs)
         ]
-        self.state.fetched_recent = {}
         recall = self.runner.run(queries, budget_ms=min(budgets) * s.recall_share)
         t_recall = time.monotonic()
         if recall.timed_out or recall.failed:
@@ -299,17 +291,34 @@ class Recommender(RankingStage):
                             queue_depth=queue_depth,
                             cached=self.results.peek_valid(key, versions[j], now_ms),
                             full_ok=models is not None
-                            and time.monotonic() >= self.full_failed_until,
+                            and time.monotonic() >= self.ranking.full_failed_until,
                             light_ok=models is not None,
-                            full_cost_ms=self.full_cost_ms,
-                            light_cost_ms=self.light_cost_ms,
+                            full_cost_ms=self.ranking.full_cost_ms,
+                            light_cost_ms=self.ranking.light_cost_ms,
                         )
                     ),
                     arms[j],
                 )
             )
         ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
-        features_note, rankers = self._rank(reqs, user_rows, merged, choices, ranked, models, arms)
+        # each user's recent clicks: the worker's own, else what the i2i channel read from
+        # Redis for this batch (only a channel that met its deadline returns what it read)
+        recent = [
+            self.state.recent_clicks(r.user_id) or recall.recent.get(r.user_id, []) for r in reqs
+        ]
+        batch_in = RankBatch(
+            reqs,
+            user_rows,
+            merged,
+            arms,
+            self.snap,
+            self.slot_of,
+            self.cat_index,
+            self.name_of_slot,
+            recent,
+            [self.sequence_of(r.user_id) or recent[j] for j, r in enumerate(reqs)],
+        )
+        features_note, rankers = self.ranking.rank(batch_in, choices, ranked, models)
         if features_note:
             degraded.append(features_note)
         t_rank = time.monotonic()
