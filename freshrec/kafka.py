@@ -19,12 +19,14 @@ and kafkajs would choose: ``events`` and ``recommend.requests`` must agree on a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError
 
+from freshrec.errors import FreshRecError
 from freshrec.settings import ConnectionSettings, SettingsError
 
 
@@ -292,6 +294,20 @@ def produce(
             producer.poll(0.05)
 
 
+class TopicMissing(FreshRecError, RuntimeError):
+    """A topic a service needs does not exist (``freshrec topics create`` makes them)."""
+
+
+def partition_count(client, topic: str, timeout_s: float = 15.0) -> int:
+    """How many partitions ``topic`` has, read from ``client`` (a producer, consumer or admin
+    client). All topics' metadata is asked for: a request naming one topic may create it on a
+    broker that auto-creates topics."""
+    found = client.list_topics(timeout=timeout_s).topics.get(topic)
+    if found is None or found.error is not None or not found.partitions:
+        raise TopicMissing(f"topic {topic} is missing: run `freshrec topics create` first")
+    return len(found.partitions)
+
+
 def gradients_partitions(conn: ConnectionSettings, env=None, timeout_s: float = 10.0) -> int:
     """How many partitions ``gradients`` has: the broker's count where the topic exists,
     else the count ``freshrec topics create`` would give it (``FRESHREC_PARTITIONS`` or the
@@ -303,9 +319,7 @@ def gradients_partitions(conn: ConnectionSettings, env=None, timeout_s: float = 
     from freshrec.topics import BY_NAME, TopicNames, partitions_from_env
 
     name = TopicNames(conn.topic_prefix).gradients
-    # all topics: a metadata request naming one may create it on a broker that auto-creates
-    topic = AdminClient(admin_config(conn)).list_topics(timeout=timeout_s).topics.get(name)
-    if topic is not None and topic.error is None and topic.partitions:
-        return len(topic.partitions)
+    with contextlib.suppress(TopicMissing):
+        return partition_count(AdminClient(admin_config(conn)), name, timeout_s)
     overrides = partitions_from_env(os.environ if env is None else env)
     return overrides.get("gradients", BY_NAME["gradients"].partitions)

@@ -11,7 +11,6 @@ expired, or was a duplicate); ``RequestOffsets`` turns "done" into what may be c
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
@@ -19,6 +18,7 @@ import redis
 from confluent_kafka import KafkaError, KafkaException
 
 from freshrec import metrics as m
+from freshrec.clock import now_ms
 from freshrec.kafka import produce
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -39,10 +39,6 @@ log = logging.getLogger("freshrec.worker")
 
 MAX_ATTEMPTS = 3
 """Deliveries of a reply or dead letter tried before it counts as undeliverable."""
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _retriable(err) -> bool:
@@ -112,7 +108,7 @@ class RequestIntake:
         None: nothing queued)."""
         if not self.queue:
             return None
-        d = self.policy.decide(len(self.queue), self.queue[0].enqueued_ms, _now_ms())
+        d = self.policy.decide(len(self.queue), self.queue[0].enqueued_ms, now_ms())
         return 0.0 if d.flush else d.wait_ms
 
     # --------------------------------------------------------------------------- intake
@@ -122,7 +118,7 @@ class RequestIntake:
         else), or a dead letter and an ``error`` reply (a value that is not a request)."""
         partition, offset = msg.partition(), msg.offset()
         self.offsets.accepted(partition, offset)
-        now = _now_ms()
+        now = now_ms()
         try:
             where = route(msg.headers(), self.reply_topics, self.names.recommend_replies)
         except Rejected as rej:
@@ -185,14 +181,14 @@ class RequestIntake:
     def serve_ready(self) -> None:
         """Serve every batch the policy says is ready."""
         while self.queue:
-            d = self.policy.decide(len(self.queue), self.queue[0].enqueued_ms, _now_ms())
+            d = self.policy.decide(len(self.queue), self.queue[0].enqueued_ms, now_ms())
             if not d.flush:
                 return
             take = [
                 self.queue.popleft() for _ in range(min(len(self.queue), self.policy.max_batch))
             ]
             live, expired = split_expired(
-                take, lambda b: b.deadline_ms(self.settings.serving.default_budget_ms), _now_ms()
+                take, lambda b: b.deadline_ms(self.settings.serving.default_budget_ms), now_ms()
             )
             for b in expired:
                 m.REQUESTS.labels("expired").inc()
@@ -271,7 +267,7 @@ class RequestIntake:
                 offset,
                 corr,
                 value,
-                _now_ms(),
+                now_ms(),
                 finish,
             )
 

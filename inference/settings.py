@@ -11,6 +11,7 @@ from pathlib import Path
 
 from freshrec.hotscore import HotWeights
 from freshrec.settings import (
+    LEARNING_RATE,
     ConnectionSettings,
     HotScoreSettings,
     RowSettings,
@@ -20,7 +21,8 @@ from freshrec.settings import (
     env_float,
     env_int,
     env_optional_int,
-    state_dir,
+    model_dir,
+    online_defaults,
 )
 from inference.learning.learner import LearningSettings
 from inference.learning.steps import LOSSES, LabelConfig
@@ -34,7 +36,7 @@ from schemas.codec import DeadLetterLimits
 
 
 def default_model_dir(env: Mapping[str, str] | None = None) -> Path:
-    return state_dir(env) / "models"
+    return model_dir(env)
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,16 @@ class WorkerSettings:
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
         rows = RowSettings.from_env(env)
         hot = HotScoreSettings.from_env(env)
-        model_dir = Path(env.get("FRESHREC_MODEL_DIR") or default_model_dir(env))
-        online = online_defaults(model_dir)
+        models = model_dir(env)
+        online = online_defaults(env)
         loss = env.get("FRESHREC_LEARNING_LOSS", "auto") or "auto"
         if loss == "auto":
             loss = online.get("loss", "logistic")
         if loss not in LOSSES:
             raise SettingsError(f"FRESHREC_LEARNING_LOSS must be auto or one of {LOSSES}")
-        lr = env_float(env, "FRESHREC_LOCAL_LR", float(online.get("item_lr", 0.05)), minimum=0)
+        lr = env_float(
+            env, "FRESHREC_LOCAL_LR", float(online.get("item_lr", LEARNING_RATE)), minimum=0
+        )
         learning = LearningSettings(
             dim=rows.dim,
             lr=lr,
@@ -186,7 +190,7 @@ class WorkerSettings:
             serving=serving,
             max_batch=env_int(env, "FRESHREC_MAX_BATCH", 32, minimum=1),
             max_wait_ms=env_int(env, "FRESHREC_MAX_WAIT_MS", 0, minimum=0),
-            model_dir=model_dir,
+            model_dir=models,
             breaker=BreakerConfig(
                 threshold=env_float(
                     env, "FRESHREC_BREAKER_THRESHOLD", 0.10, positive=True, maximum=1
@@ -207,18 +211,6 @@ class WorkerSettings:
             if env.get("FRESHREC_EXPERIMENTS_FILE")
             else None,
         )
-
-
-def online_defaults(model_dir: Path) -> dict:
-    """What the models in ``model_dir`` recommend for online learning (their manifest's
-    ``online``: the loss the starting rows were trained with and step sizes that suit it);
-    empty when there are none. Settings in the environment win."""
-    from inference.models.modelfile import ModelFileError, read_manifest
-
-    try:
-        return dict(read_manifest(model_dir).get("online") or {})
-    except (ModelFileError, OSError, ValueError):
-        return {}
 
 
 def _reply_pattern(env: Mapping[str, str]) -> str | None:

@@ -44,11 +44,13 @@ from confluent_kafka import (
 )
 
 from freshrec import metrics as m
+from freshrec.clock import now_ms
 from freshrec.dedupe import DedupeWindow
 from freshrec.health import HEALTH
 from freshrec.kafka import (
     close_producer,
     consume_available,
+    partition_count,
 )
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
@@ -215,11 +217,7 @@ class Worker:
 
     # ------------------------------------------------------------------------------ setup
     def _partitions(self, topic: str) -> int:
-        md = self.producer.list_topics(topic, timeout=15)
-        t = md.topics.get(topic)
-        if t is None or t.error is not None:
-            raise RuntimeError(f"topic {topic} is missing: run `freshrec topics create`")
-        return len(t.partitions)
+        return partition_count(self.producer, topic)
 
     def _fetch(self, table: int, ids: list[int]):
         return fetch_rows(self.redis, self.keys, table, ids, self.dim + 1, self.outbox.partitions)
@@ -343,11 +341,11 @@ class Worker:
             child.observe(seconds)
 
     def _housekeeping(self, now: float) -> None:
-        self.forget_unadmitted(_now_ms())
+        self.forget_unadmitted(now_ms())
         ttl = self.settings.row_ttl_s
         if ttl and now - self._expired_at > min(60.0, max(1.0, ttl / 10)):
             self._expired_at = now
-            self.expire_items(_now_ms())
+            self.expire_items(now_ms())
         self.models.poll()
         if self.experiment:
             self.experiment.poll(now)
@@ -418,14 +416,14 @@ class Worker:
     def _send_if_due(self) -> None:
         """The one place that asks the outbox whether it is due (its linger ran out, or its
         rows passed their bound) and sends it then."""
-        if self.outbox.due(_now_ms()):
+        if self.outbox.due(now_ms()):
             self.send_outbox()
 
     def send_outbox(self) -> None:
         """Everything the outbox holds leaves now; what was learnt so far then has its
         gradients produced (the gate is sealed)."""
         if self.outbox.rows:
-            self.sender.send(self.outbox.drain(), _now_ms())
+            self.sender.send(self.outbox.drain(), now_ms())
         self.gate.seal()
 
     def commit(self, sync: bool = False) -> None:
@@ -570,10 +568,6 @@ class Worker:
     def item_row(self, item_id: str) -> np.ndarray:
         slot = self.cache.slots(TABLE_ITEM, np.array([row_id(item_id)]))
         return self.cache.gather(TABLE_ITEM, slot)[0]
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def run_worker(settings: WorkerSettings) -> int:

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from freshrec.gradients import scaled, squared_norms
+from freshrec.settings import LEARNING_RATE
 
 
 @dataclass(frozen=True)
 class AdagradConfig:
-    lr: float = 0.05
+    lr: float = LEARNING_RATE
     eps: float = 1e-8
     max_norm: float = 1.0
     """Each row's (aggregated) gradient is scaled down to at most this L2 norm."""

@@ -29,7 +29,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import redis
 from confluent_kafka import OFFSET_BEGINNING, Producer
 
 from freshrec import metrics as m
@@ -39,10 +38,13 @@ from freshrec.kafka import (
     background_consumer,
     close_producer,
     consume_batch,
+    partition_count,
     produce,
     producer_config,
 )
 from freshrec.lifecycle import run_until_signalled, settle_heap
+from freshrec.outage import REDIS_DOWN as OUTAGE
+from freshrec.outage import until_redis_answers
 from freshrec.partitioner import row_partitions
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
@@ -66,7 +68,7 @@ from schemas.rows import initial_rows, version_floor
 log = logging.getLogger("freshrec.param_server")
 MAX_ROWS_PER_MESSAGE = 1000
 EVICT_EVERY_S = 60.0
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, TransactionFailed)
+REDIS_DOWN = (*OUTAGE, TransactionFailed)
 """Failures that pause the server until Redis answers (a failed transaction is sent again)."""
 
 
@@ -165,12 +167,9 @@ class ParameterServer:
     # ------------------------------------------------------------------------------ loop
     def run(self, stop: threading.Event) -> None:
         topic = self.names.gradients
-        md = self.producer.list_topics(self.names.embeddings_updates, timeout=15)
-        self.update_partitions = len(md.topics[self.names.embeddings_updates].partitions) or 1
-        md = self.producer.list_topics(topic, timeout=15)
-        self.shards = self._redis_retry(
-            lambda: row_shards(self.redis, self.keys, len(md.topics[topic].partitions) or 1)
-        )
+        self.update_partitions = partition_count(self.producer, self.names.embeddings_updates)
+        gradients = partition_count(self.producer, topic)
+        self.shards = self._redis_retry(lambda: row_shards(self.redis, self.keys, gradients))
         if self.settings.row_ttl_s > 0:
             self._field_expiry = self._redis_retry(lambda: field_expiry(self.redis, self.keys))
             if self._field_expiry is None:
@@ -528,23 +527,16 @@ class ParameterServer:
     # ----------------------------------------------------------------------------- redis
     def _redis_retry(self, op):
         """Run ``op``; while Redis is down, pause consumption and retry (nothing committed)."""
-        warned = False
-        while True:
-            try:
-                result = op()
-            except REDIS_DOWN as exc:
-                if not warned:
-                    log.warning("Redis unavailable (%s): pausing until it answers", exc)
-                    warned = True
-                    m.PS_FLUSHES.labels("redis_down").inc()
-                self._pause(True)
-                time.sleep(0.5)
-                self.consumer.poll(0)  # keep group membership alive
-                continue
-            if warned:
-                log.info("Redis is back: resuming")
-            self._pause(False)
-            return result
+
+        def waiting(first: bool) -> None:
+            if first:
+                m.PS_FLUSHES.labels("redis_down").inc()
+            self._pause(True)
+            self.consumer.poll(0)  # keep group membership alive
+
+        result = until_redis_answers(op, "parameter server", wait_s=0.5, while_waiting=waiting)
+        self._pause(False)
+        return result
 
     def _pause(self, pause: bool) -> None:
         if pause == self._paused:

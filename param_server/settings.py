@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from freshrec.settings import ConnectionSettings, RowSettings, env_float, env_int
+from freshrec.settings import (
+    LEARNING_RATE,
+    ConnectionSettings,
+    RowSettings,
+    env_float,
+    env_int,
+    online_defaults,
+)
 from param_server.adagrad import AdagradConfig
 from schemas.rows import TABLE_USER
 
@@ -37,7 +44,7 @@ class ParamServerSettings:
         online = online_defaults(env)
         adagrad = AdagradConfig(
             lr=env_float(
-                env, "FRESHREC_GLOBAL_LR", float(online.get("global_lr", 0.05)), minimum=0
+                env, "FRESHREC_GLOBAL_LR", float(online.get("global_lr", LEARNING_RATE)), minimum=0
             ),
             max_norm=rows.max_grad_norm,
             initial_accumulator=env_float(
@@ -62,21 +69,3 @@ class ParamServerSettings:
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             row_ttl_s=rows.row_ttl_s,
         )
-
-
-def online_defaults(env: Mapping[str, str]) -> dict:
-    """What the models in ``FRESHREC_MODEL_DIR`` (when set) recommend for the global path
-    (their manifest's ``online``: ``freshrec train --log`` writes one); settings in the
-    environment win. Read as plain JSON: the parameter server loads no model."""
-    import json
-    from pathlib import Path
-
-    directory = env.get("FRESHREC_MODEL_DIR")
-    if not directory:
-        return {}
-    try:
-        manifest = json.loads((Path(directory) / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    online = manifest.get("online") if isinstance(manifest, dict) else None
-    return dict(online) if isinstance(online, dict) else {}

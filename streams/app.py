@@ -41,15 +41,17 @@ import numpy as np
 import orjson
 from confluent_kafka.admin import AdminClient
 from mode.supervisors import CrashingSupervisor
-from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 
 from freshrec import metrics as m
 from freshrec.childmetrics import MergedRegistry
+from freshrec.clock import now_ms
 from freshrec.endpoints import serve_metrics
 from freshrec.health import HEALTH
-from freshrec.kafka import admin_config, profile
+from freshrec.kafka import admin_config, partition_count, profile
 from freshrec.lifecycle import settle_heap
+from freshrec.outage import REDIS_DOWN
+from freshrec.outage import until_redis_answers_async as until_redis_answers
 from freshrec.redisconn import connect_async
 from freshrec.rediskeys import RedisKeys
 from freshrec.settings import state_dir
@@ -75,16 +77,8 @@ def timed(stage: str, batch) -> Iterator[None]:
         yield
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def _partition_count(settings: StreamsSettings, topic: str) -> int:
-    md = AdminClient(admin_config(settings.conn)).list_topics(topic, timeout=15)
-    t = md.topics.get(topic)
-    if t is None or t.error is not None or not t.partitions:
-        raise RuntimeError(f"topic {topic} is missing: run `freshrec topics create` first")
-    return len(t.partitions)
+    return partition_count(AdminClient(admin_config(settings.conn)), topic)
 
 
 class StreamsApp:
@@ -320,7 +314,7 @@ class StreamsApp:
         for q in sorted(self.dirty):
             state = self.states.get(q)
             if state is not None:
-                payloads[q] = state.hot_payloads(self.settings.hot_k, q, _now_ms())
+                payloads[q] = state.hot_payloads(self.settings.hot_k, q, now_ms())
         self.dirty.clear()
         if payloads:
             await sink.publish_hot(payloads)
@@ -341,23 +335,6 @@ class StreamsApp:
         features = [c for q, state in self.states.items() for c in sink.feature_commands(q, state)]
         if features:
             await sink.write(features)
-
-
-REDIS_DOWN = (redis_errors.ConnectionError, redis_errors.TimeoutError)
-
-
-async def until_redis_answers(op, what: str):
-    """``await op()``, again every second while Redis is unreachable: a stage waits an outage
-    out (its input waits in Kafka) instead of exiting."""
-    warned = False
-    while True:
-        try:
-            return await op()
-        except REDIS_DOWN as exc:
-            if not warned:
-                log.warning("%s: Redis unavailable (%s); waiting for it", what, exc)
-                warned = True
-            await asyncio.sleep(1.0)
 
 
 def _crash_on_error(loop, stop: threading.Event, name: str) -> None:

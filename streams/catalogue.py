@@ -19,11 +19,11 @@ import threading
 import time
 from collections.abc import Sequence
 
-import redis
 from confluent_kafka import Producer
 
 from freshrec import metrics as m
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
+from freshrec.outage import until_redis_answers
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -127,22 +127,17 @@ class CatalogueStage:
             return
         sets, deleted = final_ops(ops)  # the batch's last record of each item decides
         items = list(sets.values())
-        warned = False
-        while True:  # idempotent writes: sent again until Redis takes them
+
+        def write() -> None:  # idempotent: sent again until Redis takes it
             pipe = self.redis.pipeline(transaction=False)
             if items:
                 queue_catalogue(pipe, self.keys, items, now - self.settings.new_item_window_ms)
             if deleted:
                 queue_deletions(pipe, self.keys, deleted)
             pipe.incr(self.keys.catalogue_version)
-            try:
-                pipe.execute()
-                break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if not warned:
-                    log.warning("catalogue: Redis unavailable (%s); waiting for it", exc)
-                    warned = True
-                time.sleep(1.0)
+            pipe.execute()
+
+        until_redis_answers(write, "catalogue")
         if items:
             self.prices.put({i.item_id: i.price for i in items})
             m.CATALOGUE_RECORDS.inc(len(items))

@@ -34,6 +34,7 @@ from freshrec.childmetrics import send_snapshots
 from freshrec.dedupe import DedupeWindow
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
 from freshrec.lifecycle import die_with_parent, set_from_signal
+from freshrec.outage import until_redis_answers
 from freshrec.partitioner import str_partitions
 from freshrec.redisconn import Packed, connect, is_cluster, run_packed
 from freshrec.rediskeys import RedisKeys
@@ -171,44 +172,27 @@ class ValidateStage:
             self._route(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
             writes = pack_recent(self.keys, clicks, self.settings.recent_clicks) if clicks else []
-            writes += self._until_redis_answers(lambda: self.attribution.commands(events))
+            writes += until_redis_answers(
+                lambda: self.attribution.commands(events), "experiment attribution"
+            )
             if writes:
                 self._send_recent(writes)
         m.STREAMS_EVENTS.labels("valid").inc(n_ok)
         m.STREAMS_EVENTS.labels("duplicate").inc(n_dup)
         m.STREAMS_EVENTS.labels("rejected").inc(n_bad)
 
-    def _until_redis_answers(self, op):
-        """``op()``, again every second while Redis is unreachable (offsets wait meanwhile)."""
-        warned = False
-        while True:
-            try:
-                return op()
-            except redis.ConnectionError as exc:
-                if not warned:
-                    log.warning("experiment attribution: Redis unavailable (%s); waiting", exc)
-                    warned = True
-                time.sleep(1.0)
-
     def _send_recent(self, entries: list[Packed]) -> None:
         """Write recent clicks, waiting out a Redis outage (the batch's offsets are not
         committed meanwhile; the writes not acknowledged before it are sent again)."""
-        warned = False
-        while True:
-            try:
-                if self.recent is None:
-                    run_packed(self.redis, entries)
-                else:
-                    payload = b"".join(e.payload for e in entries)
-                    self.recent.send(payload, sum(e.replies for e in entries))
-                if warned:
-                    log.info("Redis is back: recent clicks written again")
-                return
-            except redis.ConnectionError as exc:
-                if not warned:
-                    log.warning("recent clicks: Redis unavailable (%s); waiting for it", exc)
-                    warned = True
-                time.sleep(1.0)
+
+        def send() -> None:
+            if self.recent is None:
+                run_packed(self.redis, entries)
+            else:
+                payload = b"".join(e.payload for e in entries)
+                self.recent.send(payload, sum(e.replies for e in entries))
+
+        until_redis_answers(send, "recent clicks")
 
     def _dead_letters(self, msgs, events, now: int) -> tuple[list, list]:
         """Send the batch's rejects to ``events.dlq``; the messages and events that passed."""

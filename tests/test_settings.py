@@ -123,3 +123,27 @@ def test_a_service_started_with_a_bad_value_exits_with_the_reason():
     )
     assert proc.returncode != 0
     assert "FRESHREC_GLOBAL_LR=-1 must be >= 0" in proc.stderr + proc.stdout
+
+
+def test_the_worker_and_the_parameter_server_read_the_same_online_defaults(tmp_path):
+    """Both find the models where ``freshrec train`` puts them (``FRESHREC_MODEL_DIR``, else
+    the state directory's ``models``) and follow their manifest's ``online`` alike."""
+    import json
+
+    from inference.settings import WorkerSettings
+    from param_server.settings import ParamServerSettings
+
+    models = tmp_path / "models"
+    models.mkdir()
+    online = {"item_lr": 0.2, "user_lr": 0.4, "global_lr": 0.3, "global_user_lr": 0.6}
+    (models / "manifest.json").write_text(json.dumps({"online": online}))
+    for env in ({"FRESHREC_HOME": str(tmp_path)}, {"FRESHREC_MODEL_DIR": str(models)}):
+        env = {**env, "FRESHREC_WORKER_ID": "w"}
+        worker, ps = WorkerSettings.from_env(env), ParamServerSettings.from_env(env)
+        assert (worker.learning.lr, worker.learning.user_lr) == (0.2, 0.4)
+        assert (ps.adagrad.lr, ps.user_adagrad.lr) == (0.3, 0.6)
+        assert worker.model_dir == models
+    bare = {"FRESHREC_HOME": str(tmp_path / "elsewhere"), "FRESHREC_WORKER_ID": "w"}
+    assert (
+        WorkerSettings.from_env(bare).learning.lr == ParamServerSettings.from_env(bare).adagrad.lr
+    )

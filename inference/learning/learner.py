@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from freshrec import clock
 from freshrec import metrics as m
+from freshrec.settings import LEARNING_RATE
 from inference.learning.outbox import GradientOutbox
 from inference.learning.pending import PendingSteps
 from inference.learning.steps import (
@@ -36,11 +38,9 @@ log = logging.getLogger("freshrec.worker")
 @dataclass(frozen=True)
 class LearningSettings:
     dim: int = 64
-    lr: float = 0.05
-    """Local step size of item rows, v ← v − lr·g. Chosen by ``tools/bench_freshness.py``: a
-    closed-loop cohort's CTR rose from ~5% to 20-30% in two minutes at 0.05-0.2, not at all
-    at the seeds' 0.001 or at 0.01, and less at 0.5-1.0 (docs/online-learning.md)."""
-    user_lr: float = 0.05
+    lr: float = LEARNING_RATE
+    """Local step size of item rows, v ← v − lr·g (``freshrec.settings.LEARNING_RATE``)."""
+    user_lr: float = LEARNING_RATE
     """Local step size of user rows. A user's row is touched only by that user's events, an
     item's by everyone's: on positive-only logs users want the larger step (0.5 for models
     trained by ``freshrec train --log``, which record it in their manifest)."""
@@ -95,9 +95,6 @@ class LocalLearner:
         self._newest_local = m.FRESHNESS_EVENT_TIME.labels("local")
         self._trim_warned_at = -math.inf
 
-    def _now_ms(self) -> int:
-        return int(time.time() * 1000)
-
     def _negatives_pool(self, events) -> list[str]:
         """Where sampled negatives come from: for the logistic loss the items of recent
         examples (popular items more often); for softmax the catalogue, uniformly."""
@@ -151,7 +148,7 @@ class LocalLearner:
             [learning.user_lr, learning.lr],
             learning.max_grad_norm,
         )
-        now_ms = self._now_ms()
+        now_ms = clock.now_ms()
         for table, (distinct, index), key_slots, step in (
             (TABLE_USER, users, user_slots, local[0]),
             (TABLE_ITEM, items, item_slots, local[1]),

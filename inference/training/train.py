@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from freshrec.settings import LEARNING_RATE
 from inference.models.attention import SEQUENCE
 from inference.models.features import DENSE
 from inference.models.modelfile import save_model, save_tensors, write_manifest
@@ -199,7 +200,7 @@ def _train_two_tower_softmax(
 ONLINE_SOFTMAX = {
     "loss": "softmax",
     "user_lr": 0.5,
-    "item_lr": 0.05,
+    "item_lr": LEARNING_RATE,
     "sampled_negatives": 10,
     "global_user_lr": 0.5,
     "adagrad_initial_accumulator": 1.0,

@@ -1,0 +1,95 @@
+"""Waiting out a Redis outage: one rule for every service.
+
+A service whose input waits safely in Kafka (nothing is committed past the work that needs
+Redis) does not exit when Redis stops answering: it runs the operation again every
+``wait_s`` until Redis takes it, says so once when it starts waiting and once when Redis is
+back, and lets the caller keep its group membership alive meanwhile (``while_waiting``). The
+operations are idempotent (a snapshot written again, a read), so running one twice is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import redis
+
+from freshrec.errors import FreshRecError
+
+T = TypeVar("T")
+log = logging.getLogger("freshrec.outage")
+
+REDIS_DOWN: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
+"""Errors that mean Redis did not answer (as opposed to refusing a command)."""
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Redis did not answer, or a FreshRec error says the same call may succeed later."""
+    return isinstance(exc, REDIS_DOWN) or (isinstance(exc, FreshRecError) and exc.retriable)
+
+
+class _Waiting:
+    """The log lines of one wait: the first failure, then the recovery."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
+
+    def failed(self, exc: BaseException) -> bool:
+        first = self.since is None
+        if first:
+            self.since = time.monotonic()
+            log.warning("%s: Redis unavailable (%s); waiting for it", self.what, exc)
+        return first
+
+    def done(self) -> None:
+        if self.since is not None:
+            log.info("%s: Redis is back after %.1fs", self.what, time.monotonic() - self.since)
+
+
+def until_redis_answers(
+    op: Callable[[], T],
+    what: str,
+    *,
+    wait_s: float = 1.0,
+    while_waiting: Callable[[bool], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """``op()``, again every ``wait_s`` while Redis is unreachable. ``while_waiting(first)``
+    runs before each wait (pause consumption, poll to keep the group) and
+    ``while_waiting``'s owner learns the wait ended by ``op`` returning."""
+    waiting = _Waiting(what)
+    while True:
+        try:
+            result = op()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            first = waiting.failed(exc)
+            if while_waiting is not None:
+                while_waiting(first)
+            sleep(wait_s)
+            continue
+        waiting.done()
+        return result
+
+
+async def until_redis_answers_async(
+    op: Callable[[], Awaitable[T]], what: str, *, wait_s: float = 1.0
+) -> T:
+    """``await op()``, again every ``wait_s`` while Redis is unreachable."""
+    waiting = _Waiting(what)
+    while True:
+        try:
+            result = await op()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            waiting.failed(exc)
+            await asyncio.sleep(wait_s)
+            continue
+        waiting.done()
+        return result
