@@ -27,7 +27,9 @@ consumed), and learns a step's interactions in their order through ``learn``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -145,3 +147,55 @@ class ISGD:
         near = np.argpartition(distance, take - 1)[:take] if take < n else np.arange(n)
         order = near[np.argsort(distance[near], kind="stable")]
         return _top(order.tolist(), self.items.names, k, exclude)
+
+
+@dataclass(frozen=True)
+class BaselineSpec:
+    """A replay baseline: its class and the settings ``freshrec replay`` searches for it on
+    the training part (``evaluation.prequential.tune``), given that part's length."""
+
+    cls: Callable[..., Baseline]
+    grid: Callable[[int], list[dict[str, Any]]] = lambda n: [{}]
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+    def candidates(self, n: int) -> list[tuple[str, dict[str, Any]]]:
+        """Each setting of the grid with its label (``window=500``; ``-`` for none).
+
+        >>> BASELINES["isgd"].candidates(1000)[0]
+        ('lr=0.01', {'lr': 0.01})
+        """
+        return [(settings_label(s), s) for s in self.grid(n)]
+
+
+def settings_label(settings: dict[str, Any]) -> str:
+    """``{"lr": 0.05, "factors": 10}`` → ``factors=10,lr=0.05``; ``{}`` → ``-``."""
+    return ",".join(f"{k}={v}" for k, v in sorted(settings.items())) or "-"
+
+
+class Baseline(Protocol):
+    name: str
+
+    def learn(self, users: Sequence[str], items: Sequence[str]) -> None: ...
+
+    def recommend(self, user: str, k: int, exclude: set[str]) -> list[str]: ...
+
+
+def _windows(n: int) -> list[dict[str, Any]]:
+    return [
+        {"window": w} for w in sorted({max(10, int(n * f)) for f in (0.01, 0.02, 0.05, 0.1, 0.2)})
+    ]
+
+
+BASELINES: dict[str, BaselineSpec] = {
+    spec.name: spec
+    for spec in (
+        BaselineSpec(Pop),
+        BaselineSpec(RecentPop, _windows),
+        BaselineSpec(ISGD, lambda n: [{"lr": lr} for lr in (0.01, 0.02, 0.05, 0.1)]),
+    )
+}
+"""The baselines ``freshrec replay --baselines`` may name. A new one is a class with ``name``,
+``learn`` and ``recommend`` and a line here; ``tests/test_registries.py`` then checks it."""

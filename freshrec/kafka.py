@@ -294,6 +294,25 @@ def produce(
             producer.poll(0.05)
 
 
+_TRANSIENT_DELIVERY = frozenset(
+    {
+        KafkaError._MSG_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+    }
+)
+
+
+def delivery_retriable(err) -> bool:
+    """Whether a failed delivery may pass on its own (a timeout, a broker away): the same
+    message produced again may be delivered (``freshrec/retry.py``)."""
+    code = err.code() if hasattr(err, "code") else None
+    return code in _TRANSIENT_DELIVERY or bool(getattr(err, "retriable", lambda: False)())
+
+
 class TopicMissing(FreshRecError, RuntimeError):
     """A topic a service needs does not exist (``freshrec topics create`` makes them)."""
 

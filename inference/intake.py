@@ -11,6 +11,7 @@ expired, or was a duplicate); ``RequestOffsets`` turns "done" into what may be c
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
@@ -19,8 +20,9 @@ from confluent_kafka import KafkaError, KafkaException
 
 from freshrec import metrics as m
 from freshrec.clock import now_ms
-from freshrec.kafka import produce
+from freshrec.kafka import delivery_retriable, produce
 from freshrec.rediskeys import RedisKeys
+from freshrec.retry import RetryPolicy, RetryQueue
 from freshrec.topics import TopicNames
 from inference.batching import BatchPolicy, split_expired
 from inference.feedback import Feedback
@@ -41,20 +43,8 @@ MAX_ATTEMPTS = 3
 """Deliveries of a reply or dead letter tried before it counts as undeliverable."""
 
 
-def _retriable(err) -> bool:
-    """Whether a delivery error may pass on its own (a timeout, a broker away)."""
-    code = err.code() if hasattr(err, "code") else None
-    return code in _TRANSIENT or bool(getattr(err, "retriable", lambda: False)())
-
-
-_TRANSIENT = {
-    KafkaError._MSG_TIMED_OUT,
-    KafkaError._TIMED_OUT,
-    KafkaError._TRANSPORT,
-    KafkaError._ALL_BROKERS_DOWN,
-    KafkaError.REQUEST_TIMED_OUT,
-    KafkaError.NOT_LEADER_FOR_PARTITION,
-}
+REPLY_RETRY = RetryPolicy(attempts=MAX_ATTEMPTS, first_wait_s=0.0)
+"""A reply or dead letter is produced again at the loop's next round: its client waits."""
 
 
 class _Countdown:
@@ -94,7 +84,7 @@ class RequestIntake:
         self.reply_topics = reply_topic_pattern(
             settings.conn.topic_prefix, settings.reply_topic_pattern
         )
-        self._retries: list[tuple] = []
+        self._retries: RetryQueue[tuple] = RetryQueue(REPLY_RETRY)
         self.feedback = Feedback()
         """The tiers of recent replies: events naming them are counted by tier."""
         self.experiment = experiment
@@ -286,9 +276,10 @@ class RequestIntake:
                 raise ProducerFailed(f"producer failed for good delivering a {what}: {err}")
             elif err.code() == KafkaError._PURGE_QUEUE:
                 pass  # taken back on a rebalance: the partition's next owner answers it
-            elif attempt < MAX_ATTEMPTS and _retriable(err):
+            elif delivery_retriable(err) and self._retries.add(
+                (topic, value, key, headers, report, what), attempt, time.monotonic()
+            ):
                 m.PRODUCE_RETRIES.labels(what).inc()
-                self._retries.append((topic, value, key, headers, report, what, attempt + 1))
             else:
                 report(False, err)
 
@@ -300,8 +291,9 @@ class RequestIntake:
     def retry_failed(self) -> None:
         """Produce again what failed for a reason that may pass (called from the loop, not
         from a delivery callback)."""
-        retries, self._retries = self._retries, []
-        for topic, value, key, headers, report, what, attempt in retries:
+        for (topic, value, key, headers, report, what), attempt in self._retries.due(
+            time.monotonic()
+        ):
             self._send(topic, value, key, headers, report, what, attempt)
 
     # ---------------------------------------------------------------------- answer once
@@ -337,4 +329,4 @@ class RequestIntake:
                 kept.append(b)
         self.queue = kept
         self.offsets.forget(gone)
-        self._retries.clear()  # their requests are answered again by the next owner
+        self._retries.drain()  # their requests are answered again by the next owner

@@ -46,7 +46,6 @@ from confluent_kafka import (
 from freshrec import metrics as m
 from freshrec.clock import now_ms
 from freshrec.dedupe import DedupeWindow
-from freshrec.health import HEALTH
 from freshrec.kafka import (
     close_producer,
     consume_available,
@@ -55,6 +54,7 @@ from freshrec.kafka import (
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards
+from freshrec.service import Service
 from freshrec.topics import TopicNames
 from inference.batching import EventSlicer
 from inference.clients import WorkerClients
@@ -90,7 +90,8 @@ MAX_ROWS_PER_MESSAGE = 1000
 OUTBOX_MAX_ROWS = 20_000  # sent before the linger runs out past this many waiting rows
 
 
-class Worker:
+class Worker(Service):
+    name = "worker"
     """Learning and serving on one thread; ``run`` loops ``poll_once`` until stopped."""
 
     def __init__(self, settings: WorkerSettings, clients: WorkerClients | None = None) -> None:
@@ -266,7 +267,9 @@ class Worker:
             settle_heap(),
         )
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Stop, deliver and commit what is done (every commit waits for its work, clean or
+        not: the offset gates decide), then release the connections."""
         self.snapshots.stop()
         self.recommender.runner.close()
         self.send_outbox()
@@ -279,15 +282,6 @@ class Worker:
         close_producer(self.producer, 10)
 
     # ------------------------------------------------------------------------------- loop
-    def run(self, stop: threading.Event) -> None:
-        self.start()
-        try:
-            while not stop.is_set():
-                self.poll_once()
-                HEALTH.beat()
-        finally:
-            self.close()
-
     def poll_once(self) -> None:
         t0 = time.perf_counter()
         msgs = consume_available(self.events, self._consume_size(), self._poll_timeout_s())

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from collections import defaultdict
@@ -33,7 +32,6 @@ from confluent_kafka import OFFSET_BEGINNING, Producer
 
 from freshrec import metrics as m
 from freshrec.errors import FreshRecError
-from freshrec.health import HEALTH
 from freshrec.kafka import (
     background_consumer,
     close_producer,
@@ -49,6 +47,7 @@ from freshrec.partitioner import row_partitions
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import row_shards
+from freshrec.service import Service
 from freshrec.topics import TopicNames
 from param_server.settings import ParamServerSettings
 from param_server.store import (
@@ -93,7 +92,9 @@ class FencedOff(FreshRecError, RuntimeError):
     this one stalled): nothing was written; the process must stop and restart from Redis."""
 
 
-class ParameterServer:
+class ParameterServer(Service):
+    name = "parameter server"
+
     def __init__(self, settings: ParamServerSettings) -> None:
         self.settings = settings
         conn = settings.conn
@@ -165,7 +166,7 @@ class ParameterServer:
         log.info("revoked gradients partitions %s", sorted(tp.partition for tp in partitions))
 
     # ------------------------------------------------------------------------------ loop
-    def run(self, stop: threading.Event) -> None:
+    def start(self) -> None:
         topic = self.names.gradients
         self.update_partitions = partition_count(self.producer, self.names.embeddings_updates)
         gradients = partition_count(self.producer, topic)
@@ -184,11 +185,11 @@ class ParameterServer:
             self.settings.dim,
             settle_heap(),
         )
+
+    def close(self, clean: bool) -> None:
         try:
-            while not stop.is_set():
-                self.poll_once()
-                HEALTH.beat()
-            self.flush(sync=True)
+            if clean:
+                self.flush(sync=True)
         finally:
             try:
                 self.consumer.close()  # its revoke flushes (and waits for) what is left
@@ -534,7 +535,7 @@ class ParameterServer:
             self._pause(True)
             self.consumer.poll(0)  # keep group membership alive
 
-        result = until_redis_answers(op, "parameter server", wait_s=0.5, while_waiting=waiting)
+        result = until_redis_answers(op, self.name, wait_s=0.5, while_waiting=waiting)
         self._pause(False)
         return result
 

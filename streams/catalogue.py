@@ -15,7 +15,6 @@ held the count stage still for tens of seconds. Offsets are committed after the 
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Sequence
 
@@ -23,9 +22,9 @@ from confluent_kafka import Producer
 
 from freshrec import metrics as m
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
-from freshrec.outage import until_redis_answers
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
+from freshrec.service import Service
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_item, encode_dead_letter
 from schemas.contract import Rejected
@@ -60,7 +59,10 @@ def queue_deletions(pipe, keys: RedisKeys, item_ids: Sequence[str]) -> None:
     pipe.zrem(keys.new_items, *item_ids)
 
 
-class CatalogueStage:
+class CatalogueStage(Service):
+    name = "catalogue"
+    beats = False  # a thread of the streams app, whose event loop beats
+
     def __init__(self, settings: StreamsSettings, prices: queue.SimpleQueue) -> None:
         self.settings = settings
         conn = settings.conn
@@ -79,24 +81,23 @@ class CatalogueStage:
         self.producer = Producer(producer_config(conn))
         self.redis = connect(conn.redis_url)
 
-    def run(self, stop: threading.Event) -> None:
+    def start(self) -> None:
         self.consumer.subscribe([self.names.items])
-        try:
-            while not stop.is_set():
-                good = consume_batch(
-                    self.consumer, self.settings.batch_max, 0.05, "items", fill=True
-                )
-                if good:
-                    with m.STREAMS_BATCH_SECONDS.labels("catalogue").time():
-                        self.process(good)
-                    # dead letters out before the offsets move past their records
-                    while self.producer.flush(1) and not stop.is_set():
-                        log.warning("catalogue dead letters not delivered yet; waiting")
-                    if not stop.is_set():
-                        self._commit()
-                self.producer.poll(0)
-        finally:
-            self.consumer.close()
+
+    def poll_once(self) -> None:
+        good = consume_batch(self.consumer, self.settings.batch_max, 0.05, "items", fill=True)
+        if good:
+            with m.STREAMS_BATCH_SECONDS.labels("catalogue").time():
+                self.process(good)
+            # dead letters out before the offsets move past their records
+            while self.producer.flush(1) and not self.stopping:
+                log.warning("catalogue dead letters not delivered yet; waiting")
+            if not self.stopping:
+                self._commit()
+        self.producer.poll(0)
+
+    def close(self, clean: bool) -> None:
+        self.consumer.close()
 
     def process(self, msgs) -> None:
         now = int(time.time() * 1000)
@@ -137,7 +138,7 @@ class CatalogueStage:
             pipe.incr(self.keys.catalogue_version)
             pipe.execute()
 
-        until_redis_answers(write, "catalogue")
+        self.wait_for_redis(write, "writing the catalogue")
         if items:
             self.prices.put({i.item_id: i.price for i in items})
             m.CATALOGUE_RECORDS.inc(len(items))

@@ -34,11 +34,11 @@ from freshrec.childmetrics import send_snapshots
 from freshrec.dedupe import DedupeWindow
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
 from freshrec.lifecycle import die_with_parent, set_from_signal
-from freshrec.outage import until_redis_answers
 from freshrec.partitioner import str_partitions
 from freshrec.redisconn import Packed, connect, is_cluster, run_packed
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Pipelined, pack
+from freshrec.service import Service
 from freshrec.settings import LOG_FORMAT
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
@@ -74,7 +74,10 @@ def _run_bounds(keys: np.ndarray) -> list[int]:
     return [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist(), len(keys)]
 
 
-class ValidateStage:
+class ValidateStage(Service):
+    name = "validate"
+    beats = False  # a thread (or child process) of the streams app, whose event loop beats
+
     def __init__(self, settings: StreamsSettings, by_item_partitions: int) -> None:
         self.settings = settings
         conn = settings.conn
@@ -102,28 +105,30 @@ class ValidateStage:
         """Validate batches until ``stop``; then commit what was delivered. A batch that
         fails half-way (its exception ends the stage) commits nothing: its offsets, and the
         batch's valid events, are read again by the next run."""
+        super().run(stop)
+
+    def start(self) -> None:
         self.consumer.subscribe([self.names.events], on_revoke=self._on_revoke)
-        failed = True
+
+    def poll_once(self) -> None:
+        # fill: each batch costs a by-item message per target partition and its share of a
+        # commit; returning with the first event made the batches small and the hot-list lag
+        # longer (p99 484 against 395 ms, docs/benchmarks.md)
+        good = consume_batch(self.consumer, self.settings.batch_max, 0.05, "events", fill=True)
+        if good:
+            with m.STREAMS_BATCH_SECONDS.labels("validate").time():
+                self.process(good)
+            m.STREAMS_BATCH_SIZE.labels("validate").observe(len(good))
+            self._uncommitted = True
+        self.producer.poll(0)
+        if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S:
+            self._commit()
+
+    def close(self, clean: bool) -> None:
         try:
-            while not stop.is_set():
-                # fill: each batch costs a by-item message per target partition and its share
-                # of a commit; returning with the first event made the batches small and the
-                # hot-list lag longer (p99 484 against 395 ms, docs/benchmarks.md)
-                good = consume_batch(
-                    self.consumer, self.settings.batch_max, 0.05, "events", fill=True
-                )
-                if good:
-                    with m.STREAMS_BATCH_SECONDS.labels("validate").time():
-                        self.process(good)
-                    m.STREAMS_BATCH_SIZE.labels("validate").observe(len(good))
-                    self._uncommitted = True
-                self.producer.poll(0)
-                if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S:
-                    self._commit()
-            failed = False
-        finally:
-            if not failed:
+            if clean:
                 self._commit()
+        finally:
             self.consumer.close()
             if self.recent is not None:
                 with contextlib.suppress(redis.RedisError):
@@ -172,7 +177,7 @@ class ValidateStage:
             self._route(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
             writes = pack_recent(self.keys, clicks, self.settings.recent_clicks) if clicks else []
-            writes += until_redis_answers(
+            writes += self.wait_for_redis(
                 lambda: self.attribution.commands(events), "experiment attribution"
             )
             if writes:
@@ -192,7 +197,7 @@ class ValidateStage:
                 payload = b"".join(e.payload for e in entries)
                 self.recent.send(payload, sum(e.replies for e in entries))
 
-        until_redis_answers(send, "recent clicks")
+        self.wait_for_redis(send, "recent clicks")
 
     def _dead_letters(self, msgs, events, now: int) -> tuple[list, list]:
         """Send the batch's rejects to ``events.dlq``; the messages and events that passed."""

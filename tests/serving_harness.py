@@ -9,14 +9,15 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from freshrec.app.training import train_on_world
 from freshrec.client import SyncRecommendClient
 from freshrec.kafka import gradients_partitions
+from freshrec.sim.world import World, WorldConfig
 from inference.serving.breaker import BreakerConfig
 from inference.settings import LearningSettings, WorkerSettings
 from inference.training.train import TrainConfig
 from inference.worker import Worker
 from tools.seed import seed_world
-from tools.world import World, WorldConfig
 
 from .streams_harness import wait_for
 
@@ -25,7 +26,9 @@ WORLD = WorldConfig(seed=5, n_users=3000, n_items=400, n_categories=8)
 
 
 def train_models(directory: Path) -> dict:
-    return World(WORLD).train(TrainConfig(impressions=40_000, dim=DIM), directory, lambda s: None)
+    return train_on_world(
+        World(WORLD), TrainConfig(impressions=40_000, dim=DIM), directory, lambda s: None
+    )
 
 
 def seed_redis(conn, model_dir: Path, redis_url: str | None = None) -> None:

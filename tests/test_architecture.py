@@ -5,8 +5,9 @@ grows past the size a reader can hold.
 
 Layers (``docs/design.md``, "Module map"): the kernel is ``freshrec/`` without ``freshrec/app``;
 the services are ``inference/``, ``streams/`` and ``param_server/``; the app shell is
-``freshrec/app``; ``evaluation/`` is the replay's protocol, metrics and baselines (pure, on the
-kernel alone); ``tools/`` holds the simulator, benchmarks and drills.
+``freshrec/app``; ``freshrec/sim`` is the simulator ``freshrec run`` drives (a client like any
+other: the kernel and ``schemas/`` alone); ``evaluation/`` is the replay's protocol, metrics and
+baselines (pure, on the kernel alone); ``tools/`` holds benchmarks and drills.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def project_imports(name: str) -> set[str]:
 def layer(name: str) -> str:
     top = name.split(".")[0]
     if top == "freshrec":
-        return "app" if name.startswith("freshrec.app") else "kernel"
+        if name.startswith("freshrec.app"):
+            return "app"
+        return "sim" if name.startswith("freshrec.sim") else "kernel"
     return top
 
 
@@ -119,7 +122,15 @@ def test_the_kernel_schemas_and_services_never_import_tools_or_tests(name):
 
 @pytest.mark.parametrize("name", [n for n in MODULES if layer(n) in ("kernel", "schemas")])
 def test_the_kernel_and_schemas_import_no_service_and_no_app(name):
-    bad = {m for m in project_imports(name) if layer(m) in (*SERVICES, "app")}
+    bad = {m for m in project_imports(name) if layer(m) in (*SERVICES, "app", "sim")}
+    assert not bad, f"{name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if layer(n) == "sim"])
+def test_the_simulator_is_a_client_like_any_other(name):
+    """The synthetic world and the closed loop stand on the kernel and the wire contracts: they
+    reach the services only over Kafka and Redis, as a user's code would."""
+    bad = {m for m in project_imports(name) if layer(m) not in ("sim", "kernel", "schemas")}
     assert not bad, f"{name} imports {sorted(bad)}"
 
 

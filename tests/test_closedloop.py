@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from freshrec.settings import ConnectionSettings
+from freshrec.sim.closedloop import ClosedLoop
+from freshrec.sim.world import World, WorldConfig
 from schemas.codec import decode_event
 from tools.bench_freshness import arm_env, choose_cohort, table, top_k_ctr, true_scores
-from tools.closedloop import ClosedLoop
-from tools.world import World, WorldConfig
 
 WORLD = World(WorldConfig(seed=3, n_users=5_000, n_items=1_000))
 CONN = ConnectionSettings("127.0.0.1:1", "redis://127.0.0.1:1", "t.")

@@ -8,10 +8,10 @@ from confluent_kafka import Consumer
 
 from freshrec.kafka import consumer_config
 from freshrec.partitioner import kafka_partition
+from freshrec.sim.produce import produce_events, produce_items
+from freshrec.sim.world import World, WorldConfig
 from freshrec.topics import TopicNames
 from schemas.codec import decode_event, decode_item
-from tools.produce import produce_events, produce_items
-from tools.world import World, WorldConfig
 
 
 def consume_all(conn, topic: str, expected: int, timeout_s: float = 30.0) -> list:

@@ -6,7 +6,10 @@
   user can name a ranker (``FRESHREC_RANKER``, ``--rankers``, an experiment's ``ranking``);
 - recall channels (``inference/serving/channels.py`` ``CHANNELS``): a name, a default quota and
   deadline, slots of catalogue items only, one list per query, and accepted by
-  ``FRESHREC_RECALL_CHANNELS``, injected delays and an experiment's ``recall_quotas``.
+  ``FRESHREC_RECALL_CHANNELS``, injected delays and an experiment's ``recall_quotas``;
+- replay baselines (``evaluation/baselines.py`` ``BASELINES``): every setting of the grid the
+  replay searches learns a log and recommends distinct items it has seen, none excluded, and
+  ``freshrec replay --baselines`` names every one.
 
 The lists a user can name are the registries' (a second copy would drift).
 """
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from evaluation.baselines import BASELINES as BASELINE_SPECS
 from inference.models import kinds
 from inference.models.features import FeatureEncoder, RankInputs
 from inference.models.modelfile import load_model, save_model
@@ -149,3 +153,32 @@ def test_every_channel_can_be_chosen_delayed_and_given_a_quota(name):
     assert s.recall_delays_ms == {name: 5.0}
     exp = _experiment(f"[variant.recall_quotas]\n{name} = 3")
     assert exp.variants[1].recall_quotas == {name: 3}
+
+
+# ------------------------------------------------------------------------ replay baselines
+@pytest.mark.parametrize("name", list(BASELINE_SPECS))
+def test_every_baseline_learns_and_recommends_what_it_has_seen_and_not_excluded(name):
+    spec = BASELINE_SPECS[name]
+    assert spec.name == name
+    rng = np.random.default_rng(0)
+    users = [f"u{x}" for x in rng.integers(0, 30, 600)]
+    items = [f"i{x}" for x in rng.zipf(1.5, 600) % 50]
+    grid = spec.candidates(len(users))
+    assert grid and len({label for label, _ in grid}) == len(grid)
+    for label, settings in grid:
+        model = spec.cls(**settings)
+        model.learn(users[:300], items[:300])
+        model.learn(users[300:], items[300:])
+        seen = set(items)
+        for user in ("u1", "u7", "stranger"):
+            exclude = set(items[:5])
+            got = model.recommend(user, 10, exclude)
+            assert len(got) <= 10 and len(set(got)) == len(got), label
+            assert not set(got) & exclude and set(got) <= seen, label
+        assert model.recommend("u1", 10, set()), f"{name} {label} recommends nothing"
+
+
+def test_the_replay_names_every_registered_baseline():
+    from freshrec.app.replay import BASELINES
+
+    assert set(BASELINES) == set(BASELINE_SPECS)

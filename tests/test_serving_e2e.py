@@ -23,6 +23,7 @@ from freshrec.app.stack import free_port
 from freshrec.client import RecommendTimeout
 from freshrec.kafka import producer_config
 from freshrec.rediskeys import RedisKeys
+from freshrec.sim.world import World
 from freshrec.topics import TopicNames
 from inference.models.modelfile import read_manifest, write_manifest
 from inference.serving.breaker import BreakerConfig
@@ -30,7 +31,6 @@ from inference.serving.rerank import space_categories
 from schemas.codec import encode_request
 from schemas.records import Event, RecommendRequest
 from schemas.rows import TABLE_ITEM
-from tools.world import World
 
 from .serving_harness import (
     DIM,

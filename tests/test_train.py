@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from freshrec.app.training import ensure_models
+from freshrec.app.training import ensure_models, train_on_world, world_log
 from freshrec.progress import ProgressLine
+from freshrec.sim.world import World, WorldConfig
 from inference.models.modelfile import read_manifest
 from inference.training.train import TrainConfig, fit_ranker
-from tools.world import World, WorldConfig
 
 SMALL = WorldConfig(seed=3, n_users=400, n_items=120, n_categories=6)
 
@@ -79,7 +79,7 @@ def test_models_are_reused_for_the_same_world_and_configuration_only(tmp_path, c
 def test_the_tower_and_the_rankers_can_learn_from_disjoint_shares_of_the_logs(tmp_path):
     world = World(SMALL)
     cfg = TrainConfig(impressions=3000, dim=8, tower_epochs=1, rank_epochs=2)
-    manifest = world.train(cfg, tmp_path / "both", lambda s: None)
+    manifest = train_on_world(world, cfg, tmp_path / "both", lambda s: None)
     both = manifest["training"]
     assert both["tower_impressions"] == both["ranking_impressions"]  # the whole training split
     # every ranking model by default, each with its held-out AUC
@@ -87,8 +87,8 @@ def test_the_tower_and_the_rankers_can_learn_from_disjoint_shares_of_the_logs(tm
     assert set(manifest["files"]) == {*rankers, "two_tower"}
     assert all(0 <= both[f"auc_{k}"] <= 1 for k in (*rankers, "tiered"))
     assert 0 < both["pruned_sparsity"] < 1
-    split = world.train(
-        replace(cfg, tower_share=0.5, rankers="pruned"), tmp_path / "split", lambda s: None
+    split = train_on_world(
+        world, replace(cfg, tower_share=0.5, rankers="pruned"), tmp_path / "split", lambda s: None
     )
     assert set(split["files"]) == {"wide_deep", "light", "pruned", "two_tower"}
     t = split["training"]
@@ -106,7 +106,7 @@ def test_a_logistic_fine_tune_starts_from_the_softmax_rows_and_fits_the_impressi
     from inference.training.train import train_two_tower
 
     world = World(SMALL)
-    logs = world.training_log(20_000, np.random.default_rng(4))
+    logs = world_log(world, 20_000, np.random.default_rng(4))
     idx = np.arange(len(logs.items))
     base = TrainConfig(impressions=20_000, dim=8, tower_epochs=4, finetune_epochs=3)
 

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from tools.pacing import Pacer
-from tools.traffic import EventSynthesizer, catalogue
-from tools.world import World, WorldConfig, zipf_rank
+from freshrec.sim.pacing import Pacer
+from freshrec.sim.traffic import EventSynthesizer, catalogue
+from freshrec.sim.world import World, WorldConfig, zipf_rank
 
 SMALL = WorldConfig(seed=11, n_users=20_000, n_items=5_000)
 
@@ -88,8 +88,8 @@ def test_interest_drift_changes_main_categories_of_the_configured_fraction():
 def test_world_scales_to_a_million_items_and_ten_million_users_in_bounded_memory():
     code = """
 import json, resource, numpy as np
-from tools.world import World, WorldConfig
-from tools.traffic import EventSynthesizer
+from freshrec.sim.world import World, WorldConfig
+from freshrec.sim.traffic import EventSynthesizer
 w = World(WorldConfig(seed=1, n_users=10_000_000, n_items=1_000_000))
 events = EventSynthesizer(w, seed=1).batch(2000, w.config.start_ms)
 users = w.sample_users(np.random.default_rng(0), 1_000_000)
@@ -116,8 +116,8 @@ def test_pacer_keeps_a_steady_rate_and_caps_catch_up():
 
 
 def test_prepared_events_are_stamped_with_the_time_they_are_sent():
+    from freshrec.sim.produce import prepare_events
     from schemas.codec import decode_event
-    from tools.produce import prepare_events
 
     world = World(WorldConfig(seed=2, n_users=1000, n_items=200))
     records = prepare_events(world, 300, seed=1)

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from freshrec.progress import ProgressLine
+from freshrec.sim.world import World, WorldConfig
 from inference.serving.ann import IVFIndex, auto_nprobe, exact_search, ivf_cells
 from inference.serving.channels import DEFAULT_CHANNELS
 from tools.benchlib import device_arg, save
-from tools.world import World, WorldConfig
 
 DIM = 64
 

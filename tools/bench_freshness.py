@@ -9,7 +9,7 @@ cohort's own logged impressions before the drift (``--train-on cohort``), so tha
 arm starts from rows that know the cohort's interests, as a production model trained
 yesterday would; ``--train-on world`` trains on the world's active users instead. A cohort of active users
 of the synthetic world asks for recommendations at a steady rate and clicks as the world's
-ground truth says (``tools.closedloop``); ``--before`` seconds after the first request, a
+ground truth says (``freshrec.sim.closedloop``); ``--before`` seconds after the first request, a
 fraction of the cohort switches its main interest to another category (the world's interest
 drift). Reported per ``--window`` seconds, for the users who drift and for the others: the
 CTR of the replies they got; and at the start and the end of each arm, what the rows alone
@@ -52,19 +52,20 @@ import numpy as np
 from evaluation.drift import Recovery, level_before, recovery_s
 from freshrec.app.runstatus import wait_until_assigned
 from freshrec.app.stack import free_port
+from freshrec.app.training import train_on_world
 from freshrec.kafka import gradients_partitions
 from freshrec.progress import ProgressLine
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import fetch_rows
+from freshrec.sim.closedloop import ClosedLoop, LoopStats
+from freshrec.sim.world import World, WorldConfig
 from inference.models.modelfile import read_manifest
 from inference.training.train import TOWER_LOSSES, TrainConfig
 from schemas.ids import row_ids
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 from tools.benchlib import bench_connection, save, service_process
-from tools.closedloop import ClosedLoop, LoopStats
 from tools.seed import seed_world
-from tools.world import World, WorldConfig
 
 DIM = 64
 ARMS = {
@@ -185,7 +186,7 @@ def main() -> None:
         if not (models / "manifest.json").exists():
             progress.done(f"training models for the benchmark world into {models}")
             models.mkdir(parents=True, exist_ok=True)
-            world.train(config, models, progress.update, users=trained_on)
+            train_on_world(world, config, models, progress.update, users=trained_on)
         elif not holds_models_of(models, source):
             ap.error(f"--models {models} holds models of another world or cohort")
         elif (held := trained_with(models, config)) is not None:

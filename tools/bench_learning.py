@@ -40,6 +40,7 @@ from freshrec.promtext import (
     subtract,
     total,
 )
+from freshrec.sim.produce import events_producer, prepare_events, produce_events, produce_prepared
 from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import LOOP_PHASES, Worker
@@ -58,7 +59,6 @@ from tools.benchlib import (
     service_process,
     synthetic_records,
 )
-from tools.produce import events_producer, prepare_events, produce_events, produce_prepared
 
 
 def counter(name: str, **labels: str) -> float:

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from freshrec.app.options import add_log_options
+from freshrec.app.training import train_on_world
 from freshrec.progress import ProgressLine
+from freshrec.sim.world import World, WorldConfig
 from inference.models.attention import SEQUENCE, gather_sequences, sequence_index
 from inference.models.features import FeatureEncoder
 from inference.models.kinds import MODEL_KINDS
@@ -36,7 +38,6 @@ from inference.models.tiers import HeatSplit, route, thresholds
 from inference.serving.rankstage import score_by_tiers
 from inference.training.train import TrainConfig
 from tools.benchlib import device_arg, median_ms, save
-from tools.world import World, WorldConfig
 
 BATCH = 500
 
@@ -49,7 +50,9 @@ def train_models(args, directory: Path, progress: ProgressLine) -> dict:
         inter, items = read_log_from_args(args, args.log, progress)
         return train_from_log(inter, items, directory, progress.update)
     world = World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items_count))
-    return world.train(TrainConfig(impressions=args.impressions), directory, progress.update)
+    return train_on_world(
+        world, TrainConfig(impressions=args.impressions), directory, progress.update
+    )
 
 
 def batch_inputs(directory: Path, manifest: dict, device: torch.device, seed: int = 7):

@@ -53,6 +53,8 @@ from freshrec.redisconn import Packed, connect, is_cluster, run_packed
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import pack_fixed
 from freshrec.rowstore import row_shards
+from freshrec.sim.traffic import catalogue
+from freshrec.sim.world import World, WorldConfig
 from freshrec.topics import TopicNames, ensure_topics
 from inference.serving.recall import RecallQuery
 from inference.settings import LearningSettings, WorkerSettings
@@ -63,8 +65,6 @@ from schemas.records import RecommendRequest
 from schemas.rowbatch import KIND_GRADIENTS, TABLE_NAMES, RowBatch
 from schemas.rows import TABLE_ITEM, TABLE_USER, encode_rows_matrix, key_matrix, width
 from tools.benchlib import bench_connection, save, service_process, wait_until
-from tools.traffic import catalogue
-from tools.world import World, WorldConfig
 
 DIM = 64
 CHUNK = 50_000

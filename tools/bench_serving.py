@@ -43,6 +43,7 @@ from freshrec.client import RecommendClient, RecommendTimeout
 from freshrec.kafka import admin_config, consumer_config, gradients_partitions, producer_config
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
+from freshrec.sim.world import World, WorldConfig
 from freshrec.topics import TopicNames, ensure_topics
 from inference.models.features import FeatureEncoder
 from inference.models.modelfile import ModelWatcher
@@ -57,7 +58,6 @@ from schemas.codec import decode_reply, encode_request
 from schemas.records import RecommendRequest, RequestContext
 from tools.benchlib import bench_connection, device_arg, median_ms, save, service_process
 from tools.seed import seed_world
-from tools.world import World, WorldConfig
 
 DIM = 64
 PARTS = ("ranking", "recall", "serve", "batching", "latency")

@@ -15,6 +15,8 @@ from freshrec.app.stack import free_port
 from freshrec.kafka import close_producer
 from freshrec.progress import ProgressLine
 from freshrec.promtext import histogram_quantile, scrape, subtract, total
+from freshrec.sim.produce import events_producer, prepare_events, produce_prepared
+from freshrec.sim.world import World, WorldConfig
 from freshrec.topics import TopicNames
 from tools.benchlib import (
     bench_connection,
@@ -27,8 +29,6 @@ from tools.benchlib import (
     service_process,
     synthetic_records,
 )
-from tools.produce import events_producer, prepare_events, produce_prepared
-from tools.world import World, WorldConfig
 
 COUNTED = "freshrec_streams_counted_events_total"
 
@@ -127,7 +127,7 @@ def main() -> None:
         "cold_start_ratio": None if cold is None else round(cold / raw, 3),
     }
 
-    # events encoded ahead of time and stamped as they are sent (see tools.produce)
+    # events encoded ahead of time and stamped as they are sent (see freshrec.sim.produce)
     steady = prepare_events(world, int(args.rate * args.duration), seed=4)
     with bench_connection(f"br{int(time.time())}.") as conn:
         floor = raw_lag(conn, steady, args.rate)

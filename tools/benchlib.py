@@ -29,8 +29,8 @@ from freshrec.kafka import (
 )
 from freshrec.lifecycle import settle_heap
 from freshrec.settings import ConnectionSettings
+from freshrec.sim.world import World, WorldConfig
 from freshrec.topics import TopicNames, ensure_topics
-from tools.world import World, WorldConfig
 
 
 def learning_world() -> World:
@@ -99,8 +99,8 @@ def service_process(
 
 def synthetic_records(world, seed: int, n: int) -> list[tuple[bytes, bytes]]:
     """``n`` encoded synthetic events as (key, value), stamped now, ready to pre-produce."""
+    from freshrec.sim.traffic import EventSynthesizer
     from schemas.codec import encode_event
-    from tools.traffic import EventSynthesizer
 
     synth = EventSynthesizer(world, seed=seed)
     now = int(time.time() * 1000)
@@ -268,11 +268,11 @@ def raw_lag(
     linger_ms: int | None = None,
 ) -> dict[str, float]:
     """The floor under any pipeline's lag: event time -> a plain consumer (``LagReader``),
-    with ``records`` from ``tools.produce.prepare_events`` sent at ``rate_per_s`` as in the
+    with ``records`` from ``freshrec.sim.produce.prepare_events`` sent at ``rate_per_s`` as in the
     measured phase, after the ``ramp`` records (sent first at the same rate, not measured, as
     in the pipeline's phase). Give it a connection of its own: it reads ``events`` from the
     beginning."""
-    from tools.produce import events_producer, produce_prepared
+    from freshrec.sim.produce import events_producer, produce_prepared
 
     reader = LagReader(conn)
     done, give_up = threading.Event(), [float("inf")]

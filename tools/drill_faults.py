@@ -44,17 +44,18 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 
 from freshrec.app.stack import EmbeddedStack, free_port, redis_binary
+from freshrec.app.training import train_on_world
 from freshrec.client import RecommendClient, RecommendTimeout
 from freshrec.kafka import admin_config
 from freshrec.promtext import scrape_port, total
 from freshrec.settings import ConnectionSettings
+from freshrec.sim.produce import produce_events
+from freshrec.sim.world import World, WorldConfig
 from freshrec.topics import TopicNames, catalogue_with, ensure_topics
 from inference.training.train import TrainConfig
 from tools.benchlib import save, service_process
 from tools.drill_worker import committed, partition_ends
-from tools.produce import produce_events
 from tools.seed import seed_world
-from tools.world import World, WorldConfig
 
 WORLD = WorldConfig(seed=5, n_users=3000, n_items=400, n_categories=8)
 DIM = 16
@@ -218,8 +219,11 @@ class Pipeline:
 
 
 def train_models(directory: Path) -> Path:
-    World(WORLD).train(
-        TrainConfig(impressions=40_000, dim=DIM, rankers=""), directory, lambda s: None
+    train_on_world(
+        World(WORLD),
+        TrainConfig(impressions=40_000, dim=DIM, rankers=""),
+        directory,
+        lambda s: None,
     )
     return directory
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from freshrec.app.observe import behind
 from freshrec.app.stack import free_port
 from freshrec.promtext import scrape_port_now, total
+from freshrec.sim.produce import produce_events
 from tools.benchlib import bench_connection, learning_world, save, service_process
-from tools.produce import produce_events
 
 
 def _rate(samples: list[dict], since: float, until: float) -> float:

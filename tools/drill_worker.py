@@ -32,9 +32,9 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from freshrec.app.stack import free_port
 from freshrec.kafka import consumer_config
 from freshrec.promtext import scrape_port_now, total
+from freshrec.sim.produce import produce_events
 from freshrec.topics import TopicNames
 from tools.benchlib import bench_connection, learning_world, save, service_process
-from tools.produce import produce_events
 
 LEARNT = "freshrec_worker_events_total"
 

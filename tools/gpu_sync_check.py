@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freshrec.app.training import train_on_world
 from freshrec.kafka import gradients_partitions
+from freshrec.sim.world import World, WorldConfig
 from inference.device import HOST_COPIES
 from inference.learning.steps import Examples
 from inference.settings import LearningSettings, WorkerSettings
@@ -37,7 +39,6 @@ from inference.worker import Worker
 from tools.bench_serving import _inbound
 from tools.benchlib import bench_connection
 from tools.seed import seed_world
-from tools.world import World, WorldConfig
 
 DIM = 32
 WORLD = WorldConfig(seed=5, n_users=5000, n_items=2000, n_categories=12)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     world = World(WORLD)
     with tempfile.TemporaryDirectory() as tmp, bench_connection("gpucheck.") as conn:
         models = Path(tmp) / "models"
-        world.train(TrainConfig(impressions=40_000, dim=DIM), models, lambda s: None)
+        train_on_world(world, TrainConfig(impressions=40_000, dim=DIM), models, lambda s: None)
         seed_world(conn.redis_url, conn.topic_prefix, world, models, gradients_partitions(conn))
         w = Worker(WorkerSettings(conn, LearningSettings(dim=DIM), model_dir=models, device=device))
         w.start()

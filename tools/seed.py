@@ -15,10 +15,10 @@ from freshrec.hotscore import HotEntry, HotList
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import row_shards, seed_rows
+from freshrec.sim.traffic import catalogue
+from freshrec.sim.world import World
 from inference.models.modelfile import load_tensors, read_manifest
 from schemas.rows import TABLE_ITEM, TABLE_USER
-from tools.traffic import catalogue
-from tools.world import World
 
 
 def seed_world(

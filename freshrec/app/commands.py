@@ -180,7 +180,7 @@ def cmd_param_server(args: argparse.Namespace) -> int:
 
 def cmd_produce_items(args: argparse.Namespace) -> int:
     from freshrec.app.options import world_from_args
-    from tools.produce import produce_items
+    from freshrec.sim.produce import produce_items
 
     produce_items(connection(), world_from_args(args), ProgressLine())
     return 0
@@ -188,7 +188,7 @@ def cmd_produce_items(args: argparse.Namespace) -> int:
 
 def cmd_produce_events(args: argparse.Namespace) -> int:
     from freshrec.app.options import world_from_args
-    from tools.produce import produce_events
+    from freshrec.sim.produce import produce_events
 
     stats = produce_events(
         connection(),

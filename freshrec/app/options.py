@@ -55,7 +55,7 @@ def add_world_options(
 
 
 def world_from_args(args: argparse.Namespace):
-    from tools.world import World, WorldConfig
+    from freshrec.sim.world import World, WorldConfig
 
     return World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items))
 

@@ -22,11 +22,13 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from evaluation.baselines import BASELINES as SPECS
 from freshrec.progress import ProgressLine
 from freshrec.settings import state_dir
 
 log = logging.getLogger("freshrec.replay")
-BASELINES = ("pop", "recent_pop", "isgd")
+BASELINES = tuple(SPECS)
+"""The baselines ``--baselines`` may name (``evaluation/baselines.py``)."""
 
 
 def add_parser(sub) -> None:
@@ -142,26 +144,21 @@ def _models(prefix, items, out: Path, args, progress: ProgressLine) -> tuple[Pat
 
 def _baseline(name: str, data, k: int, windows: int, progress: ProgressLine):
     """The baseline's scores on the replay, its settings tuned on the training part."""
-    from evaluation.baselines import ISGD, Pop, RecentPop
     from evaluation.prequential import run, tune
 
-    p = data.plan
-    n = p.train_end
-    if name == "pop":
-        make, chosen = Pop, "-"
-    elif name == "recent_pop":
-        sizes = sorted({max(10, int(n * f)) for f in (0.01, 0.02, 0.05, 0.1, 0.2)})
-        cands = [(f"window={w}", lambda w=w: RecentPop(w)) for w in sizes]
-        chosen, _ = tune(cands, data.users, data.items, n, k)
-        w = int(chosen.split("=")[1])
-        make = lambda: RecentPop(w)  # noqa: E731
-    elif name == "isgd":
-        cands = [(f"lr={lr}", lambda lr=lr: ISGD(lr=lr)) for lr in (0.01, 0.02, 0.05, 0.1)]
-        chosen, _ = tune(cands, data.users, data.items, n, k)
-        lr = float(chosen.split("=")[1])
-        make = lambda: ISGD(lr=lr)  # noqa: E731
-    else:
+    spec = SPECS.get(name)
+    if spec is None:
         raise SystemExit(f"freshrec replay: unknown baseline {name!r} (known: {BASELINES})")
+    p = data.plan
+    settings = dict(spec.candidates(p.train_end))
+    chosen = next(iter(settings))
+    if len(settings) > 1:
+        factories = [(label, lambda s=s: spec.cls(**s)) for label, s in settings.items()]
+        chosen, _ = tune(factories, data.users, data.items, p.train_end, k)
+
+    def make():
+        return spec.cls(**settings[chosen])
+
     steps = len(p.steps)
 
     def on_step(index: int, scores) -> None:

@@ -93,9 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         wait_until_assigned,
     )
     from freshrec.app.stack import free_port
+    from freshrec.sim.closedloop import ClosedLoop
+    from freshrec.sim.produce import produce_events, produce_items
     from inference.training.train import TrainConfig
-    from tools.closedloop import ClosedLoop
-    from tools.produce import produce_events, produce_items
 
     world = world_from_args(args)
     progress = ProgressLine()

@@ -15,6 +15,28 @@ from freshrec.settings import ConnectionSettings, load_environment
 log = logging.getLogger("freshrec")
 
 
+def world_log(world, n: int, rng, slate: int = 10, users=None):
+    """``n`` of the synthetic world's logged impressions as a ``TrainingLog``."""
+    from inference.training.train import TrainingLog  # torch: only for training
+
+    return TrainingLog(**world.logged_impressions(n, rng, slate, users))
+
+
+def train_on_world(world, cfg, out_dir, progress, users=None) -> dict:
+    """Train the models on ``cfg.impressions`` of the world's logged impressions (of ``users``
+    only, when given: models that know those users well) with
+    ``inference.training.train.train``; returns the manifest."""
+    import numpy as np
+
+    from inference.training.train import train
+
+    rng = np.random.default_rng(cfg.seed)
+    whose = "the synthetic world" if users is None else f"{len(users):,} users"
+    progress(f"logging {cfg.impressions:,} impressions of {whose}")
+    log = world_log(world, cfg.impressions, rng, users=users)
+    return train(log, cfg, out_dir, progress, rng)
+
+
 def model_dir(args_out: str | None = None) -> Path:
     from inference.settings import default_model_dir
 
@@ -46,7 +68,7 @@ def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dic
     except ModelFileError:
         log.info("no models in %s yet: training (a minute or two, cached afterwards)", directory)
     started = time.monotonic()
-    manifest = world.train(config, directory, progress.update)
+    manifest = train_on_world(world, config, directory, progress.update)
     t = manifest["training"]
     progress.done(
         f"trained {manifest['version']} in {time.monotonic() - started:.0f}s: " + held_out_line(t)
@@ -180,7 +202,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.if_missing:
         manifest = ensure_models(world, directory, config, progress)
     else:
-        manifest = world.train(config, directory, progress.update)
+        manifest = train_on_world(world, config, directory, progress.update)
         t = manifest["training"]
         progress.done(
             f"trained {manifest['version']}: "

@@ -26,6 +26,7 @@ from confluent_kafka import KafkaError
 from freshrec import metrics as m
 from freshrec.errors import FreshRecError
 from freshrec.kafka import produce
+from freshrec.retry import RetryPolicy, RetryQueue
 from inference.learning.outbox import GradientBatch
 from inference.learning.pending import PendingSteps
 from inference.offsets import OffsetGate
@@ -33,6 +34,9 @@ from inference.tables.cache import EmbeddingCache
 from schemas.rowbatch import KIND_GRADIENTS, TABLE_NAMES, RowBatch
 from schemas.rows import row_key
 
+GRADIENT_RETRY = RetryPolicy(attempts=None, first_wait_s=2.0, max_wait_s=30.0)
+"""A gradient message is produced until the broker takes it or its partition is revoked
+(its events are not committed meanwhile), waiting 2, 4, 8 … 30 s between attempts."""
 log = logging.getLogger("freshrec.worker")
 
 
@@ -57,9 +61,11 @@ class GradientSender:
         self.gate = gate
         self.cache = cache
         self.tokens = itertools.count(1)
-        self._retries: list[tuple[float, int, bytes, bytes, int, str, int, int]] = []
-        """Messages whose delivery failed, to produce again: (when, token, value, key,
-        partition, table name, rows, attempt)."""
+        self._retries: RetryQueue[tuple[int, bytes, bytes, int, str, int]] = RetryQueue(
+            GRADIENT_RETRY
+        )
+        """Messages whose delivery failed, to produce again: (token, value, key, partition,
+        table name, rows)."""
 
     @property
     def retrying(self) -> int:
@@ -119,7 +125,7 @@ class GradientSender:
             # Not delivered (librdkafka gave up: the broker away longer than
             # message.timeout.ms). Produced again, and until then the events it was learnt
             # from are not committed: a crash makes the partition's next owner learn them.
-            wait = min(30.0, 2.0**attempt)
+            wait = GRADIENT_RETRY.wait_s(attempt)
             log.warning(
                 "gradient message not delivered (%d %s rows, attempt %d): %s; again in %.0f s",
                 rows,
@@ -130,16 +136,16 @@ class GradientSender:
             )
             m.GRADIENT_MESSAGES.labels("retried").inc()
             m.PRODUCE_RETRIES.labels("gradients").inc()
-            due = time.monotonic() + wait
-            self._retries.append((due, token, value, key, partition, name, rows, attempt + 1))
+            item = (token, value, key, partition, name, rows)
+            self._retries.add(item, attempt, time.monotonic())
 
         return callback
 
     def withdraw_retries(self) -> int:
         """Partitions were revoked: the messages waiting to be produced again are withdrawn
         (their steps leave the rows; the next owner learns their events). How many."""
-        retries, self._retries = self._retries, []
-        for _, token, _, _, _, name, rows, _ in retries:
+        retries = self._retries.drain()
+        for (token, _, _, _, name, rows), _ in retries:
             self.gate.withdraw(token)
             for table, slots, deltas in self.pending.withdrawn(token):
                 self.cache.add(table, slots, (-deltas).astype(np.float32))
@@ -149,10 +155,5 @@ class GradientSender:
 
     def retry_due(self, now: float) -> None:
         """Produce again the failed messages whose wait is over (from the loop)."""
-        if not self._retries:
-            return
-        due = [r for r in self._retries if r[0] <= now]
-        if due:
-            self._retries = [r for r in self._retries if r[0] > now]
-            for _, token, value, key, partition, name, rows, attempt in due:
-                self._produce(token, value, key, partition, name, rows, attempt)
+        for (token, value, key, partition, name, rows), attempt in self._retries.due(now):
+            self._produce(token, value, key, partition, name, rows, attempt)

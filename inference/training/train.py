@@ -2,7 +2,7 @@
 
 1. The log (``TrainingLog``): impressions of catalogue items, each clicked or not, converted or
    not, with the user's device and region where known. The synthetic world's simulator
-   writes one (``tools/world.py``); so can anything else.
+   writes one (``freshrec/sim/world.py``); so can anything else.
 2. Two-tower embeddings: user and item rows (``dim + 1`` columns, the item bias last) fitted by
    logistic loss on the logs. These are the starting tables that online learning refines.
 3. Wide&Deep on the logged pairs, with the trained rows and item features computed from the

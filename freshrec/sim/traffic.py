@@ -4,7 +4,7 @@ Pure: no Kafka. ``EventSynthesizer.batch`` draws active users, shows each a slat
 (half from the user's interests, half popular), and lets the world's click and conversion
 model decide what happens.
 
->>> from tools.world import World, WorldConfig
+>>> from freshrec.sim.world import World, WorldConfig
 >>> s = EventSynthesizer(World(WorldConfig(seed=3, n_users=100, n_items=50)), seed=3)
 >>> events = s.batch(4, now_ms=1_767_225_600_000)
 >>> sum(e.event_type == "impression" for e in events)
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from freshrec.sim.world import World
 from schemas.records import DEVICE_CLASSES, Event, Item
-from tools.world import World
 
 
 class EventSynthesizer:

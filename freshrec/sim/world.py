@@ -21,15 +21,11 @@ import copy
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from freshrec.hashing import hash_normal, hash_uniform
 from schemas.records import DEVICE_CLASSES
-
-if TYPE_CHECKING:
-    from inference.training.train import TrainingLog
 
 
 def zipf_rank(u: np.ndarray, n: int, s: float) -> np.ndarray:
@@ -246,18 +242,18 @@ class World:
         cfg = json.dumps(asdict(self.config), sort_keys=True, default=str)
         return hashlib.sha256(cfg.encode()).hexdigest()[:16]
 
-    def training_log(
+    def logged_impressions(
         self,
         n: int,
         rng: np.random.Generator,
         slate: int = 10,
         users: np.ndarray | None = None,
-    ) -> TrainingLog:
+    ) -> dict[str, object]:
         """``n`` logged impressions over the 24 hours before the world's start, for offline
-        training: active users (or ``users``, uniformly) see slates (half from their
-        interests, half popular); the click and conversion model labels them."""
-        from inference.training.train import TrainingLog  # torch: only for training
-
+        training (the columns of ``inference.training.train.TrainingLog``;
+        ``freshrec.app.training.world_log`` makes one): active users (or ``users``,
+        uniformly) see slates (half from their interests, half popular); the click and
+        conversion model labels them."""
         n_slates = max(1, n // slate)
         c = self.config
         source = self.source(users)
@@ -280,7 +276,7 @@ class World:
             converted[clicked] = rng.random(int(clicked.sum())) < pc
         distinct, numbers = np.unique(users, return_inverse=True)
         regions = np.array(c.regions, object)[self.user_region(users)]
-        return TrainingLog(
+        return dict(
             user_ids=np.array([World.user_id(int(u)) for u in distinct], object),
             item_ids=np.array([World.item_id(i) for i in range(c.n_items)], object),
             item_category=np.array([f"c{int(k)}" for k in self.item_category], object),
@@ -302,15 +298,3 @@ class World:
             return f"world:{self.fingerprint()}"
         ids = np.unique(np.asarray(users, np.int64))
         return f"world:{self.fingerprint()}:users:{hashlib.sha256(ids.tobytes()).hexdigest()[:12]}"
-
-    def train(self, cfg, out_dir, progress, users: np.ndarray | None = None) -> dict:
-        """Train the models on ``cfg.impressions`` of this world's logged impressions (of
-        ``users`` only, when given: models that know those users well) with
-        ``inference.training.train.train``; returns the manifest."""
-        from inference.training.train import train
-
-        rng = np.random.default_rng(cfg.seed)
-        whose = "the synthetic world" if users is None else f"{len(users):,} users"
-        progress(f"logging {cfg.impressions:,} impressions of {whose}")
-        log = self.training_log(cfg.impressions, rng, users=users)
-        return train(log, cfg, out_dir, progress, rng)

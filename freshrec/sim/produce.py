@@ -14,11 +14,11 @@ from confluent_kafka import KafkaException, Producer
 from freshrec.kafka import produce, producer_config
 from freshrec.progress import ProgressLine
 from freshrec.settings import ConnectionSettings
+from freshrec.sim.pacing import Pacer
+from freshrec.sim.traffic import EventSynthesizer, catalogue
+from freshrec.sim.world import World
 from freshrec.topics import TopicNames
 from schemas.codec import encode_event, encode_item
-from tools.pacing import Pacer
-from tools.traffic import EventSynthesizer, catalogue
-from tools.world import World
 
 log = logging.getLogger(__name__)
 

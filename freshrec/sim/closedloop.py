@@ -36,10 +36,10 @@ from confluent_kafka import Producer
 from freshrec.client import RecommendClient, RecommendError, RecommendTimeout
 from freshrec.kafka import produce, producer_config
 from freshrec.settings import ConnectionSettings
+from freshrec.sim.world import World
 from freshrec.topics import TopicNames
 from schemas.codec import encode_event
 from schemas.records import DEVICE_CLASSES, Event
-from tools.world import World
 
 log = logging.getLogger("freshrec.loop")
 
