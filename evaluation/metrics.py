@@ -56,13 +56,20 @@ class ArmScores:
     recommended: set[str] = field(default_factory=set)
     short_lists: int = 0
     """Requests answered with fewer than k items."""
+    per_interaction: dict[str, list[float]] = field(default_factory=lambda: {"hr": [], "ndcg": []})
+    """Each evaluated interaction's HR and NDCG, in the replay's order (the same for every arm
+    of a replay): what paired comparisons between arms read."""
+    users: list[str] = field(default_factory=list)
+    """The user of each evaluated interaction (the unit a paired interval is clustered by)."""
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.windows < 1:
             raise ValueError("k and windows must be at least 1")
         self.per_window = [Tally() for _ in range(self.windows)]
 
-    def add_request(self, window: int, recommended: list[str], targets: list[str]) -> None:
+    def add_request(
+        self, window: int, recommended: list[str], targets: list[str], user: str = ""
+    ) -> None:
         """One list and the items (new to the user) consumed in the step it was made for."""
         top = recommended[: self.k]
         if len(top) < self.k:
@@ -81,6 +88,9 @@ class ArmScores:
                     cell.ndcg += 1.0 / math.log2(r + 2)
                     cell.mrr += 1.0 / (r + 1)
             found += r is not None
+            self.per_interaction["hr"].append(0.0 if r is None else 1.0)
+            self.per_interaction["ndcg"].append(0.0 if r is None else 1.0 / math.log2(r + 2))
+            self.users.append(user)
         share = found / len(targets) if targets else 0.0
         self.total.recall += share
         self.per_window[window].recall += share
@@ -99,3 +109,42 @@ class ArmScores:
         return [
             {"arm": self.name, "window": w, **t.values()} for w, t in enumerate(self.per_window)
         ]
+
+
+def paired_difference(a: ArmScores, b: ArmScores, metric: str = "hr", z: float = 1.96) -> dict:
+    """``a`` minus ``b`` on the same interactions: the mean difference of ``metric`` per
+    interaction and its 95% interval, clustered by user (a user's interactions are not
+    independent: the variance is that of the per-user sums, the cluster-robust estimate).
+
+    >>> a, b = ArmScores("a", k=1, windows=1), ArmScores("b", k=1, windows=1)
+    >>> for user, hit_a, hit_b in [("u", 1, 0), ("u", 1, 1), ("v", 0, 0), ("w", 1, 0)]:
+    ...     a.add_request(0, ["x"] if hit_a else ["y"], ["x"], user)
+    ...     b.add_request(0, ["x"] if hit_b else ["y"], ["x"], user)
+    >>> paired_difference(a, b)  # residual sums per user 0, -0.5, 0.5: var 0.5/16 · 3/2
+    {'diff': 0.5, 'low': 0.0756, 'high': 0.9244, 'interactions': 4, 'users': 3}
+    """
+    x, y = a.per_interaction[metric], b.per_interaction[metric]
+    if len(x) != len(y) or a.users != b.users:
+        raise ValueError(f"{a.name} and {b.name} were not scored on the same interactions")
+    n = len(x)
+    if n == 0:
+        return {"diff": None, "low": None, "high": None, "interactions": 0, "users": 0}
+    d = [p - q for p, q in zip(x, y, strict=True)]
+    mean = sum(d) / n
+    per_user: dict[str, list[float]] = {}
+    for user, v in zip(a.users, d, strict=True):
+        cell = per_user.setdefault(user, [0.0, 0.0])
+        cell[0] += v - mean
+        cell[1] += 1
+    g = len(per_user)
+    var = sum(s * s for s, _ in per_user.values()) / (n * n)
+    if g > 1:
+        var *= g / (g - 1)  # the small-sample correction of the cluster-robust estimate
+    half = z * math.sqrt(var)
+    return {
+        "diff": round(mean, 4),
+        "low": round(mean - half, 4),
+        "high": round(mean + half, 4),
+        "interactions": n,
+        "users": g,
+    }

@@ -42,17 +42,22 @@ def run(
     on_step: Callable[[int, ArmScores], None] | None = None,
 ) -> ArmScores:
     """Replay ``p`` through ``model`` (``learn(users, items)``, ``recommend(user, k,
-    exclude)``)."""
+    exclude)``, or ``recommend_many(users, k, excludes)`` for a step's users at once)."""
     scores = ArmScores(name or model.name, k, windows)
     win = _windows(t_ms, p.train_end, windows)
     u, i = users.tolist(), items.tolist()
     model.learn(u[: p.train_end], i[: p.train_end])
     consumed = {user: set(seen) for user, seen in p.consumed_before.items()}
+    many = getattr(model, "recommend_many", None)
     for step in p.steps:
-        for user in step.users:
+        excludes = [consumed.get(user, set()) for user in step.users]
+        if many is not None:  # one batch per step: the lists come before the step is learnt
+            lists = many(step.users, k, excludes)
+        else:
+            lists = [model.recommend(u, k, x) for u, x in zip(step.users, excludes, strict=True)]
+        for user, listed in zip(step.users, lists, strict=True):
             targets = step.targets[user]
-            listed = model.recommend(user, k, consumed.get(user, set()))
-            scores.add_request(int(win[targets[0][0]]), listed, [item for _, item in targets])
+            scores.add_request(int(win[targets[0][0]]), listed, [item for _, item in targets], user)
         su, si = u[step.start : step.end], i[step.start : step.end]
         model.learn(su, si)
         for user, item in zip(su, si, strict=True):

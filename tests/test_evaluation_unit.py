@@ -124,3 +124,77 @@ def test_recovery_is_timed_from_the_drift_to_the_end_of_the_first_good_window():
     assert Recovery(10.0, 30.0).speedup == 3.0
     with pytest.raises(ValueError):
         recovery_s(curve, 30, 10, share=0)
+
+
+def test_item_knn_scores_equal_hand_computed_co_occurrence():
+    """Three users: a consumed x, y, z; b consumed x, y; c consumed x, then asks. c(x, y) = 2,
+    c(x, z) = c(y, z) = 1; n(x) = 3, n(y) = 2, n(z) = 1. For c (window [x]): y scores
+    2 / (3^0.5·2^0.5) = 0.816, z scores 1 / (3^0.5·1^0.5) = 0.577 at α 0.5 (cosine); at α 0
+    y 2/3 > z 1/3 as well; at α 1 z (1/1) beats y (2/2) only by the tie-break: equal."""
+    from evaluation.baselines import ItemKNN
+
+    users = ["a", "a", "a", "b", "b", "c"]
+    items = ["x", "y", "z", "x", "y", "x"]
+    for alpha in (0.0, 0.5):
+        knn = ItemKNN(window=10, alpha=alpha)
+        knn.learn(users, items)
+        assert knn.recommend("c", 2, {"x"}) == ["y", "z"]
+    knn = ItemKNN(window=10, alpha=0.5)
+    knn.learn(users, items)
+    c = knn._c().to_dense().numpy()
+    ix = knn.items.index
+    assert c[ix["x"], ix["y"]] == c[ix["y"], ix["x"]] == 2
+    assert c[ix["x"], ix["z"]] == c[ix["y"], ix["z"]] == 1 and c[ix["x"], ix["x"]] == 0
+    assert knn.counts[[ix["x"], ix["y"], ix["z"]]].tolist() == [3, 2, 1]
+    # the window: with window 1 only the newest item pairs; a repeat adds no pair or user
+    short = ItemKNN(window=1)
+    short.learn(["a", "a", "a", "a"], ["x", "y", "z", "x"])
+    c = short._c().to_dense().numpy()
+    ix = short.items.index
+    assert c[ix["x"], ix["y"]] == 1 and c[ix["y"], ix["z"]] == 1 and c[ix["x"], ix["z"]] == 0
+    assert short.counts[ix["x"]] == 1
+
+
+def test_item_knn_equals_brute_force_on_a_random_log():
+    from evaluation.baselines import ItemKNN
+
+    rng = np.random.default_rng(3)
+    users = [f"u{x}" for x in rng.integers(0, 40, 800)]
+    items = [f"i{x}" for x in rng.zipf(1.4, 800) % 60]
+    window, alpha, recency = 5, 0.3, 0.8
+    knn = ItemKNN(window=window, alpha=alpha, recency=recency)
+    knn.learn(users[:500], items[:500])
+    knn.learn(users[500:], items[500:])
+    pairs: dict[tuple[str, str], float] = {}
+    n: dict[str, int] = {}
+    recent: dict[str, list[str]] = {}
+    had: dict[str, set[str]] = {}
+    for u, i in zip(users, items, strict=True):
+        w = recent.setdefault(u, [])
+        if i in had.setdefault(u, set()):
+            if i in w:
+                w.remove(i)
+            w.insert(0, i)
+            del w[window:]
+            continue
+        had[u].add(i)
+        n[i] = n.get(i, 0) + 1
+        for j in w:
+            pairs[(i, j)] = pairs.get((i, j), 0) + 1
+            pairs[(j, i)] = pairs.get((j, i), 0) + 1
+        w.insert(0, i)
+        del w[window:]
+    for u in ("u1", "u2", "u3"):
+        want = {}
+        for pos, a in enumerate(recent[u]):
+            for b in n:
+                c = pairs.get((a, b), 0)
+                if c:
+                    want[b] = want.get(b, 0) + recency**pos * c / (
+                        n[a] ** (1 - alpha) * n[b] ** alpha
+                    )
+        exclude = had[u]
+        best = sorted((b for b in want if b not in exclude), key=lambda b: -want[b])[:5]
+        got = knn.recommend(u, 5, exclude)
+        scores = [want[b] for b in got[: len(best)]]
+        assert scores == pytest.approx([want[b] for b in best], rel=1e-5)

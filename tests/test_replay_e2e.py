@@ -69,7 +69,8 @@ def test_replay_runs_every_arm_live_and_the_baselines_on_the_same_interactions(t
     assert rc == 0
     report = json.loads((out / "replay.json").read_text())
     rows = {r["arm"]: r for r in report["arms"]}
-    assert list(rows) == ["frozen", "local", "full", "pop", "recent_pop", "isgd"]
+    baselines = ["pop", "recent_pop", "isgd", "bpr", "item_knn"]
+    assert list(rows) == ["frozen", "local", "full", *baselines]
     evaluated = report["evaluated"]
     assert evaluated > 0 and all(r["interactions"] == evaluated for r in rows.values())
     for arm in ("frozen", "local", "full"):
@@ -83,7 +84,18 @@ def test_replay_runs_every_arm_live_and_the_baselines_on_the_same_interactions(t
     with (out / "replay.csv").open() as f:
         assert [r["arm"] for r in csv.DictReader(f)] == list(rows)
     with (out / "replay_windows.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == 6 * 4
+        assert len(list(csv.DictReader(f))) == len(rows) * 4
     assert (out / "replay_hr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["details"]["item_knn"]["chosen_on_the_training_part"].startswith("alpha=")
+    # each live arm against each baseline and against frozen, on the same interactions
+    paired = {(r["arm"], r["against"]): r for r in report["paired"]}
+    assert set(paired) == {
+        *((a, b) for a in ("frozen", "local", "full") for b in baselines),
+        ("local", "frozen"),
+        ("full", "frozen"),
+    }
+    for r in paired.values():
+        assert r["interactions"] == evaluated and r["hr_low"] <= r["hr"] <= r["hr_high"]
+        assert r["hr"] == pytest.approx(rows[r["arm"]]["hr"] - rows[r["against"]]["hr"], abs=2e-4)
     table = capsys.readouterr().out
-    assert "HR@10" in table and "recent_pop" in table
+    assert "HR@10" in table and "recent_pop" in table and "HR@10 diff (95% CI)" in table

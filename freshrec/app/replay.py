@@ -216,6 +216,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     data = replayarm.prepare(inter, items, p, args.windows, args.duration, args.speed)
     rows: list[dict] = []
     windows: list[dict] = []
+    live_scores: list = []
     extra: dict[str, dict] = {}
     catalogue = len(set(inter.items.tolist()) | set(items.ids))
 
@@ -253,6 +254,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 else ""
             )
             record(arm, "live", result.scores, result.wall_s, notes)
+            live_scores.append(result.scores)
             extra[arm] = {
                 "requests": result.sent,
                 "answered": result.answered,
@@ -268,8 +270,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 f"{arm}: HR@{args.k} {rows[-1]['hr']}, NDCG@{args.k} {rows[-1]['ndcg']} in "
                 f"{result.wall_s:.0f}s; items by channel {shares}"
             )
+    scored: dict[str, object] = {}  # baseline -> its ArmScores, for the paired differences
     for name in baselines:
         scores, chosen, wall_s = _baseline(name, data, args.k, args.windows, progress)
+        scored[name] = scores
         record(name, "baseline", scores, wall_s, chosen)
         extra[name] = {"chosen_on_the_training_part": chosen}
         progress.done(f"{name} ({chosen}): HR@{args.k} {rows[-1]['hr']}")
@@ -287,7 +291,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "users": int(np.unique(inter.users).size),
     }
+    meta["paired"] = replayreport.paired(live_scores, [scored[b] for b in baselines if b in scored])
     files = replayreport.write(out, rows, windows, meta, args.k)
     print(replayreport.table(rows, args.k))
+    if meta["paired"]:
+        print(replayreport.paired_table(meta["paired"], args.k))
     print("written: " + ", ".join(str(f) for f in files))
     return 0

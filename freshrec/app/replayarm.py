@@ -395,7 +395,7 @@ async def _replay(
                     for it in reply.items[:k]:
                         result.channels.update(it.channels)
                     result.items_listed += min(len(reply.items), k)
-                scores.add_request(window, got, [item for _, item in targets])
+                scores.add_request(window, got, [item for _, item in targets], user)
             for j, pos in enumerate(range(step.start, step.end)):
                 item = str(data.items[pos])
                 if item not in listed:  # first seen now: listed as a new item

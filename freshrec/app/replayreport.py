@@ -30,6 +30,43 @@ def table(rows: list[dict], k: int) -> str:
     return "\n".join(lines)
 
 
+def paired(live: list, baselines: list) -> list[dict]:
+    """Each live arm minus each baseline (and minus ``frozen``), HR and NDCG, on the same
+    interactions, with 95% intervals clustered by user (``evaluation.metrics``)."""
+    from evaluation.metrics import paired_difference
+
+    out = []
+    frozen = [s for s in live if s.name == "frozen"]
+    for arm in live:
+        others = [*baselines, *(f for f in frozen if arm.name != "frozen")]
+        for base in others:
+            row = {"arm": arm.name, "against": base.name}
+            for metric in ("hr", "ndcg"):
+                d = paired_difference(arm, base, metric)
+                row.update(
+                    {metric: d["diff"], f"{metric}_low": d["low"], f"{metric}_high": d["high"]}
+                )
+            row["interactions"], row["users"] = d["interactions"], d["users"]
+            out.append(row)
+    return out
+
+
+def paired_table(rows: list[dict], k: int) -> str:
+    """``arm − baseline`` with intervals; ``*`` marks an interval above zero."""
+    head = f"{'arm':<8} {'minus':<12} {f'HR@{k} diff (95% CI)':<30} {f'NDCG@{k} diff (95% CI)':<30}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+
+        def cell(m: str, r: dict = r) -> str:
+            if r[m] is None:
+                return "-"
+            mark = " *" if r[f"{m}_low"] > 0 else ""
+            return f"{r[m]:+.4f} ({r[f'{m}_low']:+.4f}..{r[f'{m}_high']:+.4f}){mark}"
+
+        lines.append(f"{r['arm']:<8} {r['against']:<12} {cell('hr'):<30} {cell('ndcg'):<30}")
+    return "\n".join(lines)
+
+
 def write(out: Path, rows: list[dict], windows: list[dict], meta: dict, k: int) -> list[Path]:
     """The files, in ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
