@@ -87,10 +87,12 @@ class WorkerSettings:
     answered_memory: int = 100_000
     recent_users: int = 100_000
     """Users whose last clicks the worker keeps in memory (i2i recall)."""
-    exclude_seen: bool = False
-    """A request without ``exclude_seen`` leaves out what its user consumed: off by default
-    (in many domains people buy or play the same items again); on for catalogues of things
-    consumed once (films, books, articles)."""
+    exclude_seen: bool = True
+    """A request without ``exclude_seen`` leaves out what its user consumed: on by default (a
+    client that knows nothing of ``exclude`` does not get back what its user just consumed:
+    5.7 of 10 items a MovieLens user got back were already rated, docs/replay.md); a
+    deployment whose users consume the same items again (music plays, groceries) declares it
+    with ``FRESHREC_EXCLUDE_SEEN=false``."""
     dedupe_window: int = 200_000
     """Event ids remembered per events partition: a duplicate within them is learnt once."""
     seen_users: int = 20_000
@@ -199,7 +201,7 @@ class WorkerSettings:
             ),
             recall_delays_ms=delays,
             hot_k=env_int(env, "FRESHREC_HOT_K", 500, minimum=1),
-            exclude_seen=env_bool(env, "FRESHREC_EXCLUDE_SEEN", False),
+            exclude_seen=env_bool(env, "FRESHREC_EXCLUDE_SEEN", True),
             seen_users=env_int(env, "FRESHREC_SEEN_USERS", 20_000, minimum=1),
             dedupe_window=env_int(env, "FRESHREC_DEDUPE_WINDOW", 200_000, minimum=1),
             seen_per_user=env_int(env, "FRESHREC_SEEN_PER_USER", 200, minimum=1),

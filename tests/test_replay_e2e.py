@@ -78,6 +78,8 @@ def test_replay_runs_every_arm_live_and_the_baselines_on_the_same_interactions(t
         assert d["answered"] == d["requests"] > 0 and d["timeouts"] == d["errors"] == 0, d
         assert d["events_read_before_the_replay"] == 0, d  # the training part not learnt twice
         assert d["events"] == report["interactions"] - report["train_end"], d
+        bare = d["without_exclude"]  # FRESHREC_EXCLUDE_SEEN's default: nothing read comes back
+        assert bare["lists"] > 0 and bare["consumed_in_replay_share"] == 0.0, bare
         # better than lists drawn at random from what each user had not consumed
         assert rows[arm]["hr"] > 10 / (CLUSTERS * PER_CLUSTER), rows[arm]
     assert report["details"]["recent_pop"]["chosen_on_the_training_part"].startswith("window=")

@@ -147,3 +147,11 @@ def test_the_worker_and_the_parameter_server_read_the_same_online_defaults(tmp_p
     assert (
         WorkerSettings.from_env(bare).learning.lr == ParamServerSettings.from_env(bare).adagrad.lr
     )
+
+
+def test_seen_items_are_excluded_unless_the_deployment_declares_repeat_consumption():
+    from inference.settings import WorkerSettings
+
+    assert WorkerSettings.from_env({"FRESHREC_WORKER_ID": "w"}).exclude_seen is True
+    repeat = {"FRESHREC_WORKER_ID": "w", "FRESHREC_EXCLUDE_SEEN": "false"}
+    assert WorkerSettings.from_env(repeat).exclude_seen is False

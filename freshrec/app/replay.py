@@ -265,10 +265,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 "late_steps": result.late_steps,
                 "events_read_before_the_replay": result.read_before,
                 "events": result.events,
+                "without_exclude": result.without_exclude(),
             }
+            bare = result.without_exclude()
             progress.done(
                 f"{arm}: HR@{args.k} {rows[-1]['hr']}, NDCG@{args.k} {rows[-1]['ndcg']} in "
-                f"{result.wall_s:.0f}s; items by channel {shares}"
+                f"{result.wall_s:.0f}s; items by channel {shares}; a client sending no "
+                f"exclusions got {bare['consumed_in_replay_share']} of its items consumed during "
+                f"the replay, {bare['consumed_before_share']} before it"
             )
     scored: dict[str, object] = {}  # baseline -> its ArmScores, for the paired differences
     for name in baselines:

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ ARMS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 SERVING = {"FRESHREC_MMR_LAMBDA": "1.0"}
 """Every live arm serves by relevance alone, as the baselines do: the arms compare learners,
 not diversity policies (``--set FRESHREC_MMR_LAMBDA=0.7`` measures what diversity costs)."""
+BARE_SAMPLE = 10
+"""One user in this many (by a hash of the id) also asks as a client sending no exclusions."""
 EXCLUDE_MAX = 1000
 """The request schema's bound on ``exclude``."""
 MIN_EVENT_MS = 946_684_800_000
@@ -97,6 +100,22 @@ class ArmResult:
     read_before: int = 0
     """Events the worker had read before the first step: 0 when the training part's events
     were committed past, as they should be."""
+    bare: Counter = field(default_factory=Counter)
+    """Lists as a client that sends neither ``exclude`` nor ``exclude_seen`` gets them (the
+    deployment's ``FRESHREC_EXCLUDE_SEEN`` decides), asked for a tenth of the users: items
+    listed, and of those how many the user had consumed during the replay (the worker read
+    those events) or before it (the training part, which the worker never read)."""
+
+    def without_exclude(self) -> dict:
+        n = self.bare["items"]
+        return {
+            "lists": self.bare["lists"],
+            "items": n,
+            "consumed_in_replay_share": round(self.bare["consumed_in_replay"] / n, 4)
+            if n
+            else None,
+            "consumed_before_share": round(self.bare["consumed_before"] / n, 4) if n else None,
+        }
 
 
 def prepare(inter, items_table, plan, windows: int, duration_s: float, speed: float | None):
@@ -215,7 +234,6 @@ def run_arm(
             "FRESHREC_KAFKA_PROFILE": conn.kafka_profile,
             "FRESHREC_MODEL_DIR": str(models),
             "FRESHREC_EMBEDDING_DIM": str(manifest["dim"]),
-            "FRESHREC_EXCLUDE_SEEN": "true",
             "FRESHREC_SEEN_PER_USER": str(EXCLUDE_MAX),
             **SERVING,
             **(overrides or {}),
@@ -340,6 +358,7 @@ async def _replay(
     names = TopicNames(conn.topic_prefix)
     producer = Producer(producer_config(conn, **{"linger.ms": 5}))
     listed = set(data.catalogue)
+    consumed: dict[str, set[str]] = {}  # what each user consumed during the replay so far
     have = len(listed)
     progress(f"{name}: waiting for the worker to list the catalogue ({have:,} items)")
     ok = await _wait_for(
@@ -366,6 +385,11 @@ async def _replay(
             ahead_ms = stamp[-1] - int(time.time() * 1000)  # no event stamped in the future
             if ahead_ms > 0:
                 await asyncio.sleep(ahead_ms / 1000)
+            bare_users = [u for u in step.users if zlib.crc32(str(u).encode()) % BARE_SAMPLE == 0]
+            bare_asks = [
+                client.recommend(u, k, context={"ts_ms": max(stamp[0], 946_684_800_000)})
+                for u in bare_users
+            ]
             asks = [
                 client.recommend(
                     user,
@@ -377,7 +401,18 @@ async def _replay(
                 for user in step.users
             ]
             result.sent += len(asks)
-            replies = await asyncio.gather(*asks, return_exceptions=True)
+            replies = await asyncio.gather(*asks, *bare_asks, return_exceptions=True)
+            replies, bare_replies = replies[: len(asks)], replies[len(asks) :]
+            for user, reply in zip(bare_users, bare_replies, strict=True):
+                if isinstance(reply, BaseException):
+                    continue
+                listed_items = [it.item_id for it in reply.items[:k]]
+                before = set(data.history.get(user, ()))
+                during = consumed.get(user, set())
+                result.bare["lists"] += 1
+                result.bare["items"] += len(listed_items)
+                result.bare["consumed_in_replay"] += sum(i in during for i in listed_items)
+                result.bare["consumed_before"] += sum(i in before for i in listed_items)
             for user, reply in zip(step.users, replies, strict=True):
                 targets = step.targets[user]
                 window = int(data.window_of[targets[0][0]])
@@ -397,6 +432,7 @@ async def _replay(
                     result.items_listed += min(len(reply.items), k)
                 scores.add_request(window, got, [item for _, item in targets], user)
             for j, pos in enumerate(range(step.start, step.end)):
+                consumed.setdefault(str(data.users[pos]), set()).add(str(data.items[pos]))
                 item = str(data.items[pos])
                 if item not in listed:  # first seen now: listed as a new item
                     listed.add(item)

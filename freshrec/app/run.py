@@ -126,6 +126,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 **ctx.conn_env,
                 "FRESHREC_MODEL_DIR": str(models),
                 "FRESHREC_EMBEDDING_DIM": str(manifest["dim"]),
+                # the synthetic world's users click the same items again (its click model
+                # ignores what they clicked before): a repeat-consumption domain, unless the
+                # environment says otherwise
+                "FRESHREC_EXCLUDE_SEEN": os.environ.get("FRESHREC_EXCLUDE_SEEN", "false"),
                 **experiment_env,
             },
             state_dir() / "run" / "logs",
