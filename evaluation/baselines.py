@@ -66,6 +66,15 @@ def _top(order: Sequence[int], names: list[str], k: int, exclude: set[str]) -> l
     return out
 
 
+def _best(scores: np.ndarray, k: int, exclude: set[str], names: list[str]) -> list[str]:
+    """The ``k`` names of highest score, none in ``exclude`` (ties: the lower index first)."""
+    n = len(scores)
+    take = min(n, k + len(exclude))
+    near = np.argpartition(-scores, take - 1)[:take] if take < n else np.arange(n)
+    order = near[np.argsort(-scores[near], kind="stable")]
+    return _top(order.tolist(), names, k, exclude)
+
+
 class Pop:
     name = "pop"
 
@@ -112,7 +121,30 @@ class RecentPop(Pop):
                 self.counts[self._recent.popleft()] -= 1
 
 
-class ISGD:
+class _Factorisation:
+    """User rows A and item rows B of ``factors`` columns, grown as ids appear, new rows from
+    N(0, 0.1²); ``_first_call`` is True once, for the replay's training part."""
+
+    def __init__(self, factors: int, lr: float, l2: float, seed: int) -> None:
+        self.factors, self.lr, self.l2 = factors, lr, l2
+        self.rng = np.random.default_rng(seed)
+        self.users, self.items = _Vocab(), _Vocab()
+        self.A = np.zeros((0, factors))
+        self.B = np.zeros((0, factors))
+        self._started = False
+
+    def _first_call(self) -> bool:
+        first, self._started = not self._started, True
+        return first
+
+    def _grow(self, table: np.ndarray, size: int) -> np.ndarray:
+        if size <= len(table):
+            return table
+        extra = max(size - len(table), len(table) // 2, 64)
+        return np.vstack([table, self.rng.normal(0.0, 0.1, (extra, self.factors))])
+
+
+class ISGD(_Factorisation):
     name = "isgd"
 
     def __init__(
@@ -123,25 +155,13 @@ class ISGD:
         passes: int = 1,
         seed: int = 1,
     ) -> None:
-        self.factors, self.lr, self.l2, self.passes = factors, lr, l2, passes
-        self.rng = np.random.default_rng(seed)
-        self.users, self.items = _Vocab(), _Vocab()
-        self.A = np.zeros((0, factors))
-        self.B = np.zeros((0, factors))
-        self._started = False
-
-    def _grow(self, table: np.ndarray, size: int) -> np.ndarray:
-        if size <= len(table):
-            return table
-        extra = max(size - len(table), len(table) // 2, 64)
-        return np.vstack([table, self.rng.normal(0.0, 0.1, (extra, self.factors))])
+        super().__init__(factors, lr, l2, seed)
+        self.passes = passes
 
     def learn(self, users: Sequence[str], items: Sequence[str]) -> None:
         """One step per interaction; the first call (the replay's training part) is walked
         ``passes`` times, the stream's steps once each."""
-        passes = 1 if self._started else self.passes
-        self._started = True
-        for _ in range(passes):
+        for _ in range(self.passes if self._first_call() else 1):
             self._pass(users, items)
 
     def _pass(self, users: Sequence[str], items: Sequence[str]) -> None:
@@ -161,14 +181,10 @@ class ISGD:
         u = self.users.index.get(user)
         # an unknown user: a row like the ones new users start from
         a = self.rng.normal(0.0, 0.1, self.factors) if u is None else self.A[u]
-        distance = np.abs(1.0 - self.B[:n] @ a)
-        take = min(n, k + len(exclude))
-        near = np.argpartition(distance, take - 1)[:take] if take < n else np.arange(n)
-        order = near[np.argsort(distance[near], kind="stable")]
-        return _top(order.tolist(), self.items.names, k, exclude)
+        return _best(-np.abs(1.0 - self.B[:n] @ a), k, exclude, self.items.names)
 
 
-class BPR:
+class BPR(_Factorisation):
     """Matrix factorisation by Bayesian personalised ranking (Rendle et al., UAI 2009): for a
     consumed item i and an item j drawn uniformly from those seen, x = A_u·(B_i − B_j) +
     b_i − b_j is pushed up by SGD on ln σ(x) with L2 ``l2``, in mini-batches of 256. The
@@ -192,31 +208,17 @@ class BPR:
         epochs: int = 10,
         seed: int = 1,
     ) -> None:
-        self.factors, self.lr, self.l2, self.epochs = factors, lr, l2, epochs
-        self.rng = np.random.default_rng(seed)
-        self.users, self.items = _Vocab(), _Vocab()
-        self.A = np.zeros((0, factors))
-        self.B = np.zeros((0, factors))
+        super().__init__(factors, lr, l2, seed)
+        self.epochs = epochs
         self.bias = np.zeros(0)
-        self._started = False
-
-    def _grow(self) -> None:
-        for name, size in (("A", len(self.users)), ("B", len(self.items))):
-            table = getattr(self, name)
-            if size > len(table):
-                extra = max(size - len(table), len(table) // 2, 64)
-                grown = np.vstack([table, self.rng.normal(0.0, 0.1, (extra, self.factors))])
-                setattr(self, name, grown)
-        if len(self.items) > len(self.bias):
-            self.bias = np.concatenate([self.bias, np.zeros(len(self.B) - len(self.bias))])
 
     def learn(self, users: Sequence[str], items: Sequence[str]) -> None:
         u = np.fromiter((self.users(x) for x in users), np.int64, len(users))
         i = np.fromiter((self.items(x) for x in items), np.int64, len(items))
-        self._grow()
-        passes = 1 if self._started else self.epochs
-        self._started = True
-        for _ in range(passes):
+        self.A = self._grow(self.A, len(self.users))
+        self.B = self._grow(self.B, len(self.items))
+        self.bias = np.concatenate([self.bias, np.zeros(len(self.B) - len(self.bias))])
+        for _ in range(self.epochs if self._first_call() else 1):
             order = self.rng.permutation(len(u))
             for lo in range(0, len(order), 256):
                 batch = order[lo : lo + 256]
@@ -248,14 +250,7 @@ class BPR:
             if u is not None:
                 rows[q] = self.A[u]
         scores = rows @ self.B[:n].T + self.bias[:n]
-        out = []
-        for q in range(len(users)):
-            col = scores[q]
-            take = min(n, k + len(excludes[q]))
-            near = np.argpartition(-col, take - 1)[:take] if take < n else np.arange(n)
-            order = near[np.argsort(-col[near], kind="stable")]
-            out.append(_top(order.tolist(), self.items.names, k, excludes[q]))
-        return out
+        return [_best(scores[q], k, excludes[q], self.items.names) for q in range(len(users))]
 
 
 class ItemKNN:
@@ -361,14 +356,7 @@ class ItemKNN:
         scores /= (counts**self.alpha)[:, None]
         # ties and empty rows: popular items first
         scores += 1e-9 * (counts / counts.max())[:, None]
-        out = []
-        for q in range(len(users)):
-            col = scores[:, q]
-            take = min(n, k + len(excludes[q]))
-            near = np.argpartition(-col, take - 1)[:take] if take < n else np.arange(n)
-            order = near[np.argsort(-col[near], kind="stable")]
-            out.append(_top(order.tolist(), self.items.names, k, excludes[q]))
-        return out
+        return [_best(scores[:, q], k, excludes[q], self.items.names) for q in range(len(users))]
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ class ArmScores:
     of a replay): what paired comparisons between arms read."""
     users: list[str] = field(default_factory=list)
     """The user of each evaluated interaction (the unit a paired interval is clustered by)."""
+    positions: list[int] = field(default_factory=list)
+    """The log position of each evaluated interaction (-1: not given)."""
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.windows < 1:
@@ -68,7 +70,12 @@ class ArmScores:
         self.per_window = [Tally() for _ in range(self.windows)]
 
     def add_request(
-        self, window: int, recommended: list[str], targets: list[str], user: str = ""
+        self,
+        window: int,
+        recommended: list[str],
+        targets: list[str],
+        user: str = "",
+        positions: list[int] | None = None,
     ) -> None:
         """One list and the items (new to the user) consumed in the step it was made for."""
         top = recommended[: self.k]
@@ -91,6 +98,7 @@ class ArmScores:
             self.per_interaction["hr"].append(0.0 if r is None else 1.0)
             self.per_interaction["ndcg"].append(0.0 if r is None else 1.0 / math.log2(r + 2))
             self.users.append(user)
+        self.positions += positions if positions is not None else [-1] * len(targets)
         share = found / len(targets) if targets else 0.0
         self.total.recall += share
         self.per_window[window].recall += share
@@ -148,3 +156,33 @@ def paired_difference(a: ArmScores, b: ArmScores, metric: str = "hr", z: float =
         "interactions": n,
         "users": g,
     }
+
+
+HISTORY_BUCKETS = ((0, 0, "0"), (1, 9, "1-9"), (10, 99, "10-99"), (100, None, "100+"))
+"""Users' earlier interactions, bucketed: cold start, sparse, regular and long histories."""
+
+
+def by_history(scores: ArmScores, earlier) -> dict[str, dict]:
+    """HR and NDCG of the interactions whose user had 0, 1-9, 10-99 or 100+ interactions
+    before them (``earlier``: per log position, ``protocol.Plan.earlier``).
+
+    >>> s = ArmScores("a", k=1, windows=1)
+    >>> s.add_request(0, ["x"], ["x", "y"], "u", positions=[0, 1])
+    >>> by_history(s, [0, 12])["0"], by_history(s, [0, 12])["10-99"]["hr"]
+    ({'hr': 1.0, 'ndcg': 1.0, 'interactions': 1}, 0.0)
+    """
+    out = {}
+    hr, ndcg = scores.per_interaction["hr"], scores.per_interaction["ndcg"]
+    for lo, hi, name in HISTORY_BUCKETS:
+        mine = [
+            j
+            for j, pos in enumerate(scores.positions)
+            if pos >= 0 and earlier[pos] >= lo and (hi is None or earlier[pos] <= hi)
+        ]
+        n = len(mine)
+        out[name] = {
+            "hr": round(sum(hr[j] for j in mine) / n, 4) if n else None,
+            "ndcg": round(sum(ndcg[j] for j in mine) / n, 4) if n else None,
+            "interactions": n,
+        }
+    return out

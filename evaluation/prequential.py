@@ -57,7 +57,13 @@ def run(
             lists = [model.recommend(u, k, x) for u, x in zip(step.users, excludes, strict=True)]
         for user, listed in zip(step.users, lists, strict=True):
             targets = step.targets[user]
-            scores.add_request(int(win[targets[0][0]]), listed, [item for _, item in targets], user)
+            scores.add_request(
+                int(win[targets[0][0]]),
+                listed,
+                [item for _, item in targets],
+                user,
+                [pos for pos, _ in targets],
+            )
         su, si = u[step.start : step.end], i[step.start : step.end]
         model.learn(su, si)
         for user, item in zip(su, si, strict=True):

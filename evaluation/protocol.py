@@ -62,6 +62,8 @@ class Plan:
     repeats: int
     """Replayed interactions not evaluated because the user had consumed the item."""
     unsampled: int
+    earlier: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Per position in the log, how many interactions its user had before it."""
 
     @property
     def evaluated(self) -> int:
@@ -109,7 +111,12 @@ def plan(
                 s.targets[u].append((pos, i))
             seen.add(i)
         steps.append(s)
-    return Plan(train_end, steps, consumed_before, repeats, unsampled)
+    earlier = np.zeros(n, np.int64)
+    counts: dict[str, int] = {}
+    for pos, u in enumerate(users.tolist()):
+        earlier[pos] = counts.get(u, 0)
+        counts[u] = earlier[pos] + 1
+    return Plan(train_end, steps, consumed_before, repeats, unsampled, earlier)
 
 
 def windows(t_ms: np.ndarray, start: int, count: int) -> np.ndarray:

@@ -205,7 +205,8 @@ def test_variants_rank_with_the_attention_models_and_the_heat_tiers(seeded, mode
         )
         wait_for(lambda: w.seen.get(user)[:3] == clicked[::-1], 30, "the worker to read the clicks")
         rec = w.recommender
-        seq, lens = rec._sequences([RecommendRequest("x", user)], [0], SEQUENCE)
+        batch = rec.rank_batch([RecommendRequest("x", user)], None, [], [None], {})
+        seq, lens = rec.ranking._sequences(batch, [0], SEQUENCE)
         assert int(lens[0]) >= 3
         slots = [rec.slot_of[x] for x in clicked[::-1]]
         want = rec.cache.items.rows.index_select(0, torch.tensor(slots))

@@ -22,7 +22,6 @@ import torch
 
 from evaluation.baselines import BASELINES as BASELINE_SPECS
 from inference.models import kinds
-from inference.models.features import FeatureEncoder, RankInputs
 from inference.models.modelfile import load_model, save_model
 from inference.models.ranking import score
 from inference.serving import channels as ch
@@ -32,8 +31,8 @@ from inference.serving.recall import Recalled
 from inference.settings import SERVED_RANKERS, served_ranker
 from inference.training import rankers
 from inference.training.train import TrainConfig
+from tests.test_rankers_unit import D, _pairs
 
-D = 8
 CPU = torch.device("cpu")
 
 
@@ -43,28 +42,6 @@ def _experiment(variant: str):
         '[experiment]\nname = "e"\n[[variant]]\nname = "control"\nshare = 0.5\n'
         f'[[variant]]\nname = "treatment"\nshare = 0.5\n{variant}\n'
     )
-
-
-def _inputs(n: int, requests: int | None = None, seed: int = 0) -> RankInputs:
-    rng = np.random.default_rng(seed)
-    owner, users = None, n
-    if requests is not None:
-        owner = np.sort(
-            np.concatenate([np.arange(requests), rng.integers(0, requests, n - requests)])
-        )
-        users = requests
-    ctx = FeatureEncoder().context(["pc"] * n, ["north"] * n, [1_767_225_600_000] * n)
-    x = FeatureEncoder().encode(
-        rng.standard_normal((users, D + 1)).astype(np.float32),
-        rng.standard_normal((n, D + 1)).astype(np.float32),
-        rng.random((n, 4)).astype(np.float32),
-        rng.integers(0, 128, n),
-        ctx,
-        rng.random(n).astype(np.float32),
-        owner=owner,
-        recent_similarity=rng.standard_normal(n).astype(np.float32),
-    )
-    return x
 
 
 # ------------------------------------------------------------------------- ranking models
@@ -78,7 +55,7 @@ def test_every_ranker_builds_saves_reloads_and_scores(name, tmp_path):
             p.add_(0.3 * torch.randn(p.shape, generator=gen))
     entry = save_model(tmp_path, model.eval(), "v1", D)
     again = load_model(tmp_path, {"version": "v1", "dim": D, "files": {name: entry}}, name, CPU)
-    for x in (_inputs(12), _inputs(12, requests=3)):
+    for x in (_pairs(12), _pairs(12, requests=3)):
         if getattr(model, "uses_sequence", False):
             rng = np.random.default_rng(2)
             rows = len(x.user) if x.owner is not None else len(x)

@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from evaluation.baselines import BASELINES as SPECS
+from evaluation.metrics import by_history
 from freshrec.progress import ProgressLine
 from freshrec.settings import state_dir
 
@@ -295,10 +296,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "users": int(np.unique(inter.users).size),
     }
+    meta["by_history"] = {
+        s.name: by_history(s, p.earlier) for s in [*live_scores, *scored.values()]
+    }
     meta["paired"] = replayreport.paired(live_scores, [scored[b] for b in baselines if b in scored])
     files = replayreport.write(out, rows, windows, meta, args.k)
     print(replayreport.table(rows, args.k))
     if meta["paired"]:
         print(replayreport.paired_table(meta["paired"], args.k))
+    print(replayreport.history_table(meta["by_history"], args.k))
     print("written: " + ", ".join(str(f) for f in files))
     return 0

@@ -430,7 +430,9 @@ async def _replay(
                     for it in reply.items[:k]:
                         result.channels.update(it.channels)
                     result.items_listed += min(len(reply.items), k)
-                scores.add_request(window, got, [item for _, item in targets], user)
+                scores.add_request(
+                    window, got, [item for _, item in targets], user, [pos for pos, _ in targets]
+                )
             for j, pos in enumerate(range(step.start, step.end)):
                 consumed.setdefault(str(data.users[pos]), set()).add(str(data.items[pos]))
                 item = str(data.items[pos])

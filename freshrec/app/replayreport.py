@@ -67,6 +67,28 @@ def paired_table(rows: list[dict], k: int) -> str:
     return "\n".join(lines)
 
 
+def history_table(rows: dict[str, dict], k: int) -> str:
+    """HR@k per arm for users with 0, 1-9, 10-99 and 100+ earlier interactions (with how many
+    interactions each bucket holds)."""
+    from evaluation.metrics import HISTORY_BUCKETS
+
+    names = [name for _, _, name in HISTORY_BUCKETS]
+    head = f"{f'HR@{k} by earlier interactions':<32}" + "".join(f"{n:>14}" for n in names)
+    lines = [head, "-" * len(head)]
+    counts = next(iter(rows.values()), {})
+    lines.append(
+        f"{'(interactions)':<32}"
+        + "".join(f"{counts.get(n, {}).get('interactions', 0):>14,}" for n in names)
+    )
+    for arm, buckets in rows.items():
+        cells = "".join(
+            f"{'-' if buckets[n]['hr'] is None else format(buckets[n]['hr'], '.4f'):>14}"
+            for n in names
+        )
+        lines.append(f"{arm:<32}{cells}")
+    return "\n".join(lines)
+
+
 def write(out: Path, rows: list[dict], windows: list[dict], meta: dict, k: int) -> list[Path]:
     """The files, in ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)

@@ -247,6 +247,27 @@ class Recommender:
 
         threading.Thread(target=build, daemon=True, name="ann-build").start()
 
+    def rank_batch(self, reqs, user_rows, merged, arms, fetched_recent) -> RankBatch:
+        """What ranking reads for these requests: the catalogue snapshot, and per request the
+        user's recent clicks — the worker's own, else those a recall channel that met its
+        deadline read from Redis (``fetched_recent``) — and sequence (their consumed items,
+        else those clicks)."""
+        recent = [
+            self.state.recent_clicks(r.user_id) or fetched_recent.get(r.user_id, []) for r in reqs
+        ]
+        return RankBatch(
+            reqs,
+            user_rows,
+            merged,
+            arms,
+            self.snap,
+            self.slot_of,
+            self.cat_index,
+            self.name_of_slot,
+            recent,
+            [self.sequence_of(r.user_id) or recent[j] for j, r in enumerate(reqs)],
+        )
+
     # --------------------------------------------------------------------------- serve
     def serve(self, batch: list[Inbound], queue_depth: int = 0) -> list[RecommendReply]:
         start = time.monotonic()
@@ -301,23 +322,7 @@ class Recommender:
                 )
             )
         ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
-        # each user's recent clicks: the worker's own, else what the i2i channel read from
-        # Redis for this batch (only a channel that met its deadline returns what it read)
-        recent = [
-            self.state.recent_clicks(r.user_id) or recall.recent.get(r.user_id, []) for r in reqs
-        ]
-        batch_in = RankBatch(
-            reqs,
-            user_rows,
-            merged,
-            arms,
-            self.snap,
-            self.slot_of,
-            self.cat_index,
-            self.name_of_slot,
-            recent,
-            [self.sequence_of(r.user_id) or recent[j] for j, r in enumerate(reqs)],
-        )
+        batch_in = self.rank_batch(reqs, user_rows, merged, arms, recall.recent)
         features_note, rankers = self.ranking.rank(batch_in, choices, ranked, models)
         if features_note:
             degraded.append(features_note)
