@@ -22,8 +22,14 @@ Z95 = 1.959963984540054
 
 
 def wilson(successes: float, trials: float, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of ``successes`` in ``trials`` (NaNs without trials)."""
-    if trials <= 0:
+    """Wilson score interval of ``successes`` in ``trials`` (NaNs without trials, or where
+    the counts are not a proportion: more successes than trials, or fewer than none — counts
+    any client can produce, since attribution counts whatever events name a reply).
+
+    >>> wilson(5, 3)
+    (nan, nan)
+    """
+    if trials <= 0 or not 0 <= successes <= trials:
         return math.nan, math.nan
     p = successes / trials
     denom = 1 + z * z / trials
@@ -42,8 +48,9 @@ class Test:
 
 
 def two_proportions(x1: float, n1: float, x0: float, n0: float) -> Test:
-    """Pooled two-proportion z-test of x1/n1 (a variant) against x0/n0 (the control)."""
-    if n1 <= 0 or n0 <= 0:
+    """Pooled two-proportion z-test of x1/n1 (a variant) against x0/n0 (the control); NaNs
+    where either side is not a proportion (no trials, or successes outside [0, trials])."""
+    if n1 <= 0 or n0 <= 0 or not (0 <= x1 <= n1 and 0 <= x0 <= n0):
         return Test(math.nan, math.nan, math.nan)
     p1, p0 = x1 / n1, x0 / n0
     pooled = (x1 + x0) / (n1 + n0)

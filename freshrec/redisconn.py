@@ -79,6 +79,26 @@ def _cluster_url(plain: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "", parts.query, parts.fragment))
 
 
+def redacted(url: str) -> str:
+    """``url`` fit for a log line or an error: the password replaced by ``***``.
+
+    >>> redacted("redis://:s3cret@db:6379/0"), redacted("rediss://app:s3cret@db/0")
+    ('redis://:***@db:6379/0', 'rediss://app:***@db/0')
+    >>> redacted("redis://db:6379"), redacted("not a url")
+    ('redis://db:6379', 'not a url')
+    """
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<a Redis URL that does not parse>"
+    if not password:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    name = user.partition(":")[0]
+    return urlunsplit((parts.scheme, f"{name}:***@{host}", *parts[2:]))
+
+
 def is_cluster(client) -> bool:
     return isinstance(client, (RedisCluster, redis.asyncio.cluster.RedisCluster))
 
@@ -101,9 +121,12 @@ def connect(url: str, *, wait_s: float = 30.0, **kwargs) -> redis.Redis | RedisC
         except (redis.exceptions.RedisClusterException, redis.exceptions.ConnectionError) as exc:
             if time.monotonic() >= deadline:
                 raise redis.exceptions.ConnectionError(
-                    f"no node of the Redis Cluster at {url} answered within {wait_s:.0f} s: {exc}"
+                    f"no node of the Redis Cluster at {redacted(url)} answered within "
+                    f"{wait_s:.0f} s: {exc}"
                 ) from exc
-            log.warning("Redis Cluster at %s not reachable yet (%s); trying again", url, exc)
+            log.warning(
+                "Redis Cluster at %s not reachable yet (%s); trying again", redacted(url), exc
+            )
             time.sleep(1.0)
 
 
@@ -140,7 +163,7 @@ def _undetected(url: str, exc: Exception) -> None:
     log.warning(
         "Redis at %s did not answer (%s): taken for a single server; name a cluster with "
         "redis+cluster://",
-        url,
+        redacted(url),
         exc,
     )
 

@@ -146,3 +146,19 @@ def test_what_a_variant_changes_in_a_request():
     for kept in ("light", "cached", "hot"):
         assert steer(Choice(kept, "x"), light).tier == kept
     assert steer(Choice("full", "ok"), diverse).tier == "full"
+
+
+def test_counts_that_are_not_proportions_give_no_interval_and_no_crash():
+    """Attribution counts any event naming a reply, so a variant can show more clicks than
+    impressions or more conversions than clicks: the report says so instead of failing."""
+    from freshrec.app.abreport import render, variant_rows
+
+    meta = {"variants": '["a", "b"]', "shares": "[0.5, 0.5]", "control": "a"}
+    counts = {"a:impression": 10, "a:click": 30, "a:conversion": 50, "b:impression": 100}
+    counts |= {"b:click": 10, "b:conversion": 2}
+    rep = variant_rows(meta, counts)
+    a, b = rep["variants"]
+    assert a["ctr_ci95"] is None and a["cvr_ci95"] is None
+    assert a["inconsistent"] == "30 clicks > 10 impressions; 50 conversions > 30 clicks"
+    assert b["vs_control"]["p"] is None and b["ctr_ci95"] is not None
+    assert "counts are not proportions: 30 clicks > 10 impressions" in render({"e": rep})

@@ -157,3 +157,12 @@ def _items_file(tmp_path):
     path = tmp_path / "items.csv"
     path.write_text("item_id,category\n" + "".join(f"i{j},c{j % 3}\n" for j in range(12)))
     return path
+
+
+def test_a_time_past_the_calendar_is_a_counted_bad_row_not_a_crash(tmp_path):
+    """1e19 parses as a number, but no int64 of milliseconds holds it: a bad row."""
+    path = tmp_path / "log.csv"
+    path.write_text(_csv([("u1", "i1", "1e19"), ("u1", "i2", "-1e17"), ("u2", "i1", 1600000000)]))
+    log = read_log(path, FMT)
+    assert log.items.tolist() == ["i1"] and log.bad.count == 2
+    assert "outside years 1 to 9999" in log.bad.examples[0][1]

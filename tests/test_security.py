@@ -131,3 +131,26 @@ def test_the_dashboard_escapes_every_value_it_renders_as_markup():
     for template in re.findall(r"`([^`]*<[^`]*)`", page):
         for expr in re.findall(r"\$\{([^}]*)\}", template):
             assert expr.startswith(("esc(", "cls(")) or expr in allowed or "esc(" in expr, expr
+
+
+def test_a_redis_password_never_reaches_a_log_line_or_an_error(caplog):
+    """Redis does not answer at start: the warning and the error name the server, not the
+    password in its URL."""
+    import logging
+    import socket
+
+    import redis
+
+    from freshrec.redisconn import connect
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    caplog.set_level(logging.INFO)
+    secret = "pw-that-must-not-leak"
+    client = connect(f"redis://:{secret}@127.0.0.1:{port}/0", socket_connect_timeout=0.2)
+    client.close()
+    with pytest.raises(redis.exceptions.ConnectionError) as info:
+        connect(f"redis+cluster://:{secret}@127.0.0.1:{port}", wait_s=0, socket_connect_timeout=0.2)
+    assert f"127.0.0.1:{port}" in caplog.text and f"127.0.0.1:{port}" in str(info.value)
+    assert secret not in caplog.text and secret not in str(info.value)

@@ -41,6 +41,7 @@ def variant_rows(meta: dict[str, str], counts: dict[str, int]) -> dict:
                 "ctr_ci95": _interval(clk, imp),
                 "cvr": conv / clk if clk else None,
                 "cvr_ci95": _interval(conv, clk),
+                "inconsistent": _inconsistent(imp, clk, conv),
             }
         )
     base = next(r for r in rows if r["variant"] == control)
@@ -49,6 +50,16 @@ def variant_rows(meta: dict[str, str], counts: dict[str, int]) -> dict:
             t = two_proportions(r["clicks"], r["impressions"], base["clicks"], base["impressions"])
             r["vs_control"] = {"ctr_diff": _num(t.diff), "z": _num(t.z), "p": _num(t.p)}
     return {"control": control, "variants": rows}
+
+
+def _inconsistent(impressions: int, clicks: int, conversions: int) -> str | None:
+    """Why a variant's counts are not proportions (no interval or test is given for them)."""
+    why = []
+    if clicks > impressions:
+        why.append(f"{clicks:,} clicks > {impressions:,} impressions")
+    if conversions > clicks:
+        why.append(f"{conversions:,} conversions > {clicks:,} clicks")
+    return "; ".join(why) or None
 
 
 def _interval(x: int, n: int) -> list[float] | None:
@@ -112,6 +123,8 @@ def render(reports: dict[str, dict]) -> str:
                 f"{_rate(v['ctr'], v['ctr_ci95']):<24} {versus:<22} "
                 f"{_rate(v['cvr'], v['cvr_ci95'])}"
             )
+            if v.get("inconsistent"):
+                out.append(f"  {'':<14} counts are not proportions: {v['inconsistent']}")
     return "\n".join(out)
 
 

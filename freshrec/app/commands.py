@@ -12,6 +12,7 @@ import time
 
 from freshrec.app.stack import EmbeddedStack, StackError, external_services
 from freshrec.progress import ProgressLine
+from freshrec.redisconn import redacted
 from freshrec.settings import ConnectionSettings, load_environment, state_dir
 
 log = logging.getLogger("freshrec")
@@ -71,7 +72,7 @@ def cmd_stack_status(args: argparse.Namespace) -> int:
     if external_services():
         conn = ConnectionSettings.from_env(os.environ)
         print(f"external: KAFKA_BOOTSTRAP_SERVERS={conn.kafka_bootstrap_servers}")
-        print(f"external: REDIS_URL={conn.redis_url}")
+        print(f"external: REDIS_URL={redacted(conn.redis_url)}")
         return 0
     print(EmbeddedStack(state_dir()).status())
     return 0

@@ -144,8 +144,25 @@ class Interactions:
         )
 
 
+TIME_RANGE_MS = (-62_135_596_800_000, 253_402_300_799_999)
+"""Times a log may hold: years 1 to 9999 (what ISO 8601 dates can say), in ms."""
+
+
 def parse_time(raw: object, unit: str) -> int:
-    """Milliseconds since the epoch from a cell; ValueError when it is not a time."""
+    """Milliseconds since the epoch from a cell; ValueError when it is not a time.
+
+    >>> parse_time("1e19", "auto")
+    Traceback (most recent call last):
+    ...
+    ValueError: time '1e19' is outside years 1 to 9999
+    """
+    t = _parse_time(raw, unit)
+    if not TIME_RANGE_MS[0] <= t <= TIME_RANGE_MS[1]:
+        raise ValueError(f"time {str(raw)[:40]!r} is outside years 1 to 9999")
+    return t
+
+
+def _parse_time(raw: object, unit: str) -> int:
     if isinstance(raw, bool) or raw is None:
         raise ValueError("no time")
     if unit != "iso":
