@@ -722,3 +722,46 @@ def test_the_reply_stage_counts_each_row_once_from_the_oldest_event_no_reply_use
     cache.observe_reply(users, np.empty(0, np.int64))
     s3, n3 = count_and_sum()
     assert n3 - n2 == 1 and abs((s3 - s2) - (100_000 - 99_501) / 1000) < 1e-9
+
+
+def test_an_update_batch_of_another_width_or_of_non_finite_rows_is_skipped_not_installed():
+    """Every worker reads every embeddings.updates partition: one well-formed batch of another
+    dimension must not crash them all, and NaN rows must not reach the table."""
+    import torch
+
+    from freshrec import metrics as m
+    from inference.learning.pending import PendingSteps
+    from inference.learning.updates import UpdateInstaller
+    from inference.tables.cache import EmbeddingCache
+    from schemas.rowbatch import KIND_UPDATES, TABLE_ITEM, RowBatch
+
+    dim = 4
+    cache = EmbeddingCache(dim, 8, lambda table, ids: {}, torch.device("cpu"))
+    cache.load_items({i: (np.zeros(dim + 1, np.float32), 1, 0) for i in (11, 12, 13)})
+    installer = UpdateInstaller(cache, PendingSteps(64, dim + 1), producer=None)
+
+    def batch(rows: np.ndarray) -> bytes:
+        n = len(rows)
+        ids = np.array([11, 12, 13][:n], np.uint64)
+        return RowBatch(
+            KIND_UPDATES,
+            TABLE_ITEM,
+            ids,
+            rows,
+            np.full(n, 5, np.uint64),
+            np.full(n, 1000, np.int64),
+        ).encode()
+
+    def count(outcome: str) -> float:
+        return m.UPDATES_INSTALLED.labels("item", outcome)._value.get()
+
+    wide, bad, ok = count("wrong_width"), count("non_finite"), count("installed")
+    installer.on_update(batch(np.ones((3, 7), np.float32)))
+    assert count("wrong_width") == wide + 3
+    rows = np.ones((3, dim + 1), np.float32)
+    rows[1, 2] = np.nan
+    installer.on_update(batch(rows))
+    assert count("non_finite") == bad + 1 and count("installed") == ok + 2
+    held = cache.rows(TABLE_ITEM, cache.slots(TABLE_ITEM, np.array([11, 12, 13])))
+    assert torch.isfinite(held).all()
+    assert held[0].tolist() == [1.0] * (dim + 1) and held[1].tolist() == [0.0] * (dim + 1)

@@ -10,6 +10,7 @@ step in a message whose delivery report has not been read yet is deferred to a l
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -32,6 +33,7 @@ class UpdateInstaller:
         self.newest_served_ms = 0
         """The newest event time an installed row includes (the ``served`` stage's reach)."""
         self._newest_served = m.FRESHNESS_EVENT_TIME.labels("served")
+        self._warned_at = -math.inf
 
     def on_update(self, value: bytes) -> None:
         try:
@@ -39,8 +41,28 @@ class UpdateInstaller:
         except CorruptBatch as exc:
             log.warning("corrupt update batch skipped: %s", exc)
             return
-        if batch.kind == KIND_UPDATES:
-            self.install(batch, np.arange(len(batch.ids)))
+        if batch.kind != KIND_UPDATES:
+            return
+        name = TABLE_NAMES[batch.table]
+        if batch.rows.ndim != 2 or batch.rows.shape[1] != self.cache.w:
+            # another deployment's dimension (or a stray producer): every row is unusable
+            m.UPDATES_INSTALLED.labels(name, "wrong_width").inc(len(batch.ids))
+            self._warn(
+                f"update batch of {batch.rows.shape} rows skipped: this worker's rows are {self.cache.w} wide"
+            )
+            return
+        finite = np.isfinite(batch.rows).all(axis=1)
+        if not finite.all():
+            m.UPDATES_INSTALLED.labels(name, "non_finite").inc(int((~finite).sum()))
+            self._warn(f"{int((~finite).sum())} non-finite rows of an update batch skipped")
+        self.install(batch, np.flatnonzero(finite))
+
+    def _warn(self, message: str) -> None:
+        """A warning at most once a minute: a stray producer must not flood the log."""
+        now = time.monotonic()
+        if now - self._warned_at >= 60:
+            self._warned_at = now
+            log.warning(message)
 
     def install(self, batch: RowBatch, take: np.ndarray) -> None:
         """Install rows ``take`` of an update batch that are newer than the cache's, each with
