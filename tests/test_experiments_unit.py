@@ -162,3 +162,81 @@ def test_counts_that_are_not_proportions_give_no_interval_and_no_crash():
     assert a["inconsistent"] == "30 clicks > 10 impressions; 50 conversions > 30 clicks"
     assert b["vs_control"]["p"] is None and b["ctr_ci95"] is not None
     assert "counts are not proportions: 30 clicks > 10 impressions" in render({"e": rep})
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('variant = [1, 2]\n[experiment]\nname = "e"\n', "at least two"),
+        ('[experiment]\nname = "e"\nx = ' + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+        (
+            '[experiment]\nname = "e"\n'
+            + "".join(f'[[variant]]\nname = "v{n}"\nshare = 0\n' for n in range(255)),
+            "at most 254",
+        ),
+    ],
+    ids=["variants-not-tables", "deep-nesting", "255-variants"],
+)
+def test_a_toml_valid_file_that_is_no_experiment_is_a_one_line_error(text, why):
+    from inference.serving.experiments import ExperimentError, parse
+
+    with pytest.raises(ExperimentError, match=why):
+        parse(text)
+
+
+class _FlakyRedis:
+    """The three calls ``sync_table`` makes, on a dict; ``down`` makes every one fail."""
+
+    def __init__(self) -> None:
+        self.hashes: dict[str, dict] = {}
+        self.down = False
+
+    def _check(self) -> None:
+        import redis
+
+        if self.down:
+            raise redis.ConnectionError("Redis is down")
+
+    def hgetall(self, key):
+        self._check()
+        return dict(self.hashes.get(key, {}))
+
+    def hset(self, key, mapping):
+        self._check()
+        self.hashes.setdefault(key, {}).update(
+            {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in mapping.items()}
+        )
+
+    def sadd(self, key, *values):
+        self._check()
+
+
+def test_a_variant_renamed_while_redis_fails_keeps_serving_the_running_experiment(tmp_path):
+    """The new file and its allocation table are adopted together: until Redis takes the new
+    table, every user keeps an arm of the running experiment (a KeyError inside serving
+    before); once it does, the renamed variant serves."""
+    import os
+
+    from freshrec.rediskeys import RedisKeys
+    from inference.serving.liveexperiment import LiveExperiment
+
+    path = tmp_path / "exp.toml"
+    two = '[experiment]\nname = "e"\n[[variant]]\nname = "{a}"\nshare = 0.5\n[[variant]]\nname = "b"\nshare = 0.5\n'
+    path.write_text(two.format(a="a"))
+    r = _FlakyRedis()
+    live = LiveExperiment(path, r, RedisKeys("t."), 60)
+    live.load()
+    users = [f"u{n}" for n in range(200)]
+    assert {live.arm(u).variant.name for u in users} == {"a", "b"}
+    path.write_text(two.format(a="renamed"))
+    os.utime(path, ns=(1, 10**18))  # a new stamp whatever the file system's clock
+    r.down = True
+    live.poll(now=100.0)
+    assert {live.arm(u).variant.name for u in users} == {"a", "b"}
+    r.down = False
+    live.poll(now=200.0)
+    assert {live.arm(u).variant.name for u in users} == {"renamed", "b"}
+    path.write_text('variant = [1, 2]\n[experiment]\nname = "e"\n')  # TOML, not an experiment
+    os.utime(path, ns=(1, 2 * 10**18))
+    live.poll(now=300.0)
+    assert {live.arm(u).variant.name for u in users} == {"renamed", "b"}

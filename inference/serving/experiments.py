@@ -32,6 +32,8 @@ from inference.serving.channels import CHANNELS as REGISTERED_CHANNELS
 BUCKETS = 1000
 """Hash buckets a share is counted in: shares are multiples of 0.1%."""
 UNASSIGNED = 255
+MAX_VARIANTS = UNASSIGNED - 1
+"""A bucket of the allocation table holds its variant's number in a byte, 255 unassigned."""
 RANKINGS = experiment_rankings()
 """What a variant's ``ranking`` may name (``inference/models/kinds.py``)."""
 CHANNELS = tuple(REGISTERED_CHANNELS)
@@ -191,6 +193,8 @@ def parse(text: str, path: str = "experiments.toml") -> Experiment:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ExperimentError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise ExperimentError(f"{path}: nested too deeply to read") from None
     lines = text.splitlines()
 
     def fail(message: str, key: str, block: int | None = None) -> ExperimentError:
@@ -211,8 +215,10 @@ def parse(text: str, path: str = "experiments.toml") -> Experiment:
     if not isinstance(name, str) or not _NAME.match(name):
         raise fail("experiment name: 1-64 letters, digits, '.', '_' or '-'", "name")
     raw = data.get("variant")
-    if not isinstance(raw, list) or len(raw) < 2:
+    if not isinstance(raw, list) or len(raw) < 2 or not all(isinstance(v, dict) for v in raw):
         raise ExperimentError(f"{path}:{len(lines)}: at least two [[variant]] tables are required")
+    if len(raw) > MAX_VARIANTS:
+        raise fail(f"{len(raw)} variants: at most {MAX_VARIANTS}", "name", MAX_VARIANTS)
     variants = [_variant(v, n, fail) for n, v in enumerate(raw)]
     names = [v.name for v in variants]
     for n, v in enumerate(variants):

@@ -78,14 +78,15 @@ class LiveExperiment:
 
     def load(self) -> None:
         """Read the file and the table now: a bad file is an error at start."""
-        self.experiment = load(self.path)
+        exp = load(self.path)
         self._stamp = self._file_stamp()
-        self._adopt(sync_table(self.redis, self.keys, self.experiment))
+        self._adopt(exp, sync_table(self.redis, self.keys, exp))
 
     def arm(self, user_id: str) -> Arm | None:
         if self.experiment is None:
             return None
-        return self._arms[self.experiment.variant_of(self.table, user_id)]
+        # the table and the arms are adopted together, so the name is always among them
+        return self._arms.get(self.experiment.variant_of(self.table, user_id))
 
     def poll(self, now: float) -> None:
         """Every couple of seconds: a changed file is parsed and its shares applied (a bad
@@ -94,22 +95,28 @@ class LiveExperiment:
         if now - self._checked < CHECK_EVERY_S:
             return
         self._checked = now
+        stamp = None
         try:
             stamp = self._file_stamp()
+            candidate = self.experiment
             if stamp != self._stamp:
-                self._stamp = stamp
-                exp = load(self.path)
-                if self.experiment is None or exp != self.experiment:
+                candidate = load(self.path)
+                if self.experiment is None or candidate != self.experiment:
                     log.info("experiments file %s changed: reloading", self.path)
-                self.experiment = exp
-            if self.experiment is not None:
-                self._adopt(sync_table(self.redis, self.keys, self.experiment))
+            if candidate is not None:
+                # the new experiment and its table are adopted together, or neither is
+                self._adopt(candidate, sync_table(self.redis, self.keys, candidate))
+            self._stamp = stamp
         except ExperimentError as exc:
+            self._stamp = stamp  # not read again until the file changes
             log.error("experiments file not reloaded, the running experiment stays: %s", exc)
         except OSError as exc:  # the file gone or unreadable between stat and read
             log.error("experiments file %s unreadable, the running one stays: %s", self.path, exc)
-        except redis.RedisError as exc:
+        except redis.RedisError as exc:  # the file is read again next time
             log.warning("experiment table not refreshed (Redis): %s", exc)
+        except Exception:  # whatever a file edit holds, serving goes on with what it has
+            self._stamp = stamp
+            log.exception("experiments file %s not reloaded, the running one stays", self.path)
 
     def record(self, replies) -> None:
         """Before the replies leave: each one's variant under its request id, and the
@@ -130,9 +137,8 @@ class LiveExperiment:
         except redis.RedisError as exc:
             log.warning("variants of %d replies not recorded: %s", len(arms), exc)
 
-    def _adopt(self, table: bytes) -> None:
-        self.table = table
-        exp = self.experiment
+    def _adopt(self, exp: Experiment, table: bytes) -> None:
+        self.experiment, self.table = exp, table
         self._arms = {v.name: Arm(exp.name, v) for v in exp.variants}
 
     def _file_stamp(self) -> tuple:
