@@ -36,6 +36,7 @@ import redis.asyncio.cluster
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from freshrec.errors import RetriableError
 from freshrec.resp import exchange_async, execute
 
 log = logging.getLogger("freshrec.redis")
@@ -77,6 +78,32 @@ def _cluster_url(plain: str) -> str:
     if parts.path not in ("", "/", "/0"):
         raise ValueError(f"a Redis Cluster has only database 0, not {parts.path[1:]!r}")
     return urlunsplit((parts.scheme, parts.netloc, "", parts.query, parts.fragment))
+
+
+class TransactionFailed(RetriableError, redis.exceptions.RedisError):
+    """A command inside ``EXEC`` failed (out of memory at ``maxmemory``, a key of the wrong
+    type): Redis ran the others, so what should change together may disagree until the same
+    transaction — a snapshot, idempotent — is sent again and succeeds. Retriable: the
+    services wait it out like an outage, and commit nothing past it meanwhile."""
+
+
+def check_exec(reply, what: str = "the transaction") -> list:
+    """``EXEC``'s reply, or ``TransactionFailed`` when any command inside it failed (Redis
+    returns their errors in the reply's list instead of failing the ``EXEC``).
+
+    >>> check_exec([1, b"OK"])
+    [1, b'OK']
+    >>> check_exec([1, redis.ResponseError("OOM command not allowed")], "counts")
+    Traceback (most recent call last):
+    ...
+    freshrec.redisconn.TransactionFailed: 1 of 2 commands of counts failed: OOM command not allowed
+    """
+    failed = [r for r in reply or () if isinstance(r, Exception)]
+    if failed:
+        raise TransactionFailed(
+            f"{len(failed)} of {len(reply)} commands of {what} failed: {failed[0]}"
+        )
+    return reply
 
 
 def redacted(url: str) -> str:

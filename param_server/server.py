@@ -44,7 +44,7 @@ from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.outage import REDIS_DOWN as OUTAGE
 from freshrec.outage import until_redis_answers
 from freshrec.partitioner import row_partitions
-from freshrec.redisconn import connect
+from freshrec.redisconn import TransactionFailed, connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import row_shards
 from freshrec.service import Service
@@ -52,7 +52,6 @@ from freshrec.topics import TopicNames
 from param_server.settings import ParamServerSettings
 from param_server.store import (
     PersistUnit,
-    TransactionFailed,
     applied_offsets,
     claim_partitions,
     fetch_rows_and_accumulators,

@@ -8,8 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
-from freshrec.errors import RetriableError
-from freshrec.redisconn import ATTEMPTS, is_cluster, node_client, reload_slots
+from freshrec.redisconn import (
+    ATTEMPTS,
+    check_exec,
+    is_cluster,
+    node_client,
+    reload_slots,
+)
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import pack, pack_fixed, pooled_connection
 from freshrec.rowstore import fetch_blobs
@@ -108,12 +113,6 @@ def pack_persist(
     return units
 
 
-class TransactionFailed(RetriableError, redis.exceptions.RedisError):
-    """A command inside ``EXEC`` failed (out of memory, a key of the wrong type): Redis ran
-    the others, so rows, accumulators and offsets may disagree until the same transaction —
-    a snapshot, idempotent — is sent again and succeeds."""
-
-
 def claim_partitions(r: redis.Redis, keys: RedisKeys, owners: dict[int, str]) -> None:
     """Record this instance's token as the owner of each partition: from now on an older
     owner's transaction over them fails (``persist_fenced``)."""
@@ -176,12 +175,7 @@ def _fenced_transaction(
             conn.send_packed_command([payload])
             out = [conn.read_response() for _ in range(replies)]
             if out[-1] is not None:  # EXEC ran; None: a watched key changed, check again
-                failed = [r for r in out[-1] if isinstance(r, Exception)]
-                if failed:  # EXEC ran every command, and some failed: not all is written
-                    raise TransactionFailed(
-                        f"{len(failed)} of {len(out[-1])} commands of the transaction failed: "
-                        f"{failed[0]}"
-                    )
+                check_exec(out[-1])  # EXEC ran every command: did any fail?
                 return True
         raise redis.WatchError(f"the owners of partitions {parts} kept changing")
 

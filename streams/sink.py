@@ -7,7 +7,7 @@ import orjson
 from redis.asyncio import Redis
 
 from freshrec.hotscore import HotList, hot_scores, price_norm
-from freshrec.redisconn import Packed, run_packed_async
+from freshrec.redisconn import Packed, check_exec, run_packed_async
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Fields, float_text, pack, pack_pairs, pack_ragged
 from streams.item_state import ItemPartitionState
@@ -41,7 +41,11 @@ class StreamsSink:
                 payload = b"".join([pack(b"MULTI"), *commands, pack(b"EXEC")])
                 key = self.keys.streams_meta(partition).encode()
                 entries.append(Packed(key, payload, len(commands) + 2))
-        await run_packed_async(self.redis, entries)
+        for replies in await run_packed_async(self.redis, entries):
+            # a command that failed inside EXEC (OOM at maxmemory, a key of the wrong type)
+            # is an error in its list: raised, so the batch is neither acknowledged nor its
+            # offsets taken as persisted, and the snapshot is written again
+            check_exec(replies[-1], "persisting counts")
 
     def _persist_commands(self, partition: int, state: ItemPartitionState) -> list[bytes]:
         touched = state.take_touched()

@@ -184,8 +184,8 @@ def test_a_transaction_with_a_failed_command_is_not_taken_for_persisted(conn):
     reply for success, so offsets could move ahead of rows."""
     import numpy as np
 
+    from freshrec.redisconn import TransactionFailed
     from param_server.store import (
-        TransactionFailed,
         claim_partitions,
         pack_persist,
         persist_fenced,

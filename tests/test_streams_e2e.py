@@ -389,3 +389,31 @@ def test_a_tombstone_on_items_deletes_the_item_and_one_without_a_key_is_a_dead_l
     finally:
         stop.set()
         t.join(15)
+
+
+async def test_a_command_that_fails_inside_exec_fails_the_persist_instead_of_passing(any_conn):
+    """Redis runs the rest of a transaction when one command in it fails (a key of the wrong
+    type here; OOM at maxmemory alike) and reports it inside EXEC's reply: the sink raises a
+    retriable error, so the batch is not acknowledged as persisted, and the same snapshot
+    goes through once the key is writable."""
+    from freshrec.redisconn import TransactionFailed
+    from streams.item_state import ItemPartitionState, StateConfig
+    from streams.sink import StreamsSink
+
+    keys = RedisKeys(any_conn.topic_prefix)
+    client = await connect_async(any_conn.redis_url)
+    try:
+        state = ItemPartitionState(StateConfig())
+        state.apply([(0, 5, "i1", 1, 3_600_000, "north", 0.0)])
+        await client.set(keys.streams_rows(0), "not a hash")  # HSET on it fails in EXEC
+        sink = StreamsSink(client, keys)
+        with pytest.raises(TransactionFailed, match="WRONGTYPE") as info:
+            await sink.persist([(0, state)])
+        assert info.value.retriable
+        await client.delete(keys.streams_rows(0))
+        state.touched.update(range(state.n_items))  # the same snapshot, sent again
+        await sink.persist([(0, state)])
+        again = await sink.restore(0, StateConfig())
+        assert again.applied == {0: 5} and again.n_items == 1
+    finally:
+        await client.aclose()
