@@ -26,9 +26,26 @@ REDIS_DOWN: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.Time
 """Errors that mean Redis did not answer (as opposed to refusing a command)."""
 
 
+PASSING_REFUSALS = ("OOM", "CLUSTERDOWN", "TRYAGAIN", "LOADING", "BUSY", "MASTERDOWN", "READONLY")
+"""Error replies that pass with time: memory at ``maxmemory`` (until keys expire or an operator
+acts), a cluster without a quorum or in the middle of a resharding or failover, a server
+loading its data set, running a script, or a replica not yet promoted."""
+
+
 def is_outage(exc: BaseException) -> bool:
-    """Redis did not answer, or a FreshRec error says the same call may succeed later."""
-    return isinstance(exc, REDIS_DOWN) or (isinstance(exc, FreshRecError) and exc.retriable)
+    """Redis did not answer, refused for a reason that passes with time, or a FreshRec error
+    says the same call may succeed later.
+
+    >>> is_outage(redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'"))
+    True
+    >>> is_outage(redis.ResponseError("WRONGTYPE Operation against a key"))
+    False
+    """
+    if isinstance(exc, REDIS_DOWN) or (isinstance(exc, FreshRecError) and exc.retriable):
+        return True
+    if isinstance(exc, redis.ResponseError):
+        return str(exc).split(" ", 1)[0].upper() in PASSING_REFUSALS
+    return False
 
 
 class _Waiting:

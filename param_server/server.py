@@ -42,7 +42,7 @@ from freshrec.kafka import (
 )
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.outage import REDIS_DOWN as OUTAGE
-from freshrec.outage import until_redis_answers
+from freshrec.outage import is_outage, until_redis_answers
 from freshrec.partitioner import row_partitions
 from freshrec.redisconn import TransactionFailed, connect
 from freshrec.rediskeys import RedisKeys
@@ -405,7 +405,9 @@ class ParameterServer(Service):
             return
         try:
             owned = done.future.result()
-        except REDIS_DOWN:
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
             # the retry serves rebalance callbacks: a revoke's flush may finish this one
             owned = self._redis_retry(
                 lambda: (

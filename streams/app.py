@@ -50,7 +50,7 @@ from freshrec.endpoints import serve_metrics
 from freshrec.health import HEALTH
 from freshrec.kafka import admin_config, partition_count, profile
 from freshrec.lifecycle import settle_heap
-from freshrec.outage import REDIS_DOWN
+from freshrec.outage import is_outage
 from freshrec.outage import until_redis_answers_async as until_redis_answers
 from freshrec.redisconn import connect_async
 from freshrec.rediskeys import RedisKeys
@@ -291,7 +291,9 @@ class StreamsApp:
         started = time.monotonic()
         try:
             await self._publish_round()
-        except REDIS_DOWN as exc:  # the next round publishes what this one could not
+        except Exception as exc:  # the next round publishes what this one could not
+            if not is_outage(exc):
+                raise
             log.warning("hot lists not published, Redis unavailable: %s", exc)
         finally:
             took = time.monotonic() - started

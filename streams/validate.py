@@ -34,6 +34,7 @@ from freshrec.childmetrics import send_snapshots
 from freshrec.dedupe import DedupeWindow
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
 from freshrec.lifecycle import die_with_parent, set_from_signal
+from freshrec.outage import is_outage
 from freshrec.partitioner import str_partitions
 from freshrec.redisconn import Packed, connect, is_cluster, run_packed
 from freshrec.rediskeys import RedisKeys
@@ -142,7 +143,9 @@ class ValidateStage(Service):
             try:
                 if self.recent is not None:  # the recent clicks before these offsets are written
                     self.recent.drain()
-            except redis.ConnectionError as exc:
+            except redis.RedisError as exc:
+                if not is_outage(exc):
+                    raise
                 log.warning("offsets not committed, Redis unavailable: %s", exc)
                 return
             if self.producer.flush(30):  # everything before these offsets is delivered first

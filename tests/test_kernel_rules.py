@@ -37,6 +37,19 @@ def test_an_outage_is_waited_out_and_other_errors_pass_through(caplog):
 
     with pytest.raises(redis.ResponseError):
         until_redis_answers(refused, "test", sleep=slept.append)
+    # refusals that pass with time are waited out like an outage: memory at maxmemory, a
+    # cluster re-forming
+    refusals = iter(
+        [redis.ResponseError("OOM command not allowed"), redis.ResponseError("CLUSTERDOWN")]
+    )
+
+    def crowded():
+        err = next(refusals, None)
+        if err is not None:
+            raise err
+        return "written"
+
+    assert until_redis_answers(crowded, "test", sleep=slept.append) == "written"
     assert is_outage(redis.TimeoutError()) and is_outage(RetriableError("x"))
     assert not is_outage(FreshRecError("x")) and not is_outage(ValueError())
 
