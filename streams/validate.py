@@ -66,6 +66,24 @@ def pack_recent(keys: RedisKeys, clicks, keep: int) -> list[Packed]:
     ]
 
 
+MAX_RECORD_BYTES = 512 * 1024
+"""An ``events.by_item`` record is split below this: Kafka refuses messages over its
+``message.max.bytes`` (1 MB by default), and 5,000 valid events naming one item id of 64
+emoji make a 2 MB record."""
+
+
+def _records(columns: list, lo: int, hi: int) -> list[bytes]:
+    """Rows ``lo:hi`` of ``columns`` as ``events.by_item`` records, in order, each under
+    ``MAX_RECORD_BYTES`` (halved until it fits; one event always does: ids are bounded)."""
+    record = orjson.dumps(
+        dict(zip(BY_ITEM_COLUMNS, (c[lo:hi].tolist() for c in columns), strict=True))
+    )
+    if len(record) <= MAX_RECORD_BYTES or hi - lo == 1:
+        return [record]
+    mid = (lo + hi) // 2
+    return _records(columns, lo, mid) + _records(columns, mid, hi)
+
+
 def _run_bounds(keys: np.ndarray) -> list[int]:
     """Where the runs of equal values of sorted ``keys`` start, and its length.
 
@@ -264,8 +282,8 @@ class ValidateStage(Service):
             np.array([e.region for e in events], object)[order],
         ]
         for lo, hi in pairwise(cuts):
-            record = dict(zip(BY_ITEM_COLUMNS, (c[lo:hi].tolist() for c in columns), strict=True))
-            self._produce(self.names.events_by_item, orjson.dumps(record), int(q[lo]))
+            for value in _records(columns, lo, hi):
+                self._produce(self.names.events_by_item, value, int(q[lo]))
 
     def _produce(self, topic: str, value: bytes, partition: int | None) -> None:
         produce(self.producer, topic, value, partition=partition)

@@ -519,3 +519,27 @@ def test_a_tombstone_needs_an_item_id_as_its_key():
         with pytest.raises(Rejected) as exc:
             tombstone_item_id(key)
         assert exc.value.reason == reason
+
+
+def test_a_batch_of_valid_events_never_makes_a_record_the_broker_refuses():
+    """5,000 valid events naming one item id of 64 emoji made one 2 MB events.by_item
+    record: the broker refused it and the stage crash-looped on the same batch. Records are
+    split under MAX_RECORD_BYTES, in order, and together hold every event."""
+    import orjson
+
+    from schemas.records import Event
+    from streams.item_state import by_item_columns
+    from streams.validate import MAX_RECORD_BYTES, ValidateStage
+
+    item = "\N{GRINNING FACE}" * 64
+    events = [Event(f"e{n}", "click", f"u{n}", item, 1_767_225_600_000 + n) for n in range(5000)]
+    produced: list[tuple[bytes, int]] = []
+    stage = object.__new__(ValidateStage)  # _route alone: no broker, no Redis
+    stage.by_item_partitions = 4
+    stage.names = type("Names", (), {"events_by_item": "t.events.by_item"})()
+    stage._produce = lambda topic, value, partition: produced.append((value, partition))
+    stage._route([0] * 5000, list(range(5000)), events)
+    assert len(produced) > 1 and all(len(v) <= MAX_RECORD_BYTES for v, _ in produced)
+    assert len({p for _, p in produced}) == 1
+    offsets = [o for v, _ in produced for o in by_item_columns(orjson.loads(v))[1]]
+    assert offsets == list(range(5000))
