@@ -29,6 +29,9 @@ class StreamsSettings:
     """Length of each published hot list (global and per region)."""
     recent_clicks: int = 50
     """How many recent clicks are kept per user."""
+    recent_ttl_s: int = 30 * 86_400
+    """A user's recent clicks leave Redis this long after their last click (0: never);
+    ``FRESHREC_ROW_TTL_S``, after which the user's row leaves too."""
     dedupe_window: int = 200_000
     """Event ids remembered per source partition; a replay inside the window counts once."""
     new_item_window_ms: int = 24 * 3_600_000
@@ -77,6 +80,7 @@ class StreamsSettings:
             ),
             hot_k=env_int(env, "FRESHREC_HOT_K", 500, minimum=1),
             recent_clicks=env_int(env, "FRESHREC_RECENT_CLICKS", 50, minimum=1),
+            recent_ttl_s=env_int(env, "FRESHREC_ROW_TTL_S", 30 * 86_400, minimum=0),
             dedupe_window=env_int(env, "FRESHREC_DEDUPE_WINDOW", 200_000, minimum=1),
             new_item_window_ms=env_int(env, "FRESHREC_NEW_ITEM_WINDOW_MS", 86_400_000, minimum=1),
             publish_interval_ms=env_int(env, "FRESHREC_HOT_PUBLISH_MS", 200, minimum=10),

@@ -53,17 +53,23 @@ SERVICE = "streams"
 COMMIT_INTERVAL_S = 1.0
 
 
-def pack_recent(keys: RedisKeys, clicks, keep: int) -> list[Packed]:
-    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim:
-    each user's commands packed by hand (none: nothing to send)."""
+def pack_recent(keys: RedisKeys, clicks, keep: int, ttl_s: int = 0) -> list[Packed]:
+    """LPUSH each user's new clicks (oldest first, so the newest ends up in front), trim,
+    and (``ttl_s``) let the list expire that long after this click: each user's commands
+    packed by hand (none: nothing to send)."""
     per_user: dict[str, list[bytes]] = defaultdict(list)
     for user_id, item_id, ts in clicks:
         per_user[user_id].append(b"%s|%d" % (item_id.encode(), ts))
     stop = b"%d" % (keep - 1)
-    return [
-        Packed(key, pack(b"LPUSH", key, *entries) + pack(b"LTRIM", key, b"0", stop), 2)
-        for key, entries in ((keys.user_recent(u).encode(), e) for u, e in per_user.items())
-    ]
+    expire = b"%d" % ttl_s
+    out = []
+    for key, entries in ((keys.user_recent(u).encode(), e) for u, e in per_user.items()):
+        payload = pack(b"LPUSH", key, *entries) + pack(b"LTRIM", key, b"0", stop)
+        if ttl_s:
+            out.append(Packed(key, payload + pack(b"EXPIRE", key, expire), 3))
+        else:
+            out.append(Packed(key, payload, 2))
+    return out
 
 
 MAX_RECORD_BYTES = 512 * 1024
@@ -197,7 +203,13 @@ class ValidateStage(Service):
         if n_ok:
             self._route(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
-            writes = pack_recent(self.keys, clicks, self.settings.recent_clicks) if clicks else []
+            writes = (
+                pack_recent(
+                    self.keys, clicks, self.settings.recent_clicks, self.settings.recent_ttl_s
+                )
+                if clicks
+                else []
+            )
             writes += self.wait_for_redis(
                 lambda: self.attribution.commands(events), "experiment attribution"
             )

@@ -134,3 +134,11 @@ def test_the_stacks_slot_ranges_cover_every_slot_once():
         ranges = slot_ranges(n)
         assert ranges[0][0] == 0 and ranges[-1][1] == 16383
         assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_recent_clicks_expire_with_the_users_rows():
+    keys = RedisKeys()
+    (entry,) = pack_recent(keys, [("u1", "i1", 5)], keep=10, ttl_s=86_400)
+    assert entry.replies == 3
+    assert [c[0] for c in commands(entry.payload)] == [b"LPUSH", b"LTRIM", b"EXPIRE"]
+    assert commands(entry.payload)[-1] == [b"EXPIRE", b"user:recent:u1", b"86400"]

@@ -417,3 +417,19 @@ async def test_a_command_that_fails_inside_exec_fails_the_persist_instead_of_pas
         assert again.applied == {0: 5} and again.n_items == 1
     finally:
         await client.aclose()
+
+
+def test_a_users_recent_clicks_expire_after_the_row_ttl(any_conn):
+    """user:recent:* lists left Redis never: one per user ever seen. They expire like the
+    user's row (FRESHREC_ROW_TTL_S after the last click)."""
+    from freshrec.redisconn import run_packed
+    from streams.validate import pack_recent
+
+    keys = RedisKeys(any_conn.topic_prefix)
+    r = connect(any_conn.redis_url)
+    try:
+        run_packed(r, pack_recent(keys, [("u1", "i1", 5), ("u1", "i2", 6)], keep=10, ttl_s=3600))
+        assert r.lrange(keys.user_recent("u1"), 0, -1) == [b"i2|6", b"i1|5"]
+        assert 3500 < r.ttl(keys.user_recent("u1")) <= 3600
+    finally:
+        r.close()
