@@ -105,6 +105,14 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, dict[str, str]]] = {
         "10m",
         {"job": "param-server", "instance": "ps:9102"},
     ),
+    "FreshrecServiceAbsent": (
+        [
+            ('up{job="streams",instance="s:9100"}', "1x30"),
+            ('up{job="param-server",instance="ps:9102"}', "1x30"),
+        ],
+        "10m",
+        {"job": "worker"},
+    ),
     "FreshrecConsumerLagGrowing": (
         [
             (
@@ -144,6 +152,8 @@ HEALTHY = [
     ('freshrec_breaker_state{channel="i2i",job="worker",instance="w1:9101"}', "0x30"),
     ('freshrec_dead_letters_total{reason="bad_json",job="streams"}', "0+1x30"),
     ('up{job="param-server",instance="ps:9102"}', "1x30"),
+    ('up{job="streams",instance="s:9100"}', "1x30"),
+    ('up{job="worker",instance="w1:9101"}', "1x30"),
     ('freshrec_consumer_lag_messages{group="g",topic="events",partition="0"}', "50x30"),
     ('freshrec_freshness_event_timestamp_seconds{stage="local"}', "1000+60x30"),
     ('freshrec_freshness_event_timestamp_seconds{stage="global_applied"}', "999+60x30"),

@@ -164,6 +164,13 @@ def alerting_rules(slo: SloSettings, window: str, hold: dict[str, str]) -> list[
             "a FreshRec service does not answer its metrics scrape",
         ),
         alert(
+            "FreshrecServiceAbsent",
+            " or ".join(f'absent(up{{job="{job}"}})' for job in SERVICES),
+            hold["down"],
+            "page",
+            "no instance of a FreshRec service is scraped at all (all gone, or none discovered)",
+        ),
+        alert(
             "FreshrecConsumerLagGrowing",
             f"freshrec:consumer_lag_messages:sum > {slo.consumer_lag_messages:g} and "
             f"deriv(freshrec:consumer_lag_messages:sum[{w}]) > 0",
