@@ -119,6 +119,23 @@ def plan(
     return Plan(train_end, steps, consumed_before, repeats, unsampled, earlier)
 
 
+def validation_cut(
+    users: np.ndarray, items: np.ndarray, train_end: int, step: int = 100, share: float = 0.9
+) -> tuple[int, Plan]:
+    """The validation replay inside a training part of ``train_end`` interactions: its
+    first ``share`` trains, the rest is replayed and scored, and nothing at or after
+    ``train_end`` (the scored part) is read. Returns the cut's length and its plan.
+
+    >>> users = np.array(["a", "b", "a", "b", "a", "b"], object)
+    >>> items = np.array(["x", "y", "y", "x", "z", "z"], object)
+    >>> n, inner = validation_cut(users, items, train_end=4, step=10, share=0.5)
+    >>> n, inner.train_end, [t for s in inner.steps for t in s.targets.values()]
+    (4, 2, [[(2, 'y')], [(3, 'x')]])
+    """
+    inner = plan(users[:train_end], items[:train_end], train_share=share, step=step)
+    return train_end, inner
+
+
 def windows(t_ms: np.ndarray, start: int, count: int) -> np.ndarray:
     """Window index of each position from ``start`` on: ``count`` windows of equal event
     time over the replayed part (positions before ``start`` get -1).

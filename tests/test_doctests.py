@@ -13,9 +13,13 @@ PACKAGES = ("freshrec", "schemas", "streams", "inference", "param_server", "eval
 MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
     for pkg in PACKAGES
-    for p in (ROOT / pkg).glob("*.py")
+    for p in (ROOT / pkg).rglob("*.py")  # the wings of inference/ and freshrec/app, sim too
     if ">>>" in p.read_text()
 )
+
+
+def test_the_modules_in_subpackages_are_found():
+    assert "inference.serving.rerank" in MODULES and "inference.learning.outbox" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)

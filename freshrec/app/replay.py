@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -90,6 +91,17 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="output folder (default .freshrec/replay/NAME)")
     p.add_argument("--seed", type=int, default=1, help="seed of the sample")
     p.add_argument(
+        "--tune",
+        dest="tuning",
+        action="append",
+        default=[],
+        metavar="NAME=V1,V2,...",
+        help="search a setting of the live arms (repeatable: every combination) on a "
+        "validation replay, the training part's last tenth with models trained on the rest; "
+        "the scored part is then replayed once, with the best. E.g. --tune "
+        "FRESHREC_MMR_LAMBDA=0.7,1.0",
+    )
+    p.add_argument(
         "--set",
         dest="settings",
         action="append",
@@ -141,6 +153,78 @@ def _models(prefix, items, out: Path, args, progress: ProgressLine) -> tuple[Pat
         f"{time.monotonic() - started:.0f}s; held out: " + held_out_line(manifest["training"])
     )
     return directory, manifest
+
+
+def tuning_grid(specs: list[str]) -> list[dict[str, str]]:
+    """Every combination of ``--tune NAME=V1,V2`` values.
+
+    >>> tuning_grid(["A=1,2", "B=x"])
+    [{'A': '1', 'B': 'x'}, {'A': '2', 'B': 'x'}]
+    >>> tuning_grid([])
+    []
+    """
+    axes: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        options = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not name or not options:
+            raise SystemExit(f"freshrec replay: --tune {spec!r}: expected NAME=V1,V2,...")
+        axes[name] = options
+    if not axes:
+        return []
+    names = list(axes)
+    return [dict(zip(names, vs, strict=True)) for vs in itertools.product(*axes.values())]
+
+
+def _tune_live(arms, inter, items, p, out: Path, run_id, args, overrides, progress) -> dict:
+    """Per live arm, the ``--tune`` setting that did best (HR@k) on the validation replay:
+    the training part's last tenth replayed through the live pipeline, with models trained on
+    its first 90%. Only the training part is read (``validation_cut``)."""
+    from evaluation.protocol import validation_cut
+    from freshrec.app import replayarm
+
+    grid = tuning_grid(args.tuning)
+    if not grid:
+        return {}
+    cut, inner = validation_cut(inter.users, inter.items, p.train_end, args.step)
+    train = inter.take(slice(0, cut))
+    progress.done(
+        f"tuning {len(grid)} setting(s) per live arm on a validation replay of the training "
+        f"part's last {inner.evaluated:,} interactions ({len(inner.steps)} steps)"
+    )
+    data = replayarm.prepare(train, items, inner, args.windows, args.duration, args.speed)
+    validation = out / "validation"
+    models, manifest = _models(
+        train.take(slice(0, inner.train_end)), items, validation, args, progress
+    )
+    chosen = {}
+    for arm in arms:
+        hr = {}
+        for settings in grid:
+            label = ",".join(f"{k}={v}" for k, v in settings.items())
+            result = replayarm.run_arm(
+                arm,
+                data,
+                models,
+                manifest,
+                validation,
+                f"{run_id}v",
+                k=args.k,
+                windows=args.windows,
+                timeout_s=args.timeout,
+                progress=progress.update,
+                overrides={**overrides, **settings},
+            )
+            hr[label] = result.scores.total.values()["hr"] or 0.0
+            progress.done(f"{arm} on the validation replay, {label}: HR@{args.k} {hr[label]}")
+        best = max(grid, key=lambda s: hr[",".join(f"{k}={v}" for k, v in s.items())])
+        chosen[arm] = {
+            "settings": best,
+            "from": "--tune: the best HR@k on a validation replay of the training part's last "
+            "tenth (models trained on its first 90%)",
+            "validation_hr": hr,
+        }
+    return chosen
 
 
 def _baseline(name: str, data, k: int, windows: int, progress: ProgressLine):
@@ -229,8 +313,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             windows.append({**w, "from_ms": t0 + span * w["window"] // args.windows})
 
     if arms:
-        models, manifest = _models(inter.take(slice(0, p.train_end)), items, out, args, progress)
         run_id = hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]
+        tuned = _tune_live(arms, inter, items, p, out, run_id, args, overrides, progress)
+        models, manifest = _models(inter.take(slice(0, p.train_end)), items, out, args, progress)
         for arm in arms:
             result = replayarm.run_arm(
                 arm,
@@ -243,7 +328,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 windows=args.windows,
                 timeout_s=args.timeout,
                 progress=progress.update,
-                overrides=overrides,
+                overrides={**overrides, **tuned.get(arm, {}).get("settings", {})},
             )
             shares = {
                 c: round(n / max(result.items_listed, 1), 3)
@@ -267,6 +352,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 "events_read_before_the_replay": result.read_before,
                 "events": result.events,
                 "without_exclude": result.without_exclude(),
+                "settings": {
+                    **overrides,
+                    **tuned.get(arm, {}).get("settings", {}),
+                },
+                "settings_from": tuned.get(arm, {}).get(
+                    "from",
+                    "--set and the defaults (which were chosen on MovieLens 100K's scored part, "
+                    "docs/benchmarks.md)",
+                ),
+                **({"validation_hr": tuned[arm]["validation_hr"]} if arm in tuned else {}),
             }
             bare = result.without_exclude()
             progress.done(

@@ -9,8 +9,8 @@ its trainer is one line in ``inference/training/rankers.py``'s ``TRAINERS``. The
 tests (``tests/test_rankers_unit.py``) then build, save, reload and score it, and check that
 it is trained and accepted wherever a ranker can be named.
 
->>> [k.name for k in KINDS.values() if k.tier is not None]
-['wide_deep', 'pruned', 'light']
+>>> TIER_MODELS  # the head's, the middle's and the tail's model under ``tiered``
+('wide_deep', 'pruned', 'light')
 >>> served_rankers()
 ('wide_deep', 'pruned', 'attention', 'attention_window', 'attention_lowrank', 'tiered')
 """
