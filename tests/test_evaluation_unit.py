@@ -198,3 +198,35 @@ def test_item_knn_equals_brute_force_on_a_random_log():
         got = knn.recommend(u, 5, exclude)
         scores = [want[b] for b in got[: len(best)]]
         assert scores == pytest.approx([want[b] for b in best], rel=1e-5)
+
+
+def test_no_scored_interaction_reaches_tuning():
+    """The baselines' search (``tune``) and the live arms' validation replay
+    (``validation_cut``) read the training part only: an item that appears only in the scored
+    part is never learnt, asked about or scored while settings are chosen."""
+    from evaluation.protocol import validation_cut
+    from evaluation.prequential import tune
+
+    rng = np.random.default_rng(7)
+    n, train_end = 3000, 2400
+    users = np.array([f"u{x}" for x in rng.integers(0, 60, n)], object)
+    items = np.array([f"i{x}" for x in rng.integers(0, 80, n)], object)
+    items[train_end:] = "SCORED"  # only in the scored part
+    seen: list[str] = []
+
+    class Recorder:
+        name = "recorder"
+
+        def learn(self, us, its):
+            seen.extend(its)
+
+        def recommend(self, user, k, exclude):
+            return ["SCORED", "i1"][:k]
+
+    best, results = tune([("a", Recorder), ("b", Recorder)], users, items, train_end, k=2)
+    assert seen and "SCORED" not in seen and set(results) == {"a", "b"}
+    cut, inner = validation_cut(users, items, train_end, step=50)
+    assert cut == train_end and inner.train_end < train_end
+    positions = [pos for s in inner.steps for t in s.targets.values() for pos, _ in t]
+    assert positions and max(positions) < train_end
+    assert max(s.end for s in inner.steps) <= train_end
