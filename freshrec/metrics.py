@@ -56,6 +56,10 @@ PRODUCE_RETRIES = Counter(
 STREAMS_COUNTED = Counter(
     "freshrec_streams_counted_events_total", "Events counted into item state (after repartition)"
 )
+STREAMS_COVISIT_PAIRS = Counter(
+    "freshrec_streams_covisit_pairs_total",
+    "Co-visitation pairs counted (each way of a pair once; replays and late ones not)",
+)
 STREAMS_BATCH_SIZE = Histogram(
     "freshrec_streams_batch_messages",
     "Messages per agent batch",
@@ -87,7 +91,8 @@ HOT_LIST_LAG = Histogram(
 STREAMS_STAGE_LAG = Histogram(
     "freshrec_streams_stage_lag_seconds",
     "Event time to a point in the streams app: repartitioned (the events.by_item record's "
-    "timestamp) or counted (persisted); the hot-list lag adds publishing",
+    "timestamp), counted (persisted), or covisit (an anchor's neighbour list written, timed "
+    "from its newest pair); the hot-list lag adds publishing",
     ["stage"],
     buckets=LAG_BUCKETS_S,
 )

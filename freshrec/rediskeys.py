@@ -118,3 +118,16 @@ class RedisKeys:
 
     def streams_meta(self, partition: int) -> str:
         return f"{self.prefix}streams:{{s{partition}}}:meta"
+
+    def streams_covisit(self, partition: int) -> str:
+        """Hash: anchor item id -> its co-visitation counts (the count stage's state)."""
+        return f"{self.prefix}streams:{{s{partition}}}:covisit"
+
+    def covisit(self, shard: int) -> str:
+        """Hash of the anchors of ``events.by_item`` partition ``shard``: field = item id,
+        value = its neighbour list (``freshrec/neighbours.py``), for the covisit channel.
+
+        >>> RedisKeys("t1.").covisit(2)
+        't1.covisit:{s2}'
+        """
+        return f"{self.prefix}covisit:{{s{shard}}}"

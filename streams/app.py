@@ -57,6 +57,7 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.settings import state_dir
 from freshrec.topics import TopicNames
 from streams.catalogue import CatalogueStage
+from streams.covisit import PAIR_COLUMNS
 from streams.item_state import ItemPartitionState, by_item_columns
 from streams.settings import StreamsSettings
 from streams.sink import StreamsSink
@@ -211,8 +212,14 @@ class StreamsApp:
         for ev in batch:
             q = ev.message.partition
             state = await self._state(q)
-            columns = by_item_columns(orjson.loads(ev.message.value))
+            record = orjson.loads(ev.message.value)
             late_before, skipped_before = state.late, state.skipped
+            if isinstance(record, dict) and PAIR_COLUMNS[0] in record:  # co-visitation pairs
+                m.STREAMS_COVISIT_PAIRS.inc(state.apply_pairs(*(record[c] for c in PAIR_COLUMNS)))
+                m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
+                touched.add(q)
+                continue
+            columns = by_item_columns(record)
             m.STREAMS_COUNTED.inc(state.apply_columns(*columns))
             m.STREAMS_LATE.inc(state.late - late_before)
             m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
@@ -335,8 +342,16 @@ class StreamsApp:
             return
         self._features_not_before = time.monotonic() + self.settings.features_interval_ms / 1000
         features = [c for q, state in self.states.items() for c in sink.feature_commands(q, state)]
+        newest: list[int] = []  # the newest pair's event time of each neighbour list written
+        for q, state in self.states.items():
+            commands, times = sink.covisit_commands(q, state, self.settings.covisit.neighbours)
+            features += commands
+            newest += times
         if features:
             await sink.write(features)
+        if newest:
+            lag = time.time() - np.asarray(newest, np.float64) / 1000
+            m.observe_many(m.STREAMS_STAGE_LAG.labels("covisit"), np.maximum(lag, 0.0))
 
 
 def _crash_on_error(loop, stop: threading.Event, name: str) -> None:

@@ -33,6 +33,7 @@ from freshrec.hotscore import (
     smoothed_rate,
     top_k_indices,
 )
+from streams.covisit import CoVisitCounts
 from streams.decay import ForwardDecay
 
 IMPRESSION, CLICK, CONVERSION = 0, 1, 2
@@ -74,6 +75,8 @@ class StateConfig:
     weights: HotWeights = field(default_factory=HotWeights)
     smoothing: Smoothing = field(default_factory=Smoothing)
     price_cap: float = 1000.0
+    covisit_candidates: int = 200
+    """Co-visitation neighbours counted per anchor at most (``covisit.py``)."""
 
 
 class ItemPartitionState:
@@ -98,6 +101,10 @@ class ItemPartitionState:
         self._names = np.empty(0, dtype=object)  # item ids as an array, for tie-breaking
         self.late = 0
         self.skipped = 0
+        self.covisit = CoVisitCounts(config.covisit_candidates)
+        """Co-visitation counts of this partition's anchors (``covisit.py``)."""
+        self.covisit_applied: dict[int, int] = {}
+        """Per source partition of ``events``, the highest offset whose pairs are counted."""
 
     # ---------------------------------------------------------------------------- growth
     def _slot(self, item_id: str) -> int:
@@ -251,6 +258,7 @@ class ItemPartitionState:
             if ts > self.watermark_ms:
                 self.watermark_ms = ts
                 if self.decay.needs_renormalising(ts):
+                    self.covisit.rescale(1.0 / self.decay.weight(ts - grace))
                     self.decay.renormalise(ts - grace, self.counts)
                     self.touched.update(range(self.n_items))
             slot = self._slot(item_id)
@@ -262,6 +270,53 @@ class ItemPartitionState:
             self.touched.add(slot)
             counted += 1
         return counted
+
+    def apply_pairs(
+        self,
+        anchors: list[str],
+        neighbours: list[str],
+        parts: list[int],
+        offsets: list[int],
+        ts_ms: list[int],
+    ) -> int:
+        """Count a co-visitation record's pairs (``covisit.PAIR_COLUMNS``); returns how many.
+
+        A click's pairs travel in one record, so a pair is skipped when its source offset is
+        at or below what this partition had counted before the record: a replayed record
+        counts nothing twice. Late pairs (older than the watermark's grace) are dropped as
+        late events are; pairs move neither the watermark nor the landmark once set."""
+        before = self.covisit_applied
+        keep = [
+            j for j, (p, o) in enumerate(zip(parts, offsets, strict=True)) if o > before.get(p, -1)
+        ]
+        self.skipped += len(anchors) - len(keep)
+        after = dict(before)
+        for j in keep:
+            after[parts[j]] = max(after.get(parts[j], -1), offsets[j])
+        self.covisit_applied = after
+        if not keep:
+            return 0
+        if not self._landmark_set:
+            self.decay.landmark_ms = ts_ms[keep[0]]
+            self._landmark_set = True
+        floor = self.watermark_ms - self.config.late_grace_ms
+        fresh = [j for j in keep if ts_ms[j] >= floor]
+        self.late += len(keep) - len(fresh)
+        if fresh:
+            ts = [ts_ms[j] for j in fresh]
+            self.covisit.add(
+                [anchors[j] for j in fresh],
+                [neighbours[j] for j in fresh],
+                self.decay.weights(np.asarray(ts, np.int64)).tolist(),
+                ts,
+            )
+        return len(fresh)
+
+    def stored_clicks(self, item_id: str) -> float:
+        """An item's clicks as stored (forward-decayed): what a co-visitation count over it
+        is a share of (both decay alike)."""
+        slot = self.slots.get(item_id)
+        return float(self.counts[slot, 0, CLICK]) if slot is not None else 0.0
 
     def set_prices(self, prices: dict[str, float]) -> None:
         for item_id, p in prices.items():
@@ -381,6 +436,7 @@ class ItemPartitionState:
             "watermark_ms": str(self.watermark_ms),
             "scopes": json.dumps(list(self.scopes)),
             "applied": json.dumps({str(k): v for k, v in self.applied.items()}),
+            "covisit_applied": json.dumps({str(k): v for k, v in self.covisit_applied.items()}),
             "late": str(self.late),
         }
 
@@ -397,6 +453,8 @@ class ItemPartitionState:
         for region in json.loads(meta["scopes"])[1:]:
             state._scope(region)
         state.applied = {int(k): int(v) for k, v in json.loads(meta["applied"]).items()}
+        covisit_applied = json.loads(meta.get("covisit_applied", "{}"))
+        state.covisit_applied = {int(k): int(v) for k, v in covisit_applied.items()}
         state.late = int(meta.get("late", 0))
         n_scopes = len(state.scopes)
         for slot, blob in zip(state._slots(list(rows)), rows.values(), strict=True):

@@ -17,6 +17,7 @@ from freshrec.settings import (
     env_str,
 )
 from schemas.codec import CodecLimits, DeadLetterLimits
+from streams.covisit import CoVisitConfig
 from streams.item_state import StateConfig
 
 
@@ -52,6 +53,8 @@ class StreamsSettings:
     """Prometheus port; 0 disables the endpoint."""
     dead_letters: DeadLetterLimits = field(default_factory=DeadLetterLimits)
     """How much of a rejected record its dead letter keeps."""
+    covisit: CoVisitConfig = field(default_factory=CoVisitConfig)
+    """Co-visitation: which clicks pair, and how many neighbours are kept (``covisit.py``)."""
     validate_process: bool = True
     """The validate stage in a child process of its own (``process``) or on a thread of the
     streams process (``thread``): a process has its own core and GIL."""
@@ -65,6 +68,7 @@ class StreamsSettings:
             weights=hot.weights,
             smoothing=Smoothing(),
             price_cap=env_float(env, "FRESHREC_PRICE_CAP", 1000.0, positive=True),
+            covisit_candidates=env_int(env, "FRESHREC_COVISIT_CANDIDATES", 200, minimum=4),
         )
         validate = env_str(env, "FRESHREC_STREAMS_VALIDATE", "process")
         if validate not in ("process", "thread"):
@@ -89,5 +93,13 @@ class StreamsSettings:
             batch_max=env_int(env, "FRESHREC_STREAMS_BATCH_MAX", 5000, minimum=1),
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             validate_process=validate == "process",
+            covisit=CoVisitConfig(
+                window=env_int(env, "FRESHREC_COVISIT_WINDOW", 20, minimum=1),
+                window_ms=env_int(env, "FRESHREC_COVISIT_WINDOW_MS", 86_400_000, minimum=1),
+                max_pairs=env_int(env, "FRESHREC_COVISIT_MAX_PAIRS", 20, minimum=0),
+                users=env_int(env, "FRESHREC_COVISIT_USERS", 100_000, minimum=1),
+                candidates=env_int(env, "FRESHREC_COVISIT_CANDIDATES", 200, minimum=4),
+                neighbours=env_int(env, "FRESHREC_COVISIT_NEIGHBOURS", 50, minimum=1),
+            ),
             dead_letters=dead_letter_limits(env),
         )

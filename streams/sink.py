@@ -7,6 +7,7 @@ import orjson
 from redis.asyncio import Redis
 
 from freshrec.hotscore import HotList, hot_scores, price_norm
+from freshrec.neighbours import serving_list
 from freshrec.redisconn import Packed, check_exec, run_packed_async
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Fields, float_text, pack, pack_pairs, pack_ragged
@@ -49,27 +50,58 @@ class StreamsSink:
 
     def _persist_commands(self, partition: int, state: ItemPartitionState) -> list[bytes]:
         touched = state.take_touched()
-        if not touched:
+        anchors = state.covisit.take_dirty()
+        if not touched and not anchors:
             return []
         k = self.keys
         meta = state.snapshot_meta()
-        rows = state.snapshot_matrix(touched)
-        return [
+        commands = []
+        if touched:
+            rows = state.snapshot_matrix(touched)
             # every command over many items is packed with numpy, not pair by pair (at a
             # backlog a batch touches most items)
-            pack_ragged(
-                b"HSET",
-                k.streams_rows(partition).encode(),
-                _fields(state, touched),
-                rows.view(np.uint8).reshape(len(touched), -1),
-            ),
+            commands.append(
+                pack_ragged(
+                    b"HSET",
+                    k.streams_rows(partition).encode(),
+                    _fields(state, touched),
+                    rows.view(np.uint8).reshape(len(touched), -1),
+                )
+            )
+        if anchors:  # the pair counts of the anchors changed, with the same offsets
+            commands.append(
+                pack_pairs(
+                    b"HSET",
+                    k.streams_covisit(partition).encode(),
+                    [a.encode() for a in anchors],
+                    [state.covisit.blob(a) for a in anchors],
+                )
+            )
+        commands.append(
             pack_pairs(
                 b"HSET",
                 k.streams_meta(partition).encode(),
                 [f.encode() for f in meta],
                 [v.encode() for v in meta.values()],
-            ),
+            )
+        )
+        return commands
+
+    def covisit_commands(
+        self, partition: int, state: ItemPartitionState, neighbours: int
+    ) -> tuple[list[Packed], list[int]]:
+        """The serving lists of the anchors counted since the last call (``covisit:{sN}``),
+        and each one's newest pair's event time (how fresh the list is)."""
+        anchors = state.covisit.take_published()
+        if not anchors:
+            return [], []
+        key = self.keys.covisit(partition).encode()
+        lists = [
+            serving_list(state.covisit.top(a, neighbours, state.stored_clicks(a))) for a in anchors
         ]
+        command = pack_pairs(b"HSET", key, [a.encode() for a in anchors], lists)
+        newest = [state.covisit.newest_ms.get(a, 0) for a in anchors]
+        return [Packed(key, command, 1)], newest
 
     def feature_commands(self, partition: int, state: ItemPartitionState) -> list[Packed]:
         """The serving features (``item:{impressions,…,hot}:{sN}``, ``item:as_of_ms:{sN}``)
@@ -111,15 +143,18 @@ class StreamsSink:
                 pack(b"MULTI"),
                 pack(b"HGETALL", meta_key),
                 pack(b"HGETALL", self.keys.streams_rows(partition).encode()),
+                pack(b"HGETALL", self.keys.streams_covisit(partition).encode()),
                 pack(b"EXEC"),
             ]
         )
-        ((*_, (meta_raw, rows_raw)),) = await run_packed_async(
-            self.redis, [Packed(meta_key, read, 4)]
+        ((*_, (meta_raw, rows_raw, covisit_raw)),) = await run_packed_async(
+            self.redis, [Packed(meta_key, read, 5)]
         )
         meta = {a.decode(): b.decode() for a, b in _pairs(meta_raw)}
         rows = {a.decode(): b for a, b in _pairs(rows_raw)}
-        return ItemPartitionState.restore(config, meta, rows)
+        state = ItemPartitionState.restore(config, meta, rows)
+        state.covisit.restore({a.decode(): b for a, b in _pairs(covisit_raw)})
+        return state
 
     async def publish_hot(self, payloads: dict[int, dict[str, bytes]]) -> None:
         """Partitions' hot lists (``ItemPartitionState.hot_payloads``), one round trip."""

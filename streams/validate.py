@@ -45,6 +45,7 @@ from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
 from streams.attribution import Attribution
+from streams.covisit import PAIR_COLUMNS, UserWindows
 from streams.item_state import BY_ITEM_COLUMNS, EVENT_CODES
 from streams.settings import StreamsSettings
 
@@ -78,16 +79,24 @@ MAX_RECORD_BYTES = 512 * 1024
 emoji make a 2 MB record."""
 
 
-def _records(columns: list, lo: int, hi: int) -> list[bytes]:
+def _records(
+    columns: list, lo: int, hi: int, names=BY_ITEM_COLUMNS, starts: np.ndarray | None = None
+) -> list[bytes]:
     """Rows ``lo:hi`` of ``columns`` as ``events.by_item`` records, in order, each under
-    ``MAX_RECORD_BYTES`` (halved until it fits; one event always does: ids are bounded)."""
-    record = orjson.dumps(
-        dict(zip(BY_ITEM_COLUMNS, (c[lo:hi].tolist() for c in columns), strict=True))
-    )
+    ``MAX_RECORD_BYTES`` where it can be: halved at the group start nearest the middle
+    (``starts``: where a group of rows that must stay in one record begins — a click's
+    co-visitation pairs; every row by default), a single group kept whole."""
+    record = orjson.dumps(dict(zip(names, (c[lo:hi].tolist() for c in columns), strict=True)))
     if len(record) <= MAX_RECORD_BYTES or hi - lo == 1:
         return [record]
-    mid = (lo + hi) // 2
-    return _records(columns, lo, mid) + _records(columns, mid, hi)
+    if starts is None:
+        mid = (lo + hi) // 2
+    else:
+        inside = starts[(starts > lo) & (starts < hi)]
+        if not len(inside):
+            return [record]
+        mid = int(inside[np.argmin(np.abs(inside - (lo + hi) // 2))])
+    return _records(columns, lo, mid, names, starts) + _records(columns, mid, hi, names, starts)
 
 
 def _run_bounds(keys: np.ndarray) -> list[int]:
@@ -112,6 +121,11 @@ class ValidateStage(Service):
         self.consumer = background_consumer(conn, "freshrec-streams-validate", "streams-validate")
         self.producer = Producer(producer_config(conn))
         self.redis = connect(conn.redis_url)
+        cv = settings.covisit
+        self.windows = (
+            UserWindows(cv.users, cv.window, cv.window_ms, cv.max_pairs) if cv.max_pairs else None
+        )
+        """Each user's last clicks, for co-visitation pairs (``covisit.py``)."""
         # recent clicks are written without waiting for the reply (read at the next write
         # or before a commit): a round trip per batch was a sixth of this stage's time. A
         # cluster's are sent to their nodes and waited for (``run_packed``).
@@ -202,6 +216,8 @@ class ValidateStage(Service):
         n_dup = n_read - n_bad - n_ok
         if n_ok:
             self._route(parts, offsets, events)
+            if self.windows is not None:
+                self._route_pairs(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
             writes = (
                 pack_recent(
@@ -296,6 +312,58 @@ class ValidateStage(Service):
         for lo, hi in pairwise(cuts):
             for value in _records(columns, lo, hi):
                 self._produce(self.names.events_by_item, value, int(q[lo]))
+
+    def _route_pairs(self, parts: list[int], offsets: list[int], events: list) -> None:
+        """Each click's co-visitation pairs, both ways, to each anchor's ``events.by_item``
+        partition: one record per partition (``covisit.PAIR_COLUMNS``), a click's pairs never
+        split between two records (the count stage skips replays by record)."""
+        clicks = [j for j, e in enumerate(events) if e.event_type == "click"]
+        if not clicks:
+            return
+        missing = list(
+            dict.fromkeys(u for j in clicks if (u := events[j].user_id) not in self.windows)
+        )
+        if missing:
+            self._seed(missing)
+        cols: tuple[list, ...] = ([], [], [], [], [])
+        for j in clicks:
+            e = events[j]
+            for a in self.windows.pairs(e.user_id, e.item_id, e.ts_ms):
+                for x, y in ((e.item_id, a), (a, e.item_id)):
+                    for col, v in zip(cols, (x, y, parts[j], offsets[j], e.ts_ms), strict=True):
+                        col.append(v)
+        if not cols[0]:
+            return
+        q = str_partitions(cols[0], self.by_item_partitions)
+        order = np.argsort(q, kind="stable")  # a click's pairs stay together, in order
+        q = q[order]
+        columns = [np.array(c, object if k < 2 else np.int64)[order] for k, c in enumerate(cols)]
+        src = columns[2] * (1 << 40) + columns[3]  # one value per click
+        starts = np.flatnonzero(np.r_[True, src[1:] != src[:-1]])
+        for lo, hi in pairwise(_run_bounds(q)):
+            for value in _records(columns, lo, hi, PAIR_COLUMNS, starts):
+                self._produce(self.names.events_by_item, value, int(q[lo]))
+
+    def _seed(self, users: list[str]) -> None:
+        """Windows of users this stage holds none for (a restart, a rebalance, a user not
+        seen for long), from their recent clicks in Redis: only clicks older than a new one
+        pair with it, so a replayed batch pairs as the first run did."""
+
+        def read() -> list:
+            pipe = self.redis.pipeline(transaction=False)
+            for u in users:
+                pipe.lrange(self.keys.user_recent(u), 0, self.windows.window - 1)
+            return pipe.execute()
+
+        for user, raw in zip(
+            users, self.wait_for_redis(read, "co-visitation windows"), strict=True
+        ):
+            clicks = []
+            for entry in raw:
+                item, _, ts = entry.decode().rpartition("|")
+                if item and ts.lstrip("-").isdigit():
+                    clicks.append((item, int(ts)))
+            self.windows.seed(user, clicks)
 
     def _produce(self, topic: str, value: bytes, partition: int | None) -> None:
         produce(self.producer, topic, value, partition=partition)

@@ -101,18 +101,25 @@ def counter(metric, *labels) -> float:
 
 
 class _NoRecentInRedis:
-    """A Redis double for channel conformance: no recent clicks for anyone (the e2e tests
-    run the channels against a real Redis)."""
+    """A Redis double for channel conformance: no recent clicks for anyone, and the
+    co-visitation lists given (the e2e tests run the channels against a real Redis)."""
+
+    def __init__(self, lists: dict | None = None) -> None:
+        self.lists = lists or {}
 
     def pipeline(self, transaction: bool = False):
         calls: list[str] = []
+        lists = self.lists
 
         class Pipe:
             def lrange(self, key, start, stop):
-                calls.append(key)
+                calls.append(("lrange", key))
+
+            def hget(self, key, field):
+                calls.append(("hget", lists.get(field)))
 
             def execute(self):
-                return [[] for _ in calls]
+                return [[] if kind == "lrange" else value for kind, value in calls]
 
         return Pipe()
 
@@ -144,7 +151,16 @@ def serving_state(items: int = 60, catalogue: int = 40, dim: int = 8):
     slot_category = np.full(n, -1, np.int64)
     slot_category[slots] = categories
     recent = {"u1": names[:3]}
-    state = ServingState(cache, _NoRecentInRedis(), RedisKeys("t."), lambda u: recent.get(u, []))
+    from freshrec.neighbours import serving_list
+
+    # co-visitation lists of u1's clicks: catalogue items, an uncatalogued one, u1's own
+    lists = {
+        names[0]: serving_list([(names[5], 0.5), (names[catalogue + 1], 0.4), (names[1], 0.3)]),
+        names[1]: serving_list([(names[5], 0.2), (names[6], 0.1)]),
+    }
+    redis_double = _NoRecentInRedis(lists)
+    state = ServingState(cache, redis_double, RedisKeys("t."), lambda u: recent.get(u, []))
+    state.item_shards = 4
     state.slot_of = dict(zip(names[:catalogue], slots.tolist(), strict=True))
     state.named, state.named_count = named, catalogue
     state.unnamed_bias = torch.zeros(n).masked_fill(~named, float("-inf"))

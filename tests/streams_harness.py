@@ -253,3 +253,72 @@ def all_features(r, keys, name: str) -> dict:
         key = keys.item_features_as_of(s) if name == "as_of" else keys.item_feature(name, s)
         out.update(r.hgetall(key))
     return out
+
+
+def brute_force_covisit(
+    events: list[Event],
+    window: int = 20,
+    window_ms: int = 86_400_000,
+    max_pairs: int = 20,
+    rate: float = 0.95,
+) -> dict[str, dict[str, float]]:
+    """Each anchor's neighbours and P(b | a), from first principles: per user in the order
+    produced, a click on b pairs with the user's last ``window`` distinct clicked items a
+    clicked strictly earlier and within ``window_ms`` (``max_pairs`` newest), both ways;
+    c(a, b) and a's clicks decayed alike, so their ratio needs no time."""
+    seen: set[str] = set()
+    last = max((e.ts_ms for e in events), default=0)
+    windows: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    pairs: dict[tuple[str, str], float] = defaultdict(float)
+    clicks: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.event_id in seen:
+            continue
+        seen.add(e.event_id)
+        if e.event_type != "click":
+            continue
+        w = rate ** ((last - e.ts_ms) / HOUR_MS)  # decayed to a common time: any one will do
+        clicks[e.item_id] += w
+        mine = windows[e.user_id]
+        near = [
+            a for a, ta in mine if a != e.item_id and ta < e.ts_ms and e.ts_ms - ta <= window_ms
+        ]
+        for a in near[:max_pairs]:
+            pairs[(a, e.item_id)] += w
+            pairs[(e.item_id, a)] += w
+        mine[:] = [(e.item_id, e.ts_ms), *((a, t) for a, t in mine if a != e.item_id)][:window]
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for (a, b), c in pairs.items():
+        out[a][b] = c / clicks[a]
+    return out
+
+
+def covisit_lists(conn) -> dict[str, dict[str, float]]:
+    """Every anchor's published neighbour list, from every by-item partition's hash."""
+    from freshrec.neighbours import read_serving_list
+    from freshrec.redisconn import connect
+    from freshrec.rediskeys import RedisKeys
+
+    r = connect(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for shard in range(int(r.get(keys.feature_shards) or 0)):
+            for anchor, raw in r.hgetall(keys.covisit(shard)).items():
+                out[anchor.decode()] = dict(read_serving_list(raw))
+    finally:
+        r.close()
+    return out
+
+
+def matches_covisit(conn, events: list[Event]) -> bool | str:
+    want, got = brute_force_covisit(events), covisit_lists(conn)
+    if set(got) != set(want):
+        return f"anchors: {len(got)} published, {len(want)} expected"
+    for a, neighbours in want.items():
+        if set(got[a]) != set(neighbours):
+            return f"{a}: neighbours {sorted(got[a])} != {sorted(neighbours)}"
+        for b, p in neighbours.items():
+            if not math.isclose(got[a][b], p, rel_tol=1e-6):
+                return f"{a}->{b}: {got[a][b]} != {p}"
+    return True

@@ -204,8 +204,8 @@ def test_no_scored_interaction_reaches_tuning():
     """The baselines' search (``tune``) and the live arms' validation replay
     (``validation_cut``) read the training part only: an item that appears only in the scored
     part is never learnt, asked about or scored while settings are chosen."""
-    from evaluation.protocol import validation_cut
     from evaluation.prequential import tune
+    from evaluation.protocol import validation_cut
 
     rng = np.random.default_rng(7)
     n, train_end = 3000, 2400
@@ -223,7 +223,7 @@ def test_no_scored_interaction_reaches_tuning():
         def recommend(self, user, k, exclude):
             return ["SCORED", "i1"][:k]
 
-    best, results = tune([("a", Recorder), ("b", Recorder)], users, items, train_end, k=2)
+    _, results = tune([("a", Recorder), ("b", Recorder)], users, items, train_end, k=2)
     assert seen and "SCORED" not in seen and set(results) == {"a", "b"}
     cut, inner = validation_cut(users, items, train_end, step=50)
     assert cut == train_end and inner.train_end < train_end

@@ -836,3 +836,19 @@ def test_what_a_channel_read_reaches_ranking_only_if_it_met_its_deadline():
         release.set()
         runner.close()
     assert result.timed_out == ["slow"] and result.recent == {} and result.per_query == [{}]
+
+
+def test_the_covisit_channel_sums_its_anchors_neighbours_newest_first():
+    """u1 clicked i0 (newest), i1, i2: i5 is a neighbour of i0 (0.5) and of i1 (0.2), so it
+    scores 0.5 + 0.9·0.2; i6 only i1's (0.9·0.1); i1 is u1's own click and an item outside
+    the catalogue never comes back; u2, with no clicks, gets nothing."""
+    from inference.serving.channels import CHANNELS, Recalled
+    from tests.serving_harness import serving_state
+
+    state, queries = serving_state()
+    channel = CHANNELS["covisit"](state)
+    got = channel.recall(queries, 10)
+    assert isinstance(got, Recalled)
+    slot = state.slot_of
+    assert got.slots[0].tolist() == [slot["i5"], slot["i6"]]
+    assert got.slots[1].tolist() == []

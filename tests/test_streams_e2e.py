@@ -29,6 +29,7 @@ from .streams_harness import (
     close,
     dead_letters,
     item_feature,
+    matches_covisit,
     private_redis,
     produce,
     service,
@@ -207,6 +208,7 @@ def test_sigkill_and_restart_continue_the_counts_without_double_counting(any_con
     with service(conn, "streams", tmp_path / "s1.log", **SETTINGS) as proc:
         produce(conn, first)
         wait_for(lambda: matches_brute_force(conn, first, prices), 90, "first half counted")
+        wait_for(lambda: matches_covisit(conn, first), 30, "first half's neighbour lists")
         stop(proc, signal.SIGKILL)
     produce(conn, second)
     with service(conn, "streams", tmp_path / "s2.log", **SETTINGS):
@@ -215,6 +217,8 @@ def test_sigkill_and_restart_continue_the_counts_without_double_counting(any_con
             90,
             "both halves counted once",
         )
+        # co-visitation counts too: each click's pairs once, whatever was replayed
+        wait_for(lambda: matches_covisit(conn, first + second), 30, "neighbour lists, once")
     assert "restored" in (tmp_path / "s2.log").read_text()
     meta = connect(conn.redis_url).hgetall(RedisKeys(conn.topic_prefix).streams_meta(0))
     assert json.loads(meta[b"applied"])

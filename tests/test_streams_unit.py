@@ -543,3 +543,64 @@ def test_a_batch_of_valid_events_never_makes_a_record_the_broker_refuses():
     assert len({p for _, p in produced}) == 1
     offsets = [o for v, _ in produced for o in by_item_columns(orjson.loads(v))[1]]
     assert offsets == list(range(5000))
+
+
+def test_co_visitation_pairs_equal_brute_force_and_a_replayed_record_counts_once():
+    """The validate stage's windows give the pairs a brute-force pass gives (a window
+    seeded from the user's recent clicks gives the same later pairs), and the count stage
+    counts a record's pairs once however often it arrives."""
+    import random
+
+    from schemas.records import Event
+    from streams.covisit import UserWindows
+    from streams.item_state import ItemPartitionState, StateConfig
+    from tests.streams_harness import brute_force_covisit
+
+    rng = random.Random(5)
+    events = [
+        Event(f"e{j}", "click", f"u{rng.randint(0, 5)}", f"i{rng.randint(0, 12)}", 1_000 + j * 7)
+        for j in range(400)
+    ]
+    windows = UserWindows(users=100, window=20, window_ms=86_400_000, max_pairs=20)
+    state = ItemPartitionState(StateConfig())
+    for j, e in enumerate(events):
+        state.apply([(0, j, e.item_id, 1, e.ts_ms, None, 0.0)])
+        near = windows.pairs(e.user_id, e.item_id, e.ts_ms)
+        anchors = [x for a in near for x in (e.item_id, a)]
+        neighbours = [y for a in near for y in (a, e.item_id)]
+        record = (
+            anchors,
+            neighbours,
+            [0] * len(anchors),
+            [j] * len(anchors),
+            [e.ts_ms] * len(anchors),
+        )
+        state.apply_pairs(*record)
+        assert state.apply_pairs(*record) == 0  # the same record again: nothing
+    want = brute_force_covisit(events)
+    for a, neighbours in want.items():
+        got = dict(state.covisit.top(a, 100, state.stored_clicks(a)))
+        assert got.keys() == neighbours.keys()
+        assert all(math.isclose(got[b], p, rel_tol=1e-9) for b, p in neighbours.items())
+    # a window rebuilt from the recent clicks (newest first) pairs the next click alike
+    fresh = UserWindows(users=100, window=20, window_ms=86_400_000, max_pairs=20)
+    mine = [(e.item_id, e.ts_ms) for e in reversed(events) if e.user_id == "u1"]
+    fresh.seed("u1", mine)
+    assert fresh.pairs("u1", "i3", 10**6) == windows.pairs("u1", "i3", 10**6)
+
+
+def test_co_visitation_memory_is_bounded_and_pruning_is_deterministic():
+    from streams.covisit import CoVisitCounts
+
+    counts = [CoVisitCounts(candidates=8) for _ in range(2)]
+    for c in counts:
+        for j in range(200):
+            c.add(["a"], [f"b{j % 37}"], [1.0 + (j % 5)])
+    assert len(counts[0].counts["a"]) <= 8
+    assert counts[0].counts == counts[1].counts
+    blob = counts[0].blob("a")
+    again = CoVisitCounts(candidates=8)
+    again.restore({"a": blob})
+    assert again.counts == counts[0].counts and again.published == {"a"}
+    again.rescale(0.5)
+    assert again.counts["a"] == {b: v / 2 for b, v in counts[0].counts["a"].items()}

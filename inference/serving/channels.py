@@ -20,6 +20,8 @@ Adding a channel is a class and a line: subclass ``RecallChannel`` with a ``name
   device for the whole batch (exact; the IVF index of ``ann.py`` on large catalogues);
 - ``i2i``: the user's recent clicks as a query: the mean of those items' rows, weighted
   towards the newest, searched within the clicked items' categories;
+- ``covisit``: the user's recent clicks' co-visitation neighbours, learnt from the stream by
+  the streams app (item-to-item collaborative filtering);
 - ``hot``, ``region``: the merged global and regional hot lists;
 - ``new``: items created within the new-item window.
 """
@@ -35,6 +37,8 @@ import numpy as np
 import redis
 import torch
 
+from freshrec.neighbours import read_serving_list
+from freshrec.partitioner import str_partitions
 from freshrec.rediskeys import RedisKeys
 from inference.device import to_device
 from inference.serving.ann import IVFIndex, auto_nprobe, exact_search, top_k_rows
@@ -73,6 +77,8 @@ class ServingState:
     """Hot lists per scope (``global``, a region) and the new items (``NEW_ITEMS``), as
     cache slots, best first."""
     ann: IVFIndex | None = None
+    item_shards: int = 0
+    """``events.by_item`` partitions: where an item's neighbour list is (0: not known yet)."""
 
 
 class RecallChannel(abc.ABC):
@@ -110,15 +116,7 @@ class I2IChannel(RecallChannel):
 
     def recall(self, queries, n):
         st = self.state
-        recents: list[list[str]] = [st.recent_clicks(q.user_id) for q in queries]
-        missing = [j for j, r in enumerate(recents) if not r]
-        if missing:
-            pipe = st.redis.pipeline(transaction=False)
-            for j in missing:
-                pipe.lrange(st.keys.user_recent(queries[j].user_id), 0, 9)
-            for j, raw in zip(missing, pipe.execute(), strict=True):
-                recents[j] = [r.decode().partition("|")[0] for r in raw]
-        fetched = {queries[j].user_id: recents[j] for j in missing if recents[j]}
+        recents, fetched = recent_clicks(st, queries)
         dim = st.cache.dim
         out: list[np.ndarray] = [NONE for _ in queries]
         items = st.cache.items.rows
@@ -183,8 +181,68 @@ class NewItemsChannel(RecallChannel):
         return [top for _ in queries]
 
 
+class CoVisitChannel(RecallChannel):
+    """Co-visitation (item-to-item collaborative filtering learnt from the stream): the
+    neighbour lists the streams app keeps for the user's last clicked items (``covisit:{sN}``,
+    P(b | a) of the items clicked after a by the same users), each anchor weighted 0.9^age
+    (newest first), summed per candidate; the anchors themselves left out."""
+
+    name = "covisit"
+    default = ChannelConfig(100, 60.0)
+    anchors = 10
+
+    def recall(self, queries, n):
+        st = self.state
+        recents, fetched = recent_clicks(st, queries)
+        out: list[np.ndarray] = [NONE for _ in queries]
+        anchors = list(dict.fromkeys(a for r in recents for a in r[: self.anchors]))
+        if not anchors or st.item_shards <= 0:
+            return Recalled(out, fetched)
+        shards = str_partitions(anchors, st.item_shards).tolist()
+        pipe = st.redis.pipeline(transaction=False)
+        for a, shard in zip(anchors, shards, strict=True):
+            pipe.hget(st.keys.covisit(shard), a)
+        lists = dict(zip(anchors, map(read_serving_list, pipe.execute()), strict=True))
+        get = st.slot_of.get
+        for j, recent in enumerate(recents):
+            scores: dict[int, float] = {}
+            mine = recent[: self.anchors]
+            for age, a in enumerate(mine):
+                w = 0.9**age
+                for b, p in lists.get(a, ()):
+                    slot = get(b)
+                    if slot is not None and b not in mine:
+                        scores[slot] = scores.get(slot, 0.0) + w * p
+            if scores:
+                best = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+                out[j] = np.fromiter((s for s, _ in best), np.int64, len(best))
+        return Recalled(out, fetched)
+
+
+def recent_clicks(st: ServingState, queries) -> tuple[list[list[str]], dict[str, list[str]]]:
+    """Each query's user's recent clicks, newest first: the worker's own, else the streams
+    app's list in Redis (one round trip for those); and those read from Redis, by user."""
+    recents: list[list[str]] = [st.recent_clicks(q.user_id) for q in queries]
+    missing = [j for j, r in enumerate(recents) if not r]
+    if missing:
+        pipe = st.redis.pipeline(transaction=False)
+        for j in missing:
+            pipe.lrange(st.keys.user_recent(queries[j].user_id), 0, 9)
+        for j, raw in zip(missing, pipe.execute(), strict=True):
+            recents[j] = [r.decode().partition("|")[0] for r in raw]
+    return recents, {queries[j].user_id: recents[j] for j in missing if recents[j]}
+
+
 CHANNELS: dict[str, type[RecallChannel]] = {
-    c.name: c for c in (VectorChannel, I2IChannel, HotChannel, RegionChannel, NewItemsChannel)
+    c.name: c
+    for c in (
+        VectorChannel,
+        I2IChannel,
+        CoVisitChannel,
+        HotChannel,
+        RegionChannel,
+        NewItemsChannel,
+    )
 }
 """Every recall channel, by name, in the order the runner starts them."""
 

@@ -196,6 +196,7 @@ class Recommender:
             self.name_of_slot, self.cat_index = names, cat_index
             m.CATALOGUE_ITEMS.set(len(cat.names))
         self.snap = snap
+        self.state.item_shards = snap.feature_shards or 0
         lists = dict(snap.hot)
         lists[NEW_ITEMS] = snap.new
         get = self.slot_of.get

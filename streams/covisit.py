@@ -1,0 +1,186 @@
+"""Co-visitation: items consumed close together by the same user (Davidson et al., "The
+YouTube Video Recommendation System", RecSys 2010; Linden et al. 2003), counted as the stream
+arrives. Pure: no I/O.
+
+Two halves, one per stage of the streams app:
+
+- ``UserWindows`` (the validate stage, which sees each user's events in order): per user the
+  last ``window`` distinct clicked items. A click on b pairs it with each earlier item a of the
+  window clicked less than ``window_ms`` before (at most ``max_pairs``, newest first), and the
+  pair travels both ways — (a → b) and (b → a) — to the anchor's ``events.by_item``
+  partition. Only items clicked strictly earlier pair, so a window seeded from the user's
+  recent clicks in Redis (after a restart) gives the pairs the lost window would have given.
+- ``CoVisitCounts`` (the count stage, per by-item partition): for each anchor of the
+  partition, c(a, b), forward-decayed like the item counts (one landmark: a count and its
+  pairs decay alike), bounded to ``candidates`` neighbours per anchor (the weakest quarter
+  leaves when it fills). The serving list of an anchor is its ``neighbours`` best b by
+  c(a, b) / n(a), n(a) the anchor's own decayed clicks: P(b | a), the conditional
+  probability; the replay's item-kNN baseline chose no popularity damping (α 0) on both
+  public logs (docs/benchmarks.md). Decay lets stale pairs fade; ratios need no decay.
+
+>>> w = UserWindows(users=10, window=3, window_ms=60_000, max_pairs=5)
+>>> w.pairs("u", "a", 1_000), w.pairs("u", "b", 2_000), w.pairs("u", "c", 3_000)
+([], ['a'], ['b', 'a'])
+>>> c = CoVisitCounts(candidates=4)
+>>> c.add(["a", "a", "b"], ["b", "c", "a"], [1.0, 1.0, 2.0])
+>>> c.top("a", 2, n=2.0), c.top("b", 5, n=1.0)
+([('b', 0.5), ('c', 0.5)], [('a', 2.0)])
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import orjson
+
+PAIR_COLUMNS = ("ca", "cn", "cp", "co", "ct")
+"""A co-visitation record on ``events.by_item``: anchors, neighbours, the source partition
+and offset of the click that made each pair, and its event time (ms)."""
+
+
+@dataclass(frozen=True)
+class CoVisitConfig:
+    window: int = 20
+    """A user's last distinct clicked items a click pairs with."""
+    window_ms: int = 24 * 3_600_000
+    """Only items clicked less than this long before pair."""
+    max_pairs: int = 20
+    """Pairs one click makes at most (a user with a long history pays no more)."""
+    users: int = 100_000
+    """Users whose windows the validate stage keeps in memory (least recently active leave)."""
+    candidates: int = 200
+    """Neighbours counted per anchor at most."""
+    neighbours: int = 50
+    """Neighbours published per anchor for serving."""
+
+
+class UserWindows:
+    """Each user's last distinct clicks, newest first, bounded in users (LRU)."""
+
+    def __init__(self, users: int, window: int, window_ms: int, max_pairs: int) -> None:
+        self.users, self.window, self.window_ms, self.max_pairs = (
+            users,
+            window,
+            window_ms,
+            max_pairs,
+        )
+        self._windows: OrderedDict[str, deque[tuple[str, int]]] = OrderedDict()
+
+    def __contains__(self, user: str) -> bool:
+        return user in self._windows
+
+    def seed(self, user: str, clicks: Iterable[tuple[str, int]]) -> None:
+        """Start ``user``'s window from clicks known elsewhere (newest first)."""
+        window: deque[tuple[str, int]] = deque(maxlen=self.window)
+        seen: set[str] = set()
+        for item, ts in clicks:
+            if item not in seen and len(window) < self.window:
+                seen.add(item)
+                window.append((item, ts))
+        self._windows[user] = window
+        self._trim()
+
+    def pairs(self, user: str, item: str, ts: int) -> list[str]:
+        """The items ``user``'s click on ``item`` at ``ts`` pairs with (newest first); the
+        click then joins the window."""
+        window = self._windows.get(user)
+        if window is None:
+            window = self._windows[user] = deque(maxlen=self.window)
+            self._trim()
+        else:
+            self._windows.move_to_end(user)
+        out = [a for a, ta in window if a != item and ta < ts and ts - ta <= self.window_ms][
+            : self.max_pairs
+        ]
+        for j, (a, _) in enumerate(window):
+            if a == item:
+                del window[j]
+                break
+        window.appendleft((item, ts))
+        return out
+
+    def _trim(self) -> None:
+        while len(self._windows) > self.users:
+            self._windows.popitem(last=False)
+
+
+class CoVisitCounts:
+    """Forward-decayed pair counts of one partition's anchors (weights passed in)."""
+
+    def __init__(self, candidates: int) -> None:
+        self.candidates = candidates
+        self.counts: dict[str, dict[str, float]] = {}
+        self.dirty: set[str] = set()
+        """Anchors changed since their state was last persisted."""
+        self.published: set[str] = set()
+        """Anchors changed since their serving list was last published."""
+        self.newest_ms: dict[str, int] = {}
+        """Per anchor, the newest event time among its pairs (freshness of its list)."""
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def add(
+        self,
+        anchors: Sequence[str],
+        neighbours: Sequence[str],
+        weights: Sequence[float],
+        ts_ms: Sequence[int] | None = None,
+    ) -> None:
+        for j, (a, b, w) in enumerate(zip(anchors, neighbours, weights, strict=True)):
+            row = self.counts.get(a)
+            if row is None:
+                row = self.counts[a] = {}
+            row[b] = row.get(b, 0.0) + w
+            if len(row) > self.candidates:
+                self._prune(row)
+            self.dirty.add(a)
+            self.published.add(a)
+            if ts_ms is not None:
+                self.newest_ms[a] = max(self.newest_ms.get(a, 0), int(ts_ms[j]))
+
+    def _prune(self, row: dict[str, float]) -> None:
+        """The weakest quarter leaves (ties: by name, so every replay prunes alike)."""
+        keep = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[: self.candidates * 3 // 4]
+        row.clear()
+        row.update(keep)
+
+    def rescale(self, factor: float) -> None:
+        """The landmark moved: every stored count scaled as the item counts are."""
+        for row in self.counts.values():
+            for b in row:
+                row[b] *= factor
+        self.dirty.update(self.counts)
+
+    def top(self, anchor: str, m: int, n: float) -> list[tuple[str, float]]:
+        """The ``m`` best neighbours of ``anchor`` by c(a, b) / n (n: its stored clicks)."""
+        row = self.counts.get(anchor)
+        if not row or n <= 0:
+            return []
+        best = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:m]
+        return [(b, c / n) for b, c in best]
+
+    # ---------------------------------------------------------------------- persistence
+    def take_dirty(self) -> list[str]:
+        out = sorted(self.dirty)
+        self.dirty.clear()
+        return out
+
+    def take_published(self) -> list[str]:
+        out = sorted(self.published)
+        self.published.clear()
+        return out
+
+    def blob(self, anchor: str) -> bytes:
+        row = self.counts.get(anchor, {})
+        return orjson.dumps([list(row), list(row.values()), self.newest_ms.get(anchor, 0)])
+
+    def restore(self, rows: dict[str, bytes]) -> None:
+        for anchor, raw in rows.items():
+            names, values, newest = orjson.loads(raw)
+            self.counts[anchor] = dict(zip(names, values, strict=True))
+            self.newest_ms[anchor] = int(newest)
+        self.dirty.clear()
+        self.published = set(self.counts)  # lists are written after the state: again
