@@ -53,6 +53,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 [
                     (q(0.99, "freshrec_freshness_lag_seconds", "stage"), "p99 {{stage}}"),
                     (q(0.99, "freshrec_hot_list_lag_seconds", "job"), "p99 hot list"),
+                    (
+                        q(0.99, "freshrec_streams_stage_lag_seconds", "stage", 'stage="covisit"'),
+                        "p99 co-visitation lists",
+                    ),
                 ],
                 12,
             ),
@@ -62,6 +66,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 [
                     (q(0.5, "freshrec_freshness_lag_seconds", "stage"), "p50 {{stage}}"),
                     (q(0.5, "freshrec_hot_list_lag_seconds", "job"), "p50 hot list"),
+                    (
+                        q(0.5, "freshrec_streams_stage_lag_seconds", "stage", 'stage="covisit"'),
+                        "p50 co-visitation lists",
+                    ),
                 ],
                 12,
             ),
