@@ -42,11 +42,11 @@ and offset of the click that made each pair, and its event time (ms)."""
 
 @dataclass(frozen=True)
 class CoVisitConfig:
-    window: int = 20
+    window: int = 10
     """A user's last distinct clicked items a click pairs with."""
     window_ms: int = 24 * 3_600_000
     """Only items clicked less than this long before pair."""
-    max_pairs: int = 20
+    max_pairs: int = 10
     """Pairs one click makes at most (a user with a long history pays no more)."""
     users: int = 100_000
     """Users whose windows the validate stage keeps in memory (least recently active leave)."""
@@ -129,17 +129,21 @@ class CoVisitCounts:
         weights: Sequence[float],
         ts_ms: Sequence[int] | None = None,
     ) -> None:
-        for j, (a, b, w) in enumerate(zip(anchors, neighbours, weights, strict=True)):
-            row = self.counts.get(a)
+        counts, cap = self.counts, self.candidates
+        for a, b, w in zip(anchors, neighbours, weights, strict=True):
+            row = counts.get(a)
             if row is None:
-                row = self.counts[a] = {}
+                row = counts[a] = {}
             row[b] = row.get(b, 0.0) + w
-            if len(row) > self.candidates:
+            if len(row) > cap:
                 self._prune(row)
-            self.dirty.add(a)
-            self.published.add(a)
-            if ts_ms is not None:
-                self.newest_ms[a] = max(self.newest_ms.get(a, 0), int(ts_ms[j]))
+        self.dirty.update(anchors)
+        self.published.update(anchors)
+        if ts_ms is not None:
+            newest = self.newest_ms
+            for a, t in zip(anchors, ts_ms, strict=True):
+                if t > newest.get(a, 0):
+                    newest[a] = int(t)
 
     def _prune(self, row: dict[str, float]) -> None:
         """The weakest quarter leaves (ties: by name, so every replay prunes alike)."""

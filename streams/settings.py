@@ -94,9 +94,9 @@ class StreamsSettings:
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             validate_process=validate == "process",
             covisit=CoVisitConfig(
-                window=env_int(env, "FRESHREC_COVISIT_WINDOW", 20, minimum=1),
+                window=env_int(env, "FRESHREC_COVISIT_WINDOW", 10, minimum=1),
                 window_ms=env_int(env, "FRESHREC_COVISIT_WINDOW_MS", 86_400_000, minimum=1),
-                max_pairs=env_int(env, "FRESHREC_COVISIT_MAX_PAIRS", 20, minimum=0),
+                max_pairs=env_int(env, "FRESHREC_COVISIT_MAX_PAIRS", 10, minimum=0),
                 users=env_int(env, "FRESHREC_COVISIT_USERS", 100_000, minimum=1),
                 candidates=env_int(env, "FRESHREC_COVISIT_CANDIDATES", 200, minimum=4),
                 neighbours=env_int(env, "FRESHREC_COVISIT_NEIGHBOURS", 50, minimum=1),

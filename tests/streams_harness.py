@@ -257,15 +257,21 @@ def all_features(r, keys, name: str) -> dict:
 
 def brute_force_covisit(
     events: list[Event],
-    window: int = 20,
-    window_ms: int = 86_400_000,
-    max_pairs: int = 20,
+    window: int | None = None,
+    window_ms: int | None = None,
+    max_pairs: int | None = None,
     rate: float = 0.95,
 ) -> dict[str, dict[str, float]]:
     """Each anchor's neighbours and P(b | a), from first principles: per user in the order
     produced, a click on b pairs with the user's last ``window`` distinct clicked items a
     clicked strictly earlier and within ``window_ms`` (``max_pairs`` newest), both ways;
     c(a, b) and a's clicks decayed alike, so their ratio needs no time."""
+    from streams.covisit import CoVisitConfig
+
+    default = CoVisitConfig()  # the streams app's defaults
+    window = default.window if window is None else window
+    window_ms = default.window_ms if window_ms is None else window_ms
+    max_pairs = default.max_pairs if max_pairs is None else max_pairs
     seen: set[str] = set()
     last = max((e.ts_ms for e in events), default=0)
     windows: dict[str, list[tuple[str, int]]] = defaultdict(list)

@@ -577,7 +577,7 @@ def test_co_visitation_pairs_equal_brute_force_and_a_replayed_record_counts_once
         )
         state.apply_pairs(*record)
         assert state.apply_pairs(*record) == 0  # the same record again: nothing
-    want = brute_force_covisit(events)
+    want = brute_force_covisit(events, window=20, max_pairs=20)
     for a, neighbours in want.items():
         got = dict(state.covisit.top(a, 100, state.stored_clicks(a)))
         assert got.keys() == neighbours.keys()
