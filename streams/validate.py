@@ -351,8 +351,8 @@ class ValidateStage(Service):
 
         def read() -> list:
             pipe = self.redis.pipeline(transaction=False)
-            for u in users:
-                pipe.lrange(self.keys.user_recent(u), 0, self.windows.window - 1)
+            for u in users:  # all of it: the window holds distinct items, the list repeats
+                pipe.lrange(self.keys.user_recent(u), 0, -1)
             return pipe.execute()
 
         for user, raw in zip(
