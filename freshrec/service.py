@@ -8,6 +8,7 @@ of them (``wait_for_redis``, ``freshrec/outage.py``)."""
 
 from __future__ import annotations
 
+import abc
 import threading
 from collections.abc import Callable
 from typing import ClassVar, TypeVar
@@ -18,7 +19,7 @@ from freshrec.outage import until_redis_answers
 T = TypeVar("T")
 
 
-class Service:
+class Service(abc.ABC):
     name: ClassVar[str] = "service"
     beats: ClassVar[bool] = True
     """Each round beats the process's liveness (``freshrec/health.py``); a stage on a side
@@ -34,9 +35,9 @@ class Service:
     def start(self) -> None:
         """Connect, load, subscribe: what comes before the first round."""
 
+    @abc.abstractmethod
     def poll_once(self) -> None:
         """One round of the loop: take what arrived, work on it."""
-        raise NotImplementedError
 
     def close(self, clean: bool) -> None:
         """Release everything, once. ``clean``: the loop ended because it was asked to (commit
