@@ -32,14 +32,14 @@ class Service(abc.ABC):
         """Asked to stop (a long wait inside a round checks it)."""
         return self._stop is not None and self._stop.is_set()
 
-    def start(self) -> None:
+    def start(self) -> None:  # noqa: B027  a hook: most services need nothing before
         """Connect, load, subscribe: what comes before the first round."""
 
     @abc.abstractmethod
     def poll_once(self) -> None:
         """One round of the loop: take what arrived, work on it."""
 
-    def close(self, clean: bool) -> None:
+    def close(self, clean: bool) -> None:  # noqa: B027  a hook
         """Release everything, once. ``clean``: the loop ended because it was asked to (commit
         what is done); else it failed (commit nothing)."""
 
