@@ -35,10 +35,6 @@ from inference.serving.recommender import ServingSettings
 from schemas.codec import DeadLetterLimits
 
 
-def default_model_dir(env: Mapping[str, str] | None = None) -> Path:
-    return model_dir(env)
-
-
 @dataclass(frozen=True)
 class WorkerSettings:
     conn: ConnectionSettings
@@ -77,7 +73,7 @@ class WorkerSettings:
     serving: ServingSettings = field(default_factory=ServingSettings)
     max_batch: int = 32
     max_wait_ms: int = 0
-    model_dir: Path = field(default_factory=default_model_dir)
+    model_dir: Path = field(default_factory=model_dir)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     recall_delays_ms: dict[str, float] = field(default_factory=dict)
     """Fault injection: extra latency per recall channel (drills and tests only)."""

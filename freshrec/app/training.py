@@ -38,10 +38,10 @@ def train_on_world(world, cfg, out_dir, progress, users=None) -> dict:
 
 
 def model_dir(args_out: str | None = None) -> Path:
-    from inference.settings import default_model_dir
+    from freshrec.settings import model_dir as configured
 
     env = load_environment()
-    return Path(args_out or env.get("FRESHREC_MODEL_DIR") or default_model_dir(env))
+    return Path(args_out) if args_out else configured(env)
 
 
 def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dict:
