@@ -403,22 +403,33 @@ def test_recall_runner_drops_late_channels_and_opens_their_breaker():
 
 
 def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
+    """Deadlines on a clock the channels move (no sleeping): an inline channel is held to the
+    time its own call took."""
     import threading
-    import time
 
     from inference.serving.recall import ChannelConfig, RecallQuery, RecallRunner
 
     seen = {}
+    clock = [0.0]
+    inline_done = threading.Event()
 
-    def where(name, pause=0.0):
+    def where(name, pause=0.0, after_inline=False):
         def channel(queries, n):
             seen[name] = threading.current_thread().name
-            time.sleep(pause)
+            if after_inline:  # a pooled channel that is slow once the inline ones are done
+                assert inline_done.wait(10)
+            clock[0] += pause
+            if name in ("hot", "new"):
+                inline_done.set()
             return [[name] for _ in queries]
 
         return channel
 
-    runner = RecallRunner(
+    def runner(channels, configs, **kw):
+        inline_done.clear()
+        return RecallRunner(channels, configs, clock=lambda: clock[0], **kw)
+
+    r = runner(
         {
             "vector": Fn(where("vector")),
             "hot": Fn(where("hot"), inline=True),
@@ -430,14 +441,14 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
             "new": ChannelConfig(2, 20),
         },
     )
-    result = runner.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
+    result = r.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     me = threading.current_thread().name
     assert seen["hot"] == me and seen["new"] == me and seen["vector"] != me
     assert result.per_query == [{"vector": ["vector"], "hot": ["hot"]}]
     assert result.timed_out == ["new"]  # returned after its 20 ms deadline: dropped, counted
-    runner.close()
+    r.close()
     # an injected delay sends an inline channel to the pool, where its deadline can be enforced
-    delayed = RecallRunner(
+    delayed = runner(
         {"hot": Fn(where("hot"), inline=True)},
         {"hot": ChannelConfig(2, 500)},
         delays_ms={"hot": 1.0},
@@ -446,25 +457,30 @@ def test_inline_channels_run_in_the_caller_and_still_meet_their_deadline():
     delayed.close()
     # an inline channel that returned in time is kept however long a pooled one then takes:
     # its deadline is measured to when it returned, not to when the runner looked at it
-    slow_pool = RecallRunner(
-        {"vector": Fn(where("vector", pause=0.08)), "hot": Fn(where("hot"), inline=True)},
+    slow_pool = runner(
+        {
+            "vector": Fn(where("vector", pause=0.08, after_inline=True)),
+            "hot": Fn(where("hot"), inline=True),
+        },
         {"vector": ChannelConfig(2, 500), "hot": ChannelConfig(2, 20)},
     )
     result = slow_pool.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
     assert result.timed_out == [] and result.per_query == [{"vector": ["vector"], "hot": ["hot"]}]
     slow_pool.close()
     # each inline channel is held to its own time, not to the time the ones before it took:
-    # 60 + 30 ms in a row, the second with an 80 ms deadline, keeps both
-    in_a_row = RecallRunner(
-        {
-            "hot": Fn(where("hot", pause=0.06), inline=True),
-            "new": Fn(where("new", pause=0.03), inline=True),
-        },
-        {"hot": ChannelConfig(2, 500), "new": ChannelConfig(2, 80)},
-    )
-    result = in_a_row.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
-    assert result.timed_out == [] and result.per_query == [{"hot": ["hot"], "new": ["new"]}]
-    in_a_row.close()
+    # 60 + 30 ms in a row, the second with an 80 ms deadline, keeps both; 90 ms would not
+    for pause, kept in ((0.03, True), (0.09, False)):
+        in_a_row = runner(
+            {
+                "hot": Fn(where("hot", pause=0.06), inline=True),
+                "new": Fn(where("new", pause=pause), inline=True),
+            },
+            {"hot": ChannelConfig(2, 500), "new": ChannelConfig(2, 80)},
+        )
+        result = in_a_row.run([RecallQuery("u1", np.zeros(3, np.float32), None)])
+        assert (result.timed_out == []) is kept
+        assert ("new" in result.per_query[0]) is kept and "hot" in result.per_query[0]
+        in_a_row.close()
 
 
 def test_top_k_rows_matches_torch_topk():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,7 +78,9 @@ class RecallRunner:
         configs: Mapping[str, ChannelConfig],
         breaker: BreakerConfig | None = None,
         delays_ms: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: seconds, monotonic; what deadlines are measured with."""
         unknown = set(configs) - set(channels)
         if unknown:
             raise ValueError(f"no such recall channel: {', '.join(sorted(unknown))}")
@@ -86,6 +88,7 @@ class RecallRunner:
         self.configs = dict(configs)
         self.breakers = {name: CircuitBreaker(breaker) for name in self.channels}
         self.delays_ms = dict(delays_ms or {})
+        self.clock = clock
         self.inline = {
             name for name, c in self.channels.items() if c.inline and not self.delays_ms.get(name)
         }
@@ -105,7 +108,7 @@ class RecallRunner:
     def run(self, queries: list[RecallQuery], budget_ms: float | None = None) -> RecallResult:
         """All allowed channels at once; waits at most each channel's deadline (capped by
         ``budget_ms``, the batch's remaining deadline budget)."""
-        start = time.monotonic()
+        start = self.clock()
         now_ms = int(time.time() * 1000)
         futures: dict[str, cf.Future] = {}
         result = RecallResult([{} for _ in queries])
@@ -122,17 +125,17 @@ class RecallRunner:
         took: dict[str, float] = {}  # inline channel -> seconds its own call took
         for name, fut in futures.items():  # the inline ones, while the pool works
             if name in self.inline:
-                called = time.monotonic()
+                called = self.clock()
                 try:
                     fut.set_result(self._call(name, queries))
                 except Exception as exc:
                     fut.set_exception(exc)
-                took[name] = time.monotonic() - called
+                took[name] = self.clock() - called
         for name, fut in futures.items():
             limit = self.configs[name].deadline_ms
             if budget_ms is not None:
                 limit = min(limit, max(budget_ms, 0.0))
-            remaining = limit / 1000 - (time.monotonic() - start)
+            remaining = limit / 1000 - (self.clock() - start)
             try:
                 if name in took:
                     if took[name] > limit / 1000:
@@ -155,7 +158,7 @@ class RecallRunner:
                 lists = lists.slots
             for j, items in enumerate(lists):
                 result.per_query[j][name] = items
-        result.elapsed_ms = (time.monotonic() - start) * 1000
+        result.elapsed_ms = (self.clock() - start) * 1000
         return result
 
     def _record(self, name: str, ok: bool, outcome: str) -> None:
