@@ -138,6 +138,16 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, dict[str, str]]] = {
     ),
 }
 
+VANISHED = {
+    # the series an alert reads is gone, not at a bad value: the alert still fires
+    "FreshrecNoEvents": ([('up{job="streams",instance="s:9100"}', "1x30")], "10m", {}),
+    "FreshrecParamServerBehind": (
+        [('freshrec_freshness_event_timestamp_seconds{stage="local"}', "1000+60x30")],
+        "10m",
+        {},
+    ),
+}
+
 HEALTHY = [
     ('freshrec_freshness_lag_seconds_bucket{stage="served",le="0.5"}', "0+100x30"),
     ('freshrec_freshness_lag_seconds_bucket{stage="served",le="1.0"}', "0+100x30"),
@@ -219,16 +229,18 @@ def test_promtool_unit_tests_fire_each_alert_on_its_input_and_none_when_healthy(
             "exp_annotations": rule["annotations"],
         }
 
+    cases = [(name, name, case) for name, case in CASES.items()]
+    cases += [(f"{name}, its series vanished", name, case) for name, case in VANISHED.items()]
     tests = [
         {
-            "name": name,
+            "name": title,
             "interval": "1m",
             "input_series": [{"series": s, "values": v} for s, v in series],
             "alert_rule_test": [
                 {"eval_time": at, "alertname": name, "exp_alerts": [expected(name, labels)]}
             ],
         }
-        for name, (series, at, labels) in CASES.items()
+        for title, name, (series, at, labels) in cases
     ]
     tests.append(
         {

@@ -85,7 +85,9 @@ def recording_rules(slo: SloSettings, window: str) -> list[dict]:
         ),
         rec(
             f"freshrec:events:rate_{w}",
-            f"sum(rate(freshrec_streams_events_total[{w}]))",
+            # 0, not nothing, when no streams app exports the counter: "no events" must fire
+            # when the series is gone, not fall silent with it
+            f"sum(rate(freshrec_streams_events_total[{w}])) or vector(0)",
         ),
         rec(
             f"freshrec:ctr:{w}",
@@ -180,7 +182,10 @@ def alerting_rules(slo: SloSettings, window: str, hold: dict[str, str]) -> list[
         ),
         alert(
             "FreshrecParamServerBehind",
-            f"freshrec:global_applied_behind_seconds > {slo.behind_s:g}",
+            f"freshrec:global_applied_behind_seconds > {slo.behind_s:g} or "
+            # workers learn, and no parameter server has applied anything at all
+            '(max(freshrec_freshness_event_timestamp_seconds{stage="local"}) and on() '
+            'absent(freshrec_freshness_event_timestamp_seconds{stage="global_applied"}))',
             hold["down"],
             "page",
             f"the parameter server's rows trail the workers' learning by over {slo.behind_s:g} s",
