@@ -91,11 +91,19 @@ def read_manifest(directory: Path) -> dict:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise ModelFileError(f"no {MANIFEST} in {directory}: run `freshrec train`") from None
-    except json.JSONDecodeError as exc:
-        raise ModelFileError(f"{path} is not valid JSON: {exc}") from None
-    for key in ("version", "dim", "files"):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ModelFileError(f"{path} is not valid JSON: {str(exc)[:200]}") from None
+    except OSError as exc:
+        raise ModelFileError(f"{path} cannot be read: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise ModelFileError(f"{path} is not a JSON object")
+    for key, kind in (("version", str), ("dim", int), ("files", dict)):
         if key not in manifest:
             raise ModelFileError(f"{path} lacks {key!r}")
+        if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+            raise ModelFileError(f"{path}: {key!r} must be a {kind.__name__}")
+    if manifest["dim"] < 1:
+        raise ModelFileError(f"{path}: 'dim' must be at least 1")
     return manifest
 
 
