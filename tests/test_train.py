@@ -123,3 +123,32 @@ def test_a_logistic_fine_tune_starts_from_the_softmax_rows_and_fits_the_impressi
     assert tuned < softmax
     with pytest.raises(ValueError, match="tower_loss"):
         replace(base, tower_loss="bpr")
+
+
+def test_the_softmax_tower_stops_on_validation_hits_and_keeps_its_best_epoch():
+    """``tower_patience``: HR@10 on the validation rows after each epoch; training stops
+    ``patience`` epochs after the best, and the rows returned are the best epoch's."""
+    import re
+
+    from inference.training.train import top_k_hits, train_two_tower
+
+    world = World(SMALL)
+    logs = world_log(world, 20_000, np.random.default_rng(5))
+    n = len(logs.items)
+    train_idx, valid_idx = np.arange(int(n * 0.8)), np.arange(int(n * 0.8), n)
+    cfg = TrainConfig(
+        impressions=20_000, dim=8, tower_loss="softmax", tower_epochs=25, tower_patience=2
+    )
+    said: list[str] = []
+    users, u, v = train_two_tower(logs, cfg, train_idx, said.append, valid_idx)
+    hrs = [float(x) for x in re.findall(r"validation HR@10 ([0-9.]+)", "\n".join(said))]
+    assert hrs, said
+    best = int(np.argmax(hrs))
+    assert len(hrs) == cfg.tower_epochs or len(hrs) == best + 1 + cfg.tower_patience
+    assert all(h <= hrs[best] for h in hrs[best + 1 :])
+    kept = top_k_hits(
+        logs, valid_idx, train_idx, np.searchsorted(users, logs.users), u, v, sample=5000
+    )
+    assert kept == pytest.approx(hrs[best], abs=1e-4)
+    with pytest.raises(ValueError, match="tower_patience"):
+        replace(cfg, tower_patience=-1)

@@ -55,6 +55,12 @@ class TrainConfig:
     impressions: int = 1_000_000
     dim: int = 64
     tower_epochs: int = 3
+    tower_patience: int = 0
+    """0: the two-tower trains ``tower_epochs`` epochs. Above 0 (the softmax two-tower):
+    ``tower_epochs`` is a maximum; after each epoch the rows' HR@10 on the validation rows
+    (``top_k_hits``) is measured, training stops once it has not improved for this many
+    epochs, and the best epoch's rows are kept — the number of passes chosen on the training
+    part, never on what a replay scores."""
     rank_epochs: int = 40
     """At most; each ranking model stops earlier once its validation loss has not improved for
     ``rank_patience`` epochs, and keeps its best epoch. (A fixed two epochs left the models
@@ -110,19 +116,26 @@ class TrainConfig:
             raise ValueError(f"prune_keep must be in (0, 1), got {self.prune_keep}")
         if self.sequence < 1:
             raise ValueError(f"sequence must be at least 1, got {self.sequence}")
+        if self.tower_patience < 0:
+            raise ValueError(f"tower_patience must be at least 0, got {self.tower_patience}")
 
 
 TOWER_LOSSES = ("logistic", "softmax", "softmax+logistic")
 
 
 def train_two_tower(
-    logs: TrainingLog, cfg: TrainConfig, train_idx: np.ndarray, progress: Progress
+    logs: TrainingLog,
+    cfg: TrainConfig,
+    train_idx: np.ndarray,
+    progress: Progress,
+    valid_idx: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(user numbers, user rows, item rows) for the users the log names and every catalogue
-    item: rows start from the deterministic initialisation."""
+    item: rows start from the deterministic initialisation. ``valid_idx``: the rows that
+    choose the softmax two-tower's epochs (``TrainConfig.tower_patience``)."""
     init = None
     if cfg.tower_loss.startswith("softmax"):
-        trained = _train_two_tower_softmax(logs, cfg, train_idx, progress)
+        trained = _train_two_tower_softmax(logs, cfg, train_idx, progress, valid_idx)
         if cfg.tower_loss == "softmax":
             return trained
         init = (trained[1][:, : cfg.dim], trained[2])
@@ -160,7 +173,11 @@ def train_two_tower(
 
 
 def _train_two_tower_softmax(
-    logs: TrainingLog, cfg: TrainConfig, train_idx: np.ndarray, progress: Progress
+    logs: TrainingLog,
+    cfg: TrainConfig,
+    train_idx: np.ndarray,
+    progress: Progress,
+    valid_idx: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The clicked rows of ``train_idx``, in batches: each user's row against every clicked
     item of the batch (the others' are its negatives, popular items more often) and
@@ -180,6 +197,13 @@ def _train_two_tower_softmax(
     batch = min(cfg.batch, 512)
     steps = cfg.tower_epochs * -(-len(positives) // batch)
     step = 0
+    ones = np.ones((len(uniq_users), 1), np.float32)
+
+    def rows() -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate([u_emb.detach().numpy(), ones], 1), v_emb.detach().numpy().copy()
+
+    stopping = cfg.tower_patience > 0 and valid_idx is not None and len(valid_idx) > 0
+    best: tuple[float, int, tuple[np.ndarray, np.ndarray]] | None = None
     for epoch in range(cfg.tower_epochs):
         for b in shuffled_batches(len(positives), batch, rng):
             idx = torch.from_numpy(positives[b])
@@ -193,8 +217,20 @@ def _train_two_tower_softmax(
             step = optimiser_step(
                 opt, loss, step, progress, f"two-tower: epoch {epoch + 1}/{cfg.tower_epochs}", steps
             )
-    users = np.concatenate([u_emb.detach().numpy(), np.ones((len(uniq_users), 1), np.float32)], 1)
-    return uniq_users, users, v_emb.detach().numpy()
+        if not stopping:
+            continue
+        now = rows()
+        hr = top_k_hits(logs, valid_idx, train_idx, user_pos, *now, sample=5000)
+        if hr is None:
+            stopping = False
+            continue
+        progress(f"two-tower: epoch {epoch + 1}, validation HR@10 {hr:.4f}")
+        if best is None or hr > best[0]:
+            best = (hr, epoch, now)
+        elif epoch - best[1] >= cfg.tower_patience:
+            break
+    users, items = rows() if best is None else best[2]
+    return uniq_users, users, items
 
 
 ONLINE_SOFTMAX = {
@@ -291,7 +327,7 @@ def train(
     if cfg.tower_share < 1:
         cut = rng.random(len(train_idx)) < cfg.tower_share
         tower_idx, rank_idx = train_idx[cut], train_idx[~cut]
-    uniq_users, user_rows, item_rows = train_two_tower(logs, cfg, tower_idx, progress)
+    uniq_users, user_rows, item_rows = train_two_tower(logs, cfg, tower_idx, progress, valid_idx)
     user_pos = np.searchsorted(uniq_users, logs.users)
     feats = item_features(logs, train_idx)
     tower_scores = np.einsum(
