@@ -29,11 +29,14 @@ Two halves, one per stage of the streams app:
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
+
+from freshrec.neighbours import MAX_PAIRS, PAIR_WINDOW, PAIR_WINDOW_MS, UserWindows
+
+__all__ = ["PAIR_COLUMNS", "CoVisitConfig", "CoVisitCounts", "UserWindows"]
 
 PAIR_COLUMNS = ("ca", "cn", "cp", "co", "ct")
 """A co-visitation record on ``events.by_item``: anchors, neighbours, the source partition
@@ -42,11 +45,11 @@ and offset of the click that made each pair, and its event time (ms)."""
 
 @dataclass(frozen=True)
 class CoVisitConfig:
-    window: int = 10
+    window: int = PAIR_WINDOW
     """A user's last distinct clicked items a click pairs with."""
-    window_ms: int = 24 * 3_600_000
+    window_ms: int = PAIR_WINDOW_MS
     """Only items clicked less than this long before pair."""
-    max_pairs: int = 10
+    max_pairs: int = MAX_PAIRS
     """Pairs one click makes at most (a user with a long history pays no more)."""
     users: int = 100_000
     """Users whose windows the validate stage keeps in memory (least recently active leave)."""
@@ -54,56 +57,6 @@ class CoVisitConfig:
     """Neighbours counted per anchor at most."""
     neighbours: int = 50
     """Neighbours published per anchor for serving."""
-
-
-class UserWindows:
-    """Each user's last distinct clicks, newest first, bounded in users (LRU)."""
-
-    def __init__(self, users: int, window: int, window_ms: int, max_pairs: int) -> None:
-        self.users, self.window, self.window_ms, self.max_pairs = (
-            users,
-            window,
-            window_ms,
-            max_pairs,
-        )
-        self._windows: OrderedDict[str, deque[tuple[str, int]]] = OrderedDict()
-
-    def __contains__(self, user: str) -> bool:
-        return user in self._windows
-
-    def seed(self, user: str, clicks: Iterable[tuple[str, int]]) -> None:
-        """Start ``user``'s window from clicks known elsewhere (newest first)."""
-        window: deque[tuple[str, int]] = deque(maxlen=self.window)
-        seen: set[str] = set()
-        for item, ts in clicks:
-            if item not in seen and len(window) < self.window:
-                seen.add(item)
-                window.append((item, ts))
-        self._windows[user] = window
-        self._trim()
-
-    def pairs(self, user: str, item: str, ts: int) -> list[str]:
-        """The items ``user``'s click on ``item`` at ``ts`` pairs with (newest first); the
-        click then joins the window."""
-        window = self._windows.get(user)
-        if window is None:
-            window = self._windows[user] = deque(maxlen=self.window)
-            self._trim()
-        else:
-            self._windows.move_to_end(user)
-        out = [a for a, ta in window if a != item and ta < ts and ts - ta <= self.window_ms][
-            : self.max_pairs
-        ]
-        for j, (a, _) in enumerate(window):
-            if a == item:
-                del window[j]
-                break
-        window.appendleft((item, ts))
-        return out
-
-    def _trim(self) -> None:
-        while len(self._windows) > self.users:
-            self._windows.popitem(last=False)
 
 
 class CoVisitCounts:

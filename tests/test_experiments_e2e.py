@@ -163,6 +163,7 @@ def test_variants_rank_with_the_attention_models_and_the_heat_tiers(seeded, mode
     sequence from the clicks the worker has read."""
     from freshrec import metrics as m
     from inference.models.attention import SEQUENCE
+    from inference.serving.recall import RecallResult
     from schemas.records import RecommendRequest
 
     from .serving_harness import counter
@@ -205,7 +206,7 @@ def test_variants_rank_with_the_attention_models_and_the_heat_tiers(seeded, mode
         )
         wait_for(lambda: w.seen.get(user)[:3] == clicked[::-1], 30, "the worker to read the clicks")
         rec = w.recommender
-        batch = rec.rank_batch([RecommendRequest("x", user)], None, [], [None], {})
+        batch = rec.rank_batch([RecommendRequest("x", user)], None, [], [None], RecallResult([{}]))
         seq, lens = rec.ranking._sequences(batch, [0], SEQUENCE)
         assert int(lens[0]) >= 3
         slots = [rec.slot_of[x] for x in clicked[::-1]]

@@ -350,6 +350,59 @@ def test_recent_similarity_in_training_matches_serving():
     assert got[0] == pytest.approx(float(want), rel=1e-5) and got[1] == 0.0
 
 
+def test_covisit_feature_in_training_is_what_the_live_counts_give_serving():
+    """``covisit_scores`` of a log against the live path: the streams app's ``UserWindows``
+    and ``CoVisitCounts`` fed the clicks of the slates before each one (undecayed), its
+    P(b | a) lists, and the channel's ``recency_weighted`` over the user's last clicks."""
+    from freshrec.neighbours import UserWindows, recency_weighted
+    from inference.training.logfeatures import TrainingLog, covisit_scores, recent_context
+    from streams.covisit import CoVisitConfig, CoVisitCounts
+
+    rng = np.random.default_rng(8)
+    n_users, n_items, n = 12, 9, 600
+    users = rng.integers(0, n_users, n)
+    t = np.sort(rng.integers(0, 40, n)) * 60_000  # slates: several rows share a time
+    logs = TrainingLog(
+        user_ids=np.array([f"u{k}" for k in range(n_users)], object),
+        item_ids=np.array([f"i{k}" for k in range(n_items)], object),
+        item_category=np.full(n_items, None, object),
+        item_price=np.zeros(n_items),
+        users=users,
+        items=rng.integers(0, n_items, n),
+        t_ms=t,
+        clicked=rng.random(n) < 0.6,
+        converted=np.zeros(n, bool),
+        device=np.full(n, -1),
+        region=np.full(n, None, object),
+        sampled=rng.random(n) < 0.2,
+    )
+    _, recent = recent_context(logs, np.zeros(n_items, np.int64))
+    got = covisit_scores(logs, recent)
+
+    cfg = CoVisitConfig()
+    windows = UserWindows(100, cfg.window, cfg.window_ms, cfg.max_pairs)
+    live, clicks = CoVisitCounts(candidates=1000), dict.fromkeys(logs.item_ids.tolist(), 0.0)
+    want = np.zeros(n, np.float32)
+    for time_ms in np.unique(t).tolist():
+        slate = np.flatnonzero(t == time_ms).tolist()
+        for j in slate:
+            anchors = [logs.item_ids[a] for a in recent[j] if a >= 0]
+            lists = {a: live.top(a, cfg.neighbours, clicks[a]) for a in anchors}
+            want[j] = recency_weighted(anchors, lists).get(logs.item_ids[logs.items[j]], 0.0)
+        for j in slate:
+            if logs.clicked[j] and not logs.sampled[j]:
+                b = logs.item_ids[logs.items[j]]
+                clicks[b] += 1
+                earlier = windows.pairs(logs.user_ids[users[j]], b, time_ms)
+                live.add(
+                    earlier + [b] * len(earlier),
+                    [b] * len(earlier) + earlier,
+                    [1.0] * (2 * len(earlier)),
+                )
+    assert (want > 0).sum() > 50  # the log pairs items: the comparison is not of zeros
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ recall
 class Fn:
     """A recall channel made of a function (the runner's contract: ``recall`` and ``inline``)."""

@@ -8,7 +8,10 @@ Dense features per pair (``DENSE``): the two-tower logit u·v (with the item's b
 item's log price, its smoothed CTR and CVR, log1p of its hot score, and two real-time interest
 features from the user's last clicks (up to ``RECENT``): the share of them in the item's
 category, and the item's similarity to them — the dot product of its row with their rows'
-mean, the newest weighing most (``recent_query``). They let a click change the very next
+mean, the newest weighing most (``recent_query``) — and its co-visitation score from them
+(``freshrec.neighbours.recency_weighted``: how often users who clicked those items clicked it
+close by; the ``covisit`` channel's score, counted by the streams app live and by
+``logfeatures.covisit_scores`` from a training log). They let a click change the very next
 ranking before any embedding has moved far; on the interaction logs of the replay, the
 user's last items predicted their next one better than the user's row did (HR@10 of the
 vector search 0.08 from the recent items' mean against 0.07 from the row, MovieLens 100K,
@@ -43,6 +46,7 @@ DENSE = (
     "log_hot",
     "recent_category_share",
     "recent_similarity",
+    "covisit",
 )
 RECENT = 10
 RECENT_DECAY = 0.8
@@ -164,11 +168,14 @@ class FeatureEncoder:
         recent_share: np.ndarray | None = None,
         owner: np.ndarray | None = None,
         recent_similarity: np.ndarray | None = None,
+        covisit: np.ndarray | None = None,
     ) -> RankInputs:
         """Aligned rows: ``item_dense`` is (n, 4) [price, ctr, cvr, hot]; ``item_category``
         (n,) category buckets; ``context`` (n, 3) from ``context`` repeated per pair;
         ``recent_share`` (n,) from ``recent_category_share``; ``recent_similarity`` (n,) each
-        item's row against its user's ``recent_query``. With ``owner`` (n,), ``user``
+        item's row against its user's ``recent_query`` (an array, or a tensor on the rows'
+        device); ``covisit`` (n,) each item's
+        ``freshrec.neighbours.recency_weighted`` score (0: none). With ``owner`` (n,), ``user``
         is one row per request and the result is in the grouped form."""
         rest = np.empty((len(item_dense), len(DENSE) - 1), np.float32)
         rest[:, 0] = np.log1p(np.maximum(item_dense[:, 0], 0.0))
@@ -176,7 +183,10 @@ class FeatureEncoder:
         rest[:, 2] = item_dense[:, 2]
         rest[:, 3] = np.log1p(np.maximum(item_dense[:, 3], 0.0))
         rest[:, 4] = 0.0 if recent_share is None else recent_share
-        rest[:, 5] = 0.0 if recent_similarity is None else recent_similarity
+        # a tensor (serving: computed where the rows are) joins on that device, not via host
+        sims_on_device = isinstance(recent_similarity, torch.Tensor)
+        rest[:, 5] = 0.0 if recent_similarity is None or sims_on_device else recent_similarity
+        rest[:, 6] = 0.0 if covisit is None else covisit
         # the dot product where the rows are (a serving batch's rows stay on the tables'
         # device; training's are host arrays)
         on_device = isinstance(user, torch.Tensor)
@@ -186,6 +196,8 @@ class FeatureEncoder:
         pair_user = user if owner is None else user.index_select(0, to_device(owner, user.device))
         uv = (pair_user * item).sum(1).clamp(-20, 20).to(torch.float32)
         dense = torch.cat([uv[:, None], to_device(rest, user.device)], 1)
+        if sims_on_device:
+            dense[:, DENSE.index("recent_similarity")] = recent_similarity.to(dense.device)
         if not on_device:
             user, item, dense = user.numpy(), item.numpy(), dense.numpy()
         cat = item_category.astype(np.int64)

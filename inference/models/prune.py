@@ -14,7 +14,7 @@ model from the full one for a few epochs).
 >>> small.hidden, small.kind
 ((4, 2), 'pruned')
 >>> round(sparsity(full, small), 3)
-0.521
+0.52
 """
 
 from __future__ import annotations

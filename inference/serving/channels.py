@@ -37,7 +37,7 @@ import numpy as np
 import redis
 import torch
 
-from freshrec.neighbours import read_serving_list
+from freshrec.neighbours import ANCHORS, read_serving_list, recency_weighted
 from freshrec.partitioner import str_partitions
 from freshrec.rediskeys import RedisKeys
 from inference.device import to_device
@@ -184,20 +184,22 @@ class NewItemsChannel(RecallChannel):
 class CoVisitChannel(RecallChannel):
     """Co-visitation (item-to-item collaborative filtering learnt from the stream): the
     neighbour lists the streams app keeps for the user's last clicked items (``covisit:{sN}``,
-    P(b | a) of the items clicked after a by the same users), each anchor weighted 0.9^age
-    (newest first), summed per candidate; the anchors themselves left out."""
+    P(b | a) of the items clicked after a by the same users), scored by
+    ``freshrec.neighbours.recency_weighted`` (each anchor weighted 0.9^age, newest first,
+    summed per candidate; the anchors themselves left out). Every neighbour's score, not
+    only the quota's, goes to ranking as the ``covisit`` feature (``Recalled.scores``)."""
 
     name = "covisit"
     default = ChannelConfig(100, 60.0)
-    anchors = 10
 
     def recall(self, queries, n):
         st = self.state
         recents, fetched = recent_clicks(st, queries)
         out: list[np.ndarray] = [NONE for _ in queries]
-        anchors = list(dict.fromkeys(a for r in recents for a in r[: self.anchors]))
+        scored: list[dict[int, float]] = [{} for _ in queries]
+        anchors = list(dict.fromkeys(a for r in recents for a in r[:ANCHORS]))
         if not anchors or st.item_shards <= 0:
-            return Recalled(out, fetched)
+            return Recalled(out, fetched, scored)
         shards = str_partitions(anchors, st.item_shards).tolist()
         pipe = st.redis.pipeline(transaction=False)
         for a, shard in zip(anchors, shards, strict=True):
@@ -205,18 +207,15 @@ class CoVisitChannel(RecallChannel):
         lists = dict(zip(anchors, map(read_serving_list, pipe.execute()), strict=True))
         get = st.slot_of.get
         for j, recent in enumerate(recents):
-            scores: dict[int, float] = {}
-            mine = recent[: self.anchors]
-            for age, a in enumerate(mine):
-                w = 0.9**age
-                for b, p in lists.get(a, ()):
-                    slot = get(b)
-                    if slot is not None and b not in mine:
-                        scores[slot] = scores.get(slot, 0.0) + w * p
+            scores = scored[j]
+            for b, score in recency_weighted(recent, lists).items():
+                slot = get(b)
+                if slot is not None:
+                    scores[slot] = score
             if scores:
                 best = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
                 out[j] = np.fromiter((s for s, _ in best), np.int64, len(best))
-        return Recalled(out, fetched)
+        return Recalled(out, fetched, scored)
 
 
 def recent_clicks(st: ServingState, queries) -> tuple[list[list[str]], dict[str, list[str]]]:

@@ -60,6 +60,10 @@ class RankBatch:
     name_of_slot: np.ndarray
     recent: list[list[str]]
     sequences: list[list[str]]
+    covisit: list[dict[int, float]] | None = None
+    """Per request, the co-visitation score of the items the ``covisit`` channel found (slot →
+    score; ``freshrec.neighbours.recency_weighted``); None when it did not run or missed its
+    deadline: every candidate's ``covisit`` feature is then 0."""
 
 
 class RankingStage:
@@ -220,6 +224,15 @@ class RankingStage:
                     rows, items[lo : lo + size], self.cache.dim
                 )
             lo += size
+        covisit = np.zeros(n, np.float32)
+        if b.covisit is not None:
+            lo = 0
+            for j, size in zip(group, lens, strict=True):
+                found = b.covisit[j]
+                if found:
+                    get = found.get
+                    covisit[lo : lo + size] = [get(x, 0.0) for x in merged[j].slots.tolist()]
+                lo += size
         local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
         inputs = self.encoder.encode(
             user_rows.index_select(0, self.cache.to_device(np.asarray(group, np.int64))),
@@ -229,7 +242,8 @@ class RankingStage:
             ctx[owner],
             shares,
             owner=local,
-            recent_similarity=sims.cpu().numpy(),
+            recent_similarity=sims,
+            covisit=covisit,
         )
         return inputs, note, dense
 

@@ -49,6 +49,9 @@ class Recalled:
 
     slots: list[np.ndarray]
     recent: dict[str, list[str]] = field(default_factory=dict)
+    scores: list[dict[int, float]] | None = None
+    """Per query, the channel's score of every item it found (slot → score), not only of
+    those within its quota: a ranking feature (the ``covisit`` channel's)."""
 
 
 class Channel(Protocol):
@@ -68,6 +71,8 @@ class RecallResult:
     """Channels whose breaker was open."""
     recent: dict[str, list[str]] = field(default_factory=dict)
     """Recent clicks per user that channels which met their deadline read on the way."""
+    scores: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    """Per channel that met its deadline and scored what it found: ``Recalled.scores``."""
     elapsed_ms: float = 0.0
 
 
@@ -155,6 +160,8 @@ class RecallRunner:
             self._record(name, True, "ok")
             if isinstance(lists, Recalled):
                 result.recent.update(lists.recent)
+                if lists.scores is not None:
+                    result.scores[name] = lists.scores
                 lists = lists.slots
             for j, items in enumerate(lists):
                 result.per_query[j][name] = items

@@ -43,7 +43,7 @@ from inference.serving.degrade import (
 from inference.serving.hotreply import HotReplies
 from inference.serving.merge import found_by, merge_slot_arrays
 from inference.serving.rankstage import RankBatch, RankingStage
-from inference.serving.recall import ChannelConfig, RecallQuery, RecallRunner
+from inference.serving.recall import ChannelConfig, RecallQuery, RecallResult, RecallRunner
 from inference.serving.rerank import mmr_batch, space_categories
 from inference.serving.resultcache import ResultCache
 from inference.serving.snapshot import Snapshot, SnapshotRefresher
@@ -248,11 +248,13 @@ class Recommender:
 
         threading.Thread(target=build, daemon=True, name="ann-build").start()
 
-    def rank_batch(self, reqs, user_rows, merged, arms, fetched_recent) -> RankBatch:
+    def rank_batch(self, reqs, user_rows, merged, arms, recall: RecallResult) -> RankBatch:
         """What ranking reads for these requests: the catalogue snapshot, and per request the
         user's recent clicks — the worker's own, else those a recall channel that met its
-        deadline read from Redis (``fetched_recent``) — and sequence (their consumed items,
-        else those clicks)."""
+        deadline read from Redis (``recall.recent``) — sequence (their consumed items, else
+        those clicks) and co-visitation scores (the ``covisit`` channel's, when it met its
+        deadline)."""
+        fetched_recent = recall.recent
         recent = [
             self.state.recent_clicks(r.user_id) or fetched_recent.get(r.user_id, []) for r in reqs
         ]
@@ -267,6 +269,7 @@ class Recommender:
             self.name_of_slot,
             recent,
             [self.sequence_of(r.user_id) or recent[j] for j, r in enumerate(reqs)],
+            recall.scores.get("covisit"),
         )
 
     # --------------------------------------------------------------------------- serve
@@ -323,7 +326,7 @@ class Recommender:
                 )
             )
         ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
-        batch_in = self.rank_batch(reqs, user_rows, merged, arms, recall.recent)
+        batch_in = self.rank_batch(reqs, user_rows, merged, arms, recall)
         features_note, rankers = self.ranking.rank(batch_in, choices, ranked, models)
         if features_note:
             degraded.append(features_note)

@@ -5,11 +5,20 @@ user's previous clicks, in time order) as the worker keeps it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from freshrec.hotscore import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
+from freshrec.neighbours import (
+    ANCHOR_DECAY,
+    ANCHORS,
+    MAX_PAIRS,
+    PAIR_WINDOW,
+    PAIR_WINDOW_MS,
+    UserWindows,
+)
 from inference.models.features import (
     CATEGORY_BUCKETS,
     RECENT,
@@ -130,10 +139,58 @@ def recent_similarities(
     return out
 
 
+def covisit_scores(logs: TrainingLog, recent_items: np.ndarray) -> np.ndarray:
+    """Per impression, the ``covisit`` feature as the worker computes it live: the
+    co-visitation counts of the clicks before it (in time order; the clicks of one slate are
+    counted after it), paired as the streams app pairs them (``UserWindows`` with its
+    defaults; both ways), P(b | a) = c(a, b) / n(a) with n(a) a's clicks, scored by
+    ``freshrec.neighbours.recency_weighted`` over the user's newest ``ANCHORS`` earlier clicks
+    (``recent_items``, from ``recent_context``). Live counts decay and keep each anchor's best
+    50: the feature is the same quantity, counted without those bounds."""
+    out = np.zeros(len(logs.users), np.float32)
+    order = np.argsort(logs.t_ms, kind="stable")
+    times = logs.t_ms[order]
+    starts = [*np.flatnonzero(np.r_[True, times[1:] != times[:-1]]).tolist(), len(order)]
+    clicks = logs.clicked.astype(bool)
+    if logs.sampled is not None:
+        clicks = clicks & ~logs.sampled
+    pairs: dict[int, dict[int, float]] = {}
+    n = np.zeros(len(logs.item_ids), np.float64)
+    windows = UserWindows(len(logs.user_ids) + 1, PAIR_WINDOW, PAIR_WINDOW_MS, MAX_PAIRS)
+    weights = [ANCHOR_DECAY**age for age in range(ANCHORS)]
+    anchors_of = recent_items[:, :ANCHORS]
+    for lo, hi in itertools.pairwise(starts):
+        slate = order[lo:hi].tolist()
+        for j in slate:
+            mine = anchors_of[j]
+            b = int(logs.items[j])
+            total = 0.0
+            for age, a in enumerate(mine.tolist()):
+                if a < 0:
+                    break
+                if a == b:  # an anchor itself is not scored
+                    total = 0.0
+                    break
+                row = pairs.get(a)
+                if row is not None:
+                    total += weights[age] * row.get(b, 0.0) / n[a]
+            out[j] = total
+        for j in slate:
+            if clicks[j]:
+                b, t = int(logs.items[j]), int(logs.t_ms[j])
+                n[b] += 1
+                for a in windows.pairs(int(logs.users[j]), b, t):
+                    row_a, row_b = pairs.setdefault(a, {}), pairs.setdefault(b, {})
+                    row_a[b] = row_a.get(b, 0.0) + 1.0
+                    row_b[a] = row_b.get(a, 0.0) + 1.0
+    return out
+
+
 def rank_inputs(
     logs: TrainingLog, idx: np.ndarray, user_rows, user_pos, item_rows, feats, recent
 ) -> RankInputs:
-    shares, recent_items = recent
+    """``recent``: ``recent_context``'s shares and items, and ``covisit_scores``."""
+    shares, recent_items, covisit = recent
     enc = FeatureEncoder()
     items = logs.items[idx]
     device = logs.device[idx]
@@ -153,6 +210,7 @@ def rank_inputs(
         ctx,
         shares[idx],
         recent_similarity=sims,
+        covisit=covisit[idx],
     )
 
 

@@ -38,6 +38,7 @@ from inference.training.fitting import auc, fit_ranker, optimiser_step, predict,
 from inference.training.logfeatures import (
     TrainingLog,
     category_buckets,
+    covisit_scores,
     item_features,
     rank_inputs,
     recent_context,
@@ -333,7 +334,9 @@ def train(
     tower_scores = np.einsum(
         "ij,ij->i", user_rows[user_pos[test_idx]], item_rows[logs.items[test_idx]]
     )
-    recent = recent_context(logs, category_buckets(logs), cfg.sequence)
+    shares, recent_items = recent_context(logs, category_buckets(logs), cfg.sequence)
+    progress("co-visitation of the log's clicks")
+    recent = (shares, recent_items, covisit_scores(logs, recent_items))
     args = (user_rows, user_pos, item_rows, feats, recent)
     x_train = rank_inputs(logs, rank_idx, *args)
     x_valid = rank_inputs(logs, valid_idx, *args)
