@@ -152,6 +152,12 @@ CACHE_ROWS_EXPIRED = Counter(
     "Rows a worker dropped after the row TTL without a touch (items outside the catalogue)",
     ["table"],
 )
+CACHE_ROWS_EVICTED = Counter(
+    "freshrec_cache_rows_evicted_total",
+    "Rows a worker dropped because its table was at its bound (FRESHREC_MAX_ITEM_ROWS), the "
+    "least recently touched first (items outside the catalogue)",
+    ["table"],
+)
 PENDING_STEPS = Gauge("freshrec_pending_local_steps", "Local steps not yet in a global row")
 PENDING_STEPS_LET_GO = Counter(
     "freshrec_pending_local_steps_let_go_total",

@@ -44,6 +44,10 @@ class WorkerSettings:
     """Item rows that no event and no broadcast update has touched this long leave the item
     table, unless the catalogue lists them (0: never). The parameter server's setting of the
     same name lets such rows expire in Redis and leave its memory."""
+    max_item_rows: int = 2_000_000
+    """Item rows the table holds at most beyond those the catalogue lists: past it, the least
+    recently touched leave (``EmbeddingCache.evict_items``), so a flood of unknown item ids
+    in events cannot grow the worker without bound. ``FRESHREC_MAX_ITEM_ROWS``."""
     batch_max: int = 2000
     """Messages per consume call."""
     event_slice: int = 16384
@@ -174,6 +178,7 @@ class WorkerSettings:
             learning=learning,
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
             row_ttl_s=rows.row_ttl_s,
+            max_item_rows=env_int(env, "FRESHREC_MAX_ITEM_ROWS", 2_000_000, minimum=1),
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),
             event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 16384, minimum=1),
             event_slice_ms=env_float(env, "FRESHREC_EVENT_SLICE_MS", 10.0, positive=True),

@@ -340,6 +340,8 @@ class Worker(Service):
         if ttl and now - self._expired_at > min(60.0, max(1.0, ttl / 10)):
             self._expired_at = now
             self.expire_items(now_ms())
+        if self.cache.item_rows > self.settings.max_item_rows:
+            self.evict_items()
         self.models.poll()
         if self.experiment:
             self.experiment.poll(now)
@@ -542,6 +544,21 @@ class Worker(Service):
                 "item table: %d rows untouched for %d s let go, %d held",
                 gone,
                 self.settings.row_ttl_s,
+                self.cache.item_rows,
+            )
+        return gone
+
+    def evict_items(self) -> int:
+        """Past ``max_item_rows`` rows outside the catalogue, the least recently touched
+        leave (as expired ones do: loaded from Redis again when touched)."""
+        named = self.recommender.named.cpu().numpy()
+        gone = self.cache.evict_items(self.settings.max_item_rows, keep=named)
+        if gone:
+            log.warning(
+                "item table at its bound (FRESHREC_MAX_ITEM_ROWS=%d): %d least recently "
+                "touched rows let go, %d held",
+                self.settings.max_item_rows,
+                gone,
                 self.cache.item_rows,
             )
         return gone

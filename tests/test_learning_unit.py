@@ -609,6 +609,41 @@ def test_items_untouched_since_a_time_leave_the_table_and_their_slots_are_reused
     assert cache.slots(TABLE_ITEM, np.array([13])).tolist() == [len(first) + 1]  # back: anew
 
 
+def test_the_item_table_holds_at_most_its_bound_the_least_recently_touched_leave():
+    """A flood of unknown item ids: past ``at_most`` rows besides the catalogue's, the least
+    recently touched go (to a tenth below the bound), the catalogue's never; the table's
+    memory stops growing."""
+    import torch
+
+    from freshrec import metrics as m
+    from inference.tables.cache import EmbeddingCache
+
+    now = [0]
+
+    def fetch(table, ids):
+        return np.zeros(len(ids), bool), np.zeros((0, 5)), np.zeros(0, np.uint64), np.zeros(0)
+
+    cache = EmbeddingCache(4, 8, fetch, torch.device("cpu"), clock=lambda: now[0])
+    catalogue = cache.slots(TABLE_ITEM, np.arange(5))  # slots 0-4, touched first
+    keep = np.zeros(5, bool)
+    keep[catalogue] = True
+    before = m.CACHE_ROWS_EVICTED.labels("item")._value.get()
+    sizes = []
+    for wave in range(20):  # 20 waves of 50 new ids, each later than the last
+        now[0] = 1_000 * (wave + 1)
+        cache.slots(TABLE_ITEM, np.arange(1_000 + 50 * wave, 1_050 + 50 * wave))
+        cache.evict_items(100, keep=keep)
+        sizes.append(len(cache.items.rows))
+        assert cache.item_rows - 5 <= 100
+    assert sizes[-1] == sizes[5]  # freed slots reused: the table stopped growing
+    assert all(cache.held(TABLE_ITEM, i) is not None for i in range(5))  # the catalogue stays
+    newest = np.arange(1_950, 2_000)
+    assert all(cache.held(TABLE_ITEM, int(i)) is not None for i in newest)
+    assert cache.held(TABLE_ITEM, 1_000) is None  # the oldest went
+    assert m.CACHE_ROWS_EVICTED.labels("item")._value.get() - before == 1_000 - cache.item_rows + 5
+    assert cache.evict_items(100, keep=keep) == 0  # under the bound: nothing
+
+
 def test_the_device_local_step_equals_the_numpy_rules_the_parameter_server_applies():
     """The worker's slice arithmetic in torch (sums, rejection, clipping, −lr·g, applied in
     place) against the numpy rules of ``freshrec.gradients`` and ``aggregate``."""

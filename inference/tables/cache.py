@@ -154,13 +154,39 @@ class EmbeddingCache:
         the slots ``keep`` marks (a bool mask over the first slots; the catalogue's). Their
         slots are reused; ``on_evict`` hears of them first. Returns how many went."""
         n = len(self.item_ids)
-        stale = self.items.seen_ms[:n] < unseen_since_ms
+        stale = self._evictable(keep)
+        stale &= self.items.seen_ms[:n] < unseen_since_ms
+        gone = self._evict_items(np.flatnonzero(stale))
+        m.CACHE_ROWS_EXPIRED.labels("item").inc(gone)
+        return gone
+
+    def evict_items(self, at_most: int, keep: np.ndarray | None = None) -> int:
+        """Hold at most ``at_most`` item rows besides those ``keep`` marks: the least recently
+        touched of the others leave (a tenth below the bound, so a flood does not evict on
+        every call). Returns how many went."""
+        evictable = self._evictable(keep)
+        extra = int(evictable.sum()) - at_most
+        if extra <= 0:
+            return 0
+        extra = min(int(evictable.sum()), extra + at_most // 10)
+        slots = np.flatnonzero(evictable)
+        oldest = np.argpartition(self.items.seen_ms[slots], extra - 1)[:extra]
+        gone = self._evict_items(np.sort(slots[oldest]))
+        m.CACHE_ROWS_EVICTED.labels("item").inc(gone)
+        return gone
+
+    def _evictable(self, keep: np.ndarray | None) -> np.ndarray:
+        """Per item slot: held, and not marked by ``keep``."""
+        n = len(self.item_ids)
+        out = np.ones(n, bool)
         if self._free_items:
-            stale[self._free_items] = False
+            out[self._free_items] = False
         if keep is not None:
             k = min(len(keep), n)
-            stale[:k] &= ~np.asarray(keep[:k], bool)
-        slots = np.flatnonzero(stale)
+            out[:k] &= ~np.asarray(keep[:k], bool)
+        return out
+
+    def _evict_items(self, slots: np.ndarray) -> int:
         if not len(slots):
             return 0
         ids = [self.item_ids[s] for s in slots.tolist()]
@@ -171,7 +197,6 @@ class EmbeddingCache:
         self.items.unreplied_ms[slots] = self.items.local_ms[slots] = 0
         self._free_items.extend(slots.tolist())
         self.item_index.delete(np.asarray(ids, np.int64))
-        m.CACHE_ROWS_EXPIRED.labels("item").inc(len(slots))
         m.CACHE_ROWS.labels("item").set(self.item_rows)
         return len(slots)
 
