@@ -74,7 +74,7 @@ class WideDeep(nn.Module):
         wide = self.wide_dense(dense) + self.wide_cross(cross)
         return (wide + self.deep(deep_in)).squeeze(1)
 
-    def forward_grouped(self, users, owner, item, dense, sparse, cross, extra=None):
+    def forward_grouped(self, users, owner, item, dense, sparse, cross, extra=None, width=None):
         """``forward`` for candidates grouped by request (``RankInputs`` grouped form):
         ``users`` (requests, w), ``owner`` (n,) non-decreasing. The deep part's first layer
         is split by input block, W·x = W_p·(u⊙v) + W_u·u + W_v·v + W_d·dense + embeddings;
@@ -82,6 +82,8 @@ class WideDeep(nn.Module):
         matrix per request, so per candidate only a dim × hidden product remains (a third
         of the first layer's work). Equal to ``forward`` on the expanded rows up to float
         round-off. ``extra``: (n, self.extra) per-candidate inputs, as in ``forward``.
+        ``width``: the most candidates of one request, when the caller knows it on the host
+        (``score`` does): otherwise read from the device, which makes the host wait for it.
         """
         d, n_dense = self.dim, len(DENSE)
         first, rest = self.deep[0], self.deep[1:]
@@ -114,7 +116,8 @@ class WideDeep(nn.Module):
             dim=2,
         )  # (requests, H, d + n_dense + 8 + extra)
         pos = torch.arange(n, device=owner.device) - starts[owner]
-        width = int(counts.max()) if n else 0
+        if width is None:
+            width = int(counts.max()) if n else 0
         padded = item.new_zeros(n_req, width, mixed.shape[2])
         per_candidate = [item[:, :d], dense, self.cat(sparse[:, 0])]
         padded[owner, pos] = torch.cat([*per_candidate, *(() if extra is None else (extra,))], 1)
@@ -162,7 +165,10 @@ def score(model: nn.Module, x: RankInputs, device: torch.device, on_device: bool
     def run() -> torch.Tensor:
         if grouped:
             owner = to_device(x.owner, device)
-            return model.forward_grouped(user, owner, item, dense, sparse, cross, *seq)
+            width = int(np.bincount(x.owner).max())  # on the host: no wait for the device
+            return model.forward_grouped(
+                user, owner, item, dense, sparse, cross, *seq, width=width
+            )
         return model(user, item, dense, sparse, cross, *seq)
 
     if device.type == "cuda":
