@@ -115,9 +115,7 @@ class AttentionRanker(WideDeep):
     def forward_grouped(self, users, owner, item, dense, sparse, cross, seq, seq_len, width=None):
         interest = self.interest(item, seq, seq_len, owner)
         extra = torch.cat([interest, interest * item[:, : self.dim]], dim=1)
-        return super().forward_grouped(
-            users, owner, item, dense, sparse, cross, extra, width=width
-        )
+        return super().forward_grouped(users, owner, item, dense, sparse, cross, extra, width=width)
 
 
 def block_average(rank: int, length: int) -> torch.Tensor:

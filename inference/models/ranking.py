@@ -166,9 +166,7 @@ def score(model: nn.Module, x: RankInputs, device: torch.device, on_device: bool
         if grouped:
             owner = to_device(x.owner, device)
             width = int(np.bincount(x.owner).max())  # on the host: no wait for the device
-            return model.forward_grouped(
-                user, owner, item, dense, sparse, cross, *seq, width=width
-            )
+            return model.forward_grouped(user, owner, item, dense, sparse, cross, *seq, width=width)
         return model(user, item, dense, sparse, cross, *seq)
 
     if device.type == "cuda":
