@@ -91,6 +91,13 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="output folder (default .freshrec/replay/NAME)")
     p.add_argument("--seed", type=int, default=1, help="seed of the sample")
     p.add_argument(
+        "--train-seed",
+        type=int,
+        default=None,
+        help="seed of the starting models' training (default: LOG_CONFIG's, 11): runs with "
+        "different seeds give the live arms' spread over training",
+    )
+    p.add_argument(
         "--tune",
         dest="tuning",
         action="append",
@@ -125,6 +132,7 @@ def _models(prefix, items, out: Path, args, progress: ProgressLine) -> tuple[Pat
         tower_epochs=args.tower_epochs or LOG_CONFIG.tower_epochs,
         tower_share=args.tower_share or LOG_CONFIG.tower_share,
         rankers=served_rankers(),
+        seed=LOG_CONFIG.seed if args.train_seed is None else args.train_seed,
     )
     key = {
         "log": fingerprint(prefix),
