@@ -27,7 +27,7 @@ from itertools import pairwise
 import numpy as np
 import orjson
 import redis
-from confluent_kafka import Producer
+from confluent_kafka import Producer, TopicPartition
 
 from freshrec import metrics as m
 from freshrec.childmetrics import send_snapshots
@@ -134,16 +134,22 @@ class ValidateStage(Service):
         self.dedupe: dict[int, DedupeWindow] = {}
         self._last_commit = time.monotonic()
         self._uncommitted = False
+        self._done: dict[int, int] = {}
+        """Per ``events`` partition, the offset after the last batch processed whole: what a
+        commit writes (the consumer's position may be past a batch that failed half-way)."""
 
     def _on_revoke(self, consumer, partitions) -> None:
         self._commit()
         for tp in partitions:
             self.dedupe.pop(tp.partition, None)
+            self._done.pop(tp.partition, None)
 
     def run(self, stop: threading.Event) -> None:
         """Validate batches until ``stop``; then commit what was delivered. A batch that
-        fails half-way (its exception ends the stage) commits nothing: its offsets, and the
-        batch's valid events, are read again by the next run."""
+        fails half-way (its exception ends the stage) commits nothing: commits write the
+        offsets of batches processed whole (``_done``), never the consumer's position, so
+        not even the commit of a revoke while the stage closes goes past it; the batch's
+        valid events are read again by the next run."""
         super().run(stop)
 
     def start(self) -> None:
@@ -158,6 +164,11 @@ class ValidateStage(Service):
             with m.STREAMS_BATCH_SECONDS.labels("validate").time():
                 self.process(good)
             m.STREAMS_BATCH_SIZE.labels("validate").observe(len(good))
+            done = self._done
+            for msg in good:  # only now: a batch that raised above marks nothing done
+                p, after = msg.partition(), msg.offset() + 1
+                if after > done.get(p, -1):
+                    done[p] = after
             self._uncommitted = True
         self.producer.poll(0)
         if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S:
@@ -189,8 +200,11 @@ class ValidateStage(Service):
             if self.producer.flush(30):  # everything before these offsets is delivered first
                 log.warning("repartitioned events not delivered yet; offsets not committed")
                 return
+            offsets = [TopicPartition(self.names.events, p, o) for p, o in self._done.items()]
+            if not offsets:
+                return
             try:
-                self.consumer.commit(asynchronous=False)
+                self.consumer.commit(offsets=offsets, asynchronous=False)
                 self._uncommitted = False
             except Exception as exc:  # a rebalance in flight: the next commit catches up
                 log.info("commit skipped: %s", exc)

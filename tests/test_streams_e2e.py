@@ -437,3 +437,49 @@ def test_a_users_recent_clicks_expire_after_the_row_ttl(any_conn):
         assert 3500 < r.ttl(keys.user_recent("u1")) <= 3600
     finally:
         r.close()
+
+
+def test_a_validate_batch_that_fails_half_way_commits_nothing_past_the_last_whole_one(conn):
+    """The second batch raises inside ``process``: the stage ends, and what its group has
+    committed — its periodic commits and the commit of the revoke while it closes — is the
+    first batch's end, never the consumer's position past the failed one, which the next run
+    reads again."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from freshrec.kafka import consumer_config, partition_count, producer_config
+    from streams.settings import StreamsSettings
+    from streams.validate import ValidateStage
+
+    events = world_events(3, 600, int(time.time() * 1000) - 60_000, "half")
+    produce(conn, events)
+    names = TopicNames(conn.topic_prefix)
+    client = Producer(producer_config(conn))
+    counts = {t: partition_count(client, t) for t in (names.events, names.events_by_item)}
+    stage = ValidateStage(StreamsSettings(conn=conn, batch_max=100), counts[names.events_by_item])
+    whole: dict[int, int] = {}
+    calls = [0]
+    process = stage.process
+
+    def failing(msgs) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            process(msgs[: len(msgs) // 2])  # half of it written, then the failure
+            raise RuntimeError("injected failure half-way through a batch")
+        process(msgs)
+        for msg in msgs:
+            whole[msg.partition()] = max(whole.get(msg.partition(), 0), msg.offset() + 1)
+
+    stage.process = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        stage.run(threading.Event())
+    assert calls[0] == 2 and whole
+    group = consumer_config(conn, f"{conn.topic_prefix}freshrec-streams-validate")
+    reader = Consumer(group)
+    try:
+        parts = [TopicPartition(names.events, p) for p in range(counts[names.events])]
+        committed = {tp.partition: tp.offset for tp in reader.committed(parts, timeout=10)}
+    finally:
+        reader.close()
+    for p, offset in committed.items():
+        assert offset <= whole.get(p, 0) or (offset < 0 and p not in whole), (p, offset, whole)
+    assert sum(max(o, 0) for o in committed.values()) < len(events)
