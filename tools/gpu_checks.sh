@@ -30,7 +30,8 @@ step() {  # step NAME COMMAND...: run, log, keep going
 step sync_check "$PY" -m tools.gpu_sync_check
 # the kafkajs interop test needs node and npm, not a GPU
 step pytest "$PY" -m pytest -q -p no:cacheprovider -k "not kafkajs" \
-  tests/test_learning_unit.py tests/test_serving_unit.py tests/test_rankers_unit.py tests/test_learning_e2e.py tests/test_serving_e2e.py
+  tests/test_learning_unit.py tests/test_serving_unit.py tests/test_rankers_unit.py tests/test_learning_e2e.py tests/test_serving_e2e.py \
+  tests/test_host_syncs.py
 step bench_ann_cuda "$PY" -m tools.bench_ann --device cuda --items 200000,1000000,5000000
 cp artifacts/bench_ann.json "$OUT/bench_ann_cuda.json" 2>/dev/null
 step bench_serving_cuda "$PY" -m tools.bench_serving --device cuda --parts ranking,recall,serve,batching \
