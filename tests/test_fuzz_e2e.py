@@ -13,6 +13,11 @@ answered, and every generated record is accounted for:
 - events: the streams app counted the valid ones once and dead-lettered the rest, and the
   worker learnt every valid one;
 - items: valid ones are in the catalogue, the rest dead letters.
+
+Each example costs seconds of a live stack, so this runs a few fixed cases (the findings that
+once crashed a service) and two derandomised ones; the breadth — hundreds of fresh-seeded
+cases per input per run, valid-but-extreme values included — is ``tests/test_fuzz_inputs.py``,
+in-process against the same decoders.
 """
 
 from __future__ import annotations
