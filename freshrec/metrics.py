@@ -152,6 +152,12 @@ CACHE_ROWS_EXPIRED = Counter(
     "Rows a worker dropped after the row TTL without a touch (items outside the catalogue)",
     ["table"],
 )
+RANKING_OOM = Counter(
+    "freshrec_ranking_oom_total",
+    "Ranking batches the device had no memory for (split in halves and scored again; a single "
+    "request that still does not fit is served from the hot tier), by model",
+    ["model"],
+)
 CACHE_ROWS_EVICTED = Counter(
     "freshrec_cache_rows_evicted_total",
     "Rows a worker dropped because its table was at its bound (FRESHREC_MAX_ITEM_ROWS), the "

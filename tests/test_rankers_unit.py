@@ -330,3 +330,59 @@ def test_freshrec_recommend_shows_the_ranker_and_the_variant():
     )
     head = format_reply(reply, 3.0).splitlines()[0]
     assert head.endswith("model attention v1, worker w0, variant e/a"), head
+
+
+def test_a_batch_the_device_has_no_memory_for_is_split_and_a_request_that_never_fits_is_served_hot():
+    """A fake allocator failure (``torch.OutOfMemoryError``, what CUDA raises) past a number of
+    candidates: the batch is scored in halves, each request as it would have been; a request
+    too large even alone goes to the hot tier, counted, and the others keep their scores."""
+    from freshrec import metrics as m
+
+    class Stage(RankingStage):
+        def _inputs(self, b, group, realtime_features):  # each request's pairs its own
+            parts = [_pairs(len(b.merged[j]), seed=j, requests=1) for j in group]
+            owner = np.repeat(np.arange(len(group)), [len(x) for x in parts])
+            x = RankInputs(
+                *(np.concatenate([getattr(p, f) for p in parts]) for f in RANK_FIELDS), owner
+            )
+            return x, None, np.zeros((len(owner), 4), np.float32)
+
+    class Tight(WideDeep):
+        limit = 12
+
+        def forward_grouped(self, users, owner, item, *rest, **kw):
+            if len(owner) > self.limit:
+                raise torch.OutOfMemoryError("fake allocator: out of memory")
+            return super().forward_grouped(users, owner, item, *rest, **kw)
+
+    RANK_FIELDS = ("user", "item", "dense", "sparse", "cross")
+    full = _trained_like(Tight(D))
+    models = ModelSet("v", full, LightRanker(D))
+    merged = [np.arange(5), np.arange(4), np.arange(6), np.arange(3)]
+
+    def run():
+        stage = _stage(HeatSplit(), Stage)
+        choices = [Choice("full", "ok") for _ in merged]
+        ranked = {}
+        batch = RankBatch([None] * 4, None, merged, [None] * 4, None, {}, None, None, [], [])
+        _, rankers = stage.rank(batch, choices, ranked, models)
+        return ranked, rankers, choices
+
+    Tight.limit = 100
+    whole, _, _ = run()
+    Tight.limit = 12
+    before = m.RANKING_OOM.labels("wide_deep")._value.get()
+    ranked, rankers, choices = run()
+    for j in range(4):  # in halves, each request scored as in one pass
+        torch.testing.assert_close(ranked[j], whole[j])
+    assert rankers == ["wide_deep"] * 4 and sorted(ranked) == [0, 1, 2, 3]
+    assert [len(ranked[j]) for j in range(4)] == [5, 4, 6, 3]
+    assert m.RANKING_OOM.labels("wide_deep")._value.get() > before
+    Tight.limit = 5  # request 2 (6 candidates) never fits
+    try:
+        ranked, rankers, choices = run()
+    finally:
+        Tight.limit = 12
+    assert rankers == ["wide_deep", "wide_deep", None, "wide_deep"]
+    assert choices[2].tier == "hot" and "out of device memory" in choices[2].reason
+    assert sorted(ranked) == [0, 1, 3]

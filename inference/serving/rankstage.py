@@ -101,15 +101,9 @@ class RankingStage:
         for kind in dict.fromkeys(k for k in rankers if k is not None):
             group = [j for j, k in enumerate(rankers) if k == kind]
             t0 = time.monotonic()
-            inputs, realtime_note, dense = self._inputs(b, group, realtime_features=kind != LIGHT)
-            note = note or realtime_note
             try:
-                if kind == TIERED:
-                    probs = self._score_tiered(
-                        models, inputs, dense, [arms[j] for j in group], b.snap.features
-                    )
-                else:
-                    probs = self._score(models.get(kind), kind, inputs, b, group)
+                parts, no_memory, realtime_note = self._scored(b, kind, group, models)
+                note = note or realtime_note
             except Exception as exc:  # a broken model must not stop serving
                 log.error("%s model failed on a batch: %s", kind, exc)
                 m.DEGRADED.labels(choices[group[0]].tier, "model_error").inc()
@@ -118,9 +112,10 @@ class RankingStage:
                 for j in group:
                     choices[j], rankers[j] = Choice(HOT, f"{kind} model error"), None
                 continue
-            lens = [len(merged[j]) for j in group]
-            for j, part in zip(group, torch.split(probs, lens), strict=True):
-                ranked[j] = part
+            ranked.update(parts)
+            for j in no_memory:
+                m.DEGRADED.labels(choices[j].tier, "out_of_memory").inc()
+                choices[j], rankers[j] = Choice(HOT, f"{kind}: out of device memory"), None
             cost = (time.monotonic() - t0) * 1000
             if kind == LIGHT:
                 self.light_cost_ms = ewma(self.light_cost_ms, cost)
@@ -129,6 +124,36 @@ class RankingStage:
         if full_ms:
             self.full_cost_ms = ewma(self.full_cost_ms, full_ms)
         return note, rankers
+
+    def _scored(self, b: RankBatch, kind: str, group: list[int], models: ModelSet):
+        """Per request of ``group``, its candidates' probabilities; the requests the device
+        had no memory for even alone; the features note. A batch that does not fit is split
+        in halves, each scored alone (``freshrec_ranking_oom_total`` counts each refusal)."""
+        try:
+            inputs, note, dense = self._inputs(b, group, realtime_features=kind != LIGHT)
+            if kind == TIERED:
+                arms = [b.arms[j] for j in group]
+                probs = self._score_tiered(models, inputs, dense, arms, b.snap.features)
+            else:
+                probs = self._score(models.get(kind), kind, inputs, b, group)
+        except torch.OutOfMemoryError:
+            m.RANKING_OOM.labels(kind).inc()
+            if self.cache.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(group) == 1:
+                log.warning("%s ranking: out of device memory for one request", kind)
+                return {}, set(group), None
+            log.warning(
+                "%s ranking: out of device memory for %d requests, scoring them in halves",
+                kind,
+                len(group),
+            )
+            half = len(group) // 2
+            parts, failed, note = self._scored(b, kind, group[:half], models)
+            more, failed_too, note_too = self._scored(b, kind, group[half:], models)
+            return {**parts, **more}, failed | failed_too, note or note_too
+        lens = [len(b.merged[j]) for j in group]
+        return dict(zip(group, torch.split(probs, lens), strict=True)), set(), note
 
     def _score(self, model, kind: str, inputs, b: RankBatch, group) -> torch.Tensor:
         if getattr(model, "uses_sequence", False):
