@@ -356,6 +356,22 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 ],
                 8,
             ),
+            (
+                "Rows let go, ranking out of memory (/s)",
+                "short",
+                [
+                    (
+                        "sum by (table) (rate(freshrec_cache_rows_evicted_total[5m]))",
+                        "evicted at the bound {{table}}",
+                    ),
+                    (
+                        "sum by (table) (rate(freshrec_cache_rows_expired_total[5m]))",
+                        "expired {{table}}",
+                    ),
+                    ("sum by (model) (rate(freshrec_ranking_oom_total[5m]))", "OOM {{model}}"),
+                ],
+                8,
+            ),
         ],
     ),
 ]
