@@ -2,7 +2,9 @@
 
 Items are shared by all users, so the whole item table lives on the device (CUDA when
 available, else CPU) and grows as items appear; an item no event or broadcast has touched for
-the row TTL leaves it (``expire_items``: the worker keeps the catalogue's), its slot reused.
+the row TTL leaves it (``expire_items``: the worker keeps the catalogue's), its slot reused,
+and past a bound on the rows beyond the catalogue's the least recently touched leave
+(``evict_items``, ``FRESHREC_MAX_ITEM_ROWS``).
 Users are many: a fixed-capacity slab holds the recently used ones; a miss is fetched from
 Redis in one batched round trip (``HMGET``); a row found nowhere is created from its id
 (``schemas.rows.initial_rows``).
