@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import orjson
 
@@ -47,6 +47,20 @@ def recency_weighted(
             if b not in mine:
                 scores[b] = scores.get(b, 0.0) + w * p
     return scores
+
+
+def score_of(item, anchors: Sequence, p: Callable[[object, object], float]) -> float:
+    """``recency_weighted``'s score of one ``item``, from ``p(a, item)`` = P(item | a) (0 when
+    ``item`` is itself one of the anchors): for counts held in memory, where looking one
+    pair up beats listing every neighbour.
+
+    >>> score_of("x", ["a", "b"], lambda a, b: {"a": 0.5, "b": 1.0}[a])
+    1.4
+    """
+    mine = anchors[:ANCHORS]
+    if item in mine:
+        return 0.0
+    return sum(ANCHOR_DECAY**age * p(a, item) for age, a in enumerate(mine))
 
 
 def serving_list(pairs: list[tuple[str, float]]) -> bytes:

@@ -537,8 +537,9 @@ class Worker(Service):
         ``row_ttl_s`` leave the table, their slots reused, unless the catalogue lists them.
         The parameter server's rows expire after as long in Redis; touched again, such an
         item is loaded from Redis if its row is still there, else created from its id."""
-        named = self.recommender.named.cpu().numpy()
-        gone = self.cache.expire_items(now_ms - self.settings.row_ttl_s * 1000, keep=named)
+        gone = self.cache.expire_items(
+            now_ms - self.settings.row_ttl_s * 1000, keep=self._catalogue_slots()
+        )
         if gone:
             log.info(
                 "item table: %d rows untouched for %d s let go, %d held",
@@ -551,8 +552,7 @@ class Worker(Service):
     def evict_items(self) -> int:
         """Past ``max_item_rows`` rows outside the catalogue, the least recently touched
         leave (as expired ones do: loaded from Redis again when touched)."""
-        named = self.recommender.named.cpu().numpy()
-        gone = self.cache.evict_items(self.settings.max_item_rows, keep=named)
+        gone = self.cache.evict_items(self.settings.max_item_rows, keep=self._catalogue_slots())
         if gone:
             log.warning(
                 "item table at its bound (FRESHREC_MAX_ITEM_ROWS=%d): %d least recently "
@@ -562,6 +562,10 @@ class Worker(Service):
                 self.cache.item_rows,
             )
         return gone
+
+    def _catalogue_slots(self) -> np.ndarray:
+        """Per item slot, whether the catalogue lists it (such rows never leave)."""
+        return self.recommender.named.cpu().numpy()
 
     def forget_unadmitted(self, now_ms: int) -> None:
         """Rows unseen for a whole admission window are forgotten with the gradients they

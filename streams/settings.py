@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from freshrec.hotscore import Smoothing
+from freshrec.neighbours import MAX_PAIRS, PAIR_WINDOW, PAIR_WINDOW_MS
 from freshrec.settings import (
     ConnectionSettings,
     HotScoreSettings,
@@ -94,9 +95,9 @@ class StreamsSettings:
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             validate_process=validate == "process",
             covisit=CoVisitConfig(
-                window=env_int(env, "FRESHREC_COVISIT_WINDOW", 10, minimum=1),
-                window_ms=env_int(env, "FRESHREC_COVISIT_WINDOW_MS", 86_400_000, minimum=1),
-                max_pairs=env_int(env, "FRESHREC_COVISIT_MAX_PAIRS", 10, minimum=0),
+                window=env_int(env, "FRESHREC_COVISIT_WINDOW", PAIR_WINDOW, minimum=1),
+                window_ms=env_int(env, "FRESHREC_COVISIT_WINDOW_MS", PAIR_WINDOW_MS, minimum=1),
+                max_pairs=env_int(env, "FRESHREC_COVISIT_MAX_PAIRS", MAX_PAIRS, minimum=0),
                 users=env_int(env, "FRESHREC_COVISIT_USERS", 100_000, minimum=1),
                 candidates=env_int(env, "FRESHREC_COVISIT_CANDIDATES", 200, minimum=4),
                 neighbours=env_int(env, "FRESHREC_COVISIT_NEIGHBOURS", 50, minimum=1),

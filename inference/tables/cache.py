@@ -166,12 +166,11 @@ class EmbeddingCache:
         """Hold at most ``at_most`` item rows besides those ``keep`` marks: the least recently
         touched of the others leave (a tenth below the bound, so a flood does not evict on
         every call). Returns how many went."""
-        evictable = self._evictable(keep)
-        extra = int(evictable.sum()) - at_most
+        slots = np.flatnonzero(self._evictable(keep))
+        extra = len(slots) - at_most
         if extra <= 0:
             return 0
-        extra = min(int(evictable.sum()), extra + at_most // 10)
-        slots = np.flatnonzero(evictable)
+        extra = min(len(slots), extra + at_most // 10)
         oldest = np.argpartition(self.items.seen_ms[slots], extra - 1)[:extra]
         gone = self._evict_items(np.sort(slots[oldest]))
         m.CACHE_ROWS_EVICTED.labels("item").inc(gone)

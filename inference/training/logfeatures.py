@@ -12,12 +12,12 @@ import numpy as np
 
 from freshrec.hotscore import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
 from freshrec.neighbours import (
-    ANCHOR_DECAY,
     ANCHORS,
     MAX_PAIRS,
     PAIR_WINDOW,
     PAIR_WINDOW_MS,
     UserWindows,
+    score_of,
 )
 from inference.models.features import (
     CATEGORY_BUCKETS,
@@ -144,7 +144,7 @@ def covisit_scores(logs: TrainingLog, recent_items: np.ndarray) -> np.ndarray:
     co-visitation counts of the clicks before it (in time order; the clicks of one slate are
     counted after it), paired as the streams app pairs them (``UserWindows`` with its
     defaults; both ways), P(b | a) = c(a, b) / n(a) with n(a) a's clicks, scored by
-    ``freshrec.neighbours.recency_weighted`` over the user's newest ``ANCHORS`` earlier clicks
+    ``freshrec.neighbours.score_of`` over the user's newest ``ANCHORS`` earlier clicks
     (``recent_items``, from ``recent_context``). Live counts decay and keep each anchor's best
     50: the feature is the same quantity, counted without those bounds."""
     out = np.zeros(len(logs.users), np.float32)
@@ -157,24 +157,16 @@ def covisit_scores(logs: TrainingLog, recent_items: np.ndarray) -> np.ndarray:
     pairs: dict[int, dict[int, float]] = {}
     n = np.zeros(len(logs.item_ids), np.float64)
     windows = UserWindows(len(logs.user_ids) + 1, PAIR_WINDOW, PAIR_WINDOW_MS, MAX_PAIRS)
-    weights = [ANCHOR_DECAY**age for age in range(ANCHORS)]
-    anchors_of = recent_items[:, :ANCHORS]
+
+    def p(a: int, b: int) -> float:  # P(b | a) from the clicks counted so far
+        row = pairs.get(a)
+        return row.get(b, 0.0) / n[a] if row else 0.0
+
     for lo, hi in itertools.pairwise(starts):
         slate = order[lo:hi].tolist()
         for j in slate:
-            mine = anchors_of[j]
-            b = int(logs.items[j])
-            total = 0.0
-            for age, a in enumerate(mine.tolist()):
-                if a < 0:
-                    break
-                if a == b:  # an anchor itself is not scored
-                    total = 0.0
-                    break
-                row = pairs.get(a)
-                if row is not None:
-                    total += weights[age] * row.get(b, 0.0) / n[a]
-            out[j] = total
+            anchors = [a for a in recent_items[j, :ANCHORS].tolist() if a >= 0]
+            out[j] = score_of(int(logs.items[j]), anchors, p)
         for j in slate:
             if clicks[j]:
                 b, t = int(logs.items[j]), int(logs.t_ms[j])
