@@ -55,6 +55,8 @@ def test_times_in_seconds_milliseconds_and_iso_8601():
         parse_time("yesterday", "auto")
     with pytest.raises(ValueError):
         parse_time("nan", "auto")
+    with pytest.raises(ValueError, match="outside years"):
+        parse_time("100E304", "s")  # finite in seconds, infinite in ms
 
 
 def test_movielens_preset_reads_ratings_csv_u_data_and_ratings_dat(tmp_path):

@@ -174,9 +174,11 @@ def _parse_time(raw: object, unit: str) -> int:
         else:
             if not math.isfinite(value):
                 raise ValueError(f"time {raw!r} is not finite")
-            if unit == "ms" or (unit == "auto" and abs(value) >= MS_THRESHOLD):
-                return round(value)
-            return round(value * 1000)
+            if not (unit == "ms" or (unit == "auto" and abs(value) >= MS_THRESHOLD)):
+                value *= 1000  # 1e306 s is finite; in ms it is not
+            if not math.isfinite(value):
+                raise ValueError(f"time {str(raw)[:40]!r} is outside years 1 to 9999")
+            return round(value)
     text = str(raw).strip()
     try:
         when = datetime.fromisoformat(text)
