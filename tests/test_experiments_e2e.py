@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from freshrec.abstats import bucket_of
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from inference.serving.experiments import parse
@@ -79,17 +80,27 @@ def test_variants_are_served_counted_and_attributed_and_shares_move_few_users(
                     Event(f"{rid}-v", "conversion", user, first, now + 2, None, "pc", rid, 0, 9.5)
                 )
         events.append(Event("stray-c", "click", "u1", "i1", now, None, "pc", "nobody-asked", 0))
+        # clicks naming a real reply with another user, or an item it did not list: neither
+        # counts (attribution follows what the reply was)
+        rid0, first0 = replies[0].request_id, replies[0].items[0].item_id
+        events.append(Event("forged-u", "click", "someone", first0, now, None, "pc", rid0, 0))
+        events.append(Event("forged-i", "click", replies[0].user_id, "nope", now, None, "pc", rid0))
         produce(conn, events)
         want = {}
+
+        def add(v, user, kind, n):
+            for field in (f"{v}:{kind}", f"{v}:{kind}:{bucket_of(user)}"):
+                want[field] = want.get(field, 0) + n
+
         for reply in replies:
-            v = reply.variant
             for kind, n in (("requests", 1), ("impression", 2), ("click", 1)):
-                want[f"{v}:{kind}"] = want.get(f"{v}:{kind}", 0) + n
-        want[f"{replies[0].variant}:conversion"] = 1
+                add(reply.variant, reply.user_id, kind, n)
+        add(replies[0].variant, replies[0].user_id, "conversion", 1)
 
         def counts():
             got = {k.decode(): int(v) for k, v in r.hgetall(keys.experiment_counts("e2e")).items()}
-            return got == want or got
+            spent = {k: got.pop(k, 0) for k in ("control:cost_us", "light:cost_us")}
+            return (got == want and all(spent.values())) or (got, spent)
 
         wait_for(counts, 60, "the streams app to attribute the events")
         report = subprocess.run(
@@ -105,6 +116,8 @@ def test_variants_are_served_counted_and_attributed_and_shares_move_few_users(
             assert rows[v]["requests"] == n and rows[v]["impressions"] == 2 * n
             assert rows[v]["clicks"] == n and rows[v]["ctr"] == 0.5
         assert rows["light"]["vs_control"]["ctr_diff"] == 0.0
+        assert rows["light"]["vs_control"]["verdict"] == "not enough data"  # 16 users
+        assert all(rows[v]["serving_s_per_1k"] > 0 for v in served)
 
         # the control grows to 90%: 400 buckets move to it, none the other way
         path.write_text(

@@ -1,5 +1,5 @@
 """A/B experiments without a server: assignment, allocation when shares change, the file's
-errors, the interval and the test, and what a variant changes in serving one request."""
+errors, the user-level intervals and the verdicts, and what a variant changes in serving one request."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from freshrec.abstats import two_proportions, wilson
+from freshrec.abstats import compare, ratio
 from freshrec.app.abreport import render, variant_rows
 from inference.serving.arms import Arm, quotas, request, steer
 from inference.serving.degrade import Choice
@@ -100,36 +100,106 @@ def test_a_bad_file_is_one_line_naming_the_line(text, where, why):
     assert "\n" not in message
 
 
-def test_the_interval_and_the_test_against_hand_computed_values():
-    # Wilson, 30 of 100, z = 1.96: centre (0.3 + z²/200) / (1 + z²/100), half-width
-    # z √(0.3·0.7/100 + z²/40000) / (1 + z²/100)
-    lo, hi = wilson(30, 100)
-    assert lo == pytest.approx(0.218949, abs=1e-6) and hi == pytest.approx(0.395849, abs=1e-6)
-    assert wilson(0, 10)[0] == 0.0 and math.isnan(wilson(0, 0)[0])
-    # pooled: p = 100/800 = 0.125, se = √(0.125·0.875·2/400) = 0.023385, z = 0.05 / se
-    t = two_proportions(60, 400, 40, 400)
-    assert t.z == pytest.approx(2.138090, abs=1e-6) and t.p == pytest.approx(0.032509, abs=1e-6)
-    assert math.isnan(two_proportions(0, 0, 1, 10).p)
+def test_the_user_level_interval_against_hand_computed_values():
+    # four buckets of 100 impressions, 10, 12, 9, 11 clicks: R = 0.105, residuals
+    # -0.5, 1.5, -1.5, 0.5, Σ² = 5, se = √(4/3 · 5) / 400
+    r = ratio([10, 12, 9, 11], [100, 100, 100, 100])
+    assert r.value == pytest.approx(0.105) and r.se == pytest.approx(math.sqrt(20 / 3) / 400)
+    lo, hi = r.interval()
+    assert lo == pytest.approx(0.105 - 1.959964 * r.se) and hi == pytest.approx(
+        0.105 + 1.959964 * r.se
+    )
+    # unequal buckets: residuals x_b - R n_b with R = 12/60
+    r = ratio([2, 10], [20, 40])
+    assert r.se == pytest.approx(math.sqrt(2 * ((2 - 4) ** 2 + (10 - 8) ** 2)) / 60)
+    assert math.isnan(ratio([0, 0], [0, 0]).value) and math.isnan(ratio([5], [3]).value)
+    assert ratio([1, 0, 2], [5, 0, 5]).buckets == 2
+
+
+def _simulate(rng, users, ctr_of, buckets=64, per_user=(5, 40)):
+    """Per-bucket (clicks, impressions) of ``users`` whose CTRs vary (``ctr_of``): each user
+    makes a random number of impressions, all at that user's rate."""
+    clicks, imps = [0] * buckets, [0] * buckets
+    for _ in range(users):
+        n = rng.randint(*per_user)
+        p = ctr_of(rng)
+        b = rng.randrange(buckets)
+        imps[b] += n
+        clicks[b] += sum(rng.random() < p for _ in range(n))
+    return clicks, imps
+
+
+def test_users_whose_rates_differ_widen_the_interval_as_resampling_users_does():
+    """Impressions of one user are not independent: with users' CTRs spread widely, the
+    bucket interval is wider than the impression-level one and matches a bootstrap over
+    users, and the verdict's interval covers the true difference of 0 as often as it says."""
+    rng = random.Random(7)
+
+    def ctr_of(r):
+        return r.choice([0.02, 0.1, 0.5])
+
+    covered = 0
+    for _ in range(40):
+        c = ratio(*_simulate(rng, 600, ctr_of))
+        v = ratio(*_simulate(rng, 600, ctr_of))
+        g = compare(v, c, cost=None, control_cost=None)
+        covered += g.diff_ci[0] <= 0 <= g.diff_ci[1]
+    assert covered >= 34  # 95% intervals: 38 of 40 expected; 34 is 2.4 sd below
+    # the naive binomial se of the same counts is far smaller than the cluster se
+    clicks, imps = _simulate(rng, 600, ctr_of)
+    r = ratio(clicks, imps)
+    naive = math.sqrt(r.value * (1 - r.value) / sum(imps))
+    assert r.se > 1.5 * naive
+
+
+@pytest.mark.parametrize(
+    ("variant_clicks", "cost", "verdict"),
+    [
+        (13, 1.0, "better"),
+        (10, 0.5, "not worse and cheaper"),
+        (10, 0.98, "not worse, not cheaper"),  # a 2% saving is not one
+        (7, 0.5, "worse"),
+        (7, 1.0, "worse"),
+    ],
+)
+def test_the_verdict(variant_clicks, cost, verdict):
+    control = ratio([10 + b % 3 for b in range(64)], [100] * 64)
+    variant = ratio([variant_clicks + b % 3 for b in range(64)], [100] * 64)
+    assert compare(variant, control, cost=cost, control_cost=1.0).verdict == verdict
+
+
+def test_a_small_or_noisy_variant_gets_no_verdict():
+    control = ratio([10 + b % 3 for b in range(64)], [100] * 64)
+    few = ratio([11] * 10 + [0] * 54, [100] * 10 + [0] * 54)
+    assert compare(few, control, cost=0.1, control_cost=1.0).verdict == "not enough data"
+    rng = random.Random(3)
+    noisy = ratio([rng.choice([0, 25]) for _ in range(64)], [100] * 64)
+    g = compare(noisy, control, cost=1.0, control_cost=1.0)
+    assert g.verdict == "not enough data" and g.relative_ci[0] < -0.03 < 0 < g.relative_ci[1]
 
 
 def test_the_report_puts_each_variant_beside_the_control():
     meta = {"variants": '["a", "b"]', "shares": "[0.5, 0.5]", "control": "a"}
-    counts = {
-        "a:requests": 40,
-        "a:impression": 400,
-        "a:click": 40,
-        "a:conversion": 4,
-        "b:requests": 40,
-        "b:impression": 400,
-        "b:click": 60,
-    }
+    counts = {"a:cost_us": 400_000, "b:cost_us": 100_000}
+    for v, clicks in (("a", 10), ("b", 10)):
+        for kind, n in (("requests", 10), ("impression", 100), ("click", clicks)):
+            counts[f"{v}:{kind}"] = 64 * n
+            for b in range(64):
+                counts[f"{v}:{kind}:{b}"] = (
+                    n + (b % 3 if kind == "click" else 0) - (kind == "click")
+                )
+    counts["a:conversion"] = 64
     rep = variant_rows(meta, counts)
     a, b = rep["variants"]
     assert a["ctr"] == 0.1 and a["cvr"] == 0.1 and "vs_control" not in a
-    assert b["ctr"] == 0.15 and b["cvr"] == 0.0
-    assert b["vs_control"]["ctr_diff"] == pytest.approx(0.05)
+    assert a["serving_s_per_1k"] == pytest.approx(400_000 / 640 / 1000)
+    assert b["vs_control"]["ctr_diff"] == pytest.approx(0.0)
+    assert b["vs_control"]["non_inferior"] is True and b["vs_control"]["cheaper"] is True
+    assert b["vs_control"]["verdict"] == "not worse and cheaper"
     text = render({"exp": rep})
-    assert "15.00% [" in text and "+5.00% (p=0.0325)" in text and "control" in text
+    assert "10.00% [" in text and "not worse and cheaper" in text and "margin 3%" in text
+    tight = variant_rows(meta, counts, margin=0.0)
+    assert tight["variants"][1]["vs_control"]["non_inferior"] is False
 
 
 def test_what_a_variant_changes_in_a_request():
@@ -160,7 +230,7 @@ def test_counts_that_are_not_proportions_give_no_interval_and_no_crash():
     a, b = rep["variants"]
     assert a["ctr_ci95"] is None and a["cvr_ci95"] is None
     assert a["inconsistent"] == "30 clicks > 10 impressions; 50 conversions > 30 clicks"
-    assert b["vs_control"]["p"] is None and b["ctr_ci95"] is not None
+    assert b["vs_control"]["verdict"] == "not enough data"
     assert "counts are not proportions: 30 clicks > 10 impressions" in render({"e": rep})
 
 

@@ -312,7 +312,7 @@ def test_a_ranker_the_models_lack_is_replaced_by_wide_deep_and_the_reply_says_so
     choices = [Choice("full", "ok"), Choice("light", "low_end device"), Choice("full", "ok")]
     ranked = {}
     batch = RankBatch([None] * 3, None, merged, [None] * 3, None, {}, None, None, [], [])
-    _, rankers = stage.rank(batch, choices, ranked, models)
+    _, rankers, _ = stage.rank(batch, choices, ranked, models)
     assert rankers == ["wide_deep", "light", None]  # no candidates: nothing ranked
     assert "no attention model in v1: wide_deep" in choices[0].reason
     assert sorted(ranked) == [0, 1] and len(ranked[0]) == 5 and len(ranked[1]) == 3
@@ -372,7 +372,7 @@ def test_a_batch_the_device_has_no_memory_for_is_split_and_a_request_that_never_
         choices = [Choice("full", "ok") for _ in merged]
         ranked = {}
         batch = RankBatch([None] * 4, None, merged, [None] * 4, None, {}, None, None, [], [])
-        _, rankers = stage.rank(batch, choices, ranked, models)
+        _, rankers, _ = stage.rank(batch, choices, ranked, models)
         return ranked, rankers, choices
 
     Tight.limit = 100

@@ -130,10 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     exps = sub.add_parser("experiments", help="A/B experiments (docs/experiments.md)")
     exps_sub = exps.add_subparsers(dest="action", required=True, metavar="ACTION")
     report = exps_sub.add_parser(
-        "report", help="per variant: requests, CTR and CVR with 95%% intervals, test vs control"
+        "report",
+        help="per variant: requests, CTR and CVR with user-level 95%% intervals, serving "
+        "time, and a verdict against the control",
     )
     report.add_argument("--name", action="append", help="this experiment (default: all)")
     report.add_argument("--json", action="store_true", help="JSON instead of a table")
+    report.add_argument(
+        "--margin",
+        type=float,
+        default=0.03,
+        help="non-inferiority margin: the relative CTR a variant may lose and still be "
+        "'not worse' (0.03)",
+    )
     report.set_defaults(func=commands.cmd_experiments_report)
     check = exps_sub.add_parser("check", help="parse an experiments file and show its split")
     check.add_argument("file", type=Path)

@@ -85,7 +85,9 @@ def cmd_experiments_report(args: argparse.Namespace) -> int:
     from freshrec.app.abreport import read_from, render
 
     try:
-        reports = read_from(connection(), args.name)
+        if not 0 <= args.margin < 1:
+            raise KeyError(f"--margin must be in [0, 1), not {args.margin}")
+        reports = read_from(connection(), args.name, margin=args.margin)
     except KeyError as exc:
         print(f"freshrec: error: {exc.args[0]}", file=sys.stderr)
         return 2

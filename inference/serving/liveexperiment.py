@@ -4,9 +4,11 @@ assigns a user alike (``inference/serving/experiments.py``).
 
 Redis holds, per experiment, ``exp:{name}`` (the variants in table order, their shares, the
 control, the salt and the allocation table) and ``exp:{name}:counts`` (per variant,
-``requests`` counted by the workers and ``impression``/``click``/``conversion`` by the
-streams app); each served request's variant is kept under ``req:variant:{request_id}`` for
-the streams app to attribute the events that name the request. A worker whose file's shares
+``requests`` and ``cost_us`` (serving time) counted by the workers and
+``impression``/``click``/``conversion`` by the streams app, each also per analysis bucket of
+the users, ``{variant}:{kind}:{bucket}``: ``freshrec.abstats``); each served request's variant,
+user and items are kept under ``req:variant:{request_id}`` (``freshrec.served``) for the
+streams app to attribute the events that name the request. A worker whose file's shares
 differ from the stored ones writes the table anew from the stored one (``allocate``: the
 fewest users move); workers reading the same file compute the same table.
 """
@@ -23,7 +25,9 @@ from pathlib import Path
 import redis
 
 from freshrec import metrics as m
+from freshrec.abstats import bucket_of
 from freshrec.rediskeys import RedisKeys
+from freshrec.served import encode
 from inference.serving.arms import Arm
 from inference.serving.experiments import Experiment, ExperimentError, allocate, load
 
@@ -119,23 +123,33 @@ class LiveExperiment:
             log.exception("experiments file %s not reloaded, the running one stays", self.path)
 
     def record(self, replies) -> None:
-        """Before the replies leave: each one's variant under its request id, and the
-        requests per variant. A Redis error loses these counts (logged), not the replies."""
-        arms = [(r.request_id, r.experiment, r.variant) for r in replies if r.variant]
-        if not arms:
+        """Before the replies leave: each one's variant, user and items under its request id
+        (``freshrec.served``), and per variant the requests (in total and per analysis bucket
+        of their users) and their serving time. A Redis error loses these counts (logged), not
+        the replies."""
+        served = [r for r in replies if r.variant]
+        if not served:
             return
-        per = Counter((e, v) for _, e, v in arms)
-        for (e, v), n in per.items():
-            m.EXPERIMENT_REQUESTS.labels(e, v).inc(n)
+        per: Counter = Counter()
+        for r in served:
+            per[(r.experiment, r.variant, "requests")] += 1
+            per[(r.experiment, r.variant, f"requests:{bucket_of(r.user_id)}")] += 1
+            per[(r.experiment, r.variant, "cost_us")] += round(1000 * r.timings_ms.get("cost", 0.0))
+        for (e, v, field), n in per.items():
+            if field == "requests":
+                m.EXPERIMENT_REQUESTS.labels(e, v).inc(n)
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for rid, e, v in arms:
-                pipe.set(self.keys.request_variant(rid), f"{e}/{v}", ex=self.ttl_s)
-            for (e, v), n in per.items():
-                pipe.hincrby(self.keys.experiment_counts(e), f"{v}:requests", n)
+            for r in served:
+                value = encode(
+                    f"{r.experiment}/{r.variant}", r.user_id, (i.item_id for i in r.items)
+                )
+                pipe.set(self.keys.request_variant(r.request_id), value, ex=self.ttl_s)
+            for (e, v, field), n in per.items():
+                pipe.hincrby(self.keys.experiment_counts(e), f"{v}:{field}", n)
             pipe.execute()
         except redis.RedisError as exc:
-            log.warning("variants of %d replies not recorded: %s", len(arms), exc)
+            log.warning("variants of %d replies not recorded: %s", len(served), exc)
 
     def _adopt(self, exp: Experiment, table: bytes) -> None:
         self.experiment, self.table = exp, table

@@ -84,11 +84,14 @@ class RankingStage:
 
     def rank(self, b: RankBatch, choices, ranked, models: ModelSet | None):
         """Fills ``ranked`` (request → probability per candidate); returns a features note
-        (or None) and each request's ranker (None where no model ranked it)."""
+        (or None), each request's ranker (None where no model ranked it) and each request's
+        share of the ranking time, ms (its model's time over the batch over the requests it
+        scored: what an A/B variant's ranker costs)."""
         reqs, merged, arms = b.reqs, b.merged, b.arms
         rankers: list[str | None] = [None] * len(reqs)
+        shares = [0.0] * len(reqs)
         if models is None:
-            return None, rankers
+            return None, rankers, shares
         for j, choice in enumerate(choices):
             kind = ranker_of(choice, arms[j], self.settings.ranker) if len(merged[j]) else None
             if kind is not None and kind != TIERED and models.get(kind) is None:
@@ -117,13 +120,15 @@ class RankingStage:
                 m.DEGRADED.labels(choices[j].tier, "out_of_memory").inc()
                 choices[j], rankers[j] = Choice(HOT, f"{kind}: out of device memory"), None
             cost = (time.monotonic() - t0) * 1000
+            for j in group:
+                shares[j] = cost / len(group)
             if kind == LIGHT:
                 self.light_cost_ms = ewma(self.light_cost_ms, cost)
             else:
                 full_ms += cost
         if full_ms:
             self.full_cost_ms = ewma(self.full_cost_ms, full_ms)
-        return note, rankers
+        return note, rankers, shares
 
     def _scored(self, b: RankBatch, kind: str, group: list[int], models: ModelSet):
         """Per request of ``group``, its candidates' probabilities; the requests the device

@@ -327,12 +327,15 @@ class Recommender:
             )
         ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
         batch_in = self.rank_batch(reqs, user_rows, merged, arms, recall)
-        features_note, rankers = self.ranking.rank(batch_in, choices, ranked, models)
+        features_note, rankers, rank_ms = self.ranking.rank(batch_in, choices, ranked, models)
         if features_note:
             degraded.append(features_note)
         t_rank = time.monotonic()
         item_table_version = int(self.cache.items.version.max(initial=0))  # once per batch
         reranked = self._rerank(merged, ranked, reqs, lambdas(arms, s.mmr_lambda))
+        # each request's share of the batch's work: recall and re-ranking split evenly, and its
+        # own ranker's time over the requests that ranker scored (an A/B variant's cost)
+        shared_ms = ((t_recall - start) + (time.monotonic() - t_rank)) * 1000 / len(batch)
         replies = []
         for j, (b, r) in enumerate(zip(batch, reqs, strict=True)):
             tier, reason = choices[j].tier, choices[j].reason
@@ -355,6 +358,7 @@ class Recommender:
                 "rerank": (done - t_rank) * 1000,
             }
             timings["total"] = timings["queue"] + (done - start) * 1000
+            timings["cost"] = shared_ms + rank_ms[j]
             reason_text = reason if not degraded else f"{reason}; degraded: {'; '.join(degraded)}"
             replies.append(
                 RecommendReply(
