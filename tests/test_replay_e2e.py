@@ -37,7 +37,9 @@ def test_train_on_a_log_writes_models_and_their_online_settings(tmp_path, capsys
     write_log(log)
     out = tmp_path / "models"
     train = ["train", "--log", str(log), *LOG_ARGS, *TYPE_ARGS]
-    rc = main([*train, "--out", str(out), "--load", "no", "--tower-epochs", "2"])
+    rc = main(
+        [*train, "--out", str(out), "--load", "no", "--tower-epochs", "2", "--rankers", "pruned"]
+    )
     assert rc == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["source"].startswith("log:")
