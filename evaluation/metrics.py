@@ -164,7 +164,8 @@ HISTORY_BUCKETS = ((0, 0, "0"), (1, 9, "1-9"), (10, 99, "10-99"), (100, None, "1
 
 def by_history(scores: ArmScores, earlier) -> dict[str, dict]:
     """HR and NDCG of the interactions whose user had 0, 1-9, 10-99 or 100+ interactions
-    before them (``earlier``: per log position, ``protocol.Plan.earlier``).
+    before them (``earlier``: per log position, ``protocol.Plan.earlier``; with
+    ``Plan.item_earlier``, the same by the item's earlier interactions).
 
     >>> s = ArmScores("a", k=1, windows=1)
     >>> s.add_request(0, ["x"], ["x", "y"], "u", positions=[0, 1])

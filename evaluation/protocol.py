@@ -64,6 +64,9 @@ class Plan:
     unsampled: int
     earlier: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """Per position in the log, how many interactions its user had before it."""
+    item_earlier: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Per position in the log, how many interactions its item had before it (0: the item
+    is new to the log there — a cold start on the item's side)."""
 
     @property
     def evaluated(self) -> int:
@@ -111,12 +114,23 @@ def plan(
                 s.targets[u].append((pos, i))
             seen.add(i)
         steps.append(s)
-    earlier = np.zeros(n, np.int64)
+    return Plan(
+        train_end, steps, consumed_before, repeats, unsampled, _earlier(users), _earlier(items)
+    )
+
+
+def _earlier(keys: np.ndarray) -> np.ndarray:
+    """Per position, how many times its key occurred before it.
+
+    >>> _earlier(np.array(["a", "b", "a", "a"])).tolist()
+    [0, 0, 1, 2]
+    """
+    out = np.zeros(len(keys), np.int64)
     counts: dict[str, int] = {}
-    for pos, u in enumerate(users.tolist()):
-        earlier[pos] = counts.get(u, 0)
-        counts[u] = earlier[pos] + 1
-    return Plan(train_end, steps, consumed_before, repeats, unsampled, earlier)
+    for pos, key in enumerate(keys.tolist()):
+        out[pos] = counts.get(key, 0)
+        counts[key] = out[pos] + 1
+    return out
 
 
 def validation_cut(

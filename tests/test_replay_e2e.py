@@ -101,13 +101,15 @@ def test_replay_runs_every_arm_live_and_the_baselines_on_the_same_interactions(t
     for r in paired.values():
         assert r["interactions"] == evaluated and r["hr_low"] <= r["hr"] <= r["hr_high"]
         assert r["hr"] == pytest.approx(rows[r["arm"]]["hr"] - rows[r["against"]]["hr"], abs=2e-4)
-    history = report["by_history"]
-    assert set(history) == set(rows)
-    for name, buckets in history.items():  # every scored interaction in one bucket
-        assert sum(b["interactions"] for b in buckets.values()) == evaluated, name
+    for whose in ("by_history", "by_item_history"):
+        history = report[whose]
+        assert set(history) == set(rows)
+        for name, buckets in history.items():  # every scored interaction in one bucket
+            assert sum(b["interactions"] for b in buckets.values()) == evaluated, (whose, name)
     table = capsys.readouterr().out
     assert "HR@10" in table and "recent_pop" in table and "HR@10 diff (95% CI)" in table
     assert "HR@10 by earlier interactions" in table
+    assert "HR@10 by the item's earlier interactions" in table
 
 
 @pytest.mark.timeout(600)

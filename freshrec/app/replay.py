@@ -402,11 +402,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     meta["by_history"] = {
         s.name: by_history(s, p.earlier) for s in [*live_scores, *scored.values()]
     }
+    meta["by_item_history"] = {
+        s.name: by_history(s, p.item_earlier) for s in [*live_scores, *scored.values()]
+    }
     meta["paired"] = replayreport.paired(live_scores, [scored[b] for b in baselines if b in scored])
     files = replayreport.write(out, rows, windows, meta, args.k)
     print(replayreport.table(rows, args.k))
     if meta["paired"]:
         print(replayreport.paired_table(meta["paired"], args.k))
     print(replayreport.history_table(meta["by_history"], args.k))
+    print(replayreport.history_table(meta["by_item_history"], args.k, "the item's earlier"))
     print("written: " + ", ".join(str(f) for f in files))
     return 0

@@ -67,13 +67,13 @@ def paired_table(rows: list[dict], k: int) -> str:
     return "\n".join(lines)
 
 
-def history_table(rows: dict[str, dict], k: int) -> str:
-    """HR@k per arm for users with 0, 1-9, 10-99 and 100+ earlier interactions (with how many
-    interactions each bucket holds)."""
+def history_table(rows: dict[str, dict], k: int, whose: str = "earlier") -> str:
+    """HR@k per arm for users (or items) with 0, 1-9, 10-99 and 100+ earlier interactions
+    (with how many interactions each bucket holds)."""
     from evaluation.metrics import HISTORY_BUCKETS
 
     names = [name for _, _, name in HISTORY_BUCKETS]
-    head = f"{f'HR@{k} by earlier interactions':<32}" + "".join(f"{n:>14}" for n in names)
+    head = f"{f'HR@{k} by {whose} interactions':<32}" + "".join(f"{n:>14}" for n in names)
     lines = [head, "-" * len(head)]
     counts = next(iter(rows.values()), {})
     lines.append(
