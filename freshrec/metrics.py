@@ -255,6 +255,10 @@ DEVICE_INFO = Gauge(
 )
 MODEL_RELOADS = Counter("freshrec_model_reloads_total", "Model loads", ["outcome"])
 CATALOGUE_ITEMS = Gauge("freshrec_catalogue_items", "Items in the worker's catalogue snapshot")
+COLD_ITEMS_STARTED = Counter(
+    "freshrec_cold_items_started_total",
+    "Catalogue items without a learnt row started from their category's mean row",
+)
 ANN_INDEX_ITEMS = Gauge(
     "freshrec_ann_index_items", "Items in the vector channel's IVF index (0: exact search)"
 )

@@ -93,6 +93,10 @@ class WorkerSettings:
     5.7 of 10 items a MovieLens user got back were already rated, docs/replay.md); a
     deployment whose users consume the same items again (music plays, groceries) declares it
     with ``FRESHREC_EXCLUDE_SEEN=false``."""
+    cold_item_start: bool = True
+    """Catalogue items without a learnt row start from their category's mean learnt row,
+    written to Redis for the parameter server and the other workers
+    (``inference/tables/coldstart.py``); false: from their ids."""
     dedupe_window: int = 200_000
     """Event ids remembered per events partition: a duplicate within them is learnt once."""
     seen_users: int = 20_000
@@ -158,6 +162,7 @@ class WorkerSettings:
             default_budget_ms=env_int(env, "FRESHREC_REQUEST_BUDGET_MS", 250, minimum=1),
             mmr_lambda=env_float(env, "FRESHREC_MMR_LAMBDA", 0.7, minimum=0, maximum=1),
             category_gap=env_int(env, "FRESHREC_CATEGORY_GAP", 2, minimum=1),
+            hold_shown_s=env_float(env, "FRESHREC_HOLD_SHOWN_S", 0.0, minimum=0),
             channels=channels,
             ladder=LadderConfig(
                 queue_depth_limit=env_int(env, "FRESHREC_QUEUE_DEPTH_LIMIT", 256, minimum=1)
@@ -203,6 +208,7 @@ class WorkerSettings:
             recall_delays_ms=delays,
             hot_k=env_int(env, "FRESHREC_HOT_K", 500, minimum=1),
             exclude_seen=env_bool(env, "FRESHREC_EXCLUDE_SEEN", True),
+            cold_item_start=env_bool(env, "FRESHREC_COLD_ITEM_START", True),
             seen_users=env_int(env, "FRESHREC_SEEN_USERS", 20_000, minimum=1),
             dedupe_window=env_int(env, "FRESHREC_DEDUPE_WINDOW", 200_000, minimum=1),
             seen_per_user=env_int(env, "FRESHREC_SEEN_PER_USER", 200, minimum=1),

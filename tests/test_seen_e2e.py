@@ -102,3 +102,22 @@ def test_impressions_and_clicks_naming_a_reply_are_counted_by_its_tier(seeded, m
         )
         wait_for(lambda: w.stats["events"] >= learnt + 3, 30, "the events learnt")
     assert (shown._value.get() - before[0], clicks._value.get() - before[1]) == (1, 1)
+
+
+def test_items_shown_are_held_back_from_the_next_list_for_the_hold(seeded, model_dir):
+    """With ``FRESHREC_HOLD_SHOWN_S``, a refresh shows none of the items just shown (the
+    catalogue is large enough for a second list); without it, the same request gets the same
+    list again."""
+    from dataclasses import replace
+
+    base = worker_settings(seeded, model_dir)
+    held = replace(base, serving=replace(base.serving, hold_shown_s=600.0))
+    with running_worker(held), client_for(seeded) as client:
+        first = [i.item_id for i in client.recommend("u45", 10, timeout_s=10).items]
+        second = [i.item_id for i in client.recommend("u45", 10, timeout_s=10).items]
+    assert len(first) == len(second) == 10 and not set(first) & set(second), (first, second)
+    with running_worker(base), client_for(seeded) as client:
+        again = [
+            [i.item_id for i in client.recommend("u47", 10, timeout_s=10).items] for _ in range(2)
+        ]
+    assert set(again[0]) == set(again[1]), again

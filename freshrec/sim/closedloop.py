@@ -101,6 +101,24 @@ class LoopStats:
     """Impressions and clicks per serving tier: what degradation costs in clicks."""
     shown: set[int] = field(default_factory=set)
     """Item indices shown at least once (the only items with feedback from the loop)."""
+    last_list: dict[int, frozenset[int]] = field(default_factory=dict)
+    """Per user, the items of their last list."""
+    repeat: list[int] = field(default_factory=lambda: [0, 0])
+    """Items of a list that the same user's previous list held, and the items of lists that
+    had a previous one: how much a refresh shows again."""
+
+    def consecutive(self, user: int, items: list[int]) -> None:
+        now = frozenset(items)
+        before = self.last_list.get(user)
+        if before is not None:
+            self.repeat[0] += len(now & before)
+            self.repeat[1] += len(now)
+        self.last_list[user] = now
+
+    @property
+    def repeat_share(self) -> float | None:
+        """The share of a list's items the same user's previous list held."""
+        return self.repeat[0] / self.repeat[1] if self.repeat[1] else None
 
     def tier_ctr(self) -> dict[str, float]:
         return {t: round(c / i, 4) for t, (i, c) in sorted(self.by_tier.items()) if i}
@@ -127,13 +145,15 @@ class LoopStats:
             f"{100 * c['ctr']:.1f}%" for c in self.windows.curve() if c["ctr"] is not None
         )
         by_tier = ", ".join(f"{t} {100 * v:.1f}%" for t, v in self.tier_ctr().items())
+        again = "-" if self.repeat_share is None else f"{100 * self.repeat_share:.1f}%"
         return (
             f"served {self.replied:,} of {self.sent:,} requests ({self.timeouts} timeouts, "
             f"{self.errors} errors), latency p50 {self.p(50, False):,.1f}ms p99 "
             f"{self.p(99, False):,.1f}ms; tiers: {tiers or '-'}; CTR of served "
             f"recommendations {100 * self.ctr:.2f}% ({self.clicks:,} clicks / "
             f"{self.impressions:,} impressions, {self.conversions:,} conversions); CTR per "
-            f"{self.windows.window_s:g} s: {curve or '-'}; CTR by tier: {by_tier or '-'}"
+            f"{self.windows.window_s:g} s: {curve or '-'}; CTR by tier: {by_tier or '-'}; "
+            f"items a user's previous list also held: {again}"
         )
 
 
@@ -279,6 +299,7 @@ class ClosedLoop:
             for e in out:
                 self._produce(producer, e)
         self.stats.shown.update(items)
+        self.stats.consecutive(user, items)
         shown, hits = len(idx), int(clicked.sum())
         self.stats.impressions += shown
         self.stats.clicks += hits

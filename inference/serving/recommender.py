@@ -25,6 +25,7 @@ from freshrec import metrics as m
 from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
 from inference.device import to_host
+from inference.models.features import CATEGORY_BUCKETS
 from inference.models.modelfile import ModelWatcher
 from inference.models.tiers import HeatSplit
 from inference.serving.ann import IVFIndex, ivf_cells
@@ -48,6 +49,8 @@ from inference.serving.rerank import mmr_batch, space_categories
 from inference.serving.resultcache import ResultCache
 from inference.serving.snapshot import Snapshot, SnapshotRefresher
 from inference.tables.cache import EmbeddingCache
+from inference.tables.coldstart import UNKNOWN_CATEGORY, category_starts
+from inference.tables.shown import ShownItems, with_held
 from schemas.ids import row_ids
 from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
@@ -62,6 +65,11 @@ class ServingSettings:
     """Deadline budget of a request that names none."""
     mmr_lambda: float = 0.7
     category_gap: int = 2
+    hold_shown_s: float = 0.0
+    """Items a user was shown are held back from that user's lists for this long, so a
+    refresh shows something new (0: not held back; ``inference/tables/shown.py``)."""
+    hold_shown_users: int = 20_000
+    """Users whose shown items are remembered (the most recently served)."""
     channels: dict[str, ChannelConfig] = field(default_factory=default_channels)
     ladder: LadderConfig = field(default_factory=LadderConfig)
     result_ttl_ms: int = 3_600_000
@@ -128,6 +136,7 @@ class Recommender:
         sequence: Callable[[str], list[str]] = lambda user_id: [],
         seen: Callable[[RecommendRequest], RecommendRequest] = lambda request: request,
         arm_of: Callable[[str], Arm | None] = lambda user_id: None,
+        start_items: Callable[[np.ndarray, np.ndarray], None] | None = None,
     ) -> None:
         self.settings = settings
         self.cache = cache
@@ -138,6 +147,10 @@ class Recommender:
         self.worker_id = worker_id
         self.with_seen = seen  # a request with the user's consumed items excluded, if it asks
         self.arm_of = arm_of  # the user's experiment variant (``arms.py``), if any
+        # where the starting rows of new catalogue items go (Redis); None: items start from
+        # their ids (``inference/tables/coldstart.py``)
+        self.start_items = start_items
+        self.shown = ShownItems(round(settings.hold_shown_s * 1000), settings.hold_shown_users)
         self.sequence_of = sequence  # the user's last clicked items, newest first
         self.ranking = RankingStage(settings, cache, client, keys)
         """Which model scores which candidate, and what each tier costs (the ladder's input)."""
@@ -176,6 +189,8 @@ class Recommender:
         ):
             cat = snap.catalogue
             slots = self.cache.slots(TABLE_ITEM, cat.row_ids)
+            if self.start_items is not None:
+                self._start_cold_items(cat, slots)
             n = len(self.cache.item_ids)
             names = np.empty(n, object)
             names[slots] = cat.names
@@ -204,6 +219,46 @@ class Recommender:
             scope: np.fromiter((s for s in (get(x) for x in names) if s is not None), np.int64)
             for scope, names in lists.items()
         }
+
+    def _start_cold_items(self, cat, slots: np.ndarray) -> None:
+        """Catalogue items this worker holds no learnt row for (none in Redis, no local step)
+        start from their category's mean learnt row, here and in Redis (where no row exists
+        yet: another worker's start, or the parameter server's row, wins). Only the cold
+        items' categories are read: a new item in a large catalogue costs its category's
+        rows, not the catalogue's."""
+        items = self.cache.items
+        learnt = (items.version[slots] > 0) | (items.local_ms[slots] > 0)
+        if learnt.all() or not learnt.any():
+            return
+        cold = np.flatnonzero(~learnt)
+        names = cat.category_names
+        known = np.fromiter((names[j] not in ("", UNKNOWN_CATEGORY) for j in cold), bool, len(cold))
+        cold = cold[known]
+        if not len(cold):
+            return
+        category = cat.category
+        subset = np.flatnonzero(np.isin(category, np.unique(category[cold])))
+        subset = subset[learnt[subset] | np.isin(subset, cold)]
+        jitter = np.zeros((len(subset), self.cache.w), np.float32)
+        is_cold = ~learnt[subset]
+        jitter[is_cold] = initial_rows(cat.row_ids[subset[is_cold]], TABLE_ITEM, self.cache.dim)
+        rows, changed = category_starts(
+            self.cache.rows(TABLE_ITEM, slots[subset]),
+            torch.from_numpy(category[subset]),
+            torch.from_numpy(learnt[subset]),
+            self.cache.to_device(jitter),
+            CATEGORY_BUCKETS,
+        )
+        started = np.flatnonzero(changed.cpu().numpy())
+        if not len(started):
+            return
+        at = slots[subset[started]]
+        starts = rows[self.cache.to_device(started)]
+        items.rows.index_copy_(0, self.cache.to_device(at), starts)
+        items.version[at] = 1  # a starting row, as offline training's: any learnt row is newer
+        items.event_ms[at] = int(time.time() * 1000)
+        m.COLD_ITEMS_STARTED.inc(len(started))
+        self.start_items(cat.row_ids[subset[started]], starts.cpu().numpy())
 
     def maybe_rebuild_index(self) -> None:
         """Start a background IVF build when the catalogue is large and the index is missing
@@ -283,6 +338,8 @@ class Recommender:
             degraded.append("redis unavailable: cached features and lists")
         arms = [self.arm_of(b.request.user_id) for b in batch]
         reqs = [self.with_seen(request_of(b.request, a)) for b, a in zip(batch, arms, strict=True)]
+        if self.shown.hold_ms:
+            reqs = [with_held(r, self.shown.held(r.user_id, now_ms)) for r in reqs]
         user_rows, versions, ages, user_note, user_slots = self._users(reqs, now_ms)
         if user_note:
             degraded.append(user_note)
@@ -380,6 +437,7 @@ class Recommender:
                 )
             )
             m.REPLIES.labels(tier).inc()
+            self.shown.shown(r.user_id, [i[0] for i in items], now_ms)
             for stage, value in timings.items():
                 _stage_histogram(stage, tier).observe(value / 1000)
             if tier != FULL or degraded:

@@ -30,10 +30,11 @@ from torch import nn
 
 from freshrec.settings import LEARNING_RATE
 from inference.models.attention import SEQUENCE
-from inference.models.features import DENSE
+from inference.models.features import CATEGORY_BUCKETS, DENSE
 from inference.models.modelfile import save_model, save_tensors, write_manifest
 from inference.models.ranking import LightRanker, WideDeep, as_tensors
 from inference.models.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
+from inference.tables.coldstart import UNKNOWN_CATEGORY, category_starts
 from inference.training.fitting import auc, fit_ranker, optimiser_step, predict, shuffled_batches
 from inference.training.logfeatures import (
     TrainingLog,
@@ -102,6 +103,10 @@ class TrainConfig:
     """The share of each hidden layer's units the pruned model keeps."""
     sequence: int = SEQUENCE
     """Items of a user's history the attention rankers read."""
+    cold_item_start: bool = True
+    """Catalogue items with no positive interaction in the two-tower's part start from their
+    category's mean learnt row (``inference/tables/coldstart.py``) instead of a row that
+    only sampled negatives moved."""
 
     def __post_init__(self) -> None:
         if min(self.impressions, self.dim, self.tower_epochs, self.rank_epochs, self.batch) < 1:
@@ -309,6 +314,28 @@ def random_split(n: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     )
 
 
+def start_cold_items(
+    logs: TrainingLog, idx: np.ndarray, item_rows: np.ndarray, dim: int
+) -> tuple[np.ndarray, int]:
+    """The item rows with those of items no interaction of ``idx`` clicked started from their
+    category's mean row (``category_starts``; items of no known category keep theirs), and
+    how many were."""
+    positive = np.zeros(len(logs.item_ids), bool)
+    positive[logs.items[idx][logs.clicked[idx]]] = True
+    category = category_buckets(logs)
+    unknown = np.array([c is None or c == UNKNOWN_CATEGORY for c in logs.item_category.tolist()])
+    category[unknown] = -1
+    jitter = initial_rows(row_ids(logs.item_ids.tolist()), TABLE_ITEM, dim)
+    rows, changed = category_starts(
+        torch.from_numpy(item_rows),
+        torch.from_numpy(category),
+        torch.from_numpy(positive),
+        torch.from_numpy(jitter),
+        CATEGORY_BUCKETS,
+    )
+    return rows.numpy(), int(changed.sum())
+
+
 def train(
     logs: TrainingLog,
     cfg: TrainConfig,
@@ -329,6 +356,9 @@ def train(
         cut = rng.random(len(train_idx)) < cfg.tower_share
         tower_idx, rank_idx = train_idx[cut], train_idx[~cut]
     uniq_users, user_rows, item_rows = train_two_tower(logs, cfg, tower_idx, progress, valid_idx)
+    cold_started = 0
+    if cfg.cold_item_start:
+        item_rows, cold_started = start_cold_items(logs, tower_idx, item_rows, cfg.dim)
     user_pos = np.searchsorted(uniq_users, logs.users)
     feats = item_features(logs, train_idx)
     tower_scores = np.einsum(
@@ -397,6 +427,7 @@ def train(
         "click_rate": float(y.mean()),
         "users": len(uniq_users),
         "items": len(logs.item_ids),
+        "cold_items_started": cold_started,
         "ranking_fits": fits,
         "seconds": round(time.monotonic() - started, 1),
     }
