@@ -5,6 +5,9 @@ broadcast offsets a worker starts following ``embeddings.updates`` from."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import redis
 
@@ -13,10 +16,11 @@ from freshrec.partitioner import row_partitions
 from freshrec.redisconn import Packed, run_packed
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import pack_fixed
-from schemas.rowbatch import TABLE_NAMES
+from schemas.rowbatch import TABLE_ITEM, TABLE_NAMES
 from schemas.rows import decode_row, decode_rows, encode_rows, key_matrix, key_to_id, row_key
 
 Row = tuple[np.ndarray, int, int]
+log = logging.getLogger("freshrec.rows")
 
 
 class LayoutMismatch(FreshRecError, RuntimeError):
@@ -137,4 +141,20 @@ def seed_rows(
         for rid, s, blob in zip(ids[lo : lo + chunk].tolist(), part, blobs, strict=True):
             pipe.hsetnx(keys.embeddings(name, s), row_key(rid), blob)
         written += sum(pipe.execute())
+    return written
+
+
+def seed_starts(
+    r: redis.Redis, keys: RedisKeys, shards: int, ids: np.ndarray, rows: np.ndarray
+) -> int:
+    """Starting rows of new catalogue items (``inference/models/coldstart.py``) where no row
+    exists yet, at version 1 as offline training's. A Redis error leaves them with the worker
+    alone (logged; the parameter server then starts those rows from their ids, and its
+    broadcast replaces them). Returns how many were written."""
+    try:
+        written = seed_rows(r, keys, TABLE_ITEM, ids, rows, 1, int(time.time() * 1000), shards)
+    except redis.RedisError as exc:
+        log.warning("starting rows of %d new items not written to Redis: %s", len(ids), exc)
+        return 0
+    log.info("%d new catalogue items started from their categories' rows", written)
     return written

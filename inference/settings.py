@@ -96,7 +96,7 @@ class WorkerSettings:
     cold_item_start: bool = True
     """Catalogue items without a learnt row start from their category's mean learnt row,
     written to Redis for the parameter server and the other workers
-    (``inference/tables/coldstart.py``); false: from their ids."""
+    (``inference/models/coldstart.py``); false: from their ids."""
     dedupe_window: int = 200_000
     """Event ids remembered per events partition: a duplicate within them is learnt once."""
     seen_users: int = 20_000

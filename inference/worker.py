@@ -27,6 +27,7 @@ about its logic can hand it doubles; the real-broker tests pass the real ones.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -53,7 +54,7 @@ from freshrec.kafka import (
 )
 from freshrec.lifecycle import run_until_signalled, settle_heap
 from freshrec.rediskeys import RedisKeys
-from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards, seed_rows
+from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards, seed_starts
 from freshrec.service import Service
 from freshrec.topics import TopicNames
 from inference.batching import EventSlicer
@@ -186,7 +187,11 @@ class Worker(Service):
             sequence=lambda user_id: self.seen.get(user_id) or self.recent.get(user_id),
             seen=lambda r: with_seen(r, self.seen.get, settings.exclude_seen),
             arm_of=self.experiment.arm if self.experiment else lambda user_id: None,
-            start_items=self._seed_items if settings.cold_item_start else None,
+            start_items=(
+                functools.partial(seed_starts, self.redis, self.keys, self.outbox.partitions)
+                if settings.cold_item_start
+                else None
+            ),
         )
         recommender = self.recommender
         self.learner = LocalLearner(
@@ -220,25 +225,6 @@ class Worker(Service):
     # ------------------------------------------------------------------------------ setup
     def _partitions(self, topic: str) -> int:
         return partition_count(self.producer, topic)
-
-    def _seed_items(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Starting rows of new catalogue items to Redis, where no row exists yet; a Redis
-        error leaves them local (the parameter server then starts those rows from their
-        ids, and its broadcast replaces them here)."""
-        try:
-            written = seed_rows(
-                self.redis,
-                self.keys,
-                TABLE_ITEM,
-                ids,
-                rows,
-                version=1,
-                event_ms=now_ms(),
-                shards=self.outbox.partitions,
-            )
-            log.info("%d new catalogue items started from their categories' rows", written)
-        except redis.RedisError as exc:
-            log.warning("starting rows of %d new items not written to Redis: %s", len(ids), exc)
 
     def _fetch(self, table: int, ids: list[int]):
         return fetch_rows(self.redis, self.keys, table, ids, self.dim + 1, self.outbox.partitions)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inference.tables.coldstart import JITTER, UNKNOWN_CATEGORY, category_starts
+from inference.models.coldstart import JITTER, UNKNOWN_CATEGORY, category_starts
 
 
 def test_category_starts_against_brute_force():

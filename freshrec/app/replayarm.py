@@ -121,7 +121,7 @@ class ArmResult:
 def prepare(inter, items_table, plan, windows: int, duration_s: float, speed: float | None):
     """The ``ReplayData`` of a log and its plan."""
     from evaluation.protocol import windows as window_index
-    from inference.tables.coldstart import UNKNOWN_CATEGORY
+    from inference.models.coldstart import UNKNOWN_CATEGORY
 
     train_end = plan.train_end
     users, items = inter.users, inter.items

@@ -25,6 +25,7 @@ from freshrec import metrics as m
 from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
 from inference.device import to_host
+from inference.models.coldstart import UNKNOWN_CATEGORY, category_starts
 from inference.models.features import CATEGORY_BUCKETS
 from inference.models.modelfile import ModelWatcher
 from inference.models.tiers import HeatSplit
@@ -49,7 +50,6 @@ from inference.serving.rerank import mmr_batch, space_categories
 from inference.serving.resultcache import ResultCache
 from inference.serving.snapshot import Snapshot, SnapshotRefresher
 from inference.tables.cache import EmbeddingCache
-from inference.tables.coldstart import UNKNOWN_CATEGORY, category_starts
 from inference.tables.shown import ShownItems, with_held
 from schemas.ids import row_ids
 from schemas.records import RecommendReply, RecommendRequest, ReplyItem
@@ -148,7 +148,7 @@ class Recommender:
         self.with_seen = seen  # a request with the user's consumed items excluded, if it asks
         self.arm_of = arm_of  # the user's experiment variant (``arms.py``), if any
         # where the starting rows of new catalogue items go (Redis); None: items start from
-        # their ids (``inference/tables/coldstart.py``)
+        # their ids (``inference/models/coldstart.py``)
         self.start_items = start_items
         self.shown = ShownItems(round(settings.hold_shown_s * 1000), settings.hold_shown_users)
         self.sequence_of = sequence  # the user's last clicked items, newest first

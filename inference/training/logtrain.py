@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inference.tables.coldstart import UNKNOWN_CATEGORY
+from inference.models.coldstart import UNKNOWN_CATEGORY
 from inference.training.interactions import Interactions, LogError, _open_text, _split
 from inference.training.train import TrainConfig, TrainingLog, train
 

@@ -30,11 +30,11 @@ from torch import nn
 
 from freshrec.settings import LEARNING_RATE
 from inference.models.attention import SEQUENCE
+from inference.models.coldstart import UNKNOWN_CATEGORY, category_starts
 from inference.models.features import CATEGORY_BUCKETS, DENSE
 from inference.models.modelfile import save_model, save_tensors, write_manifest
 from inference.models.ranking import LightRanker, WideDeep, as_tensors
 from inference.models.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
-from inference.tables.coldstart import UNKNOWN_CATEGORY, category_starts
 from inference.training.fitting import auc, fit_ranker, optimiser_step, predict, shuffled_batches
 from inference.training.logfeatures import (
     TrainingLog,
@@ -105,7 +105,7 @@ class TrainConfig:
     """Items of a user's history the attention rankers read."""
     cold_item_start: bool = True
     """Catalogue items with no positive interaction in the two-tower's part start from their
-    category's mean learnt row (``inference/tables/coldstart.py``) instead of a row that
+    category's mean learnt row (``inference/models/coldstart.py``) instead of a row that
     only sampled negatives moved."""
 
     def __post_init__(self) -> None:
