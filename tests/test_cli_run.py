@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from freshrec.abstats import VERDICTS
 from freshrec.app.stack import pid_alive
 
 from .conftest import wait_for
@@ -122,7 +123,10 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path, models)
     for variant in ("control", "light", "diverse"):
         row = re.search(rf"\n  {variant} +[\d.]+% +([\d,]+) +([\d,]+) +([\d,]+) ", report)
         assert row and all(int(x.replace(",", "")) > 0 for x in row.groups()), report
-    assert "(p=" in report, report
+    assert "vs control (CTR, relative; users in 64 buckets" in report, report
+    for variant in ("light", "diverse"):  # the guard's verdict on each variant
+        verdict = re.search(rf"\n  {variant} +\S+ \[[^]]+\] +(.+)", report)
+        assert verdict and verdict[1].strip() in VERDICTS, report
     assert (models / "manifest.json").exists()  # cached for the next run
     assert not (tmp_path / "run" / "services.json").exists()
     pids = [int(p) for p in PIDS.findall(out.split("embedded stack stopped")[1])]
