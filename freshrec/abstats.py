@@ -24,10 +24,11 @@ control on the relative difference of the rates (log ratio, delta method):
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from freshrec.hashing import salted_bucket
 
 Z95 = 1.959963984540054
 ANALYSIS_BUCKETS = 64
@@ -52,8 +53,7 @@ def bucket_of(user_id: str) -> int:
     >>> bucket_of("u1") == bucket_of("u1"), 0 <= bucket_of("u2") < ANALYSIS_BUCKETS
     (True, True)
     """
-    digest = hashlib.blake2b(f"freshrec-analysis\0{user_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % ANALYSIS_BUCKETS
+    return salted_bucket("freshrec-analysis", user_id, ANALYSIS_BUCKETS)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ True
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -87,3 +89,14 @@ def hash_uniform_rows(seed: int, stream: int, idx: np.ndarray, dim: int) -> np.n
     out *= np.float32(1.0 / 4294967296.0)
     np.minimum(out, np.float32(1.0 - 2.0**-24), out=out)  # float32 rounding must not reach 1
     return out[:, :dim]
+
+
+def salted_bucket(salt: str, key: str, buckets: int) -> int:
+    """``key``'s bucket among ``buckets`` under ``salt`` (BLAKE2b-64): the same in every
+    process and after restarts; another salt gives an independent split.
+
+    >>> salted_bucket("s", "u1", 1000) == salted_bucket("s", "u1", 1000)
+    True
+    """
+    digest = hashlib.blake2b(f"{salt}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % buckets

@@ -29,6 +29,12 @@ UNKNOWN_CATEGORY = "unknown"
 """The category of items whose category nobody said (the log reader's, when the item file does
 not name an item): not a category to start from."""
 
+
+def known_category(name: str | None) -> bool:
+    """Whether a category name is one to start from (not absent, empty or ``unknown``)."""
+    return bool(name) and name != UNKNOWN_CATEGORY
+
+
 JITTER = 0.1
 """The id row's share in a start: ``initial_rows`` have a spread of 0.1 a dimension, so a
 start lies about 0.01 a dimension from its category's mean."""

@@ -20,12 +20,12 @@ True
 
 from __future__ import annotations
 
-import hashlib
 import re
 import tomllib
 from dataclasses import dataclass, field
 
 from freshrec.errors import FreshRecError
+from freshrec.hashing import salted_bucket
 from inference.models.kinds import experiment_rankings
 from inference.serving.channels import CHANNELS as REGISTERED_CHANNELS
 
@@ -108,8 +108,7 @@ def bucket(salt: str, user_id: str) -> int:
     >>> bucket("s", "u1") == bucket("s", "u1") != bucket("t", "u1")
     True
     """
-    digest = hashlib.blake2b(f"{salt}\0{user_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % BUCKETS
+    return salted_bucket(salt, user_id, BUCKETS)
 
 
 def target_counts(shares: list[float]) -> list[int]:

@@ -25,7 +25,7 @@ from freshrec import metrics as m
 from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
 from inference.device import to_host
-from inference.models.coldstart import UNKNOWN_CATEGORY, category_starts
+from inference.models.coldstart import category_starts, known_category
 from inference.models.features import CATEGORY_BUCKETS
 from inference.models.modelfile import ModelWatcher
 from inference.models.tiers import HeatSplit
@@ -232,7 +232,7 @@ class Recommender:
             return
         cold = np.flatnonzero(~learnt)
         names = cat.category_names
-        known = np.fromiter((names[j] not in ("", UNKNOWN_CATEGORY) for j in cold), bool, len(cold))
+        known = np.fromiter((known_category(names[j]) for j in cold), bool, len(cold))
         cold = cold[known]
         if not len(cold):
             return

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import replace
 
+from inference.tables.shown import with_held
 from schemas.records import RecommendRequest
 
 
@@ -69,7 +69,4 @@ def with_seen(
     wanted = default if request.exclude_seen is None else request.exclude_seen
     if not wanted:
         return request
-    consumed = seen(request.user_id)
-    if not consumed:
-        return request
-    return replace(request, exclude=tuple(dict.fromkeys((*request.exclude, *consumed))))
+    return with_held(request, seen(request.user_id))

@@ -30,7 +30,7 @@ from torch import nn
 
 from freshrec.settings import LEARNING_RATE
 from inference.models.attention import SEQUENCE
-from inference.models.coldstart import UNKNOWN_CATEGORY, category_starts
+from inference.models.coldstart import category_starts, known_category
 from inference.models.features import CATEGORY_BUCKETS, DENSE
 from inference.models.modelfile import save_model, save_tensors, write_manifest
 from inference.models.ranking import LightRanker, WideDeep, as_tensors
@@ -323,8 +323,8 @@ def start_cold_items(
     positive = np.zeros(len(logs.item_ids), bool)
     positive[logs.items[idx][logs.clicked[idx]]] = True
     category = category_buckets(logs)
-    unknown = np.array([c is None or c == UNKNOWN_CATEGORY for c in logs.item_category.tolist()])
-    category[unknown] = -1
+    known = np.array([known_category(c) for c in logs.item_category.tolist()], bool)
+    category[~known] = -1
     jitter = initial_rows(row_ids(logs.item_ids.tolist()), TABLE_ITEM, dim)
     rows, changed = category_starts(
         torch.from_numpy(item_rows),
