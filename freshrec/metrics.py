@@ -97,6 +97,15 @@ STREAMS_STAGE_LAG = Histogram(
     buckets=LAG_BUCKETS_S,
 )
 HOT_LIST_PUBLISHES = Counter("freshrec_hot_list_publishes_total", "Hot lists published", ["scope"])
+STREAMS_ITEMS = Gauge(
+    "freshrec_streams_items", "Items whose counts this instance holds (all its partitions)"
+)
+STREAMS_EVICTED = Counter(
+    "freshrec_streams_items_evicted_total",
+    "Items whose counts left the streams state: idle (decayed below "
+    "FRESHREC_STREAMS_EVICT_BELOW) or cap (past FRESHREC_STREAMS_MAX_ITEMS per partition)",
+    ["reason"],
+)
 STREAMS_PARTITIONS = Gauge(
     "freshrec_streams_item_partitions", "events.by_item partitions owned by this instance"
 )

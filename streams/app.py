@@ -276,6 +276,10 @@ class StreamsApp:
                 # a snapshot: written again as it is once Redis is back (the batch is not
                 # acknowledged meanwhile, so nothing moves past it)
                 await until_redis_answers(lambda: sink.persist(states), "persisting counts")
+                for _, state in states:
+                    for reason, n in state.take_evictions().items():
+                        m.STREAMS_EVICTED.labels(reason).inc(n)
+                m.STREAMS_ITEMS.set(sum(s.n_items for s in self.states.values()))
 
     def _apply_prices(self) -> None:
         """Prices from the catalogue stage (another thread) into the partitions' states."""
@@ -341,14 +345,27 @@ class StreamsApp:
         if time.monotonic() < self._features_not_before:
             return
         self._features_not_before = time.monotonic() + self.settings.features_interval_ms / 1000
-        features = [c for q, state in self.states.items() for c in sink.feature_commands(q, state)]
+        features: list = []
         newest: list[int] = []  # the newest pair's event time of each neighbour list written
+        taken = []
         for q, state in self.states.items():
-            commands, times = sink.covisit_commands(q, state, self.settings.covisit.neighbours)
+            due, anchors = state.take_features_due(), state.covisit.take_published()
+            taken.append((state, [state.item_ids[i] for i in due], anchors))
+            features += sink.feature_commands(q, state, due)
+            commands, times = sink.covisit_commands(
+                q, state, anchors, self.settings.covisit.neighbours
+            )
             features += commands
             newest += times
-        if features:
-            await sink.write(features)
+        try:
+            if features:
+                await sink.write(features)
+        except BaseException:  # due again (by id: a sweep may renumber meanwhile)
+            for state, ids, anchors in taken:
+                state.features_due.update(state.slots[i] for i in ids if i in state.slots)
+                state.covisit.published.update(a for a in anchors if a in state.covisit.counts)
+            self._features_not_before = 0.0
+            raise
         if newest:
             lag = time.time() - np.asarray(newest, np.float64) / 1000
             m.observe_many(m.STREAMS_STAGE_LAG.labels("covisit"), np.maximum(lag, 0.0))

@@ -71,6 +71,8 @@ class CoVisitCounts:
         """Anchors changed since their serving list was last published."""
         self.newest_ms: dict[str, int] = {}
         """Per anchor, the newest event time among its pairs (freshness of its list)."""
+        self.dropped: set[str] = set()
+        """Anchors dropped since their state was last persisted (``drop``)."""
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -119,7 +121,21 @@ class CoVisitCounts:
         best = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:m]
         return [(b, c / n) for b, c in best]
 
+    def drop(self, anchors: Sequence[str]) -> None:
+        """Forget anchors (their item left the partition's state)."""
+        for a in anchors:
+            if self.counts.pop(a, None) is not None:
+                self.dropped.add(a)
+            self.newest_ms.pop(a, None)
+            self.dirty.discard(a)
+            self.published.discard(a)
+
     # ---------------------------------------------------------------------- persistence
+    def take_dropped(self) -> list[str]:
+        out = sorted(self.dropped)
+        self.dropped.clear()
+        return out
+
     def take_dirty(self) -> list[str]:
         out = sorted(self.dirty)
         self.dirty.clear()

@@ -19,6 +19,7 @@ import math
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import orjson
@@ -77,6 +78,29 @@ class StateConfig:
     price_cap: float = 1000.0
     covisit_candidates: int = 200
     """Co-visitation neighbours counted per anchor at most (``covisit.py``)."""
+    evict_below: float = 0.01
+    """An item whose decayed impressions, clicks and conversions add up to less than this at
+    the partition's event time leaves the state (and its rows and features leave Redis): it
+    has stopped counting in any hot list or feature. 0 keeps idle items."""
+    evict_every_ms: int = 3_600_000
+    """How often (in event time) idle items are looked for."""
+    max_items: int = 500_000
+    """Items one partition holds at most: past it, the least active leave (down to nine
+    tenths of it), whatever their age, so a flood of new ids cannot grow memory."""
+
+
+class Flush(NamedTuple):
+    """What one persist writes (``ItemPartitionState.begin_flush``): given back whole by
+    ``abort_flush`` when the write fails, so a retry writes all of it again."""
+
+    slots: list[int]
+    """Items whose rows changed."""
+    anchors: list[str]
+    """Anchors whose co-visitation counts changed."""
+    evicted: list[str]
+    """Items evicted: their rows and serving features leave Redis."""
+    dropped: list[str]
+    """Anchors dropped: their co-visitation counts and serving lists leave Redis."""
 
 
 class ItemPartitionState:
@@ -105,6 +129,11 @@ class ItemPartitionState:
         """Co-visitation counts of this partition's anchors (``covisit.py``)."""
         self.covisit_applied: dict[int, int] = {}
         """Per source partition of ``events``, the highest offset whose pairs are counted."""
+        self.evicted: list[str] = []
+        """Items evicted since the last flush (their Redis fields still to delete)."""
+        self.evictions = {"idle": 0, "cap": 0}
+        """Items evicted since ``take_evictions``, by reason."""
+        self._swept_ms = 0
 
     # ---------------------------------------------------------------------------- growth
     def _slot(self, item_id: str) -> int:
@@ -403,6 +432,75 @@ class ItemPartitionState:
         self.touched.clear()
         self.features_due.update(touched)
         return touched
+
+    def begin_flush(self) -> Flush:
+        """Sweep, then take everything a persist writes (``Flush``)."""
+        self.sweep()
+        evicted, self.evicted = self.evicted, []
+        slots, anchors = self.take_touched(), self.covisit.take_dirty()
+        return Flush(slots, anchors, evicted, self.covisit.take_dropped())
+
+    def abort_flush(self, flush: Flush) -> None:
+        """A flush that was not written: everything it took is due again."""
+        self.touched.update(flush.slots)
+        self.covisit.dirty.update(flush.anchors)
+        self.evicted = flush.evicted + self.evicted
+        self.covisit.dropped.update(flush.dropped)
+
+    # ------------------------------------------------------------------------- eviction
+    def take_evictions(self) -> dict[str, int]:
+        out = dict(self.evictions)
+        self.evictions = dict.fromkeys(out, 0)
+        return out
+
+    def sweep(self) -> int:
+        """Evict idle items (decayed total below ``evict_below``; once per ``evict_every_ms``
+        of event time) and, past ``max_items``, the least active down to nine tenths of it.
+        An evicted item's next event starts it from zero, which is what its counts had
+        decayed to. Returns how many left."""
+        c = self.config
+        n = self.n_items
+        due = c.evict_below > 0 and self.watermark_ms - self._swept_ms >= c.evict_every_ms
+        if n == 0 or not (due or n > c.max_items):
+            return 0
+        activity = self.decay.value_at(self.counts[:n, 0, :].sum(axis=1), self.watermark_ms)
+        gone = np.zeros(n, bool)
+        if due:
+            self._swept_ms = self.watermark_ms
+            gone = activity < c.evict_below
+            self.evictions["idle"] += int(gone.sum())
+        over = n - int(gone.sum()) - c.max_items
+        if over > 0:
+            extra = over + c.max_items // 10
+            order = np.argsort(np.where(gone, -np.inf, activity), kind="stable")
+            cut = order[int(gone.sum()) : int(gone.sum()) + extra]
+            gone[cut] = True
+            self.evictions["cap"] += len(cut)
+        if gone.any():
+            self._evict(gone)
+        return int(gone.sum())
+
+    def _evict(self, gone: np.ndarray) -> None:
+        keep = np.flatnonzero(~gone)
+        renumber = np.full(len(gone), -1, np.int64)
+        renumber[keep] = np.arange(len(keep))
+        left = [self.item_ids[i] for i in np.flatnonzero(gone)]
+        self.evicted.extend(left)
+        self.item_ids = [self.item_ids[i] for i in keep]
+        self.slots = dict(zip(self.item_ids, range(len(keep)), strict=True))
+        self.counts = self.counts[keep]
+        self.price = self.price[keep]
+        self._names = np.empty(0, dtype=object)
+
+        def moved(slots) -> list[int]:
+            return [int(renumber[s]) for s in slots if renumber[s] >= 0]
+
+        self.touched = set(moved(self.touched))
+        self.features_due = set(moved(self.features_due))
+        self.new_slots = moved(self.new_slots)
+        # an anchor's list is a share of its own clicks: with the item gone, so is its list
+        # (and lists of anchors that never had counted clicks of their own)
+        self.covisit.drop([a for a in self.covisit.counts if a not in self.slots])
 
     def take_features_due(self) -> list[int]:
         due = sorted(self.features_due)

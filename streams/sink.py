@@ -11,7 +11,10 @@ from freshrec.neighbours import serving_list
 from freshrec.redisconn import Packed, check_exec, run_packed_async
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Fields, float_text, pack, pack_pairs, pack_ragged
-from streams.item_state import ItemPartitionState
+from streams.item_state import Flush, ItemPartitionState
+
+FEATURES = ("impressions", "clicks", "conversions", "ctr", "cvr", "hot")
+"""The serving features written per item (``item:{name}:{sN}``)."""
 
 
 class StreamsSink:
@@ -29,33 +32,53 @@ class StreamsSink:
         return {i: float(v) for i, v in zip(item_ids, values, strict=True) if v is not None}
 
     async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> None:
-        """Per partition: state rows of touched items and the meta (with applied offsets) in
-        one MULTI/EXEC (the two keys share the partition's hash tag), so a crash leaves each
+        """Per partition: state rows of touched items, the removal of evicted items (their
+        rows, features and co-visitation lists) and the meta (with applied offsets) in one
+        MULTI/EXEC (the keys share the partition's hash tag), so a crash leaves each
         partition with all of a flush or none of it; all partitions in one round trip (one
         per node of a cluster). The touched items' serving features follow in the next
-        publish round. Commands are packed here (``freshrec/resp.py``): redis-py's asyncio
-        packer was most of a count batch's time."""
+        publish round. A write that fails gives back all it took, so the retry writes it
+        whole. Commands are packed here (``freshrec/resp.py``): redis-py's asyncio packer
+        was most of a count batch's time."""
         entries = []
-        for partition, state in states:
-            commands = self._persist_commands(partition, state)
-            if commands:
-                payload = b"".join([pack(b"MULTI"), *commands, pack(b"EXEC")])
-                key = self.keys.streams_meta(partition).encode()
-                entries.append(Packed(key, payload, len(commands) + 2))
-        for replies in await run_packed_async(self.redis, entries):
-            # a command that failed inside EXEC (OOM at maxmemory, a key of the wrong type)
-            # is an error in its list: raised, so the batch is neither acknowledged nor its
-            # offsets taken as persisted, and the snapshot is written again
-            check_exec(replies[-1], "persisting counts")
+        flushes = []
+        try:
+            for partition, state in states:
+                flush = state.begin_flush()
+                flushes.append((state, flush))
+                commands = self._persist_commands(partition, state, flush)
+                if commands:
+                    payload = b"".join([pack(b"MULTI"), *commands, pack(b"EXEC")])
+                    key = self.keys.streams_meta(partition).encode()
+                    entries.append(Packed(key, payload, len(commands) + 2))
+            for replies in await run_packed_async(self.redis, entries):
+                # a command that failed inside EXEC (OOM at maxmemory, a key of the wrong
+                # type) is an error in its list: raised, so the batch is neither acknowledged
+                # nor its offsets taken as persisted, and the snapshot is written again
+                check_exec(replies[-1], "persisting counts")
+        except BaseException:
+            for state, flush in flushes:
+                state.abort_flush(flush)
+            raise
 
-    def _persist_commands(self, partition: int, state: ItemPartitionState) -> list[bytes]:
-        touched = state.take_touched()
-        anchors = state.covisit.take_dirty()
-        if not touched and not anchors:
+    def _persist_commands(
+        self, partition: int, state: ItemPartitionState, flush: Flush
+    ) -> list[bytes]:
+        touched, anchors, evicted, dropped = flush
+        if not (touched or anchors or evicted or dropped):
             return []
         k = self.keys
         meta = state.snapshot_meta()
         commands = []
+        # removals first: an id evicted and seen again since is written back after them
+        if evicted:
+            ids = [i.encode() for i in evicted]
+            for key in [k.streams_rows(partition), *self._feature_keys(partition)]:
+                commands.append(pack(b"HDEL", key.encode(), *ids))
+        if dropped:
+            ids = [a.encode() for a in dropped]
+            for key in (k.streams_covisit(partition), k.covisit(partition)):
+                commands.append(pack(b"HDEL", key.encode(), *ids))
         if touched:
             rows = state.snapshot_matrix(touched)
             # every command over many items is packed with numpy, not pair by pair (at a
@@ -87,12 +110,17 @@ class StreamsSink:
         )
         return commands
 
+    def _feature_keys(self, partition: int) -> list[str]:
+        """Every hash holding a serving feature of the partition's items."""
+        k = self.keys
+        return [k.item_feature(n, partition) for n in FEATURES] + [k.item_features_as_of(partition)]
+
     def covisit_commands(
-        self, partition: int, state: ItemPartitionState, neighbours: int
+        self, partition: int, state: ItemPartitionState, anchors: list[str], neighbours: int
     ) -> tuple[list[Packed], list[int]]:
-        """The serving lists of the anchors counted since the last call (``covisit:{sN}``),
-        and each one's newest pair's event time (how fresh the list is)."""
-        anchors = state.covisit.take_published()
+        """The serving lists of ``anchors`` (``covisit:{sN}``; those counted since the last
+        round: ``CoVisitCounts.take_published``), and each one's newest pair's event time
+        (how fresh the list is)."""
         if not anchors:
             return [], []
         key = self.keys.covisit(partition).encode()
@@ -103,11 +131,12 @@ class StreamsSink:
         newest = [state.covisit.newest_ms.get(a, 0) for a in anchors]
         return [Packed(key, command, 1)], newest
 
-    def feature_commands(self, partition: int, state: ItemPartitionState) -> list[Packed]:
+    def feature_commands(
+        self, partition: int, state: ItemPartitionState, due: list[int]
+    ) -> list[Packed]:
         """The serving features (``item:{impressions,…,hot}:{sN}``, ``item:as_of_ms:{sN}``)
-        of the partition's items persisted since the last call, decayed to the partition's
-        event time."""
-        due = state.take_features_due()
+        of the items in slots ``due`` (those persisted since the last round:
+        ``ItemPartitionState.take_features_due``), decayed to the partition's event time."""
         if not due:
             return []
         k = self.keys
@@ -119,14 +148,8 @@ class StreamsSink:
         hot = hot_scores(dec[:, 1], cvr, pn, state.config.weights)
         ids = _fields(state, due)
         out = []
-        for name, values in (
-            ("impressions", dec[:, 0]),
-            ("clicks", dec[:, 1]),
-            ("conversions", dec[:, 2]),
-            ("ctr", ctr),
-            ("cvr", cvr),
-            ("hot", hot),
-        ):
+        columns = (dec[:, 0], dec[:, 1], dec[:, 2], ctr, cvr, hot)
+        for name, values in zip(FEATURES, columns, strict=True):
             key = k.item_feature(name, partition).encode()
             out.append(Packed(key, pack_ragged(b"HSET", key, ids, float_text(values)), 1))
         # the event time these counts are decayed to; items untouched since keep older ones

@@ -399,7 +399,8 @@ async def test_a_command_that_fails_inside_exec_fails_the_persist_instead_of_pas
     """Redis runs the rest of a transaction when one command in it fails (a key of the wrong
     type here; OOM at maxmemory alike) and reports it inside EXEC's reply: the sink raises a
     retriable error, so the batch is not acknowledged as persisted, and the same snapshot
-    goes through once the key is writable."""
+    goes through once the key is writable: the failed write gave back all it took (the
+    touched rows were once taken for good, and a retry wrote the offsets without them)."""
     from freshrec.redisconn import TransactionFailed
     from streams.item_state import ItemPartitionState, StateConfig
     from streams.sink import StreamsSink
@@ -415,10 +416,51 @@ async def test_a_command_that_fails_inside_exec_fails_the_persist_instead_of_pas
             await sink.persist([(0, state)])
         assert info.value.retriable
         await client.delete(keys.streams_rows(0))
-        state.touched.update(range(state.n_items))  # the same snapshot, sent again
-        await sink.persist([(0, state)])
+        await sink.persist([(0, state)])  # the retry, as until_redis_answers makes it
         again = await sink.restore(0, StateConfig())
         assert again.applied == {0: 5} and again.n_items == 1
+        assert again.snapshot_rows([0]) == state.snapshot_rows([0])
+    finally:
+        await client.aclose()
+
+
+async def test_an_evicted_item_leaves_redis_with_the_flush_that_evicts_it(any_conn):
+    """Eviction is persisted like counting: the item's state row, serving features and
+    co-visitation list leave in the flush's transaction, and a restored partition holds
+    exactly the items the live one does."""
+    from streams.decay import HOUR_MS
+    from streams.item_state import CLICK, ItemPartitionState, StateConfig
+    from streams.sink import StreamsSink
+
+    keys = RedisKeys(any_conn.topic_prefix)
+    client = await connect_async(any_conn.redis_url)
+    config = StateConfig(evict_below=0.01)
+    t0 = 1_767_225_600_000
+    try:
+        sink = StreamsSink(client, keys)
+        state = ItemPartitionState(config)
+        state.apply([(0, 1, "old", CLICK, t0, None, 0), (0, 2, "busy", CLICK, t0, None, 0)])
+        state.apply_pairs(["old"], ["busy"], [0], [2], [t0])
+        await sink.persist([(0, state)])
+        anchors = state.covisit.take_published()
+        await sink.write(
+            sink.feature_commands(0, state, state.take_features_due())
+            + sink.covisit_commands(0, state, anchors, 10)[0]
+        )
+        assert await client.hexists(keys.item_feature("clicks", 0), "old")
+        assert await client.hexists(keys.covisit(0), "old")
+        state.apply([(0, 3, "busy", CLICK, t0 + 100 * HOUR_MS, None, 0)])
+        await sink.persist([(0, state)])
+        assert state.item_ids == ["busy"]
+        for key in (
+            keys.streams_rows(0), keys.streams_covisit(0), keys.covisit(0),
+            keys.item_feature("clicks", 0), keys.item_feature("hot", 0),
+            keys.item_features_as_of(0),
+        ):  # fmt: skip
+            assert not await client.hexists(key, "old"), key
+        back = await sink.restore(0, config)
+        assert back.item_ids == ["busy"] and back.applied == {0: 3}
+        assert back.snapshot_rows([0]) == state.snapshot_rows([0])
     finally:
         await client.aclose()
 

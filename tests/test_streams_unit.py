@@ -604,3 +604,62 @@ def test_co_visitation_memory_is_bounded_and_pruning_is_deterministic():
     assert again.counts == counts[0].counts and again.published == {"a"}
     again.rescale(0.5)
     assert again.counts["a"] == {b: v / 2 for b, v in counts[0].counts["a"].items()}
+
+
+# ------------------------------------------------------------------------------ eviction
+def test_an_idle_item_leaves_the_state_and_comes_back_from_zero():
+    """An item whose decayed counts fell below evict_below leaves at the next sweep (its
+    Redis fields with the next flush); the others keep their counts under new slots, and the
+    idle item's next event counts from zero, as its decayed counts had nearly reached."""
+    s = make_state(evict_below=0.01)
+    s.apply([(0, 1, "old", CLICK, T0, None, 0), (0, 2, "busy", CLICK, T0, None, 0)])
+    s.apply([(0, o, "busy", CLICK, T0 + 100 * HOUR_MS, None, 0) for o in range(3, 8)])
+    s.set_prices({"busy": 10.0})
+    before = float(s.decayed_clicks(s.watermark_ms)[s.slots["busy"], 0])
+    assert s.sweep() == 1  # 0.95^100 ≈ 0.006 of a click left of "old"
+    assert s.item_ids == ["busy"] and s.slots == {"busy": 0}
+    assert float(s.decayed_clicks(s.watermark_ms)[0, 0]) == before and s.price[0] == 10.0
+    flush = s.begin_flush()
+    assert flush.evicted == ["old"] and flush.slots == [0]
+    assert s.take_evictions() == {"idle": 1, "cap": 0}
+    assert s.sweep() == 0  # not due again within the hour
+    s.apply([(0, 8, "old", CLICK, T0 + 100 * HOUR_MS, None, 0)])
+    assert float(s.decayed_clicks(s.watermark_ms)[s.slots["old"], 0]) == pytest.approx(1.0)
+
+
+def test_past_the_cap_the_least_active_items_leave_whatever_their_age():
+    s = make_state(evict_below=0.0, max_items=10)
+    s.apply([(0, o, f"i{o:02d}", CLICK, T0, None, 0) for o in range(20) for _ in range(o % 5 + 1)])
+    s.take_touched()
+    s.apply([(0, 100, "i00", CLICK, T0, None, 0)])  # touched since: leaves all the same
+    activity = dict(zip(s.item_ids, s.decayed_clicks(T0)[:, 0], strict=True))
+    assert s.sweep() == 11  # to nine tenths of the cap
+    kept = set(s.item_ids)
+    assert len(kept) == 9 and min(activity[i] for i in kept) >= max(
+        activity[i] for i in activity if i not in kept
+    )
+    assert s.touched <= set(range(9)) and s.take_evictions()["cap"] == 11
+    assert sorted(s.slots.values()) == list(range(9))
+
+
+def test_an_evicted_anchor_takes_its_co_visitation_counts_with_it():
+    s = make_state(evict_below=0.01)
+    s.apply([(0, 1, "a", CLICK, T0, None, 0), (0, 2, "b", CLICK, T0 + 100 * HOUR_MS, None, 0)])
+    s.apply_pairs(
+        ["a", "b", "ghost"], ["b", "a", "b"], [0, 0, 0], [3, 3, 3], [T0 + 100 * HOUR_MS] * 3
+    )
+    flush = s.begin_flush()
+    assert s.item_ids == ["b"] and set(s.covisit.counts) == {"b"}
+    # "a" was counted and evicted; "ghost" never had counted clicks of its own
+    assert flush.evicted == ["a"] and flush.dropped == ["a", "ghost"]
+
+
+def test_a_flush_that_failed_is_given_back_whole():
+    s = make_state(evict_below=0.01)
+    s.apply([(0, 1, "a", CLICK, T0, None, 0), (0, 2, "b", CLICK, T0 + 100 * HOUR_MS, None, 0)])
+    s.apply_pairs(["b"], ["c"], [0], [3], [T0 + 100 * HOUR_MS])
+    s.covisit.drop(["zz"])  # nothing to drop: no-op
+    first = s.begin_flush()
+    assert first.evicted == ["a"] and first.anchors == ["b"] and first.slots == [0]
+    s.abort_flush(first)
+    assert s.begin_flush() == first
