@@ -40,6 +40,18 @@ LAG_BUCKETS_S = (
     1, 1.5, 2, 3, 5, 10, 30, 60,
 )  # fmt: skip
 
+# -------------------------------------------------------------------------------- redis
+REDIS_UNAVAILABLE = Counter(
+    "freshrec_redis_unavailable_total",
+    "Redis calls that failed for a reason that passes and will be made again, by reason: "
+    "down (no answer) or the refusal (oom at maxmemory, clusterdown, tryagain, loading, …)",
+    ["reason"],
+)
+REDIS_WAITING = Gauge(
+    "freshrec_redis_waiting",
+    "Operations of this process waiting for Redis to answer or take them (0: none)",
+)
+
 # ------------------------------------------------------------------------------ streams
 STREAMS_EVENTS = Counter(
     "freshrec_streams_events_total", "Events read by the streams app, by outcome", ["outcome"]
@@ -204,7 +216,17 @@ REQUESTS = Counter(
     "(served, expired, duplicate, invalid, revoked)",
     ["outcome"],
 )
-REPLIES = Counter("freshrec_replies_total", "Replies sent, by tier", ["tier"])
+REPLIES = Counter("freshrec_replies_total", "Replies sent, by tier and mode", ["tier", "mode"])
+MODE_INFO = Gauge(
+    "freshrec_mode_info", "The serving mode this worker serves in (1 for the current one)", ["mode"]
+)
+MODE_RECORDS = Counter(
+    "freshrec_mode_records_total",
+    "Control records read, by outcome: adopted (the mode switched), same (already in it), "
+    "older (written before the one adopted), "
+    "unknown_mode (not a mode this worker knows: kept its mode), invalid (not a control record)",
+    ["outcome"],
+)
 FEEDBACK = Counter(
     "freshrec_feedback_events_total",
     "Impressions, clicks and conversions naming a reply, by the tier that served it (unknown: "
@@ -213,8 +235,8 @@ FEEDBACK = Counter(
 )
 REQUEST_SECONDS = Histogram(
     "freshrec_request_seconds",
-    "Request latency per stage (queue, recall, rank, rerank, total) and tier",
-    ["stage", "tier"],
+    "Request latency per stage (queue, recall, rank, rerank, total), tier and serving mode",
+    ["stage", "tier", "mode"],
     buckets=LAG_BUCKETS_S,
 )
 REQUEST_BATCH_SIZE = Histogram(

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import redis
 
+from freshrec import metrics as m
 from freshrec.errors import FreshRecError
 
 T = TypeVar("T")
@@ -48,23 +49,45 @@ def is_outage(exc: BaseException) -> bool:
     return False
 
 
+def outage_reason(exc: BaseException) -> str:
+    """The metric label of a failure ``is_outage`` waits out.
+
+    >>> outage_reason(redis.ResponseError("OOM command not allowed")), outage_reason(
+    ...     redis.ConnectionError("refused"))
+    ('oom', 'down')
+    """
+    if isinstance(exc, redis.ResponseError):
+        return str(exc).split(" ", 1)[0].lower()
+    return "down" if isinstance(exc, REDIS_DOWN) else "retriable"
+
+
 class _Waiting:
-    """The log lines of one wait: the first failure, then the recovery."""
+    """One wait: the first failure's log line and the recovery's, a failed attempt counted
+    by its reason (``freshrec_redis_unavailable_total``), and the wait itself on the gauge
+    ``freshrec_redis_waiting`` while it lasts."""
 
     def __init__(self, what: str) -> None:
         self.what = what
         self.since: float | None = None
 
     def failed(self, exc: BaseException) -> bool:
+        m.REDIS_UNAVAILABLE.labels(outage_reason(exc)).inc()
         first = self.since is None
         if first:
             self.since = time.monotonic()
+            m.REDIS_WAITING.inc()
             log.warning("%s: Redis unavailable (%s); waiting for it", self.what, exc)
         return first
 
     def done(self) -> None:
         if self.since is not None:
             log.info("%s: Redis is back after %.1fs", self.what, time.monotonic() - self.since)
+
+    def end(self) -> None:
+        """The wait is over, whichever way (``done``, or an error not waited out)."""
+        if self.since is not None:
+            m.REDIS_WAITING.dec()
+            self.since = None
 
 
 def until_redis_answers(
@@ -79,19 +102,22 @@ def until_redis_answers(
     runs before each wait (pause consumption, poll to keep the group) and
     ``while_waiting``'s owner learns the wait ended by ``op`` returning."""
     waiting = _Waiting(what)
-    while True:
-        try:
-            result = op()
-        except Exception as exc:
-            if not is_outage(exc):
-                raise
-            first = waiting.failed(exc)
-            if while_waiting is not None:
-                while_waiting(first)
-            sleep(wait_s)
-            continue
-        waiting.done()
-        return result
+    try:
+        while True:
+            try:
+                result = op()
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                first = waiting.failed(exc)
+                if while_waiting is not None:
+                    while_waiting(first)
+                sleep(wait_s)
+                continue
+            waiting.done()
+            return result
+    finally:
+        waiting.end()
 
 
 async def until_redis_answers_async(
@@ -99,14 +125,17 @@ async def until_redis_answers_async(
 ) -> T:
     """``await op()``, again every ``wait_s`` while Redis is unreachable."""
     waiting = _Waiting(what)
-    while True:
-        try:
-            result = await op()
-        except Exception as exc:
-            if not is_outage(exc):
-                raise
-            waiting.failed(exc)
-            await asyncio.sleep(wait_s)
-            continue
-        waiting.done()
-        return result
+    try:
+        while True:
+            try:
+                result = await op()
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                waiting.failed(exc)
+                await asyncio.sleep(wait_s)
+                continue
+            waiting.done()
+            return result
+    finally:
+        waiting.end()

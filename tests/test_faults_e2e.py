@@ -1,6 +1,6 @@
 """Faults against real processes under a steady load (``tools/drill_faults.py``, shorter):
-the broker frozen for 12 s (longer than the session timeout), Redis killed and restarted, a worker
-joining and one leaving. Nothing is lost, every request is answered or times out at the
+the broker frozen for 12 s (longer than the session timeout), Redis killed and restarted, Redis
+at maxmemory, a worker joining and one leaving. Nothing is lost, every request is answered or times out at the
 client, and the services recover by themselves."""
 
 from __future__ import annotations
@@ -52,6 +52,24 @@ def test_redis_killed_and_restarted_loses_nothing_and_serving_recovers(model_dir
     )
     _checks(r)
     assert r["gradient_rows"]["applied_beyond_sent"] == 0, r["gradient_rows"]
+
+
+@pytest.mark.timeout(400)
+def test_redis_at_maxmemory_is_waited_out_and_loses_nothing(model_dir, tmp_path):
+    """Every write refused with OOM for 5 s: the streams app, the parameter server and the
+    workers wait it out (counted by reason) and resume; nothing is lost or applied twice."""
+    r = run_scenario(
+        "redis_full",
+        model_dir,
+        rate=200,
+        requests=5,
+        outage_s=5,
+        settle_s=5,
+        workdir=tmp_path,
+    )
+    _checks(r)
+    assert r["gradient_rows"]["applied_beyond_sent"] == 0, r["gradient_rows"]
+    assert r["redis_calls_waited_out"].get("oom", 0) > 0, r["redis_calls_waited_out"]
 
 
 @pytest.mark.timeout(400)

@@ -10,6 +10,8 @@ app, the parameter server and workers as their own processes, with synthetic eve
   gradient deliveries fail during it and are produced again;
 - ``redis_restart``: Redis SIGKILLed, restarted ``--outage`` seconds later on its port and
   files;
+- ``redis_full``: Redis at ``maxmemory`` for ``--outage`` seconds (``maxmemory`` 1 byte,
+  ``noeviction``: every write is refused with ``OOM``, reads are served), then lifted;
 - ``rebalance``: a second worker joins under load, then the first leaves (SIGTERM).
 
 Per scenario: events produced / counted by the streams app / learnt by the workers (at least
@@ -18,10 +20,11 @@ before it leaves, so what it learns while leaving is missing), and whether the w
 committed every ``events`` partition to its end (a worker commits an event only once its
 gradients are delivered: every event learnt); requests sent / answered / timed out / answered
 twice; gradient rows applied beyond those sent (a message applied twice); the seconds from
-the fault's end to the first reply; whether every service is alive at the end.
+the fault's end to the first reply; whether every service is alive at the end; the Redis calls
+the services waited out, by reason (``freshrec_redis_unavailable_total``).
 
     .venv/bin/python -m tools.drill_faults [--scenarios broker_pause,redis_restart,rebalance]
-        [--rate 500] [--requests 10] [--pause 20] [--outage 10]
+        [--rate 500] [--requests 10] [--pause 20] [--outage 10]  (also: redis_full)
 
 Writes artifacts/drill_faults.json (``--out``). Needs nothing running. The tests run the same
 scenarios, shorter (``tests/test_faults_e2e.py``).
@@ -41,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis as redis_lib
 from confluent_kafka.admin import AdminClient
 
 from freshrec.app.stack import EmbeddedStack, free_port, redis_binary
@@ -59,7 +63,7 @@ from tools.seed import seed_world
 
 WORLD = WorldConfig(seed=5, n_users=3000, n_items=400, n_categories=8)
 DIM = 16
-SCENARIOS = ("broker_pause", "redis_restart", "rebalance")
+SCENARIOS = ("broker_pause", "redis_restart", "redis_full", "rebalance")
 
 
 class DurableRedis:
@@ -72,8 +76,6 @@ class DurableRedis:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 20.0) -> None:
-        import redis as redis_lib
-
         self.directory.mkdir(parents=True, exist_ok=True)
         argv = [
             redis_binary(),
@@ -275,6 +277,13 @@ def run_scenario(
             pipe.redis.kill()
             time.sleep(outage_s)
             pipe.redis.start()
+        elif scenario == "redis_full":
+            store = redis_lib.Redis.from_url(pipe.redis.url)
+            store.config_set("maxmemory-policy", "noeviction")
+            store.config_set("maxmemory", 1)
+            time.sleep(outage_s)
+            store.config_set("maxmemory", 0)
+            store.close()
         elif scenario == "rebalance":
             pipe.start("worker-b", "worker")
             workers.append("worker-b")
@@ -325,6 +334,12 @@ def run_scenario(
         # a worker that left took its counters with it: rows sent are known without a leaver
         beyond = None if learnt_by_leaver else max(0, int(applied - rows_sent))
         after = [t for t in load.stats.replies_at if t >= fault_over]
+        waited: dict[str, float] = {}
+        for name in pipe.ports:
+            if name != "worker-a" or name in workers:
+                series = scrape_port(pipe.ports[name]).get("freshrec_redis_unavailable_total", [])
+                for labels, value in series:
+                    waited[labels["reason"]] = waited.get(labels["reason"], 0) + value
         return {
             "scenario": scenario,
             "events": {
@@ -348,6 +363,7 @@ def run_scenario(
                 "applied_beyond_sent": beyond,
             },
             "recovery_s": round(after[0] - fault_over, 2) if after else None,
+            "redis_calls_waited_out": waited,
             "alive": {n: up for n, up in pipe.alive().items() if n != "worker-a" or n in workers},
         }
     finally:
