@@ -1,0 +1,229 @@
+"""Drill: a flood of ids never seen before, and whether memory stops growing.
+
+Runs the streams app, the parameter server and a worker as their own processes on a private
+broker and Redis (``tools/drill_faults.py``'s pipeline), then produces valid click events at
+``--rate`` per second for ``--duration`` seconds, each naming a new item id with probability
+``--new-items`` (else one of the last thousand named) and a new user id with probability
+``--new-users`` (else a recent one, so users click several items and make co-visitation
+pairs). Every ``--every`` seconds it samples each service's resident memory (the process and
+its children, from ``/proc``) and Redis's ``used_memory``.
+
+The services run with every bound this flood meets set low, so that they bind within the
+drill (``BOUNDS``): the streams app's items per partition, the worker's item table and user
+rows, the dedupe windows, the co-visitation users, and a row TTL of a minute for what only a
+TTL bounds (rows and recent clicks in Redis, rows in the parameter server's memory). A bound
+that holds shows as a plateau: the report gives each series' level at a third, two thirds and
+the end of the flood, and its growth over the last third against its level.
+
+    .venv/bin/python -m tools.drill_flood [--rate 2000] [--duration 240] [--every 5]
+
+Writes artifacts/drill_flood.json (``--out``) and the plot ``--plot``
+(docs/drill_flood.png). Needs nothing running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+import redis as redis_lib
+
+from freshrec.kafka import produce
+from freshrec.sim.pacing import Pacer
+from freshrec.sim.produce import DeliveryCounter, events_producer
+from freshrec.topics import TopicNames
+from tools.benchlib import save
+from tools.drill_faults import Pipeline, train_models
+
+BOUNDS = {
+    "FRESHREC_STREAMS_MAX_ITEMS": "5000",
+    "FRESHREC_MAX_ITEM_ROWS": "20000",
+    "FRESHREC_USER_CACHE_ROWS": "20000",
+    "FRESHREC_DEDUPE_WINDOW": "20000",
+    "FRESHREC_COVISIT_USERS": "20000",
+    "FRESHREC_ROW_TTL_S": "60",
+}
+"""Each bound the flood meets, set so that it binds within a few minutes."""
+
+SERVICES = ("streams", "param-server", "worker")
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of a process and its descendants (Linux ``/proc``); 0 once gone."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(c) for c in task.read_text().split())
+    return total
+
+
+class Flood:
+    """Click events naming new ids, produced at a steady rate from a thread of its own."""
+
+    def __init__(self, pipe: Pipeline, rate: float, new_items: float, new_users: float) -> None:
+        self.pipe, self.rate = pipe, rate
+        self.new_items, self.new_users = new_items, new_users
+        self.stop = threading.Event()
+        self.counter = DeliveryCounter()
+        self.sent = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rng = random.Random(7)
+        topic = TopicNames(self.pipe.conn.topic_prefix).events
+        producer = events_producer(self.pipe.conn)
+        items: list[str] = []
+        users: list[str] = []
+
+        def pick(recent: list[str], p_new: float) -> str:
+            if not recent or rng.random() < p_new:
+                recent.append(uuid.uuid4().hex)
+                del recent[:-1000]
+                return recent[-1]
+            return rng.choice(recent)
+
+        pacer = Pacer(self.rate, time.monotonic())
+        while not self.stop.is_set():
+            want = pacer.to_send(time.monotonic(), self.sent)
+            now_ms = int(time.time() * 1000)
+            for _ in range(want):
+                user = pick(users, self.new_users)
+                event = {
+                    "event_id": uuid.uuid4().hex,
+                    "event_type": "click",
+                    "user_id": user,
+                    "item_id": pick(items, self.new_items),
+                    "ts_ms": now_ms,
+                    "schema_version": 1,
+                }
+                produce(
+                    producer, topic, orjson.dumps(event), user.encode(), on_delivery=self.counter
+                )
+            self.sent += want
+            producer.poll(0)
+            self.stop.wait(0.01)
+        producer.flush(30)
+
+
+def plateau(samples: list[tuple[float, float]]) -> dict:
+    """A series' level at a third, two thirds and the end, and its growth over the last
+    third as a share of its level there."""
+    n = len(samples)
+    at = [samples[min(n - 1, max(0, round(n * f) - 1))][1] for f in (1 / 3, 2 / 3, 1.0)]
+    growth = (at[2] - at[1]) / at[1] if at[1] else None
+    return {
+        "third": at[0],
+        "two_thirds": at[1],
+        "end": at[2],
+        "last_third_growth": None if growth is None else round(growth, 4),
+    }
+
+
+def run(rate: float, duration_s: float, every_s: float, new_items: float, new_users: float):
+    models = train_models(Path(tempfile.mkdtemp(prefix="freshrec-flood-models-")))
+    workdir = Path(tempfile.mkdtemp(prefix="freshrec-flood-"))
+    pipe = Pipeline(workdir, models, message_timeout_ms=0)
+    pipe.env.update(BOUNDS)
+    try:
+        for name in SERVICES:
+            pipe.start(name, name)
+        pipe.wait_assigned(list(SERVICES))
+        store = redis_lib.Redis.from_url(pipe.redis.url)
+        flood = Flood(pipe, rate, new_items, new_users)
+        series: dict[str, list[tuple[float, float]]] = {s: [] for s in (*SERVICES, "redis")}
+        counted: list[tuple[float, float]] = []
+        start = time.monotonic()
+        flood.thread.start()
+        while (t := time.monotonic() - start) < duration_s:
+            for name in SERVICES:
+                series[name].append((t, tree_rss_bytes(pipe.procs[name].pid)))
+            series["redis"].append((t, float(store.info("memory")["used_memory"])))
+            counted.append((t, pipe.metric("streams", "freshrec_streams_counted_events_total")))
+            print(
+                f"  {t:5.0f} s  events {flood.sent:,}  "
+                + "  ".join(f"{k} {v[-1][1] / 2**20:,.0f} MiB" for k, v in series.items()),
+                flush=True,
+            )
+            time.sleep(every_s)
+        flood.stop.set()
+        flood.thread.join(60)
+        evicted = {
+            reason: pipe.metric("streams", "freshrec_streams_items_evicted_total", reason=reason)
+            for reason in ("idle", "cap")
+        }
+        return {
+            "events": {
+                "sent": flood.sent,
+                "delivered": flood.counter.delivered,
+                "failed": flood.counter.failed,
+                "counted": counted[-1][1] if counted else 0,
+            },
+            "streams_items_held": pipe.metric("streams", "freshrec_streams_items"),
+            "streams_items_evicted": evicted,
+            "worker_rows_evicted": pipe.metric("worker", "freshrec_cache_rows_evicted_total"),
+            "alive": pipe.alive(),
+            "plateau": {k: plateau(v) for k, v in series.items()},
+            "series": {k: [[round(t, 1), int(v)] for t, v in s] for k, s in series.items()},
+            "counted_series": [[round(t, 1), int(v)] for t, v in counted],
+        }
+    finally:
+        pipe.close()
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, points in result["series"].items():
+        ax.plot([t for t, _ in points], [v / 2**20 for _, v in points], label=name)
+    ax.set_xlabel("seconds of flood")
+    ax.set_ylabel("resident memory, MiB (Redis: used_memory)")
+    ax.set_title(
+        f"{result['events']['sent']:,} events naming new ids "
+        f"({result['settings']['rate']:,.0f}/s), bounds set low"
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=2000.0, help="events per second")
+    ap.add_argument("--duration", type=float, default=240.0, help="seconds of flood")
+    ap.add_argument("--every", type=float, default=5.0, help="seconds between samples")
+    ap.add_argument("--new-items", type=float, default=0.8, help="share of events, new item")
+    ap.add_argument("--new-users", type=float, default=0.5, help="share of events, new user")
+    ap.add_argument("--out", type=Path, default=Path("artifacts"))
+    ap.add_argument("--plot", type=Path, default=Path("docs/drill_flood.png"))
+    args = ap.parse_args()
+    result = run(args.rate, args.duration, args.every, args.new_items, args.new_users)
+    result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result["bounds"] = BOUNDS
+    plot(result, args.plot)
+    save("drill_flood", result, args.out)
+
+
+if __name__ == "__main__":
+    main()
