@@ -53,6 +53,26 @@ class SloSettings:
     """Seconds of event time the parameter server's rows may trail the workers' learning."""
     breaker_open_s: float = 120.0
     """How long a recall channel's breaker may stay open before it alerts."""
+    behind_warn_s: float = 10.0
+    """Seconds of event time behind that open a ticket before ``behind_s`` pages: seed A names
+    a parameter server more than 10 s behind as the risk of asynchronous updates."""
+    tier_full_s: float = 0.3
+    """p99 of a request served by the full tier (seed B's daily traffic: P99 ≤ 300 ms)."""
+    tier_cached_s: float = 0.05
+    """p99 of a request served from the cache (seed B: under 50 ms)."""
+    tier_light_s: float = 0.2
+    """p99 of a request served by the light model (seed B: under 200 ms)."""
+    tier_hot_s: float = 0.01
+    """p99 of a request served from the hot list (seed B: under 10 ms)."""
+
+    def tier_objectives(self) -> dict[str, float]:
+        """Each serving tier's p99 objective, seconds."""
+        return {
+            "full": self.tier_full_s,
+            "cached": self.tier_cached_s,
+            "light": self.tier_light_s,
+            "hot": self.tier_hot_s,
+        }
 
     def __post_init__(self) -> None:
         if not 0 < self.target < 1:

@@ -136,6 +136,26 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, dict[str, str]]] = {
         "10m",
         {},
     ),
+    "FreshrecParamServerLagging": (  # 15 s behind: over the ticket's 10 s, under the page's 30
+        [
+            ('freshrec_freshness_event_timestamp_seconds{stage="local"}', "1015+60x30"),
+            ('freshrec_freshness_event_timestamp_seconds{stage="global_applied"}', "1000+60x30"),
+        ],
+        "10m",
+        {},
+    ),
+    "FreshrecTierLatencySlow": (  # the cached tier's p99 near 75 ms against its 50 ms
+        [
+            ('freshrec_request_seconds_bucket{stage="total",tier="cached",le="0.05"}', "0+90x30"),
+            ('freshrec_request_seconds_bucket{stage="total",tier="cached",le="0.075"}', "0+97x30"),
+            ('freshrec_request_seconds_bucket{stage="total",tier="cached",le="0.1"}', "0+100x30"),
+            ('freshrec_request_seconds_bucket{stage="total",tier="cached",le="+Inf"}', "0+100x30"),
+            ('freshrec_request_seconds_bucket{stage="total",tier="full",le="0.1"}', "0+100x30"),
+            ('freshrec_request_seconds_bucket{stage="total",tier="full",le="+Inf"}', "0+100x30"),
+        ],
+        "10m",
+        {"tier": "cached"},
+    ),
 }
 
 VANISHED = {
@@ -168,6 +188,11 @@ HEALTHY = [
     ('freshrec_freshness_event_timestamp_seconds{stage="local"}', "1000+60x30"),
     ('freshrec_freshness_event_timestamp_seconds{stage="global_applied"}', "999+60x30"),
     ('freshrec_streams_events_total{outcome="valid"}', "0+600x30"),
+    ('freshrec_request_seconds_bucket{stage="total",tier="full",le="0.1"}', "0+99x30"),
+    ('freshrec_request_seconds_bucket{stage="total",tier="full",le="0.2"}', "0+100x30"),
+    ('freshrec_request_seconds_bucket{stage="total",tier="full",le="+Inf"}', "0+100x30"),
+    ('freshrec_request_seconds_bucket{stage="total",tier="hot",le="0.005"}', "0+100x30"),
+    ('freshrec_request_seconds_bucket{stage="total",tier="hot",le="+Inf"}', "0+100x30"),
 ]
 
 

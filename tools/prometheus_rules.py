@@ -56,6 +56,11 @@ def recording_rules(slo: SloSettings, window: str) -> list[dict]:
             f'(rate(freshrec_request_seconds_bucket{{stage="total"}}[{w}])))',
         ),
         rec(
+            f"freshrec:request_seconds:p99_by_tier_{w}",
+            "histogram_quantile(0.99, sum by (le, tier) "
+            f'(rate(freshrec_request_seconds_bucket{{stage="total"}}[{w}])))',
+        ),
+        rec(
             f"freshrec:replies:share_by_tier_{w}",
             f"sum by (tier) (rate(freshrec_replies_total[{w}])) / ignoring (tier) group_left "
             f"sum(rate(freshrec_replies_total[{w}]))",
@@ -189,6 +194,26 @@ def alerting_rules(slo: SloSettings, window: str, hold: dict[str, str]) -> list[
             hold["down"],
             "page",
             f"the parameter server's rows trail the workers' learning by over {slo.behind_s:g} s",
+        ),
+        alert(
+            "FreshrecParamServerLagging",
+            f"freshrec:global_applied_behind_seconds > {slo.behind_warn_s:g}",
+            hold["slo"],
+            "ticket",
+            f"the parameter server's rows trail the workers' learning by over "
+            f"{slo.behind_warn_s:g} s (pages at {slo.behind_s:g} s)",
+        ),
+        alert(
+            "FreshrecTierLatencySlow",
+            " or ".join(
+                f'freshrec:request_seconds:p99_by_tier_{w}{{tier="{tier}"}} > {bound:g}'
+                for tier, bound in slo.tier_objectives().items()
+            ),
+            hold["slo"],
+            "ticket",
+            "a serving tier's p99 is above its objective ("
+            + ", ".join(f"{t} {1000 * b:g} ms" for t, b in slo.tier_objectives().items())
+            + ")",
         ),
         alert(
             "FreshrecNoEvents",
