@@ -5,7 +5,9 @@ admin client.
 The rule the table keeps: a service writes only the topics it owns and reads only its
 inputs. Workers may write replies, gradients and their dead letters, never ``events``;
 clients may write requests and events and read (and create, and delete) their reply
-topics; nobody but the parameter servers writes ``embeddings.updates``. Consumer groups are
+topics; nobody but the parameter servers writes ``embeddings.updates``; no service writes
+``control`` (the serving mode: ``freshrec mode set`` as the admin, or a principal the
+deployment grants WRITE on it). Consumer groups are
 granted by prefix, as each service names its groups ``{prefix}freshrec-<service>…``.
 
 >>> [g for g in service_acls("")["worker"] if g.operation == "WRITE" and g.name == "events"]
@@ -54,7 +56,13 @@ def service_acls(prefix: str = "") -> dict[str, list[Grant]]:
         ],
         "worker": [
             *_topics(
-                "worker", prefix, "READ", "events", "recommend.requests", "embeddings.updates"
+                "worker",
+                prefix,
+                "READ",
+                "events",
+                "recommend.requests",
+                "embeddings.updates",
+                "control",
             ),
             *_topics("worker", prefix, "WRITE", "gradients", "recommend.requests.dlq"),
             # the shared reply topic and every client's own (recommend.replies.<client id>)

@@ -57,6 +57,15 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("hot.items", "scope (global / region)", 1, "streams app", "workers"),
     # The streams app's repartition of valid events by item: batches of compact records.
     TopicSpec("events.by_item", "none (explicit partition)", 8, "streams app", "streams app"),
+    # The serving mode every worker serves in (inference/serving/modes.py): the newest wins.
+    TopicSpec(
+        "control",
+        "mode",
+        1,
+        "operators (`freshrec mode set`)",
+        "every worker",
+        {"cleanup.policy": "compact"},
+    ),
 )
 
 BY_NAME: dict[str, TopicSpec] = {spec.name: spec for spec in CATALOGUE}
@@ -80,6 +89,7 @@ class TopicNames:
     embeddings_updates: str
     hot_items: str
     events_by_item: str
+    control: str
 
     def full(self, logical: str) -> str:
         return self.prefix + BY_NAME[logical].name

@@ -178,7 +178,7 @@ class RequestIntake:
                 self.queue.popleft() for _ in range(min(len(self.queue), self.policy.max_batch))
             ]
             live, expired = split_expired(
-                take, lambda b: b.deadline_ms(self.settings.serving.default_budget_ms), now_ms()
+                take, lambda b: b.deadline_ms(self.recommender.settings.default_budget_ms), now_ms()
             )
             for b in expired:
                 m.REQUESTS.labels("expired").inc()

@@ -29,8 +29,9 @@ from inference.learning.steps import LOSSES, LabelConfig
 from inference.models.kinds import served_rankers
 from inference.models.tiers import HeatSplit
 from inference.serving.breaker import BreakerConfig
-from inference.serving.channels import default_channels, parse_delays
+from inference.serving.channels import default_channels, parse_delays, parse_quotas
 from inference.serving.degrade import LadderConfig
+from inference.serving.modes import DAILY, ModeError, load_modes, mode_env
 from inference.serving.recommender import ServingSettings
 from schemas.codec import DeadLetterLimits
 
@@ -111,9 +112,36 @@ class WorkerSettings:
     """The reply topics a request may name (a regular expression the whole name matches;
     None: the shared reply topic and clients' own ``recommend.replies.<id>``)."""
     dead_letters: DeadLetterLimits = field(default_factory=DeadLetterLimits)
+    mode: str = DAILY
+    """The serving mode at start (``FRESHREC_MODE``; ``inference/serving/modes.py``); a control
+    record on the ``control`` topic switches it while running."""
+    modes: dict[str, ModeSettings] = field(default_factory=dict)
+    """Every mode's serving settings (the shipped modes and ``FRESHREC_MODES_FILE``'s)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
+        """The worker's settings, with every mode's built from them (a mode whose settings
+        are not valid is an error at start, naming the mode)."""
+        settings = cls._from_env(env)
+        path = env.get("FRESHREC_MODES_FILE") or None
+        try:
+            declared = load_modes(Path(path) if path else None)
+        except ModeError as exc:
+            raise SettingsError(f"FRESHREC_MODES_FILE: {exc}") from None
+        start = env.get("FRESHREC_MODE") or DAILY
+        if start not in declared:
+            raise SettingsError(f"FRESHREC_MODE={start!r}: one of {', '.join(sorted(declared))}")
+        modes = {}
+        for name, overrides in declared.items():
+            try:
+                one = cls._from_env(mode_env(env, overrides))
+            except SettingsError as exc:
+                raise SettingsError(f"mode {name}: {exc}") from None
+            modes[name] = ModeSettings(one.serving, one.max_batch, one.max_wait_ms)
+        return replace(settings, mode=start, modes=modes)
+
+    @classmethod
+    def _from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
         rows = RowSettings.from_env(env)
         hot = HotScoreSettings.from_env(env)
         models = model_dir(env)
@@ -157,6 +185,11 @@ class WorkerSettings:
             channels = {c: channels[c] for c in wanted}
         scale = env_float(env, "FRESHREC_RECALL_DEADLINE_SCALE", 1.0, positive=True)
         channels = {k: replace(v, deadline_ms=v.deadline_ms * scale) for k, v in channels.items()}
+        try:
+            quotas = parse_quotas(env.get("FRESHREC_RECALL_QUOTAS", ""))
+        except ValueError as exc:
+            raise SettingsError(f"FRESHREC_RECALL_QUOTAS: {exc}") from None
+        channels = {k: replace(v, quota=quotas.get(k, v.quota)) for k, v in channels.items()}
         serving = ServingSettings(
             candidates=env_int(env, "FRESHREC_CANDIDATES", 500, minimum=1),
             default_budget_ms=env_int(env, "FRESHREC_REQUEST_BUDGET_MS", 250, minimum=1),
@@ -220,6 +253,15 @@ class WorkerSettings:
             if env.get("FRESHREC_EXPERIMENTS_FILE")
             else None,
         )
+
+
+@dataclass(frozen=True)
+class ModeSettings:
+    """What a serving mode sets: the serving settings and the batching policy's."""
+
+    serving: ServingSettings
+    max_batch: int
+    max_wait_ms: int
 
 
 def _reply_pattern(env: Mapping[str, str]) -> str | None:

@@ -57,7 +57,7 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards, seed_starts
 from freshrec.service import Service
 from freshrec.topics import TopicNames
-from inference.batching import EventSlicer
+from inference.batching import BatchPolicy, EventSlicer
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter
 from inference.device import pick_device
@@ -73,10 +73,12 @@ from inference.offsets import OffsetGate
 from inference.serving.breaker import CLOSED, HALF_OPEN
 from inference.serving.channels import make_channels
 from inference.serving.liveexperiment import LiveExperiment
+from inference.serving.livemode import LiveMode
 from inference.serving.recall import RecallRunner
 from inference.serving.recommender import Recommender
 from inference.serving.snapshot import SnapshotRefresher
-from inference.settings import WorkerSettings
+from inference.settings import ModeSettings, WorkerSettings
+from inference.tables.bounds import evict_items, expire_items
 from inference.tables.cache import EmbeddingCache
 from inference.tables.recent import RecentClicks, with_seen
 from schemas.codec import decode_events
@@ -214,6 +216,10 @@ class Worker(Service):
             self.recommender,
             self.experiment,
         )
+        modes = settings.modes or {
+            settings.mode: ModeSettings(sv, settings.max_batch, settings.max_wait_ms)
+        }
+        self.mode = LiveMode(modes, settings.mode, self._use_mode)
         self.commits = OffsetCommitter(
             self.events,
             self.names.events,
@@ -251,11 +257,19 @@ class Worker(Service):
         self.snapshots.start()
         self.recommender.adopt_snapshot()
         n = self._partitions(self.names.embeddings_updates)
+        topics = self.producer.list_topics(timeout=15).topics
+        control = [TopicPartition(self.names.control, 0, OFFSET_BEGINNING)]  # every record
+        if self.names.control not in topics:
+            control = []
+            log.warning(
+                "no %s topic: the serving mode stays %s", self.names.control, self.mode.current
+            )
         self.updates.assign(
             [
                 TopicPartition(self.names.embeddings_updates, p, positions.get(p, OFFSET_BEGINNING))
                 for p in range(n)
             ]
+            + control
         )
         self.events.subscribe(
             [self.names.events, self.names.recommend_requests],
@@ -317,7 +331,11 @@ class Worker(Service):
         self._send_if_due()
         t3 = time.perf_counter()
         for msg in self.updates.consume(1000, 0):
-            if self._ok(msg):
+            if not self._ok(msg):
+                continue
+            if msg.topic() == self.names.control:
+                self.mode.on_record(msg.value())
+            else:
                 self.installer.on_update(msg.value())
         self.producer.poll(0)
         if self.installer.deferred:
@@ -372,6 +390,11 @@ class Worker(Service):
         if self.backlog and time.monotonic() >= self._events_retry_at:
             return 0.0
         return self.settings.poll_timeout_ms / 1000
+
+    def _use_mode(self, name: str, mode: ModeSettings) -> None:
+        """Serve the next batches in a mode (``LiveMode``): its serving settings and batching."""
+        self.recommender.use(mode.serving, name)
+        self.intake.policy = BatchPolicy(mode.max_batch, mode.max_wait_ms)
 
     def _model_changed(self, models) -> None:
         m.MODEL_INFO.clear()
@@ -539,35 +562,12 @@ class Worker(Service):
         self.outbox.forget_steps(table, ids)
 
     def expire_items(self, now_ms: int) -> int:
-        """Item rows that no event, broadcast update or catalogue load has touched for
-        ``row_ttl_s`` leave the table, their slots reused, unless the catalogue lists them.
-        The parameter server's rows expire after as long in Redis; touched again, such an
-        item is loaded from Redis if its row is still there, else created from its id."""
-        gone = self.cache.expire_items(
-            now_ms - self.settings.row_ttl_s * 1000, keep=self._catalogue_slots()
-        )
-        if gone:
-            log.info(
-                "item table: %d rows untouched for %d s let go, %d held",
-                gone,
-                self.settings.row_ttl_s,
-                self.cache.item_rows,
-            )
-        return gone
+        """``inference/tables/bounds.py``'s ``expire_items`` on this worker's item table."""
+        return expire_items(self.cache, self._catalogue_slots(), self.settings.row_ttl_s, now_ms)
 
     def evict_items(self) -> int:
-        """Past ``max_item_rows`` rows outside the catalogue, the least recently touched
-        leave (as expired ones do: loaded from Redis again when touched)."""
-        gone = self.cache.evict_items(self.settings.max_item_rows, keep=self._catalogue_slots())
-        if gone:
-            log.warning(
-                "item table at its bound (FRESHREC_MAX_ITEM_ROWS=%d): %d least recently "
-                "touched rows let go, %d held",
-                self.settings.max_item_rows,
-                gone,
-                self.cache.item_rows,
-            )
-        return gone
+        """``inference/tables/bounds.py``'s ``evict_items`` on this worker's item table."""
+        return evict_items(self.cache, self._catalogue_slots(), self.settings.max_item_rows)
 
     def _catalogue_slots(self) -> np.ndarray:
         """Per item slot, whether the catalogue lists it (such rows never leave)."""

@@ -38,6 +38,7 @@ from schemas.contract import (
     load_schema,
 )
 from schemas.records import (
+    ControlRecord,
     DeadLetter,
     Event,
     Item,
@@ -261,6 +262,7 @@ def encode_reply(reply: RecommendReply) -> bytes:
         "experiment": reply.experiment,
         "variant": reply.variant,
         "ranker": reply.ranker,
+        "mode": reply.mode,
         "served_at_ms": reply.served_at_ms,
     }
     # orjson (~20x faster than ``json`` for a reply) writes NaN and infinity as null; the
@@ -269,6 +271,40 @@ def encode_reply(reply: RecommendReply) -> bytes:
     if not all(map(math.isfinite, floats)):
         raise ValueError("a reply's scores and timings must be finite numbers")
     return orjson.dumps({k: v for k, v in obj.items() if v is not None})
+
+
+# ------------------------------------------------------------------------------ control
+
+
+def encode_control(record: ControlRecord) -> bytes:
+    return _dumps(asdict(record))
+
+
+def decode_control(data: bytes | None) -> ControlRecord | None:
+    """A control record, or None for anything that is not one (any bytes): what
+    ``control.schema.json`` accepts, the unknown fields of a later version ignored.
+
+    >>> decode_control(encode_control(ControlRecord("promo", 5, "ops")))
+    ControlRecord(mode='promo', at_ms=5, by='ops', schema_version=1)
+    >>> decode_control(b"not json") is None, decode_control(b'{"mode": "", "at_ms": 1}') is None
+    (True, True)
+    """
+    try:
+        obj = orjson.loads(data or b"")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    mode, at_ms, by = obj.get("mode"), obj.get("at_ms"), obj.get("by", "")
+    if not isinstance(mode, str) or not 0 < len(mode) <= 64:
+        return None
+    if type(at_ms) is float and at_ms.is_integer():  # JSON Schema's integers: 5.0 is one
+        at_ms = int(at_ms)
+    if type(at_ms) is not int or not 0 <= at_ms < 2**63:
+        return None
+    if not isinstance(by, str) or len(by) > 200 or obj.get("schema_version", 1) != 1:
+        return None
+    return ControlRecord(mode, at_ms, by)
 
 
 # ------------------------------------------------------------------------------ dead letters

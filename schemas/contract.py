@@ -403,4 +403,4 @@ def load_schema(name: str) -> dict[str, Any]:
     return json.loads(text)
 
 
-SCHEMA_NAMES = ("event", "item", "request", "reply", "deadletter")
+SCHEMA_NAMES = ("event", "item", "request", "reply", "deadletter", "control")

@@ -108,6 +108,21 @@ class RecommendReply:
     experiment: str | None = None
     variant: str | None = None
     ranker: str | None = None
+    mode: str | None = None
+    """The serving mode the worker served in (daily, promo, acquisition, …)."""
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRecord:
+    """The serving mode every worker serves in (``control``, key ``mode``);
+    ``control.schema.json``."""
+
+    mode: str
+    at_ms: int
+    """When it was written (ms since the epoch)."""
+    by: str = ""
+    """Who wrote it (free text: the CLI writes user@host)."""
     schema_version: int = SCHEMA_VERSION
 
 

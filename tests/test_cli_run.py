@@ -58,7 +58,17 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path, models)
     headless Chromium (screenshot saved), `freshrec top` prints. Ctrl-C (SIGINT) then winds it
     down: it prints served requests, a nonzero CTR, freshness figures and the experiment's
     report (every variant served and clicked), exits 130, and leaves nothing behind. The run
-    lasts as long as the checks need (its --duration is far beyond them): nothing races it."""
+    lasts as long as the checks need (its --duration is far beyond them): nothing races it.
+
+    Midway it meets three inputs that each once stopped the whole run (``send_hostile``):
+    a burst of valid events naming one item id of 64 emoji, an edit that makes the
+    experiments file valid TOML but no experiment, and a batch of rows of another width on
+    every ``embeddings.updates`` partition. The run goes on with every service it started
+    (no restart: three "started" lines), serving the experiment it had. It starts in the
+    daily mode (``--mode daily``); ``freshrec mode set promo`` moves its worker to promo,
+    which ``freshrec mode show`` reports, and ``freshrec mode set daily`` back."""
+    experiment = tmp_path / "experiments.toml"
+    experiment.write_text(EXAMPLE_EXPERIMENT.read_text())
     proc = freshrec(
         tmp_path,
         "run",
@@ -72,7 +82,9 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path, models)
         "--dashboard-port",
         "0",
         "--experiment",
-        str(EXAMPLE_EXPERIMENT),
+        str(experiment),
+        "--mode",
+        "daily",
         models=models,
     )
     lines: list[str] = []
@@ -86,6 +98,8 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path, models)
     assert url, "".join(lines)
     targets = json.loads((tmp_path / "run" / "services.json").read_text())
     wait_for(lambda: replies(targets) >= 100, 120, what="100 closed-loop replies")
+    send_hostile(tmp_path / "run", experiment)
+    switch_modes(tmp_path)
     check_dashboard_in_chromium(url)
     check_service_metrics(targets)
     top = freshrec(tmp_path, "top", "--once")
@@ -133,6 +147,64 @@ def test_run_is_a_closed_loop_that_serves_learns_and_cleans_up(tmp_path, models)
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
     children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", out)]
     assert len(children) == 3 and not any(pid_alive(p) for p in children)
+
+
+def send_hostile(stack_dir: Path, experiment: Path) -> None:
+    """The three inputs of the docstring above, to the run's own broker and file."""
+    import numpy as np
+    from confluent_kafka import Producer
+
+    from freshrec.kafka import producer_config
+    from freshrec.settings import STACK_ENV_FILE, ConnectionSettings, read_env_file
+    from freshrec.topics import TopicNames
+    from schemas.codec import encode_event
+    from schemas.records import Event
+    from schemas.rowbatch import KIND_UPDATES, TABLE_ITEM, RowBatch
+
+    conn = ConnectionSettings.from_env(read_env_file(stack_dir / STACK_ENV_FILE))
+    names = TopicNames(conn.topic_prefix)
+    producer = Producer(producer_config(conn))
+    now_ms = int(time.time() * 1000)
+    item = "\N{GRINNING FACE}" * 64
+    for n in range(5000):
+        event = Event(f"emoji-{n}", "click", f"emoji-user-{n % 7}", item, now_ms)
+        producer.produce(names.events, encode_event(event), key=event.user_id.encode())
+    n = 3
+    wide = RowBatch(
+        KIND_UPDATES,
+        TABLE_ITEM,
+        np.arange(1, n + 1, dtype=np.uint64),
+        np.ones((n, 7), np.float32),
+        np.full(n, 1, np.uint64),
+        np.full(n, now_ms, np.int64),
+    ).encode()
+    partitions = producer.list_topics(names.embeddings_updates, timeout=10).topics
+    for q in partitions[names.embeddings_updates].partitions:
+        producer.produce(names.embeddings_updates, wide, partition=q)
+    assert producer.flush(30) == 0
+    experiment.write_text("variant = [1, 2]\n" + experiment.read_text())
+
+
+def switch_modes(tmp_path: Path) -> None:
+    """``freshrec mode set``/``show`` against the run going on in ``tmp_path``."""
+
+    def mode_command(*args: str) -> str:
+        proc = freshrec(tmp_path, "mode", *args)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        return out
+
+    shown = mode_command("show")
+    assert "worker: serving in daily" in shown and "no control record" in shown, shown
+    assert "serving mode set to promo" in mode_command("set", "promo")
+    wait_for(lambda: "worker: serving in promo" in mode_command("show"), 30, what="promo")
+    shown = mode_command("show")
+    assert "* promo" in shown and "control record: promo" in shown, shown
+    mode_command("set", "daily")
+    wait_for(lambda: "worker: serving in daily" in mode_command("show"), 30, what="daily")
+    bad = freshrec(tmp_path, "mode", "set", "rush")
+    out, _ = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "no mode 'rush'" in out, out
 
 
 def replies(targets: dict[str, str]) -> float:

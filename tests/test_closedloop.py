@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from freshrec.settings import ConnectionSettings
-from freshrec.sim.closedloop import ClosedLoop
+from freshrec.sim.closedloop import ClosedLoop, LoopStats
 from freshrec.sim.world import World, WorldConfig
 from schemas.codec import decode_event
 from tools.bench_freshness import arm_env, choose_cohort, table, top_k_ctr, true_scores
@@ -187,3 +187,17 @@ def test_top_k_ctr_of_the_true_scores_is_the_best_any_scores_reach():
     noise = np.random.default_rng(0).random((4, 1_000))
     assert top_k_ctr(WORLD, users, noise, t_ms, k=10) < best
     assert top_k_ctr(WORLD, users, -truth, t_ms, k=10) < top_k_ctr(WORLD, users, noise, t_ms, k=10)
+
+
+def test_intra_list_diversity_and_repeat_share_are_the_shares_they_say():
+    """Diversity: the share of a list's item pairs from different categories (mean over
+    lists); repeat: the share of a list's items its user's previous list held."""
+    st = LoopStats()
+    st.diverse(np.array([1, 1, 2, 3]))  # 12 ordered pairs, 2 of them alike
+    st.diverse(np.array([4, 4]))  # all alike
+    st.diverse(np.array([5]))  # one item: no pairs, not counted
+    assert st.intra_list_diversity == (10 / 12 + 0.0) / 2
+    st.consecutive(7, [1, 2, 3, 4])
+    st.consecutive(7, [3, 4, 5, 6])
+    st.consecutive(8, [1, 2])
+    assert st.repeat_share == 2 / 4

@@ -235,6 +235,19 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 8,
             ),
             (
+                "Serving mode: workers per mode, replies per mode, latency p99 per mode",
+                "short",
+                [
+                    ("sum by (mode) (freshrec_mode_info)", "workers in {{mode}}"),
+                    ("sum by (mode) (rate(freshrec_replies_total[1m]))", "replies/s {{mode}}"),
+                    (
+                        q(0.99, "freshrec_request_seconds", "mode", 'stage="total"'),
+                        "p99 s {{mode}}",
+                    ),
+                ],
+                8,
+            ),
+            (
                 "Degraded replies by reason",
                 "ops",
                 [

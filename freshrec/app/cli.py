@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         "its report at the end",
     )
     run.add_argument(
+        "--mode",
+        default=None,
+        help="the serving mode the workers start in (daily, promo, acquisition; default "
+        "FRESHREC_MODE or daily); `freshrec mode set NAME` switches it while running",
+    )
+    run.add_argument(
         "--redis-cluster",
         type=int,
         default=0,
@@ -147,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     check = exps_sub.add_parser("check", help="parse an experiments file and show its split")
     check.add_argument("file", type=Path)
     check.set_defaults(func=commands.cmd_experiments_check)
+
+    mode = sub.add_parser("mode", help="serving modes: daily, promo, acquisition (docs/serving.md)")
+    mode_sub = mode.add_subparsers(dest="action", required=True, metavar="ACTION")
+    mode_set = mode_sub.add_parser("set", help="switch every worker to a mode")
+    mode_set.add_argument("name", help="daily, promo, acquisition, or one of FRESHREC_MODES_FILE")
+    mode_set.set_defaults(func=commands.cmd_mode_set)
+    mode_sub.add_parser("show", help="the modes, the current one, the workers'").set_defaults(
+        func=commands.cmd_mode_show
+    )
 
     topics = sub.add_parser("topics", help="the topic catalogue")
     topics_sub = topics.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -13,14 +13,23 @@ import time
 from freshrec.app.stack import EmbeddedStack, StackError, external_services
 from freshrec.progress import ProgressLine
 from freshrec.redisconn import redacted
-from freshrec.settings import ConnectionSettings, load_environment, state_dir
+from freshrec.settings import (
+    STACK_ENV_FILE,
+    ConnectionSettings,
+    load_environment,
+    read_env_file,
+    state_dir,
+)
 
 log = logging.getLogger("freshrec")
 
 
-def connection() -> ConnectionSettings:
-    """Connection settings for commands that need a running stack."""
+def connection(during_run: bool = False) -> ConnectionSettings:
+    """Connection settings for commands that need a running stack (``during_run``: or the
+    stack of a ``freshrec run`` going on in this directory)."""
     env = load_environment()
+    if during_run and not external_services() and "KAFKA_BOOTSTRAP_SERVERS" not in env:
+        env = {**read_env_file(state_dir() / "run" / STACK_ENV_FILE), **env}
     if not external_services() and "KAFKA_BOOTSTRAP_SERVERS" not in env:
         raise StackError(
             "no stack is running: start one with `freshrec stack up`, or set "
@@ -87,12 +96,121 @@ def cmd_experiments_report(args: argparse.Namespace) -> int:
     try:
         if not 0 <= args.margin < 1:
             raise KeyError(f"--margin must be in [0, 1), not {args.margin}")
-        reports = read_from(connection(), args.name, margin=args.margin)
+        reports = read_from(connection(during_run=True), args.name, margin=args.margin)
     except KeyError as exc:
         print(f"freshrec: error: {exc.args[0]}", file=sys.stderr)
         return 2
     print(json.dumps(reports, indent=2) if args.json else render(reports))
     return 0
+
+
+# ---------------------------------------------------------------------------------- modes
+
+
+def modes_declared() -> dict[str, dict[str, str]]:
+    from pathlib import Path
+
+    from inference.serving.modes import load_modes
+
+    path = os.environ.get("FRESHREC_MODES_FILE") or None
+    return load_modes(Path(path) if path else None)
+
+
+def cmd_mode_set(args: argparse.Namespace) -> int:
+    """Write the control record: every worker serves in ``args.name`` within a poll."""
+    from inference.serving.modes import ModeError
+
+    try:
+        modes = modes_declared()
+    except ModeError as exc:
+        print(f"freshrec: error: {exc}", file=sys.stderr)
+        return 2
+    if args.name not in modes:
+        print(
+            f"freshrec: error: no mode {args.name!r}: {', '.join(sorted(modes))}", file=sys.stderr
+        )
+        return 2
+    if not set_mode(connection(during_run=True), args.name):
+        print("freshrec: error: the control record was not delivered", file=sys.stderr)
+        return 1
+    print(f"serving mode set to {args.name}: every worker adopts it within a poll")
+    return 0
+
+
+def set_mode(conn: ConnectionSettings, name: str, by: str | None = None) -> bool:
+    """Write the control record naming mode ``name``; whether the broker took it."""
+    import getpass
+    import socket
+
+    from confluent_kafka import Producer
+
+    from freshrec.kafka import produce, producer_config
+    from freshrec.topics import TopicNames
+    from schemas.codec import encode_control
+    from schemas.records import ControlRecord
+
+    by = by if by is not None else f"{getpass.getuser()}@{socket.gethostname()}"
+    record = ControlRecord(name, int(time.time() * 1000), by)
+    producer = Producer(producer_config(conn))
+    produce(producer, TopicNames(conn.topic_prefix).control, encode_control(record), b"mode")
+    return producer.flush(30) == 0
+
+
+def cmd_mode_show(args: argparse.Namespace) -> int:
+    """The modes and their settings, the newest control record, and the workers' modes (those
+    of a ``freshrec run`` going on here)."""
+    from freshrec.app.observe import read_targets
+    from freshrec.promtext import scrape
+
+    modes = modes_declared()
+    record = latest_control(connection(during_run=True))
+    current = record.mode if record else None
+    for name, settings in sorted(modes.items()):
+        mark = "*" if name == current else " "
+        text = ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "as configured"
+        print(f"{mark} {name:<12} {text}")
+    if record is None:
+        print("no control record: workers serve in FRESHREC_MODE (default daily)")
+    else:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.at_ms / 1000))
+        print(f"control record: {record.mode}, set {when} UTC by {record.by or '?'}")
+    for name, url in read_targets(state_dir()).items():
+        try:
+            series = scrape(url).get("freshrec_mode_info", [])
+        except OSError:
+            continue
+        serving = [labels["mode"] for labels, v in series if v == 1]
+        if serving:
+            print(f"  {name}: serving in {serving[0]}")
+    return 0
+
+
+def latest_control(conn: ConnectionSettings, quiet_s: float = 1.0):
+    """The newest control record on the topic (None: none), read from its start until the
+    broker has nothing more for ``quiet_s`` (its end offsets are not to be trusted on every
+    broker: docs/operations.md)."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    from freshrec.kafka import consumer_config
+    from freshrec.topics import TopicNames
+    from schemas.codec import decode_control
+
+    consumer = Consumer(consumer_config(conn, None, background=True))
+    try:
+        consumer.assign(
+            [TopicPartition(TopicNames(conn.topic_prefix).control, 0, OFFSET_BEGINNING)]
+        )
+        newest = None
+        while True:
+            msgs = consumer.consume(1000, quiet_s)
+            if not msgs:
+                return newest
+            for msg in msgs:
+                record = decode_control(msg.value()) if msg.error() is None else None
+                if record is not None and (newest is None or record.at_ms >= newest.at_ms):
+                    newest = record
+    finally:
+        consumer.close()
 
 
 def cmd_experiments_check(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from freshrec.app.commands import provision_topics, start_dashboard
+from freshrec.app.commands import modes_declared, provision_topics, start_dashboard
 from freshrec.app.stack import EmbeddedStack, StackError, external_services
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
 from freshrec.app.training import (
@@ -24,7 +24,7 @@ from freshrec.app.training import (
 )
 from freshrec.lifecycle import set_from_signal
 from freshrec.progress import ProgressLine
-from freshrec.settings import ConnectionSettings, load_environment, state_dir
+from freshrec.settings import ConnectionSettings, SettingsError, load_environment, state_dir
 
 log = logging.getLogger("freshrec")
 
@@ -108,6 +108,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         # a bad file stops the run here, naming the line
         rankings = [v.ranking for v in load(args.experiment).variants]
         experiment_env["FRESHREC_EXPERIMENTS_FILE"] = str(args.experiment.resolve())
+    if args.mode:
+        if args.mode not in modes_declared():  # an unknown mode stops the run here, naming them
+            raise SettingsError(
+                f"--mode {args.mode!r}: one of {', '.join(sorted(modes_declared()))}"
+            )
+        experiment_env["FRESHREC_MODE"] = args.mode
     models = model_dir()
     impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
     config = TrainConfig(impressions=impressions, rankers=served_rankers(rankings))

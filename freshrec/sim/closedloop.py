@@ -106,6 +106,20 @@ class LoopStats:
     repeat: list[int] = field(default_factory=lambda: [0, 0])
     """Items of a list that the same user's previous list held, and the items of lists that
     had a previous one: how much a refresh shows again."""
+    diversity: list[float] = field(default_factory=lambda: [0.0, 0])
+    """The sum of lists' intra-list diversity (the share of a list's item pairs from
+    different categories) and how many lists: their mean is ``intra_list_diversity``."""
+
+    def diverse(self, categories: np.ndarray) -> None:
+        n = len(categories)
+        if n > 1:
+            same = np.unique(categories, return_counts=True)[1]
+            self.diversity[0] += 1.0 - float((same * (same - 1)).sum()) / (n * (n - 1))
+            self.diversity[1] += 1
+
+    @property
+    def intra_list_diversity(self) -> float | None:
+        return self.diversity[0] / self.diversity[1] if self.diversity[1] else None
 
     def consecutive(self, user: int, items: list[int]) -> None:
         now = frozenset(items)
@@ -300,6 +314,7 @@ class ClosedLoop:
                 self._produce(producer, e)
         self.stats.shown.update(items)
         self.stats.consecutive(user, items)
+        self.stats.diverse(w.item_category[idx])
         shown, hits = len(idx), int(clicked.sum())
         self.stats.impressions += shown
         self.stats.clicks += hits

@@ -279,6 +279,23 @@ def parse_delays(spec: str) -> dict[str, float]:
     return out
 
 
+def parse_quotas(spec: str) -> dict[str, int]:
+    """``"new=120,hot=60"`` → {"new": 120, "hot": 60}: candidates per recall channel.
+
+    >>> parse_quotas("new=120, hot=60")
+    {'new': 120, 'hot': 60}
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in CHANNELS or not value.strip().isdigit():
+            raise ValueError(
+                f"expected channel=count with a channel of {tuple(CHANNELS)}, got {part!r}"
+            )
+        out[name] = int(value)
+    return out
+
+
 # ----------------------------------------------------------------------------- searches
 def top_k_slots(st: ServingState, queries_rows: np.ndarray, n: int) -> list[np.ndarray]:
     """For each query row, the ``n`` catalogue slots of the highest ``row · item`` (exact, or

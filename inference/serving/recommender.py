@@ -44,6 +44,7 @@ from inference.serving.degrade import (
 )
 from inference.serving.hotreply import HotReplies
 from inference.serving.merge import found_by, merge_slot_arrays
+from inference.serving.modes import DAILY
 from inference.serving.rankstage import RankBatch, RankingStage
 from inference.serving.recall import ChannelConfig, RecallQuery, RecallResult, RecallRunner
 from inference.serving.rerank import mmr_batch, space_categories
@@ -166,6 +167,21 @@ class Recommender:
         self.hot_replies = HotReplies()
         self.runner: RecallRunner = runner_factory(self.state)
         self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
+        self.mode = DAILY
+        """The serving mode whose settings serve (``modes.py``): named in every reply."""
+
+    def use(self, settings: ServingSettings, mode: str) -> None:
+        """Serve the next batches with a mode's settings: the ladder's thresholds, the recall
+        channels' quotas and deadlines, candidates, the ranker, MMR and the shown-items hold
+        (the channels running stay those the worker started with)."""
+        self.settings = settings
+        self.ranking.settings = settings
+        self.ladder = Ladder(settings.ladder)
+        self.shown.hold_ms = round(settings.hold_shown_s * 1000)
+        runner = self.runner
+        runner.configs = {n: settings.channels.get(n, c) for n, c in runner.configs.items()}
+        self.quotas = {name: c.quota for name, c in runner.configs.items()}
+        self.mode = mode
 
     @property
     def slot_of(self) -> dict[str, int]:
@@ -433,13 +449,14 @@ class Recommender:
                     timings_ms={k: round(v, 3) for k, v in timings.items()},
                     worker=self.worker_id,
                     ranker=rankers[j] if j in ranked else None,
+                    mode=self.mode,
                     **reply_fields(arms[j]),
                 )
             )
-            m.REPLIES.labels(tier).inc()
+            m.REPLIES.labels(tier, self.mode).inc()
             self.shown.shown(r.user_id, [i[0] for i in items], now_ms)
             for stage, value in timings.items():
-                _stage_histogram(stage, tier).observe(value / 1000)
+                _stage_histogram(stage, tier, self.mode).observe(value / 1000)
             if tier != FULL or degraded:
                 m.DEGRADED.labels(tier, reason_label(reason, degraded)).inc()
         used = [self.slot_of.get(name, -1) for j in ranked for name, _, _ in reranked[j]]
@@ -555,7 +572,7 @@ class Recommender:
 
 
 @functools.cache
-def _stage_histogram(stage: str, tier: str):
+def _stage_histogram(stage: str, tier: str, mode: str):
     """The labelled child, looked up once (``labels`` takes a lock and builds a key each
     call: five stages a request)."""
-    return m.REQUEST_SECONDS.labels(stage, tier)
+    return m.REQUEST_SECONDS.labels(stage, tier, mode)

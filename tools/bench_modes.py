@@ -1,0 +1,161 @@
+"""Benchmark: what each serving mode does in the closed loop, under a load ramp.
+
+For each mode (``inference/serving/modes.py``) a pipeline of its own (``tools/drill_faults.py``'s:
+a private broker and Redis, the streams app, the parameter server and one worker as
+processes, its ``FRESHREC_MODE`` set) serves simulated users who click (``ClosedLoop``) in
+three phases: ``--phase`` seconds at the normal rate ``--requests``, as long at ``--spike``
+times that rate, and as long at the normal rate again. Synthetic background events run at
+``--rate`` throughout. Per phase: requests sent and answered, the client's latency p50 and
+p99 (from the request to its reply), the share of replies per tier, CTR, catalogue coverage
+(the share of items shown at least once), intra-list diversity (the share of a list's item
+pairs from different categories), the share of a list's items the user's previous list
+held, and the worker's CPU-seconds per 1,000 requests with their price at
+``--core-hour-price``.
+
+    .venv/bin/python -m tools.bench_modes [--modes daily,promo,acquisition] [--requests 20]
+        [--spike 5] [--phase 40] [--rate 200]
+
+Writes artifacts/bench_modes.json (``--out``). Needs nothing running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from freshrec.app.proctime import cpu_seconds
+from freshrec.cost import CORE_HOUR_PRICE
+from freshrec.sim.closedloop import ClosedLoop
+from freshrec.sim.produce import produce_events
+from freshrec.sim.world import World
+from tools.benchlib import save
+from tools.drill_faults import WORLD, Pipeline, train_models
+
+PHASES = ("normal", "spike", "after")
+
+
+def phase_figures(loop: ClosedLoop, seconds: float, cpu_s: float, core_hour: float) -> dict:
+    st = loop.stats
+    lat = np.asarray(st.all_latencies_ms)
+    answered = max(st.replied, 1)
+    return {
+        "seconds": seconds,
+        "sent": st.sent,
+        "answered": st.replied,
+        "timed_out": st.timeouts,
+        "requests_per_s": round(st.replied / seconds, 1),
+        "p50_ms": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
+        "p99_ms": round(float(np.percentile(lat, 99)), 1) if len(lat) else None,
+        "tiers": {t: round(n / answered, 4) for t, n in st.tiers.most_common()},
+        "ctr": round(st.ctr, 4),
+        "impressions": st.impressions,
+        "coverage": round(len(st.shown) / WORLD.n_items, 4),
+        "intra_list_diversity": None
+        if st.intra_list_diversity is None
+        else round(st.intra_list_diversity, 4),
+        "repeat_share": None if st.repeat_share is None else round(st.repeat_share, 4),
+        "worker_cpu_s": round(cpu_s, 2),
+        "worker_cpu_s_per_1000": round(1000 * cpu_s / answered, 2),
+        "usd_per_1000": round(1000 * cpu_s / answered * core_hour / 3600, 7),
+    }
+
+
+def run_mode(
+    mode: str,
+    models: Path,
+    *,
+    requests: float,
+    spike: float,
+    phase_s: float,
+    rate: float,
+    core_hour: float,
+) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix=f"freshrec-mode-{mode}-"))
+    pipe = Pipeline(workdir, models, message_timeout_ms=0)
+    pipe.env["FRESHREC_MODE"] = mode
+    pipe.env["FRESHREC_EXCLUDE_SEEN"] = "false"  # the synthetic world: users click again
+    try:
+        for name in ("streams", "param-server", "worker"):
+            pipe.start(name, name)
+        pipe.wait_assigned(["streams", "param-server", "worker"])
+        stop_events = threading.Event()
+        producer = threading.Thread(
+            target=lambda: produce_events(
+                pipe.conn, World(WORLD), rate_per_s=rate, duration_s=None, stop=stop_events
+            ),
+            daemon=True,
+        )
+        producer.start()
+        worker_pid = pipe.procs["worker"].pid
+        phases = {}
+        for j, phase in enumerate(PHASES):
+            loop = ClosedLoop(
+                pipe.conn,
+                World(WORLD),
+                requests * (spike if phase == "spike" else 1.0),
+                seed=11 + j,
+                timeout_s=5.0,
+            )
+            stop = threading.Event()
+            cpu0, t0 = cpu_seconds(worker_pid) or 0.0, time.monotonic()
+            thread = loop.run_in_thread(stop)
+            time.sleep(phase_s)
+            stop.set()
+            thread.join(30)
+            seconds = time.monotonic() - t0
+            cpu = (cpu_seconds(worker_pid) or 0.0) - cpu0
+            phases[phase] = phase_figures(loop, seconds, cpu, core_hour)
+            f = phases[phase]
+            print(
+                f"   {mode:<12} {phase:<7} {f['requests_per_s']:>6}/s p99 {f['p99_ms']} ms, "
+                f"CTR {f['ctr']:.2%}, coverage {f['coverage']:.1%}, diversity "
+                f"{f['intra_list_diversity']}, repeat {f['repeat_share']}, tiers {f['tiers']}, "
+                f"{f['worker_cpu_s_per_1000']} CPU-s/1k",
+                flush=True,
+            )
+        stop_events.set()
+        producer.join(30)
+        return {"mode": mode, "phases": phases, "alive": pipe.alive()}
+    finally:
+        pipe.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default="daily,promo,acquisition")
+    ap.add_argument("--requests", type=float, default=20.0, help="normal requests per second")
+    ap.add_argument("--spike", type=float, default=5.0, help="the spike's multiple of it")
+    ap.add_argument("--phase", type=float, default=40.0, help="seconds per phase")
+    ap.add_argument("--rate", type=float, default=200.0, help="background events per second")
+    ap.add_argument("--core-hour-price", type=float, default=CORE_HOUR_PRICE)
+    ap.add_argument("--out", type=Path, default=Path("artifacts"))
+    args = ap.parse_args()
+    models = train_models(Path(tempfile.mkdtemp(prefix="freshrec-modes-models-")))
+    results = []
+    for mode in [m for m in args.modes.split(",") if m]:
+        print(f"== {mode}", flush=True)
+        results.append(
+            run_mode(
+                mode,
+                models,
+                requests=args.requests,
+                spike=args.spike,
+                phase_s=args.phase,
+                rate=args.rate,
+                core_hour=args.core_hour_price,
+            )
+        )
+    save(
+        "bench_modes",
+        {"settings": {k: str(v) for k, v in vars(args).items()}, "modes": results},
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
