@@ -90,3 +90,68 @@ def line(c: Costs, core_hour: float, gpu_hour: float = GPU_HOUR_PRICE) -> str:
         else f"; all: ${price:.5f} per 1,000 requests at ${core_hour:g}/core-hour{gpu}"
     )
     return "cost: " + "; ".join(parts) + tail
+
+
+# --------------------------------------------------------------------------- the formula
+@dataclass(frozen=True)
+class CostTerms:
+    """Seed B's cost formula, 总成本 = 基础架构×1.2 + 峰值QPS×每请求成本×安全系数 +
+    冷启动惩罚×新商品比例, with each term a setting (``FRESHREC_COST_<FIELD>``):
+
+    - infrastructure: the CPU FreshRec's services use, priced per core-hour, plus what runs
+      beside them (brokers, Redis: ``fixed_per_hour``), times ``overhead``;
+    - the peak: the highest request rate over the last hour × what one request costs (the
+      workers' CPU per request, priced) × ``safety``: capacity held for the spike;
+    - cold start: ``cold_penalty_per_hour`` × the share of items in replies that are new
+      (created within ``FRESHREC_NEW_ITEM_WINDOW_MS``): what serving unproven items costs.
+
+    The Prometheus rules compute it live (``tools/prometheus_rules.py``,
+    ``freshrec:cost:*``); ``hourly`` is the same arithmetic.
+    """
+
+    core_hour: float = CORE_HOUR_PRICE
+    """USD per core-hour (an assumption to replace with your own)."""
+    overhead: float = 1.2
+    """Infrastructure multiplier (seed B's 1.2: what the measured CPU leaves out)."""
+    safety: float = 1.5
+    """Peak capacity multiplier (seed B's 安全系数)."""
+    fixed_per_hour: float = 0.0
+    """USD per hour of what runs beside the services (brokers, Redis); 0: not counted."""
+    cold_penalty_per_hour: float = 0.0
+    """USD per hour a catalogue served entirely from new items would cost (exploration,
+    lost conversions); 0: not counted. Seed B gives the term, not its value."""
+
+    @classmethod
+    def from_env(cls, env) -> CostTerms:
+        from dataclasses import fields
+
+        from freshrec.settings import env_float
+
+        return cls(
+            **{
+                f.name: env_float(env, f"FRESHREC_COST_{f.name.upper()}", f.default, minimum=0)
+                for f in fields(cls)
+            }
+        )
+
+
+def hourly(
+    terms: CostTerms,
+    cpu_cores: float,
+    peak_requests_per_s: float,
+    worker_cpu_s_per_request: float,
+    new_item_share: float,
+) -> dict[str, float]:
+    """The formula's terms and total, USD per hour.
+
+    >>> t = hourly(CostTerms(core_hour=0.04, fixed_per_hour=0.1, cold_penalty_per_hour=0.5),
+    ...            cpu_cores=2.0, peak_requests_per_s=100, worker_cpu_s_per_request=0.002,
+    ...            new_item_share=0.1)
+    >>> {k: round(v, 6) for k, v in t.items()}
+    {'infrastructure': 0.216, 'peak': 0.012, 'cold_start': 0.05, 'total': 0.278}
+    """
+    infra = (cpu_cores * terms.core_hour + terms.fixed_per_hour) * terms.overhead
+    per_request = worker_cpu_s_per_request * terms.core_hour / 3600
+    peak = peak_requests_per_s * 3600 * per_request * terms.safety
+    cold = terms.cold_penalty_per_hour * new_item_share
+    return {"infrastructure": infra, "peak": peak, "cold_start": cold, "total": infra + peak + cold}

@@ -7,9 +7,11 @@ Names follow Prometheus conventions: ``freshrec_`` namespace, base units in name
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,28 @@ LAG_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1, 1.5, 2, 3, 5, 10, 30, 60,
 )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- cost
+class _CpuCollector:
+    """``freshrec_cpu_seconds_total``: the CPU (user + system) this process has used. A
+    service's child process (the streams app's validate stage) exports its own, which the
+    parent's endpoint adds in (``freshrec.childmetrics``): one figure per service, what the
+    cost rules price (``tools/prometheus_rules.py``)."""
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "freshrec_cpu_seconds",
+            "CPU seconds this service's processes have used (user + system)",
+        )
+        family.add_metric([], time.process_time())
+        yield family
+
+
+COLLECTORS = (_CpuCollector(),)
+"""This module's custom collectors (registered once, at import)."""
+for _collector in COLLECTORS:
+    REGISTRY.register(_collector)
 
 # -------------------------------------------------------------------------------- redis
 REDIS_UNAVAILABLE = Counter(
@@ -217,6 +241,18 @@ REQUESTS = Counter(
     ["outcome"],
 )
 REPLIES = Counter("freshrec_replies_total", "Replies sent, by tier and mode", ["tier", "mode"])
+SERVING_COST = Counter(
+    "freshrec_serving_cost_seconds_total",
+    "Serving work by mode: each request's share of its batch's recall, ranking and "
+    "re-ranking time (a reply's timings_ms.cost), summed",
+    ["mode"],
+)
+REPLY_ITEMS = Counter(
+    "freshrec_reply_items_total",
+    "Items listed in replies, by whether the item is new (created within "
+    "FRESHREC_NEW_ITEM_WINDOW_MS): the cost formula's share of new items",
+    ["new"],
+)
 MODE_INFO = Gauge(
     "freshrec_mode_info", "The serving mode this worker serves in (1 for the current one)", ["mode"]
 )

@@ -169,6 +169,9 @@ def _exported_series() -> set[str]:
             names |= {obj._name + s for s in ("_bucket", "_sum", "_count")}
         elif isinstance(obj, Gauge):
             names.add(obj._name)
+    for collector in metrics.COLLECTORS:  # custom collectors: their families' samples
+        for family in collector.collect():
+            names |= {sample.name for sample in family.samples}
     return names
 
 

@@ -293,6 +293,79 @@ def test_promtool_unit_tests_fire_each_alert_on_its_input_and_none_when_healthy(
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@needs_promtool
+def test_promtool_computes_the_cost_formula_as_freshrec_cost_does(tmp_path):
+    """Seed B's formula, live: 2 cores in all (the worker 1), 100 requests/s, a tenth of the
+    listed items new, 1,000 events/s; the rules give what ``freshrec.cost.hourly`` gives."""
+    from freshrec.cost import CostTerms, hourly
+
+    terms = CostTerms(fixed_per_hour=0.1, cold_penalty_per_hour=0.5)
+    want = hourly(terms, 2.0, 100.0, 0.01, 0.1)
+    series = [
+        ('freshrec_cpu_seconds_total{job="worker"}', "0+60x40"),
+        ('freshrec_cpu_seconds_total{job="streams"}', "0+30x40"),
+        ('freshrec_cpu_seconds_total{job="param-server"}', "0+30x40"),
+        ('freshrec_replies_total{tier="full",mode="daily"}', "0+6000x40"),
+        ('freshrec_serving_cost_seconds_total{mode="daily"}', "0+30x40"),
+        ('freshrec_reply_items_total{new="true"}', "0+6000x40"),
+        ('freshrec_reply_items_total{new="false"}', "0+54000x40"),
+        ('freshrec_streams_events_total{outcome="valid"}', "0+60000x40"),
+    ]
+
+    def sample(expr: str, value: float, *labels: str) -> dict:
+        """The rule's value in nano-dollars, rounded: promtool compares floats exactly."""
+        return {
+            "expr": f"round(1e9 * {expr})",
+            "eval_time": "30m",
+            "exp_samples": [
+                {"labels": label, "value": float(math.floor(1e9 * value + 0.5))}
+                for label in labels or ("{}",)
+            ],
+        }
+
+    per_1000_events = 0.5 * 0.04 / 3600 * 1.2  # half a core each over 1,000 events/s
+    exprs = [
+        sample("freshrec:cost:infrastructure_usd_per_hour", want["infrastructure"]),
+        sample("freshrec:cost:peak_usd_per_hour", want["peak"]),
+        sample("freshrec:cost:cold_start_usd_per_hour", want["cold_start"]),
+        sample("freshrec:cost:usd_per_hour", want["total"]),
+        sample("freshrec:cost:usd_per_1000_requests", 1000 * want["total"] / (3600 * 100)),
+        sample(
+            "freshrec:cost:usd_per_1000_requests_by_mode",
+            5.0 * 0.04 / 3600 * 1.2,  # 5 ms of serving a request
+            '{mode="daily"}',
+        ),
+        sample(
+            "freshrec:cost:usd_per_1000_events",
+            per_1000_events,
+            '{job="param-server"}',
+            '{job="streams"}',
+        ),
+    ]
+    (tmp_path / "rules.yml").write_text(render(cost=terms))
+    spec = tmp_path / "cost_test.yml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": ["rules.yml"],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {
+                        "interval": "1m",
+                        "input_series": [{"series": s, "values": v} for s, v in series],
+                        "promql_expr_test": exprs,
+                    }
+                ],
+            },
+            sort_keys=False,
+        )
+    )
+    proc = subprocess.run(
+        [PROMTOOL, "test", "rules", str(spec)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 # ----------------------------------------------------------------------------- end to end
 def _api(port: int, path: str) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/{path}", timeout=5) as resp:

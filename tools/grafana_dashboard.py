@@ -336,6 +336,37 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
         ],
     ),
     (
+        "Cost (seed B's formula: freshrec/cost.py, the freshrec:cost:* rules)",
+        [
+            (
+                "Cost per 1,000 requests (USD), in all and by mode",
+                "currencyUSD",
+                [
+                    ("freshrec:cost:usd_per_1000_requests", "all services, the formula"),
+                    ("freshrec:cost:usd_per_1000_requests_by_mode", "serving, {{mode}}"),
+                ],
+                8,
+            ),
+            (
+                "Cost per 1,000 events (USD) by service",
+                "currencyUSD",
+                [("freshrec:cost:usd_per_1000_events", "{{job}}")],
+                8,
+            ),
+            (
+                "Cost per hour (USD) by term of the formula",
+                "currencyUSD",
+                [
+                    ("freshrec:cost:infrastructure_usd_per_hour", "infrastructure × overhead"),
+                    ("freshrec:cost:peak_usd_per_hour", "peak QPS × per request × safety"),
+                    ("freshrec:cost:cold_start_usd_per_hour", "cold-start penalty × new share"),
+                    ("freshrec:cost:usd_per_hour", "total"),
+                ],
+                8,
+            ),
+        ],
+    ),
+    (
         "Internals",
         [
             (

@@ -5,6 +5,7 @@ to it.
 
     .venv/bin/python -m tools.prometheus_rules                       # rewrites the shipped file
     FRESHREC_SLO_SERVED_S=2 .venv/bin/python -m tools.prometheus_rules --out my-rules.yml
+    FRESHREC_COST_CORE_HOUR=0.05 FRESHREC_COST_FIXED_PER_HOUR=0.3 .venv/bin/python -m tools.prometheus_rules
 
 Recording rules (``freshrec:<what>:<window>``) give each SLO figure one name; alerts read
 them. Each alert has a ``severity`` (``page``: users are affected now; ``ticket``: look
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from freshrec.cost import CostTerms
 from freshrec.slo import SloSettings
 
 OUT = Path(__file__).parents[1] / "deploy" / "prometheus" / "rules" / "freshrec.yml"
@@ -102,6 +104,79 @@ def recording_rules(slo: SloSettings, window: str) -> list[dict]:
         ),
     ]
     return rules
+
+
+def cost_rules(terms: CostTerms, window: str) -> list[dict]:
+    """Seed B's cost formula, live (``freshrec.cost.CostTerms``, ``hourly``): USD per hour
+    by term and in total, per 1,000 requests (and per mode, from the serving time each
+    reply's request took), and per 1,000 events."""
+    w = window
+    price = terms.core_hour
+
+    def rec(name: str, expr: str) -> dict:
+        return {"record": name, "expr": expr}
+
+    cpu = "freshrec_cpu_seconds_total"
+    return [
+        rec(f"freshrec:cost:cpu_cores_{w}", f"sum by (job) (rate({cpu}[{w}]))"),
+        rec(f"freshrec:requests_per_s_{w}", f"sum(rate(freshrec_replies_total[{w}]))"),
+        rec(
+            f"freshrec:cost:worker_cpu_seconds_per_request_{w}",
+            f'sum(rate({cpu}{{job="worker"}}[{w}])) / freshrec:requests_per_s_{w}',
+        ),
+        rec(
+            f"freshrec:cost:cpu_seconds_per_1000_events_{w}",
+            f'1000 * sum by (job) (rate({cpu}{{job=~"streams|param-server"}}[{w}])) '
+            f"/ on() group_left scalar(sum(rate(freshrec_streams_events_total[{w}])))",
+        ),
+        rec(
+            f"freshrec:cost:serving_seconds_per_1000_requests_{w}",
+            f"1000 * sum by (mode) (rate(freshrec_serving_cost_seconds_total[{w}])) "
+            f"/ sum by (mode) (rate(freshrec_replies_total[{w}]))",
+        ),
+        rec(
+            "freshrec:cost:peak_requests_per_s_1h",
+            f"max_over_time(freshrec:requests_per_s_{w}[1h])",
+        ),
+        rec(
+            f"freshrec:cost:new_item_share_{w}",
+            f'sum(rate(freshrec_reply_items_total{{new="true"}}[{w}])) '
+            f"/ sum(rate(freshrec_reply_items_total[{w}]))",
+        ),
+        rec(
+            "freshrec:cost:infrastructure_usd_per_hour",
+            f"(sum(freshrec:cost:cpu_cores_{w}) * {price:g} + {terms.fixed_per_hour:g})"
+            f" * {terms.overhead:g}",
+        ),
+        rec(
+            "freshrec:cost:peak_usd_per_hour",
+            f"freshrec:cost:peak_requests_per_s_1h * freshrec:cost:worker_cpu_seconds_per_request_{w}"
+            f" * {price:g} * {terms.safety:g}",
+        ),
+        rec(
+            "freshrec:cost:cold_start_usd_per_hour",
+            f"{terms.cold_penalty_per_hour:g} * (freshrec:cost:new_item_share_{w} or vector(0))",
+        ),
+        rec(
+            "freshrec:cost:usd_per_hour",
+            "freshrec:cost:infrastructure_usd_per_hour + (freshrec:cost:peak_usd_per_hour or "
+            "vector(0)) + freshrec:cost:cold_start_usd_per_hour",
+        ),
+        rec(
+            "freshrec:cost:usd_per_1000_requests",
+            f"1000 * freshrec:cost:usd_per_hour / (3600 * freshrec:requests_per_s_{w})",
+        ),
+        rec(
+            "freshrec:cost:usd_per_1000_requests_by_mode",
+            f"freshrec:cost:serving_seconds_per_1000_requests_{w} * {price:g} / 3600"
+            f" * {terms.overhead:g}",
+        ),
+        rec(
+            "freshrec:cost:usd_per_1000_events",
+            f"freshrec:cost:cpu_seconds_per_1000_events_{w} * {price:g} / 3600"
+            f" * {terms.overhead:g}",
+        ),
+    ]
 
 
 def alerting_rules(slo: SloSettings, window: str, hold: dict[str, str]) -> list[dict]:
@@ -229,6 +304,7 @@ def build(
     slo: SloSettings | None = None,
     window: str = "5m",
     hold: dict[str, str] | None = None,
+    cost: CostTerms | None = None,
 ) -> dict:
     """The rule file as a dict; ``window`` is the rate window and ``hold`` each alert kind's
     ``for`` (``slo`` 5m, ``down`` 1m, ``breaker`` from the settings) — shorter only in
@@ -238,6 +314,7 @@ def build(
     return {
         "groups": [
             {"name": "freshrec-recording", "rules": recording_rules(slo, window)},
+            {"name": "freshrec-cost", "rules": cost_rules(cost or CostTerms(), window)},
             {"name": "freshrec-alerts", "rules": alerting_rules(slo, window, hold)},
         ]
     }
@@ -252,7 +329,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT, help=f"where to write (default {OUT})")
     args = ap.parse_args()
-    text = render(SloSettings.from_env(os.environ))
+    text = render(SloSettings.from_env(os.environ), cost=CostTerms.from_env(os.environ))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")

@@ -169,6 +169,8 @@ class Recommender:
         self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
         self.mode = DAILY
         """The serving mode whose settings serve (``modes.py``): named in every reply."""
+        self.new_names: frozenset[str] = frozenset()
+        """The catalogue's new items (the snapshot's), for ``freshrec_reply_items_total``."""
 
     def use(self, settings: ServingSettings, mode: str) -> None:
         """Serve the next batches with a mode's settings: the ladder's thresholds, the recall
@@ -230,6 +232,8 @@ class Recommender:
         self.state.item_shards = snap.feature_shards or 0
         lists = dict(snap.hot)
         lists[NEW_ITEMS] = snap.new
+        if len(snap.new) != len(self.new_names) or not self.new_names.issuperset(snap.new):
+            self.new_names = frozenset(snap.new)
         get = self.slot_of.get
         self.state.lists = {
             scope: np.fromiter((s for s in (get(x) for x in names) if s is not None), np.int64)
@@ -454,6 +458,10 @@ class Recommender:
                 )
             )
             m.REPLIES.labels(tier, self.mode).inc()
+            m.SERVING_COST.labels(self.mode).inc(timings["cost"] / 1000)
+            fresh = sum(1 for i in items if i[0] in self.new_names)
+            m.REPLY_ITEMS.labels("true").inc(fresh)
+            m.REPLY_ITEMS.labels("false").inc(len(items) - fresh)
             self.shown.shown(r.user_id, [i[0] for i in items], now_ms)
             for stage, value in timings.items():
                 _stage_histogram(stage, tier, self.mode).observe(value / 1000)
