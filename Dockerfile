@@ -13,6 +13,10 @@ COPY param_server ./param_server
 COPY evaluation ./evaluation
 COPY tools ./tools
 RUN pip install --no-cache-dir .
+# The CUDA caching allocator, where a worker runs on a GPU (seed B: cap the size of blocks it
+# splits, so that a long-running process does not fragment the device's memory; collect
+# cached blocks before the device fills). docs/operations.md, "GPUs".
+ENV PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128,garbage_collection_threshold:0.8
 RUN useradd --create-home freshrec
 USER freshrec
 ENTRYPOINT ["freshrec"]

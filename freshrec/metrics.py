@@ -317,6 +317,12 @@ EXPERIMENT_EVENTS = Counter(
     "variant 'unattributed' when the reply's variant is not known (no experiment, or expired)",
     ["experiment", "variant", "event_type"],
 )
+DEVICE_MEMORY = Gauge(
+    "freshrec_device_memory_bytes",
+    "A GPU worker's device memory (the CUDA caching allocator's): allocated, reserved, "
+    "inactive_split (reserved, split, unused: fragmentation) and total; absent on a CPU",
+    ["kind"],
+)
 DEVICE_INFO = Gauge(
     "freshrec_device_info", "The device the worker's tables live on (value 1)", ["device"]
 )

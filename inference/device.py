@@ -27,6 +27,26 @@ def pick_device(setting: str = "auto") -> torch.device:
     return torch.device(setting)
 
 
+def device_memory(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's memory on ``device``, bytes: ``allocated`` (in tensors),
+    ``reserved`` (held from the driver), ``inactive_split`` (reserved in blocks that are split
+    and unused: fragmentation, what ``max_split_size_mb`` bounds) and ``total`` (the device's);
+    nothing on a CPU.
+
+    >>> device_memory(torch.device("cpu"))
+    {}
+    """
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "allocated": int(stats.get("allocated_bytes.all.current", 0)),
+        "reserved": int(stats.get("reserved_bytes.all.current", 0)),
+        "inactive_split": int(stats.get("inactive_split_bytes.all.current", 0)),
+        "total": int(torch.cuda.get_device_properties(device).total_memory),
+    }
+
+
 def to_device(a, device: torch.device) -> torch.Tensor:
     """A host array (or tensor) on ``device``. ``non_blocking``: a copy to a GPU does not make
     the host wait (the source may be reused at once all the same)."""

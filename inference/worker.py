@@ -60,7 +60,7 @@ from freshrec.topics import TopicNames
 from inference.batching import BatchPolicy, EventSlicer
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter
-from inference.device import pick_device
+from inference.device import device_memory, pick_device
 from inference.intake import RequestIntake
 from inference.learning.admission import AdmissionFilter
 from inference.learning.learner import LocalLearner
@@ -257,19 +257,12 @@ class Worker(Service):
         self.snapshots.start()
         self.recommender.adopt_snapshot()
         n = self._partitions(self.names.embeddings_updates)
-        topics = self.producer.list_topics(timeout=15).topics
-        control = [TopicPartition(self.names.control, 0, OFFSET_BEGINNING)]  # every record
-        if self.names.control not in topics:
-            control = []
-            log.warning(
-                "no %s topic: the serving mode stays %s", self.names.control, self.mode.current
-            )
         self.updates.assign(
             [
                 TopicPartition(self.names.embeddings_updates, p, positions.get(p, OFFSET_BEGINNING))
                 for p in range(n)
             ]
-            + control
+            + self.mode.partitions(self.producer, self.names.control)
         )
         self.events.subscribe(
             [self.names.events, self.names.recommend_requests],
@@ -367,6 +360,8 @@ class Worker(Service):
         if self.cache.item_rows > self.settings.max_item_rows:
             self.evict_items()
         self.models.poll()
+        for kind, value in device_memory(self.cache.device).items():
+            m.DEVICE_MEMORY.labels(kind).set(value)
         if self.experiment:
             self.experiment.poll(now)
         self.recommender.adopt_snapshot()  # also when idle: the catalogue gauge stays true

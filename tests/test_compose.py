@@ -87,6 +87,7 @@ def test_each_service_logs_in_as_its_own_kafka_user_with_the_grants_it_needs():
         "streams": "streams",
         "param-server": "param-server",
         "worker": "worker",
+        "worker-gpu": "worker",
     }
     writes = {
         who: {(g.name, g.prefixed) for g in grants if g.operation == "WRITE"}

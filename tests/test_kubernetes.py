@@ -46,6 +46,22 @@ def test_each_service_has_a_deployment_with_probes_resources_and_a_disruption_bu
         assert refs == {"freshrec-settings", "freshrec-credentials"}
 
 
+def test_the_gpu_pool_asks_for_a_gpu_on_gpu_nodes_and_joins_the_workers_group():
+    deployments = {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == "Deployment"}
+    gpu, cpu = deployments["freshrec-worker-gpu"], deployments["freshrec-worker"]
+    (c,) = gpu["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["args"] == ["worker"]
+    assert {"name": "FRESHREC_DEVICE", "value": "cuda"} in c["env"]
+    pod = gpu["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    (cpu_c,) = cpu["spec"]["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in cpu_c["resources"]["limits"]
+    # one consumer group: both read FRESHREC_TOPIC_PREFIX from the same ConfigMap, and no
+    # setting of either names a group of its own
+    assert c["envFrom"] == cpu_c["envFrom"]
+
+
 def test_settings_and_credentials_are_ones_the_code_reads_with_no_default_secret():
     read = env_names_read_by_code()
     config = next(d for _, d in DOCS if d["kind"] == "ConfigMap")

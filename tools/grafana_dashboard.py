@@ -370,6 +370,17 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
         "Internals",
         [
             (
+                "GPU memory of workers on a GPU (allocated, reserved, fragmented, total)",
+                "bytes",
+                [
+                    (
+                        "max by (instance, kind) (freshrec_device_memory_bytes)",
+                        "{{instance}} {{kind}}",
+                    )
+                ],
+                8,
+            ),
+            (
                 "Parameter server flush time",
                 "s",
                 [

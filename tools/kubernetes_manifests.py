@@ -27,16 +27,24 @@ SERVICES = (
     ("streams", 2, ("1", "1Gi"), "2Gi"),
     ("param-server", 2, ("1", "1Gi"), "4Gi"),
     ("worker", 2, ("2", "2Gi"), "6Gi"),
+    # workers on a GPU node pool (docs/operations.md, "GPUs"): the same consumer group as the
+    # CPU workers, so scaling this up moves request and event partitions to GPUs; 0 replicas
+    # until a cluster has GPU nodes (the NVIDIA device plugin advertises nvidia.com/gpu)
+    ("worker-gpu", 0, ("2", "4Gi"), "12Gi"),
 )
+GPU_POOL_LABEL = "nvidia.com/gpu.present"
+"""The node label GPU feature discovery (NVIDIA's GPU operator) puts on GPU nodes."""
 
 
 def deployment(name: str, replicas: int, requests: tuple[str, str], limit: str):
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "freshrec"}
+    command = "worker" if name.startswith("worker") else name
+    gpu = name == "worker-gpu"
     probe = {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10}
     container = {
         "name": name,
         "image": IMAGE,
-        "args": [name],
+        "args": [command],
         "workingDir": "/tmp",  # an emptyDir: the streams app keeps its table files here
         "envFrom": [
             {"configMapRef": {"name": "freshrec-settings"}},
@@ -48,7 +56,8 @@ def deployment(name: str, replicas: int, requests: tuple[str, str], limit: str):
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
             }
         ]
-        if name == "worker"
+        + ([{"name": "FRESHREC_DEVICE", "value": "cuda"}] if gpu else [])
+        if command == "worker"
         else [],
         "ports": [{"name": "metrics", "containerPort": PORT}],
         # ready once it owns partitions and reaches Redis: a consumer-group rebalance moves
@@ -63,7 +72,9 @@ def deployment(name: str, replicas: int, requests: tuple[str, str], limit: str):
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 36},
         "resources": {
             "requests": {"cpu": requests[0], "memory": requests[1]},
-            "limits": {"memory": limit},
+            # a GPU is requested by its limit (extended resources are not overcommitted);
+            # time-slicing or MPS on the node lets several pods share one (operations.md)
+            "limits": {"memory": limit, **({"nvidia.com/gpu": 1} if gpu else {})},
         },
         "securityContext": {
             "runAsNonRoot": True,
@@ -73,7 +84,7 @@ def deployment(name: str, replicas: int, requests: tuple[str, str], limit: str):
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
     volumes = [{"name": "tmp", "emptyDir": {}}]
-    if name == "worker":
+    if command == "worker":
         container["volumeMounts"].append(
             {"name": "models", "mountPath": "/models", "readOnly": True}
         )
@@ -101,6 +112,20 @@ def deployment(name: str, replicas: int, requests: tuple[str, str], limit: str):
                     "securityContext": {"runAsUser": 1000, "fsGroup": 1000},
                     "containers": [container],
                     "volumes": volumes,
+                    **(
+                        {
+                            "nodeSelector": {GPU_POOL_LABEL: "true"},
+                            "tolerations": [
+                                {
+                                    "key": "nvidia.com/gpu",
+                                    "operator": "Exists",
+                                    "effect": "NoSchedule",
+                                }
+                            ],
+                        }
+                        if gpu
+                        else {}
+                    ),
                 },
             },
         },

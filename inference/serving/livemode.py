@@ -14,6 +14,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
 from freshrec import metrics as m
 from schemas.codec import decode_control
 
@@ -34,6 +36,14 @@ class LiveMode:
         """The write time of the record adopted last: an older one read later (a topic
         replayed from its start, two writers racing) does not switch back."""
         self._switch(start)
+
+    def partitions(self, client, topic: str) -> list[TopicPartition]:
+        """What to read of the control topic: its partition from the start, or nothing where
+        the topic is missing (a deployment from before modes: the mode then stays)."""
+        if topic not in client.list_topics(timeout=15).topics:
+            log.warning("no %s topic: the serving mode stays %s", topic, self.current)
+            return []
+        return [TopicPartition(topic, 0, OFFSET_BEGINNING)]
 
     def on_record(self, raw: bytes | None) -> None:
         record = decode_control(raw)
