@@ -33,16 +33,33 @@ acts), a cluster without a quorum or in the middle of a resharding or failover, 
 loading its data set, running a script, or a replica not yet promoted."""
 
 
+PASSING_TYPES: dict[type[BaseException], str] = {
+    redis.exceptions.OutOfMemoryError: "oom",
+    redis.exceptions.MasterDownError: "masterdown",
+    redis.exceptions.ClusterDownError: "clusterdown",
+    redis.exceptions.TryAgainError: "tryagain",
+    redis.exceptions.ReadOnlyError: "readonly",
+    redis.exceptions.BusyLoadingError: "loading",
+}
+"""The same refusals as redis-py raises them: its parser turns ``OOM …`` into an
+``OutOfMemoryError`` whose text has lost the word ``OOM`` (a check of the text alone let a
+service at ``maxmemory`` crash), and likewise for the others."""
+
+
 def is_outage(exc: BaseException) -> bool:
     """Redis did not answer, refused for a reason that passes with time, or a FreshRec error
     says the same call may succeed later.
 
+    >>> is_outage(redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
+    True
     >>> is_outage(redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'"))
     True
     >>> is_outage(redis.ResponseError("WRONGTYPE Operation against a key"))
     False
     """
     if isinstance(exc, REDIS_DOWN) or (isinstance(exc, FreshRecError) and exc.retriable):
+        return True
+    if isinstance(exc, tuple(PASSING_TYPES)):
         return True
     if isinstance(exc, redis.ResponseError):
         return str(exc).split(" ", 1)[0].upper() in PASSING_REFUSALS
@@ -53,9 +70,12 @@ def outage_reason(exc: BaseException) -> str:
     """The metric label of a failure ``is_outage`` waits out.
 
     >>> outage_reason(redis.ResponseError("OOM command not allowed")), outage_reason(
-    ...     redis.ConnectionError("refused"))
-    ('oom', 'down')
+    ...     redis.ConnectionError("refused")), outage_reason(redis.exceptions.OutOfMemoryError())
+    ('oom', 'down', 'oom')
     """
+    for kind, label in PASSING_TYPES.items():  # subclasses first: MasterDown is a ClusterDown
+        if isinstance(exc, kind):
+            return label
     if isinstance(exc, redis.ResponseError):
         return str(exc).split(" ", 1)[0].lower()
     return "down" if isinstance(exc, REDIS_DOWN) else "retriable"

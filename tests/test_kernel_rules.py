@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
+from freshrec import metrics as m
 from freshrec.errors import FreshRecError, RetriableError
 from freshrec.kafka import TopicMissing, delivery_retriable, partition_count
 from freshrec.outage import is_outage, until_redis_answers
@@ -39,8 +40,20 @@ def test_an_outage_is_waited_out_and_other_errors_pass_through(caplog):
         until_redis_answers(refused, "test", sleep=slept.append)
     # refusals that pass with time are waited out like an outage: memory at maxmemory, a
     # cluster re-forming
+    # cluster re-forming; both as text and as the classes redis-py's parser makes of them
+    # (it drops the word OOM from an OutOfMemoryError's text: the text alone once let a
+    # service at maxmemory crash)
     refusals = iter(
-        [redis.ResponseError("OOM command not allowed"), redis.ResponseError("CLUSTERDOWN")]
+        [
+            redis.ResponseError("OOM command not allowed"),
+            redis.ResponseError("CLUSTERDOWN"),
+            redis.exceptions.OutOfMemoryError(
+                "command not allowed when used memory > 'maxmemory'."
+            ),
+            redis.exceptions.ClusterDownError("The cluster is down"),
+            redis.exceptions.TryAgainError("Multiple keys request during rehashing of slot"),
+            redis.exceptions.ReadOnlyError("You can't write against a read only replica."),
+        ]
     )
 
     def crowded():
@@ -49,7 +62,10 @@ def test_an_outage_is_waited_out_and_other_errors_pass_through(caplog):
             raise err
         return "written"
 
+    oom = m.REDIS_UNAVAILABLE.labels("oom")._value.get()
     assert until_redis_answers(crowded, "test", sleep=slept.append) == "written"
+    assert m.REDIS_UNAVAILABLE.labels("oom")._value.get() == oom + 2
+    assert m.REDIS_WAITING._value.get() == 0  # the wait is over
     assert is_outage(redis.TimeoutError()) and is_outage(RetriableError("x"))
     assert not is_outage(FreshRecError("x")) and not is_outage(ValueError())
 

@@ -25,6 +25,8 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
+from freshrec.errors import FreshRecError
+
 DAILY = "daily"
 
 MODE_SETTINGS = frozenset(
@@ -69,7 +71,7 @@ MODES: dict[str, dict[str, str]] = {
 """The modes FreshRec ships (``FRESHREC_MODES_FILE`` may change them or add others)."""
 
 
-class ModeError(ValueError):
+class ModeError(FreshRecError, ValueError):
     """A modes file or a mode's settings are not usable; the message says where."""
 
 
