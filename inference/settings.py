@@ -243,6 +243,7 @@ class WorkerSettings:
             exclude_seen=env_bool(env, "FRESHREC_EXCLUDE_SEEN", True),
             cold_item_start=env_bool(env, "FRESHREC_COLD_ITEM_START", True),
             seen_users=env_int(env, "FRESHREC_SEEN_USERS", 20_000, minimum=1),
+            recent_users=env_int(env, "FRESHREC_RECENT_USERS", 100_000, minimum=1),
             dedupe_window=env_int(env, "FRESHREC_DEDUPE_WINDOW", 200_000, minimum=1),
             seen_per_user=env_int(env, "FRESHREC_SEEN_PER_USER", 200, minimum=1),
             hot_weights=hot.weights,
