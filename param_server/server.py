@@ -19,7 +19,6 @@ vectorised operations, and persisted with commands packed by numpy (``freshrec/r
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -41,10 +40,9 @@ from freshrec.kafka import (
     producer_config,
 )
 from freshrec.lifecycle import run_until_signalled, settle_heap
-from freshrec.outage import REDIS_DOWN as OUTAGE
 from freshrec.outage import is_outage, until_redis_answers
 from freshrec.partitioner import row_partitions
-from freshrec.redisconn import TransactionFailed, connect
+from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import row_shards
 from freshrec.service import Service
@@ -66,8 +64,6 @@ from schemas.rows import initial_rows, version_floor
 log = logging.getLogger("freshrec.param_server")
 MAX_ROWS_PER_MESSAGE = 1000
 EVICT_EVERY_S = 60.0
-REDIS_DOWN = (*OUTAGE, TransactionFailed)
-"""Failures that pause the server until Redis answers (a failed transaction is sent again)."""
 
 
 @dataclass
@@ -523,8 +519,14 @@ class ParameterServer(Service):
         if not self._broadcast_positions:
             return
         positions, self._broadcast_positions = self._broadcast_positions, {}
-        with contextlib.suppress(*REDIS_DOWN):  # the next broadcast records them again
+        try:
             self.redis.hset(self.keys.ps_broadcast, mapping=positions)
+        except Exception as exc:  # down, or refusing (at maxmemory): the next round writes them
+            if not is_outage(exc):
+                raise
+            for p, offset in positions.items():
+                mine = self._broadcast_positions.get(p, -1)
+                self._broadcast_positions[p] = max(mine, offset)
 
     # ----------------------------------------------------------------------------- redis
     def _redis_retry(self, op):

@@ -137,3 +137,34 @@ def test_the_service_shape_closes_once_and_says_whether_cleanly():
     with pytest.raises(RuntimeError):
         broken.run(stop)
     assert broken.closed == [False]  # a failed batch commits nothing
+
+
+def test_broadcast_positions_redis_refuses_are_kept_for_the_next_round():
+    """The parameter server's start positions for new workers: a write that Redis refuses at
+    maxmemory (redis-py's OutOfMemoryError) once ended the server; now the positions wait for
+    the next round, merged with newer ones, and any other error still surfaces."""
+    from param_server.server import ParameterServer
+
+    class Refusing:
+        def __init__(self, exc):
+            self.exc, self.written = exc, []
+
+        def hset(self, key, mapping):
+            if self.exc is not None:
+                raise self.exc
+            self.written.append(dict(mapping))
+
+    ps = object.__new__(ParameterServer)  # the one method alone: no broker, no Redis
+    ps.keys = type("Keys", (), {"ps_broadcast": "t.ps:broadcast"})()
+    ps.redis = Refusing(redis.exceptions.OutOfMemoryError("command not allowed"))
+    ps._broadcast_positions = {0: 5, 1: 7}
+    ps._save_broadcast_positions()
+    assert ps._broadcast_positions == {0: 5, 1: 7}
+    ps._broadcast_positions[0] = 9  # a newer delivery meanwhile
+    ps.redis.exc = None
+    ps._save_broadcast_positions()
+    assert ps.redis.written == [{0: 9, 1: 7}] and ps._broadcast_positions == {}
+    ps.redis.exc = redis.ResponseError("WRONGTYPE Operation against a key")
+    ps._broadcast_positions = {2: 1}
+    with pytest.raises(redis.ResponseError):
+        ps._save_broadcast_positions()
