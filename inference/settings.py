@@ -31,7 +31,7 @@ from inference.models.tiers import HeatSplit
 from inference.serving.breaker import BreakerConfig
 from inference.serving.channels import default_channels, parse_delays, parse_quotas
 from inference.serving.degrade import LadderConfig
-from inference.serving.modes import DAILY, ModeError, load_modes, mode_env
+from inference.serving.modes import DAILY, ModeError, declared_modes, mode_env
 from inference.serving.recommender import ServingSettings
 from schemas.codec import DeadLetterLimits
 
@@ -123,9 +123,8 @@ class WorkerSettings:
         """The worker's settings, with every mode's built from them (a mode whose settings
         are not valid is an error at start, naming the mode)."""
         settings = cls._from_env(env)
-        path = env.get("FRESHREC_MODES_FILE") or None
         try:
-            declared = load_modes(Path(path) if path else None)
+            declared = declared_modes(env)
         except ModeError as exc:
             raise SettingsError(f"FRESHREC_MODES_FILE: {exc}") from None
         start = env.get("FRESHREC_MODE") or DAILY

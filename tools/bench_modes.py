@@ -26,10 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from freshrec.app.proctime import cpu_seconds
-from freshrec.cost import CORE_HOUR_PRICE
+from freshrec.cost import CORE_HOUR_PRICE, costs
 from freshrec.sim.closedloop import ClosedLoop
 from freshrec.sim.produce import produce_events
 from freshrec.sim.world import World
@@ -41,16 +39,16 @@ PHASES = ("normal", "spike", "after")
 
 def phase_figures(loop: ClosedLoop, seconds: float, cpu_s: float, core_hour: float) -> dict:
     st = loop.stats
-    lat = np.asarray(st.all_latencies_ms)
     answered = max(st.replied, 1)
+    cost = costs({"worker": cpu_s}, answered, 0, core_hour)
     return {
         "seconds": seconds,
         "sent": st.sent,
         "answered": st.replied,
         "timed_out": st.timeouts,
         "requests_per_s": round(st.replied / seconds, 1),
-        "p50_ms": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
-        "p99_ms": round(float(np.percentile(lat, 99)), 1) if len(lat) else None,
+        "p50_ms": round(st.p(50, recent=False), 1) if st.replied else None,
+        "p99_ms": round(st.p(99, recent=False), 1) if st.replied else None,
         "tiers": {t: round(n / answered, 4) for t, n in st.tiers.most_common()},
         "ctr": round(st.ctr, 4),
         "impressions": st.impressions,
@@ -60,8 +58,8 @@ def phase_figures(loop: ClosedLoop, seconds: float, cpu_s: float, core_hour: flo
         else round(st.intra_list_diversity, 4),
         "repeat_share": None if st.repeat_share is None else round(st.repeat_share, 4),
         "worker_cpu_s": round(cpu_s, 2),
-        "worker_cpu_s_per_1000": round(1000 * cpu_s / answered, 2),
-        "usd_per_1000": round(1000 * cpu_s / answered * core_hour / 3600, 7),
+        "worker_cpu_s_per_1000": round(cost.per_thousand_requests["worker"], 2),
+        "usd_per_1000": round(cost.price_per_thousand_requests, 7),
     }
 
 

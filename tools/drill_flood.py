@@ -24,7 +24,6 @@ Writes artifacts/drill_flood.json (``--out``) and the plot ``--plot``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
 import tempfile
 import threading
@@ -35,6 +34,7 @@ from pathlib import Path
 import orjson
 import redis as redis_lib
 
+from freshrec.app.proctime import rss_bytes
 from freshrec.kafka import produce
 from freshrec.sim.pacing import Pacer
 from freshrec.sim.produce import DeliveryCounter, events_producer
@@ -55,24 +55,6 @@ BOUNDS = {
 """Each bound the flood meets, set so that it binds within a few minutes."""
 
 SERVICES = ("streams", "param-server", "worker")
-
-
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of a process and its descendants (Linux ``/proc``); 0 once gone."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                todo.extend(int(c) for c in task.read_text().split())
-    return total
 
 
 class Flood:
@@ -154,7 +136,7 @@ def run(rate: float, duration_s: float, every_s: float, new_items: float, new_us
         flood.thread.start()
         while (t := time.monotonic() - start) < duration_s:
             for name in SERVICES:
-                series[name].append((t, tree_rss_bytes(pipe.procs[name].pid)))
+                series[name].append((t, rss_bytes(pipe.procs[name].pid)))
             series["redis"].append((t, float(store.info("memory")["used_memory"])))
             counted.append((t, pipe.metric("streams", "freshrec_streams_counted_events_total")))
             print(

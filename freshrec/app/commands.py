@@ -107,21 +107,12 @@ def cmd_experiments_report(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- modes
 
 
-def modes_declared() -> dict[str, dict[str, str]]:
-    from pathlib import Path
-
-    from inference.serving.modes import load_modes
-
-    path = os.environ.get("FRESHREC_MODES_FILE") or None
-    return load_modes(Path(path) if path else None)
-
-
 def cmd_mode_set(args: argparse.Namespace) -> int:
     """Write the control record: every worker serves in ``args.name`` within a poll."""
-    from inference.serving.modes import ModeError
+    from inference.serving.modes import ModeError, declared_modes
 
     try:
-        modes = modes_declared()
+        modes = declared_modes(os.environ)
     except ModeError as exc:
         print(f"freshrec: error: {exc}", file=sys.stderr)
         return 2
@@ -161,8 +152,9 @@ def cmd_mode_show(args: argparse.Namespace) -> int:
     of a ``freshrec run`` going on here)."""
     from freshrec.app.observe import read_targets
     from freshrec.promtext import scrape
+    from inference.serving.modes import declared_modes
 
-    modes = modes_declared()
+    modes = declared_modes(os.environ)
     record = latest_control(connection(during_run=True))
     current = record.mode if record else None
     for name, settings in sorted(modes.items()):

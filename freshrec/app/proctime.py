@@ -1,4 +1,5 @@
-"""CPU time of a process and its descendants, from ``/proc`` (Linux); elsewhere none."""
+"""CPU time and resident memory of a process and its descendants, from ``/proc`` (Linux);
+elsewhere none."""
 
 from __future__ import annotations
 
@@ -18,16 +19,20 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """CPU seconds used so far by ``pid`` and every live descendant (the streams app's
-    validate process, say); None where /proc is not there."""
-    if not Path("/proc/self/stat").exists():
-        return None
+def _tree() -> tuple[dict[int, int], dict[int, float]]:
+    """Every live process's parent and CPU seconds."""
     parents: dict[int, int] = {}
     used: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
             parents[int(entry.name)], used[int(entry.name)] = st
+    return parents, used
+
+
+def descendants(pid: int, parents: dict[int, int] | None = None) -> set[int]:
+    """``pid`` and every live process below it (``parents``: from ``_tree``, or read now)."""
+    if parents is None:
+        parents = _tree()[0]
     tree, frontier = {pid}, [pid]
     while frontier:
         parent = frontier.pop()
@@ -35,4 +40,29 @@ def cpu_seconds(pid: int) -> float | None:
             if p == parent and child not in tree:
                 tree.add(child)
                 frontier.append(child)
-    return sum(used.get(p, 0.0) for p in tree) if pid in used else None
+    return tree
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used so far by ``pid`` and every live descendant (the streams app's
+    validate process, say); None where /proc is not there."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    parents, used = _tree()
+    if pid not in used:
+        return None
+    return sum(used.get(p, 0.0) for p in descendants(pid, parents))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and every live descendant (0 where /proc is not there)."""
+    total = 0
+    for p in descendants(pid) if Path("/proc/self/stat").exists() else ():
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        total += sum(
+            int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")
+        )
+    return total

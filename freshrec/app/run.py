@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from freshrec.app.commands import modes_declared, provision_topics, start_dashboard
+from freshrec.app.commands import provision_topics, start_dashboard
 from freshrec.app.stack import EmbeddedStack, StackError, external_services
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
 from freshrec.app.training import (
@@ -109,10 +109,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         rankings = [v.ranking for v in load(args.experiment).variants]
         experiment_env["FRESHREC_EXPERIMENTS_FILE"] = str(args.experiment.resolve())
     if args.mode:
-        if args.mode not in modes_declared():  # an unknown mode stops the run here, naming them
-            raise SettingsError(
-                f"--mode {args.mode!r}: one of {', '.join(sorted(modes_declared()))}"
-            )
+        from inference.serving.modes import declared_modes
+
+        modes = declared_modes(os.environ)
+        if args.mode not in modes:  # an unknown mode stops the run here, naming them
+            raise SettingsError(f"--mode {args.mode!r}: one of {', '.join(sorted(modes))}")
         experiment_env["FRESHREC_MODE"] = args.mode
     models = model_dir()
     impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))

@@ -80,6 +80,12 @@ def mode_env(env: Mapping[str, str], overrides: Mapping[str, str]) -> dict[str, 
     return {**env, **overrides}
 
 
+def declared_modes(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """The modes a deployment has: the shipped ones with ``FRESHREC_MODES_FILE``'s over them."""
+    path = env.get("FRESHREC_MODES_FILE") or None
+    return load_modes(Path(path) if path else None)
+
+
 def load_modes(path: Path | None) -> dict[str, dict[str, str]]:
     """The shipped modes, with a TOML file's tables over them (``[promo]`` then
     ``FRESHREC_… = value`` lines: a table replaces the shipped mode of its name whole)."""

@@ -232,8 +232,7 @@ class Recommender:
         self.state.item_shards = snap.feature_shards or 0
         lists = dict(snap.hot)
         lists[NEW_ITEMS] = snap.new
-        if len(snap.new) != len(self.new_names) or not self.new_names.issuperset(snap.new):
-            self.new_names = frozenset(snap.new)
+        self.new_names = frozenset(snap.new)
         get = self.slot_of.get
         self.state.lists = {
             scope: np.fromiter((s for s in (get(x) for x in names) if s is not None), np.int64)
@@ -414,6 +413,7 @@ class Recommender:
         # own ranker's time over the requests that ranker scored (an A/B variant's cost)
         shared_ms = ((t_recall - start) + (time.monotonic() - t_rank)) * 1000 / len(batch)
         replies = []
+        cost_ms, listed, fresh = 0.0, 0, 0  # the batch's serving cost and listed (new) items
         for j, (b, r) in enumerate(zip(batch, reqs, strict=True)):
             tier, reason = choices[j].tier, choices[j].reason
             if j in ranked:
@@ -458,15 +458,18 @@ class Recommender:
                 )
             )
             m.REPLIES.labels(tier, self.mode).inc()
-            m.SERVING_COST.labels(self.mode).inc(timings["cost"] / 1000)
-            fresh = sum(1 for i in items if i[0] in self.new_names)
-            m.REPLY_ITEMS.labels("true").inc(fresh)
-            m.REPLY_ITEMS.labels("false").inc(len(items) - fresh)
+            cost_ms += timings["cost"]
+            listed += len(items)
+            fresh += sum(1 for i in items if i[0] in self.new_names)
             self.shown.shown(r.user_id, [i[0] for i in items], now_ms)
             for stage, value in timings.items():
                 _stage_histogram(stage, tier, self.mode).observe(value / 1000)
             if tier != FULL or degraded:
                 m.DEGRADED.labels(tier, reason_label(reason, degraded)).inc()
+        # once a batch, not once a reply: each ``labels`` takes a lock and builds a key
+        m.SERVING_COST.labels(self.mode).inc(cost_ms / 1000)
+        m.REPLY_ITEMS.labels("true").inc(fresh)
+        m.REPLY_ITEMS.labels("false").inc(listed - fresh)
         used = [self.slot_of.get(name, -1) for j in ranked for name, _, _ in reranked[j]]
         slots = (user_slots[list(ranked)], np.asarray(used, np.int64))  # rows the ranking used
         self.cache.observe_reply(*(x[x >= 0] for x in slots))
