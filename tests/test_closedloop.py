@@ -111,9 +111,10 @@ def test_through_a_drift_online_learning_beats_the_frozen_arm(tmp_path):
     """The benchmark's whole path, small and seeded: trains models on the cohort's logs,
     runs a learning and a frozen arm on private stacks (real broker and Redis) through an
     interest drift, and writes its figures. After the drift, the drifted users' CTR is higher
-    with online learning than frozen: measured gaps 3.1 and 2.9 points at this scale
-    (2026-12-01, ~2,900 impressions an arm after the drift, a standard error of the gap of ~0.9
-    points), so the margin asserted is 1 point."""
+    with online learning than frozen: measured gaps 3.1 and 2.9 points at 24 s after the drift
+    (2026-12-01, ~2,900 impressions an arm, a standard error of the gap of ~0.9 points), but
+    0.8 and 0.9 in two runs of 2026-12-02, below the 1-point margin asserted: 48 s after the
+    drift doubles the impressions (a standard error of ~0.6 points)."""
     env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
     drift_s = 12.0
     proc = subprocess.run(
@@ -130,7 +131,7 @@ def test_through_a_drift_online_learning_beats_the_frozen_arm(tmp_path):
             "--before",
             str(drift_s),
             "--after",
-            "24",
+            "48",
             "--window",
             "6",
             "--items",
@@ -155,7 +156,7 @@ def test_through_a_drift_online_learning_beats_the_frozen_arm(tmp_path):
     result = json.loads((tmp_path / "bench_freshness.json").read_text())
     online, frozen = result["arms"]["online"], result["arms"]["frozen"]
     assert online["replied"] > 400 and online["timeouts"] < 20
-    assert [c["from_s"] for c in online["curve"]] == [0.0, 6.0, 12.0, 18.0, 24.0, 30.0]
+    assert [c["from_s"] for c in online["curve"]] == [6.0 * w for w in range(10)]
     assert set(online["ctr_by_tier"]) <= {"full", "light", "cached", "hot"}
     assert online["groups"]["drifted"]["curve"] and online["groups"]["steady"]["curve"]
     assert (tmp_path / "bench_freshness-logs" / "online" / "worker.log").exists()
