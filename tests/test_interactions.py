@@ -168,3 +168,41 @@ def test_a_time_past_the_calendar_is_a_counted_bad_row_not_a_crash(tmp_path):
     log = read_log(path, FMT)
     assert log.items.tolist() == ["i1"] and log.bad.count == 2
     assert "outside years 1 to 9999" in log.bad.examples[0][1]
+
+
+def test_a_log_without_times_keeps_each_users_order_on_a_seeded_clock(tmp_path):
+    from inference.training.interactions import SYNTHETIC_SPAN_MS, SYNTHETIC_START_MS
+
+    rows = [("u1", "a"), ("u1", "b"), ("u2", "c"), ("u1", "d"), ("u2", "e"), ("u3", "f")]
+    rows += [(f"v{j % 7}", f"i{j}") for j in range(200)]
+    path = tmp_path / "seq.inter"
+    path.write_text("user_id:token\titem_id:token\n" + "".join(f"{u}\t{i}\n" for u, i in rows))
+    fmt = LogFormat("user_id:token", "item_id:token", "")
+    log = read_log(path, fmt)
+    assert len(log) == len(rows) and log.bad.count == 0
+    for user in {u for u, _ in rows}:
+        in_file = [i for u, i in rows if u == user]
+        assert [i for u, i in zip(log.users, log.items) if u == user] == in_file
+    assert (np.diff(log.t_ms) >= 0).all()
+    assert SYNTHETIC_START_MS <= log.t_ms.min() and log.t_ms.max() < (
+        SYNTHETIC_START_MS + SYNTHETIC_SPAN_MS
+    )
+    # users interleave: the first hundred events are not one user's
+    assert len(set(log.users[:100].tolist())) > 3
+    again = read_log(path, fmt)
+    assert again.t_ms.tolist() == log.t_ms.tolist()
+    other = read_log(path, LogFormat("user_id:token", "item_id:token", "", clock_seed=1))
+    assert other.t_ms.tolist() != log.t_ms.tolist()
+
+
+def test_no_time_and_a_time_column_are_refused_together(tmp_path):
+    import argparse
+
+    from freshrec.app.options import add_log_options, log_format_from_args
+
+    p = argparse.ArgumentParser()
+    add_log_options(p)
+    args = p.parse_args(["--no-time", "--time-col", "ts"])
+    with pytest.raises(LogError, match="--no-time"):
+        log_format_from_args(args, str(tmp_path / "x.csv"))
+    assert log_format_from_args(p.parse_args(["--no-time"]), "x.csv").time_col == ""

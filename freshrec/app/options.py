@@ -73,6 +73,13 @@ def add_log_options(p: argparse.ArgumentParser, items_help: str | None = None) -
     g.add_argument("--user-col", default=None, help="user column (default user_id)")
     g.add_argument("--item-col", default=None, help="item column (default item_id)")
     g.add_argument("--time-col", default=None, help="time column (default timestamp)")
+    g.add_argument(
+        "--no-time",
+        action="store_true",
+        help="the log has no time column, each user's rows in the order they happened "
+        "(sequence files such as SASRec's and RecBole's Amazon review logs): they keep that "
+        "order at seeded random times over a year, users interleaved (docs/benchmarks.md)",
+    )
     g.add_argument("--type-col", default=None, help="event type column (optional)")
     g.add_argument(
         "--types",
@@ -137,6 +144,10 @@ def log_format_from_args(args: argparse.Namespace, path: str):
         "delimiter": args.delimiter,
     }
     fmt = replace(fmt, **{k: v for k, v in changes.items() if v is not None})
+    if getattr(args, "no_time", False):
+        if args.time_col:
+            raise LogError("--no-time and --time-col: a log has a time column or none")
+        fmt = replace(fmt, time_col="")
     return replace(
         fmt,
         time_unit=args.time_unit,

@@ -6,7 +6,10 @@ recognised by its first bytes). ``LogFormat`` names the columns: the user, the i
 time are required; an event type (mapped to ``click``/``conversion``, other values skipped)
 and an explicit rating (``min_rating`` turns ratings into positives) are optional. Times are
 epoch seconds or milliseconds (detected from their size, or ``time_unit``) or ISO 8601
-strings (UTC when they name no zone).
+strings (UTC when they name no zone). A log with no times at all (``time_col=""``: sequence
+files such as the SASRec and RecBole copies of the Amazon review logs, each user's rows in the
+order they happened) is laid on a synthetic clock (``synthetic_times``): each user's rows keep
+the file's order and fall at seeded random times over ``SYNTHETIC_SPAN_MS``, users interleaved.
 
 Rows that cannot be read are counted, and the first few reported with their line numbers
 (``BadRows``); they never stop the read. A log with no usable row, or a file that cannot be
@@ -44,6 +47,10 @@ BAD_EXAMPLES = 5
 MS_THRESHOLD = 100_000_000_000
 """Epoch times at or above this are milliseconds (1973 in ms, year 5138 in seconds)."""
 EVENT_TYPES = ("click", "conversion")
+SYNTHETIC_START_MS = 1_577_836_800_000
+"""A log without times starts at 2020-01-01 UTC ..."""
+SYNTHETIC_SPAN_MS = 365 * 86_400_000
+"""... and spans a year."""
 ROW_ERROR = "\0error"
 """Key of a row that could not be split into cells; its value says why."""
 
@@ -57,6 +64,7 @@ class LogFormat:
     user_col: str = "user_id"
     item_col: str = "item_id"
     time_col: str = "timestamp"
+    """``""``: the log has no times; see ``synthetic_times``."""
     type_col: str | None = None
     """Event type column; its values map through ``types``."""
     types: dict[str, str] | None = None
@@ -74,6 +82,8 @@ class LogFormat:
     header: bool | None = None
     """None: a first line that names the columns is a header; without one, columns are
     0-based positions (``user_col="0"``)."""
+    clock_seed: int = 0
+    """With no ``time_col``: the seed of ``synthetic_times``."""
 
     def __post_init__(self) -> None:
         if self.time_unit not in ("auto", "s", "ms", "iso"):
@@ -223,7 +233,7 @@ def parse_rows(rows: Iterable[tuple[int, dict]], fmt: LogFormat, source: str = "
                 raise ValueError(row[ROW_ERROR])
             user = _id(row, fmt.user_col, "user")
             item = _id(row, fmt.item_col, "item")
-            t = parse_time(row.get(fmt.time_col), fmt.time_unit)
+            t = parse_time(row.get(fmt.time_col), fmt.time_unit) if fmt.time_col else 0
             kind = "click"
             if fmt.type_col is not None:
                 kind = types.get(_cell(row, fmt.type_col), "")
@@ -250,6 +260,8 @@ def parse_rows(rows: Iterable[tuple[int, dict]], fmt: LogFormat, source: str = "
         skipped = f"; {bad.skipped:,} rows skipped by type or rating" if bad.skipped else ""
         raise LogError(f"{source or 'the log'}: no usable interaction{why}{skipped}")
     t_ms = np.asarray(times, np.int64)
+    if not fmt.time_col:
+        t_ms = synthetic_times(users, fmt.clock_seed)
     order = np.argsort(t_ms, kind="stable")
     return Interactions(
         np.asarray(users, object)[order],
@@ -260,6 +272,29 @@ def parse_rows(rows: Iterable[tuple[int, dict]], fmt: LogFormat, source: str = "
         bad,
         source,
     )
+
+
+def synthetic_times(users: list[str], seed: int = 0) -> np.ndarray:
+    """Times (ms) for a log that has none: each user's rows, in the order given, at sorted
+    uniform random times over ``SYNTHETIC_SPAN_MS`` from ``SYNTHETIC_START_MS``, so a user's
+    sequence is kept and users interleave. A split by time then cuts every user's sequence at
+    about the same share (each user is seen before the cut and after it), which a log with
+    real times does not do (its users come and go); what depends on real time (recent
+    popularity, a trend) has no meaning on such a log.
+
+    >>> synthetic_times(["a", "b", "a", "a"], seed=1).tolist()[::2] == sorted(
+    ...     synthetic_times(["a", "b", "a", "a"], seed=1).tolist()[::2])
+    True
+    """
+    n = len(users)
+    _, codes = np.unique(np.asarray(users, object), return_inverse=True)
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, SYNTHETIC_SPAN_MS, n, dtype=np.int64)
+    by_value = np.lexsort((draws, codes))  # per user, its draws ascending
+    by_file = np.lexsort((np.arange(n), codes))  # per user, its rows in file order
+    t = np.empty(n, np.int64)
+    t[by_file] = draws[by_value] + SYNTHETIC_START_MS
+    return t
 
 
 # ------------------------------------------------------------------------------ files
@@ -323,7 +358,7 @@ def _delimited_rows(text: io.TextIOBase, path: Path, fmt: LogFormat) -> Iterator
     cells = _split(first, delimiter)
     header = _looks_like_header(cells, fmt)
     names = [c.strip() for c in cells] if header else [str(j) for j in range(len(cells))]
-    wanted = (fmt.user_col, fmt.item_col, fmt.time_col)
+    wanted = tuple(c for c in (fmt.user_col, fmt.item_col, fmt.time_col) if c)
     if not header and not all(c.isdigit() for c in wanted):
         raise LogError(
             f"{path}: its first line is not a header: name the columns by position (0, 1, ...)"
