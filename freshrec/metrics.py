@@ -142,6 +142,11 @@ STREAMS_EVICTED = Counter(
     "FRESHREC_STREAMS_EVICT_BELOW) or cap (past FRESHREC_STREAMS_MAX_ITEMS per partition)",
     ["reason"],
 )
+STREAMS_REWRITES = Counter(
+    "freshrec_streams_state_rewrites_total",
+    "Partitions whose whole counting state was written again: Redis had lost a snapshot it "
+    "acknowledged (its offsets read back behind the last one written: a failover)",
+)
 STREAMS_PARTITIONS = Gauge(
     "freshrec_streams_item_partitions", "events.by_item partitions owned by this instance"
 )
@@ -220,6 +225,11 @@ PS_ROWS_EVICTED = Counter(
     "freshrec_ps_rows_evicted_total",
     "Rows not updated for the row TTL, dropped from memory",
     ["table"],
+)
+PS_REWRITES = Counter(
+    "freshrec_ps_partition_rewrites_total",
+    "gradients partitions whose rows were written again: Redis had lost a transaction it "
+    "acknowledged (their applied offset read back behind the last one written: a failover)",
 )
 PS_FLUSHES = Counter("freshrec_ps_flushes_total", "Persist+broadcast rounds", ["outcome"])
 PS_FLUSH_SECONDS = Histogram(

@@ -80,6 +80,8 @@ class _Persist:
     started: float
     oldest: dict[int, dict[int, np.ndarray]]
     """partition -> table -> the oldest event time each snapshot row's new gradients hold."""
+    acked: dict[int, int]
+    """``ParamServer.acked`` when it was sent: Redis behind it lost a transaction."""
 
 
 class FencedOff(FreshRecError, RuntimeError):
@@ -101,6 +103,9 @@ class ParameterServer(Service):
         self.producer = Producer(producer_config(conn))
         self.tables = {t: ParamTable(self.w) for t in TABLE_NAMES}
         self.applied: dict[int, int] = {}
+        self.acked: dict[int, int] = {}
+        """partition -> the applied offset of the last transaction Redis acknowledged (or
+        the one read at assignment): a persist finds Redis behind it after a failover."""
         self.dirty: dict[int, dict[int, list[np.ndarray]]] = {}
         """partition -> table -> slots applied since the last flush (arrays, may repeat)."""
         self.dirty_rows = 0
@@ -139,6 +144,8 @@ class ParameterServer(Service):
         for tp in partitions:
             done = applied.get(tp.partition)
             self.applied[tp.partition] = -1 if done is None else done
+            if done is not None:
+                self.acked[tp.partition] = done
             tp.offset = OFFSET_BEGINNING if done is None else done + 1
             self.owned.add(tp.partition)
         consumer.assign(partitions)
@@ -155,6 +162,7 @@ class ParameterServer(Service):
         for tp in partitions:
             self.owned.discard(tp.partition)
             self.applied.pop(tp.partition, None)
+            self.acked.pop(tp.partition, None)
             self.owner.pop(tp.partition, None)
         for table in self.tables.values():  # reloaded from Redis on demand; another owner
             table.clear()  # may change them meanwhile
@@ -289,6 +297,7 @@ class ParameterServer(Service):
             # a row lives in one partition: the update carries that partition's offset
             held, first = np.unique(slots, return_index=True)
             owner = part[first][np.searchsorted(held, applied)]  # applied ⊆ held, both sorted
+            table.partition[applied] = owner
             for p in np.unique(owner).tolist():
                 self.dirty.setdefault(p, {}).setdefault(t, []).append(applied[owner == p])
             self.dirty_rows += len(applied)
@@ -381,7 +390,9 @@ class ParameterServer(Service):
             expiry=self._field_expiry,
         )
         self._inflight = _Persist(
-            self._persister.submit(persist_fenced, self.redis, self.keys, units, owners),
+            self._persister.submit(
+                persist_fenced, self.redis, self.keys, units, owners, acked=dict(self.acked)
+            ),
             units,
             snapshot,
             offsets,
@@ -389,6 +400,7 @@ class ParameterServer(Service):
             self.dirty_rows,
             time.perf_counter(),
             oldest,
+            dict(self.acked),
         )
         self.dirty.clear()
         self.dirty_rows = 0
@@ -408,7 +420,9 @@ class ParameterServer(Service):
             owned = self._redis_retry(
                 lambda: (
                     self._inflight is not done
-                    or persist_fenced(self.redis, self.keys, done.units, done.owners)
+                    or persist_fenced(
+                        self.redis, self.keys, done.units, done.owners, acked=done.acked
+                    )
                 )
             )
             if self._inflight is not done:  # finished (and broadcast) inside the retry
@@ -416,6 +430,10 @@ class ParameterServer(Service):
         self._inflight = None
         if not owned:
             self._fence_off(done.owners)
+        for p, offset in done.offsets.items():
+            if p in self.owned:
+                self.acked[p] = offset
+        self._rewrite_lost(owned.behind)
         persisted_ms = time.time() * 1000
         times = np.concatenate(
             [rows[4] for tables in done.snapshot.values() for rows in tables.values()]
@@ -433,6 +451,28 @@ class ParameterServer(Service):
         self._broadcast(done.snapshot, done.offsets, done.oldest)
         m.PS_FLUSHES.labels("ok").inc()
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - done.started)
+
+    def _rewrite_lost(self, partitions: tuple[int, ...]) -> None:
+        """Redis lost a transaction it had acknowledged for these partitions (a failover:
+        their applied offsets read back behind the last one written), so rows written only
+        by it are stale there: every row their messages updated since it was loaded is
+        written again by the next flush, with the current offsets."""
+        if not partitions:
+            return
+        log.warning(
+            "gradients partitions %s: Redis lost an acknowledged transaction (failover?); "
+            "writing their rows again",
+            list(partitions),
+        )
+        for p in partitions:
+            if p not in self.owned:
+                continue
+            m.PS_REWRITES.inc()
+            for t, table in self.tables.items():
+                slots = table.slots_of(p)
+                if len(slots):
+                    self.dirty.setdefault(p, {}).setdefault(t, []).append(slots)
+                    self.dirty_rows += len(slots)
 
     def _fence_off(self, owners: dict[int, str]) -> None:
         """Another instance claimed one of these partitions: drop everything unpersisted,

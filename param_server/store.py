@@ -123,13 +123,28 @@ def claim_partitions(r: redis.Redis, keys: RedisKeys, owners: dict[int, str]) ->
         pipe.execute()
 
 
+@dataclass(frozen=True)
+class Fenced:
+    """What ``persist_fenced`` did: ``owned`` (true: written; false: another instance owns a
+    partition, nothing written) — the value's truth — and ``behind``, the partitions whose
+    applied offset Redis held before the write was older than ``acked`` said: Redis lost a
+    transaction it had acknowledged (a failover), so rows written only by it are stale."""
+
+    owned: bool
+    behind: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.owned
+
+
 def persist_fenced(
     r: redis.Redis,
     keys: RedisKeys,
     units: list[PersistUnit],
     owners: dict[int, str],
     attempts: int = 20,
-) -> bool:
+    acked: dict[int, int] | None = None,
+) -> Fenced:
     """Run ``pack_persist``'s units only while every partition in ``owners`` is still owned
     by its token: ``WATCH`` the owner keys, check them, then ``MULTI``/``EXEC`` on the same
     connection. A claim in between (another instance's assignment) aborts the ``EXEC``, and
@@ -138,27 +153,46 @@ def persist_fenced(
     overwrite what the new owner computes. A single server runs all units in one
     transaction; a cluster runs one per partition (one hash slot each) on the node that owns
     it, so a crash there may leave some partitions written and not others — each with its
-    own applied offset, which is all a restart needs."""
+    own applied offset, which is all a restart needs.
+
+    With ``acked`` (partition -> the applied offset of the last transaction Redis
+    acknowledged), the check also reads the applied offsets and reports those behind
+    (``Fenced.behind``)."""
     groups = [units] if not is_cluster(r) else [[u] for u in units]
+    behind: list[int] = []
     for group in groups:
         for attempt in range(ATTEMPTS):
             try:
-                if not _fenced_transaction(r, keys, group, owners, attempts):
-                    return False
+                owned = _fenced_transaction(r, keys, group, owners, attempts, acked or {})
+                if owned is None:
+                    return Fenced(False)
+                behind.extend(owned)
                 break
             except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
                 if not is_cluster(r) or attempt == ATTEMPTS - 1:
                     raise
                 reload_slots(r, exc, attempt)  # resharded: MOVED, or ASK until the move ends
-    return True
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                # a master that died: its replica may hold the slots by the caller's retry,
+                # which must then find it (the slot map is not reloaded by itself here)
+                reload_slots(r, exc)
+                raise
+    return Fenced(True, tuple(sorted(behind)))
 
 
 def _fenced_transaction(
-    r: redis.Redis, keys: RedisKeys, units: list[PersistUnit], owners: dict[int, str], attempts
-) -> bool:
+    r: redis.Redis,
+    keys: RedisKeys,
+    units: list[PersistUnit],
+    owners: dict[int, str],
+    attempts: int,
+    acked: dict[int, int],
+) -> list[int] | None:
+    """None: another owner; else written, and the partitions found behind ``acked``."""
     parts = [u.partition for u in units]
     owner_keys = [keys.ps_owner(p).encode() for p in parts]
-    check = pack(b"WATCH", *owner_keys) + pack(b"MGET", *owner_keys)
+    applied_keys = [keys.ps_applied(p).encode() for p in parts]
+    check = pack(b"WATCH", *owner_keys) + pack(b"MGET", *owner_keys, *applied_keys)
     payload = b"".join([pack(b"MULTI"), *(u.commands for u in units), pack(b"EXEC")])
     replies = 2 + sum(u.count for u in units)
     with pooled_connection(node_client(r, owner_keys[0])) as conn:
@@ -166,17 +200,23 @@ def _fenced_transaction(
             conn.send_packed_command([check])
             conn.read_response()  # WATCH: OK
             current = conn.read_response()
-            if [c.decode() if c is not None else None for c in current] != [
+            held = current[len(parts) :]
+            if [c.decode() if c is not None else None for c in current[: len(parts)]] != [
                 owners.get(p) for p in parts
             ]:
                 conn.send_packed_command([pack(b"UNWATCH")])
                 conn.read_response()
-                return False
+                return None
+            behind = [
+                p
+                for p, h in zip(parts, held, strict=True)
+                if p in acked and (-1 if h is None else int(h)) < acked[p]
+            ]
             conn.send_packed_command([payload])
             out = [conn.read_response() for _ in range(replies)]
             if out[-1] is not None:  # EXEC ran; None: a watched key changed, check again
                 check_exec(out[-1])  # EXEC ran every command: did any fail?
-                return True
+                return behind
         raise redis.WatchError(f"the owners of partitions {parts} kept changing")
 
 

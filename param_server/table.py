@@ -40,6 +40,9 @@ class ParamTable:
         self.oldest_ms = np.zeros(capacity, np.int64)
         """The oldest event time among the gradients applied since the row was last taken
         for persisting (``take_oldest``); 0: none."""
+        self.partition = np.full(capacity, -1, np.int32)
+        """The ``gradients`` partition whose messages update the row (set by the server when
+        it applies one; -1: none applied since the row was loaded)."""
 
     def __len__(self) -> int:
         return self.size
@@ -66,6 +69,7 @@ class ParamTable:
         self.version[slots] = versions
         self.event_ms[slots] = event_ms
         self.oldest_ms[slots] = 0
+        self.partition[slots] = -1
         self.index.insert(ids, slots)
         self.size += n
         return slots
@@ -184,12 +188,16 @@ class ParamTable:
         gone = n - int(keep.sum())
         if gone == 0:
             return 0
-        for name in ("ids", "rows", "accum", "version", "event_ms", "oldest_ms"):
+        for name in ("ids", "rows", "accum", "version", "event_ms", "oldest_ms", "partition"):
             arr = getattr(self, name)
             arr[: n - gone] = arr[:n][keep]
         self.size = n - gone
         self.index.rebuild(self.ids[: self.size], np.arange(self.size))
         return gone
+
+    def slots_of(self, partition: int) -> np.ndarray:
+        """The slots of the rows ``partition``'s messages updated since they were loaded."""
+        return np.flatnonzero(self.partition[: self.size] == partition)
 
     def clear(self) -> None:
         self.size = 0
@@ -201,7 +209,7 @@ class ParamTable:
             return
         while capacity < needed:
             capacity *= 2
-        for name in ("ids", "rows", "accum", "version", "event_ms", "oldest_ms"):
+        for name in ("ids", "rows", "accum", "version", "event_ms", "oldest_ms", "partition"):
             old = getattr(self, name)
             new = np.zeros((capacity, *old.shape[1:]), old.dtype)
             new[: self.size] = old[: self.size]

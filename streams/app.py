@@ -275,7 +275,20 @@ class StreamsApp:
                 sink = await self._redis()
                 # a snapshot: written again as it is once Redis is back (the batch is not
                 # acknowledged meanwhile, so nothing moves past it)
-                await until_redis_answers(lambda: sink.persist(states), "persisting counts")
+                lost = await until_redis_answers(lambda: sink.persist(states), "persisting counts")
+                while lost:
+                    # Redis lost a flush it had acknowledged (a failover): the partitions'
+                    # whole state, written before anything past it is acknowledged
+                    log.warning(
+                        "partitions %s: Redis lost an acknowledged snapshot (failover?); "
+                        "writing their whole state again",
+                        lost,
+                    )
+                    m.STREAMS_REWRITES.inc(len(lost))
+                    again = [(q, s) for q, s in states if q in lost]
+                    lost = await until_redis_answers(
+                        lambda again=again: sink.persist(again), "persisting counts"
+                    )
                 for _, state in states:
                     for reason, n in state.take_evictions().items():
                         m.STREAMS_EVICTED.labels(reason).inc(n)

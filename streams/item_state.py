@@ -134,6 +134,9 @@ class ItemPartitionState:
         self.evictions = {"idle": 0, "cap": 0}
         """Items evicted since ``take_evictions``, by reason."""
         self._swept_ms = 0
+        self.persisted: dict[str, str | None] = {"applied": None, "covisit_applied": None}
+        """The offsets fields of the last snapshot Redis acknowledged (or restored), as
+        written: a flush reads them back first (``lost_in_redis``)."""
 
     # ---------------------------------------------------------------------------- growth
     def _slot(self, item_id: str) -> int:
@@ -447,6 +450,42 @@ class ItemPartitionState:
         self.evicted = flush.evicted + self.evicted
         self.covisit.dropped.update(flush.dropped)
 
+    def lost_in_redis(self, found: dict[str, str | None]) -> bool:
+        """Whether the offsets fields Redis held before a flush (``found``) are behind the
+        last snapshot it acknowledged: a write Redis acknowledged and then lost (a replica
+        promoted after its master died, asynchronous replication), so rows written only then
+        are stale there. Offsets ahead of ours (another instance wrote since) are not a loss.
+
+        >>> s = ItemPartitionState(StateConfig())
+        >>> s.persisted = {"applied": '{"0": 9}', "covisit_applied": "{}"}
+        >>> s.lost_in_redis({"applied": '{"0": 9}', "covisit_applied": "{}"})
+        False
+        >>> s.lost_in_redis({"applied": '{"0": 4}', "covisit_applied": "{}"})
+        True
+        >>> s.lost_in_redis({"applied": None, "covisit_applied": None})
+        True
+        """
+        import json
+
+        def offsets(raw: str | None) -> dict[str, int]:
+            return json.loads(raw) if raw else {}
+
+        lost = False
+        for name, mine in self.persisted.items():
+            if mine == found.get(name):
+                continue
+            ours, theirs = offsets(mine), offsets(found.get(name))
+            if any(theirs.get(q, -1) > o for q, o in ours.items()):
+                return False
+            lost = lost or any(theirs.get(q, -1) < o for q, o in ours.items())
+        return lost
+
+    def touch_all(self) -> None:
+        """Every item and co-visitation anchor is due in the next flush: it rewrites the
+        whole partition."""
+        self.touched.update(range(self.n_items))
+        self.covisit.dirty.update(self.covisit.counts)
+
     # ------------------------------------------------------------------------- eviction
     def take_evictions(self) -> dict[str, int]:
         out = dict(self.evictions)
@@ -554,6 +593,7 @@ class ItemPartitionState:
         covisit_applied = json.loads(meta.get("covisit_applied", "{}"))
         state.covisit_applied = {int(k): int(v) for k, v in covisit_applied.items()}
         state.late = int(meta.get("late", 0))
+        state.persisted = {f: meta.get(f) for f in state.persisted}
         n_scopes = len(state.scopes)
         for slot, blob in zip(state._slots(list(rows)), rows.values(), strict=True):
             row = np.frombuffer(blob, np.float64)

@@ -31,7 +31,7 @@ class StreamsSink:
         ((values,),) = await run_packed_async(self.redis, [Packed(key, command, 1)])
         return {i: float(v) for i, v in zip(item_ids, values, strict=True) if v is not None}
 
-    async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> None:
+    async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> list[int]:
         """Per partition: state rows of touched items, the removal of evicted items (their
         rows, features and co-visitation lists) and the meta (with applied offsets) in one
         MULTI/EXEC (the keys share the partition's hash tag), so a crash leaves each
@@ -39,19 +39,28 @@ class StreamsSink:
         per node of a cluster). The touched items' serving features follow in the next
         publish round. A write that fails gives back all it took, so the retry writes it
         whole. Commands are packed here (``freshrec/resp.py``): redis-py's asyncio packer
-        was most of a count batch's time."""
+        was most of a count batch's time.
+
+        Each transaction first reads back the offsets Redis held: when they are behind the
+        last snapshot it acknowledged (``ItemPartitionState.lost_in_redis``: a failover lost
+        an acknowledged write), the partition's every row is due again and its number is
+        returned, for the caller to write it whole before it acknowledges anything."""
         entries = []
         flushes = []
+        written = []
         try:
             for partition, state in states:
                 flush = state.begin_flush()
                 flushes.append((state, flush))
                 commands = self._persist_commands(partition, state, flush)
                 if commands:
-                    payload = b"".join([pack(b"MULTI"), *commands, pack(b"EXEC")])
                     key = self.keys.streams_meta(partition).encode()
-                    entries.append(Packed(key, payload, len(commands) + 2))
-            for replies in await run_packed_async(self.redis, entries):
+                    check = pack(b"HMGET", key, *(f.encode() for f in state.persisted))
+                    payload = b"".join([pack(b"MULTI"), check, *commands, pack(b"EXEC")])
+                    entries.append(Packed(key, payload, len(commands) + 3))
+                    written.append((partition, state, state.snapshot_meta()))
+            results = await run_packed_async(self.redis, entries)
+            for replies in results:
                 # a command that failed inside EXEC (OOM at maxmemory, a key of the wrong
                 # type) is an error in its list: raised, so the batch is neither acknowledged
                 # nor its offsets taken as persisted, and the snapshot is written again
@@ -60,6 +69,14 @@ class StreamsSink:
             for state, flush in flushes:
                 state.abort_flush(flush)
             raise
+        lost = []
+        for (partition, state, meta), replies in zip(written, results, strict=True):
+            held = [v.decode() if v is not None else None for v in replies[-1][0]]
+            if state.lost_in_redis(dict(zip(state.persisted, held, strict=True))):
+                state.touch_all()
+                lost.append(partition)
+            state.persisted = {f: meta[f] for f in state.persisted}
+        return lost
 
     def _persist_commands(
         self, partition: int, state: ItemPartitionState, flush: Flush

@@ -182,9 +182,9 @@ def test_a_log_without_times_keeps_each_users_order_on_a_seeded_clock(tmp_path):
     assert len(log) == len(rows) and log.bad.count == 0
     for user in {u for u, _ in rows}:
         in_file = [i for u, i in rows if u == user]
-        assert [i for u, i in zip(log.users, log.items) if u == user] == in_file
+        assert [i for u, i in zip(log.users, log.items, strict=True) if u == user] == in_file
     assert (np.diff(log.t_ms) >= 0).all()
-    assert SYNTHETIC_START_MS <= log.t_ms.min() and log.t_ms.max() < (
+    assert log.t_ms.min() >= SYNTHETIC_START_MS and log.t_ms.max() < (
         SYNTHETIC_START_MS + SYNTHETIC_SPAN_MS
     )
     # users interleave: the first hundred events are not one user's

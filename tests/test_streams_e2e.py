@@ -424,6 +424,50 @@ async def test_a_command_that_fails_inside_exec_fails_the_persist_instead_of_pas
         await client.aclose()
 
 
+async def test_a_snapshot_redis_acknowledged_and_lost_is_written_whole_again(any_conn):
+    """A failover can lose a write its master acknowledged (replication is asynchronous):
+    Redis goes back to the snapshot before it, and the next flush would write only the rows
+    touched since — with newer offsets, so a restore would miss the lost flush's counts. The
+    flush reads the offsets back inside its transaction, finds them behind, and the
+    partition is written whole: a restore then equals the live state. Simulated here by
+    putting the keys back as they were (DUMP/RESTORE) after a flush."""
+    from streams.item_state import CLICK, ItemPartitionState, StateConfig
+    from streams.sink import StreamsSink
+
+    keys = RedisKeys(any_conn.topic_prefix)
+    client = await connect_async(any_conn.redis_url)
+    partition_keys = [keys.streams_meta(0), keys.streams_rows(0), keys.streams_covisit(0)]
+    t0 = 1_767_225_600_000
+    try:
+        sink = StreamsSink(client, keys)
+        state = ItemPartitionState(StateConfig())
+        state.apply([(0, 1, "a", CLICK, t0, None, 0), (0, 2, "b", CLICK, t0, None, 0)])
+        state.apply_pairs(["a"], ["b"], [0], [2], [t0])
+        assert await sink.persist([(0, state)]) == []
+        before = {k: await client.dump(k) for k in partition_keys}
+        state.apply([(0, 3, "a", CLICK, t0 + 1000, None, 0)])  # flush 2: "a" only
+        state.apply_pairs(["a"], ["c"], [0], [3], [t0 + 1000])
+        assert await sink.persist([(0, state)]) == []
+        for k, blob in before.items():  # the failover: flush 2 is gone
+            await client.restore(k, 0, blob, replace=True)
+        state.apply([(0, 4, "b", CLICK, t0 + 2000, None, 0)])  # flush 3: "b" only
+        lost = await sink.persist([(0, state)])
+        assert lost == [0]
+        assert len(state.touched) == state.n_items  # the whole partition is due
+        stale = await sink.restore(0, StateConfig())
+        assert stale.snapshot_rows([stale.slots["a"]]) != state.snapshot_rows([state.slots["a"]])
+        assert await sink.persist([(0, state)]) == []  # what the app does before acking
+        back = await sink.restore(0, StateConfig())
+        assert back.applied == state.applied == {0: 4}
+        assert back.covisit_applied == state.covisit_applied
+        assert back.snapshot_rows(list(range(back.n_items))) == state.snapshot_rows(
+            list(range(state.n_items))
+        )
+        assert back.covisit.counts == state.covisit.counts
+    finally:
+        await client.aclose()
+
+
 async def test_an_evicted_item_leaves_redis_with_the_flush_that_evicts_it(any_conn):
     """Eviction is persisted like counting: the item's state row, serving features and
     co-visitation list leave in the flush's transaction, and a restored partition holds

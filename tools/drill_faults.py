@@ -12,7 +12,10 @@ app, the parameter server and workers as their own processes, with synthetic eve
   files;
 - ``redis_full``: Redis at ``maxmemory`` for ``--outage`` seconds (``maxmemory`` 1 byte,
   ``noeviction``: every write is refused with ``OOM``, reads are served), then lifted;
-- ``rebalance``: a second worker joins under load, then the first leaves (SIGTERM).
+- ``rebalance``: a second worker joins under load, then the first leaves (SIGTERM);
+- ``cluster_failover``: on a Redis Cluster (three masters, a replica of the first; node
+  timeout 5 s) instead of one Redis, the first master SIGKILLed under load; its replica takes
+  its slots over. Replication is asynchronous: what the master acknowledged last may be gone.
 
 Per scenario: events produced / counted by the streams app / learnt by the workers (at least
 once: the excess is what was learnt twice; in ``rebalance`` the leaver's count is read just
@@ -22,6 +25,15 @@ gradients are delivered: every event learnt); requests sent / answered / timed o
 twice; gradient rows applied beyond those sent (a message applied twice); the seconds from
 the fault's end to the first reply; whether every service is alive at the end; the Redis calls
 the services waited out, by reason (``freshrec_redis_unavailable_total``).
+
+What Redis holds at the end, checked against the topics (hot scores do not decay in the drill,
+``FRESHREC_HOT_DECAY_PER_HOUR=1``, so stored counts are whole numbers): the impressions,
+clicks and conversions in the streams app's state rows sum to the events counted (none lost,
+none twice); and the parameter server's tables equal those of a second parameter server run
+from scratch over a copy of the ``gradients`` topic (same rows, same versions: every message
+applied exactly once). Partitions whose state was written again because Redis had lost an
+acknowledged write are counted (``freshrec_streams_state_rewrites_total``,
+``freshrec_ps_partition_rewrites_total``).
 
     .venv/bin/python -m tools.drill_faults [--scenarios broker_pause,redis_restart,rebalance]
         [--rate 500] [--requests 10] [--pause 20] [--outage 10]  (also: redis_full)
@@ -44,26 +56,45 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import redis as redis_lib
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from freshrec.app.stack import EmbeddedStack, free_port, redis_binary
+from freshrec.app.stack import (
+    EmbeddedStack,
+    form_cluster,
+    free_cluster_port,
+    free_port,
+    redis_argv,
+    redis_binary,
+)
 from freshrec.app.training import train_on_world
 from freshrec.client import RecommendClient, RecommendTimeout
-from freshrec.kafka import admin_config
+from freshrec.kafka import admin_config, consumer_config, producer_config
 from freshrec.promtext import scrape_port, total
+from freshrec.redisconn import connect
+from freshrec.rediskeys import RedisKeys
 from freshrec.settings import ConnectionSettings
 from freshrec.sim.produce import produce_events
 from freshrec.sim.world import World, WorldConfig
 from freshrec.topics import TopicNames, catalogue_with, ensure_topics
 from inference.training.train import TrainConfig
-from tools.benchlib import save, service_process
+from param_server.store import applied_offsets
+from schemas.rowbatch import TABLE_NAMES
+from schemas.rows import decode_row
+from streams.item_state import ItemPartitionState
+from streams.settings import StreamsSettings
+from tools.benchlib import save, service_process, wait_until
 from tools.drill_worker import committed, partition_ends
 from tools.seed import seed_world
 
 WORLD = WorldConfig(seed=5, n_users=3000, n_items=400, n_categories=8)
 DIM = 16
-SCENARIOS = ("broker_pause", "redis_restart", "redis_full", "rebalance")
+PARTITIONS = 4
+REFERENCE = "ref."
+"""The topic prefix (and Redis key prefix) of the reference parameter server."""
+SCENARIOS = ("broker_pause", "redis_restart", "redis_full", "rebalance", "cluster_failover")
 
 
 class DurableRedis:
@@ -113,6 +144,69 @@ class DurableRedis:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(10)
             self.kill()
+
+
+class FailoverCluster:
+    """A Redis Cluster of the drill's own: three masters with the slots split and a replica
+    of the first, which ``kill_first_master`` SIGKILLs; ``url`` names the second master."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.ports: list[int] = []
+        for _ in range(4):
+            self.ports.append(free_cluster_port(set(self.ports)))
+        self.url = f"redis+cluster://127.0.0.1:{self.ports[1]}"
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        for port in self.ports:
+            d = self.directory / str(port)
+            d.mkdir(parents=True, exist_ok=True)
+            argv = redis_argv(redis_binary(), port, d, cluster=True)
+            self.procs.append(
+                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+        wait_until(lambda: all(_pings(p) for p in self.ports), timeout_s, "the cluster nodes")
+        form_cluster(self.ports[:3], timeout_s)
+        replica = redis_lib.Redis(port=self.ports[3])
+        replica.execute_command("CLUSTER", "MEET", "127.0.0.1", self.ports[0])
+        first = redis_lib.Redis(port=self.ports[0]).execute_command("CLUSTER", "MYID").decode()
+        wait_until(
+            lambda: first.encode() in replica.execute_command("CLUSTER", "NODES"),
+            timeout_s,
+            "the replica to learn the cluster",
+        )
+        replica.execute_command("CLUSTER", "REPLICATE", first)
+        wait_until(
+            lambda: replica.info("replication").get("master_link_status") == "up",
+            timeout_s,
+            "the replica to sync",
+        )
+
+    def kill_first_master(self, timeout_s: float = 60.0) -> float:
+        """SIGKILL the first master; seconds until its replica is a master."""
+        killed = time.monotonic()
+        self.procs[0].kill()
+        self.procs[0].wait(10)
+        replica = redis_lib.Redis(port=self.ports[3])
+        wait_until(
+            lambda: replica.info("replication").get("role") == "master",
+            timeout_s,
+            "the replica's promotion",
+        )
+        return time.monotonic() - killed
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def _pings(port: int) -> bool:
+    with contextlib.suppress(redis_lib.RedisError):
+        return bool(redis_lib.Redis(port=port, socket_timeout=1).ping())
+    return False
 
 
 @dataclass
@@ -169,21 +263,30 @@ class Pipeline:
     """The services of one scenario: a private broker, a durable Redis, streams, parameter
     server and workers as processes, models trained once."""
 
-    def __init__(self, workdir: Path, models: Path, message_timeout_ms: int) -> None:
+    def __init__(
+        self, workdir: Path, models: Path, message_timeout_ms: int, cluster: bool = False
+    ) -> None:
         self.workdir = workdir
         self.stack = EmbeddedStack(workdir / "stack")
         state = self.stack.up(detach=False)
         self.kafka_pid = state.kafka.pid
-        self.redis = DurableRedis(workdir / "redis")
+        self.models = models
+        self.redis = (
+            FailoverCluster(workdir / "redis") if cluster else DurableRedis(workdir / "redis")
+        )
         self.redis.start()
         self.conn = ConnectionSettings(state.env["KAFKA_BOOTSTRAP_SERVERS"], self.redis.url)
         ensure_topics(
             AdminClient(admin_config(self.conn)),
             "",
-            catalogue_with({n: 4 for n in ("events", "recommend.requests", "gradients")}),
+            catalogue_with({n: PARTITIONS for n in ("events", "recommend.requests", "gradients")}),
         )
-        seed_world(self.redis.url, "", World(WORLD), models, 4)
-        self.env = {"FRESHREC_MODEL_DIR": str(models), "FRESHREC_EMBEDDING_DIM": str(DIM)}
+        seed_world(self.redis.url, "", World(WORLD), models, PARTITIONS)
+        self.env = {
+            "FRESHREC_MODEL_DIR": str(models),
+            "FRESHREC_EMBEDDING_DIM": str(DIM),
+            "FRESHREC_HOT_DECAY_PER_HOUR": "1",  # whole counts: checked against the events
+        }
         if message_timeout_ms:
             self.env["FRESHREC_MESSAGE_TIMEOUT_MS"] = str(message_timeout_ms)
         self.exits = contextlib.ExitStack()
@@ -220,6 +323,88 @@ class Pipeline:
         self.stack.down()
 
 
+def redis_check(pipe: Pipeline, workers: list[str]) -> dict:
+    """What Redis holds, against what the topics say it should (the module's docstring)."""
+    keys = RedisKeys("")
+    r = connect(pipe.conn.redis_url)
+    names = TopicNames("")
+    n_by_item = len(partition_ends(pipe.conn, names.events_by_item))
+    stored = 0.0
+    config = StreamsSettings.from_env(pipe.env).state
+    for q in range(n_by_item):
+        meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.streams_meta(q)).items()}
+        rows = {k.decode(): v for k, v in r.hgetall(keys.streams_rows(q)).items()}
+        state = ItemPartitionState.restore(config, meta, rows)
+        stored += float(state.counts[: state.n_items, 0, :].sum())
+    counted = pipe.metric("streams", "freshrec_streams_counted_events_total")
+    got = stored_tables(r, keys)
+    want = reference_tables(pipe)
+    same_rows = set(got) == set(want)
+    versions_differ = sum(1 for k in want if k in got and got[k][1] != want[k][1])
+    rows_differ = sum(
+        1 for k in want if k in got and not np.allclose(got[k][0], want[k][0], atol=1e-6)
+    )
+    return {
+        "streams_counts_in_redis": round(stored, 3),
+        "streams_counted": int(counted),
+        "streams_rewrites": pipe.metric("streams", "freshrec_streams_state_rewrites_total"),
+        "ps_rows": len(got),
+        "ps_rows_as_reference": same_rows and versions_differ == 0 and rows_differ == 0,
+        "ps_rows_missing_or_extra": len(set(got) ^ set(want)),
+        "ps_versions_differ": versions_differ,
+        "ps_values_differ": rows_differ,
+        "ps_rewrites": pipe.metric("param-server", "freshrec_ps_partition_rewrites_total"),
+    }
+
+
+def stored_tables(r, keys: RedisKeys) -> dict[tuple[str, bytes], tuple[np.ndarray, int]]:
+    """Every embedding row the parameter server wrote: (table, field) -> (row, version)."""
+    out = {}
+    for name in TABLE_NAMES.values():
+        for shard in range(PARTITIONS):
+            for k, v in r.hgetall(keys.embeddings(name, shard)).items():
+                row, version, _ = decode_row(v, DIM + 1)
+                out[(name, k)] = (row, version)
+    return out
+
+
+def reference_tables(pipe: Pipeline) -> dict:
+    """The tables of a parameter server run from scratch over a copy of ``gradients``, seeded
+    as the drill's were, under another topic prefix on the same Redis."""
+    names, ref = TopicNames(""), TopicNames(REFERENCE)
+    conn = ConnectionSettings(pipe.conn.kafka_bootstrap_servers, pipe.conn.redis_url, REFERENCE)
+    ensure_topics(
+        AdminClient(admin_config(conn)), REFERENCE, catalogue_with({"gradients": PARTITIONS})
+    )
+    seed_world(conn.redis_url, REFERENCE, World(WORLD), pipe.models, PARTITIONS)
+    source = Consumer(consumer_config(pipe.conn, None))
+    ends = partition_ends(pipe.conn, names.gradients)
+    source.assign([TopicPartition(names.gradients, q, OFFSET_BEGINNING) for q in ends])
+    sink = Producer(producer_config(conn))
+    copied = {q: 0 for q in ends}
+    deadline = time.monotonic() + 120
+    while any(copied[q] < ends[q] for q in ends) and time.monotonic() < deadline:
+        for msg in source.consume(10_000, 0.5):
+            if msg.error() is None:
+                sink.produce(ref.gradients, msg.value(), msg.key(), partition=msg.partition())
+                copied[msg.partition()] = msg.offset() + 1
+                sink.poll(0)
+    source.close()
+    sink.flush(60)
+    keys = RedisKeys(REFERENCE)
+    r = connect(conn.redis_url)
+    port = free_port()
+    with service_process(conn, "param-server", port, pipe.env, pipe.workdir / "ps-ref.log"):
+        wait_until(
+            lambda: (
+                applied_offsets(r, keys, list(ends)) == {q: e - 1 for q, e in ends.items() if e}
+            ),
+            120,
+            "the reference parameter server",
+        )
+    return stored_tables(r, keys)
+
+
 def train_models(directory: Path) -> Path:
     train_on_world(
         World(WORLD),
@@ -244,7 +429,8 @@ def run_scenario(
 ) -> dict:
     """One scenario start to end; the figures of its report (see the module's docstring)."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"freshrec-{scenario}-"))
-    pipe = Pipeline(workdir, models, message_timeout_ms)
+    pipe = Pipeline(workdir, models, message_timeout_ms, cluster=scenario == "cluster_failover")
+    failover_s = None
     workers = ["worker-a"]
     try:
         pipe.start("streams", "streams")
@@ -284,6 +470,9 @@ def run_scenario(
             time.sleep(outage_s)
             store.config_set("maxmemory", 0)
             store.close()
+        elif scenario == "cluster_failover":
+            failover_s = round(pipe.redis.kill_first_master(), 2)
+            time.sleep(outage_s)
         elif scenario == "rebalance":
             pipe.start("worker-b", "worker")
             workers.append("worker-b")
@@ -334,6 +523,7 @@ def run_scenario(
         # a worker that left took its counters with it: rows sent are known without a leaver
         beyond = None if learnt_by_leaver else max(0, int(applied - rows_sent))
         after = [t for t in load.stats.replies_at if t >= fault_over]
+        in_redis = redis_check(pipe, workers)
         waited: dict[str, float] = {}
         for name in pipe.ports:
             if name != "worker-a" or name in workers:
@@ -363,6 +553,8 @@ def run_scenario(
                 "applied_beyond_sent": beyond,
             },
             "recovery_s": round(after[0] - fault_over, 2) if after else None,
+            "failover_s": failover_s,
+            "in_redis": in_redis,
             "redis_calls_waited_out": waited,
             "alive": {n: up for n, up in pipe.alive().items() if n != "worker-a" or n in workers},
         }
