@@ -281,7 +281,8 @@ FEEDBACK = Counter(
 )
 REQUEST_SECONDS = Histogram(
     "freshrec_request_seconds",
-    "Request latency per stage (queue, recall, rank, rerank, total), tier and serving mode",
+    "Request latency per stage (topic: record timestamp to read; queue: read to batch start; "
+    "recall, rank, rerank; total: from the record timestamp), tier and serving mode",
     ["stage", "tier", "mode"],
     buckets=LAG_BUCKETS_S,
 )

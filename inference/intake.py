@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 import redis
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 
 from freshrec import metrics as m
 from freshrec.clock import now_ms
@@ -57,6 +57,16 @@ class _Countdown:
         self.n -= 1
         if self.n == 0:
             self.then()
+
+
+def produced_ms(msg, now: int) -> int:
+    """When a request record was produced: its timestamp (the producer's create time, or the
+    broker's append time on a topic configured so), or ``now`` when it has none or one later
+    than ``now`` (a producer's clock ahead of this host's)."""
+    kind, ts = msg.timestamp()
+    if kind == TIMESTAMP_NOT_AVAILABLE or not 0 < ts <= now:
+        return now
+    return ts
 
 
 class RequestIntake:
@@ -134,7 +144,15 @@ class RequestIntake:
             self._reply(where.reply_to, corr, error, partition, offset, done=both)
             return
         self.queue.append(
-            Inbound(req, where.reply_to, where.correlation_id, now, partition, offset)
+            Inbound(
+                req,
+                where.reply_to,
+                where.correlation_id,
+                produced_ms(msg, now),
+                partition,
+                offset,
+                read_ms=now,
+            )
         )
 
     def _dead_letter(self, rej: Rejected, msg, now: int, done: Callable[[], None]) -> None:
@@ -177,9 +195,9 @@ class RequestIntake:
             take = [
                 self.queue.popleft() for _ in range(min(len(self.queue), self.policy.max_batch))
             ]
-            live, expired = split_expired(
-                take, lambda b: b.deadline_ms(self.recommender.settings.default_budget_ms), now_ms()
-            )
+            # only a deadline the client set drops a request unanswered: past the default
+            # budget it is still answered, by the cheapest tier the ladder finds time for
+            live, expired = split_expired(take, lambda b: b.request.deadline_ms, now_ms())
             for b in expired:
                 m.REQUESTS.labels("expired").inc()
                 self.offsets.done(b.partition, b.offset)

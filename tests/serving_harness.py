@@ -14,6 +14,7 @@ from freshrec.client import SyncRecommendClient
 from freshrec.kafka import gradients_partitions
 from freshrec.sim.world import World, WorldConfig
 from inference.serving.breaker import BreakerConfig
+from inference.serving.recommender import ServingSettings
 from inference.settings import LearningSettings, WorkerSettings
 from inference.training.train import TrainConfig
 from inference.worker import Worker
@@ -51,6 +52,9 @@ def worker_settings(conn, model_dir: Path, **overrides) -> WorkerSettings:
         model_dir=model_dir,
         breaker=BreakerConfig(window=20, min_calls=5, threshold=0.1, cooldown_ms=500),
         worker_id="test-worker",
+        # the tests are about what is served, not how fast: a 250 ms budget from the
+        # request's record timestamp lets a loaded CI machine step a reply down a tier
+        serving=ServingSettings(default_budget_ms=10_000),
     )
     return replace(s, **overrides)
 

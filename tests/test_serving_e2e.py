@@ -27,6 +27,7 @@ from freshrec.sim.world import World
 from freshrec.topics import TopicNames
 from inference.models.modelfile import read_manifest, write_manifest
 from inference.serving.breaker import BreakerConfig
+from inference.serving.recommender import ServingSettings
 from inference.serving.rerank import space_categories
 from schemas.codec import encode_request
 from schemas.records import Event, RecommendRequest
@@ -67,7 +68,7 @@ def test_request_reply_through_the_broker(seeded, model_dir):
         assert reply.user_id == "u0" and len(reply.items) == 10
         assert reply.tier == "full" and not reply.degraded
         assert reply.model_version == read_manifest(model_dir)["version"]
-        assert {"queue", "recall", "rank", "rerank", "total"} <= set(reply.timings_ms)
+        assert {"topic", "queue", "recall", "rank", "rerank", "total"} <= set(reply.timings_ms)
         ids = [i.item_id for i in reply.items]
         assert len(set(ids)) == 10 and not {"i0", "i1"} & set(ids)
         assert all(i.channels for i in reply.items)
@@ -123,6 +124,42 @@ def test_invalid_request_gets_an_error_reply_and_a_dead_letter(seeded, model_dir
         (letter,) = letters
         assert letter.source_topic == names.recommend_requests
         assert letter.reason == "invalid_value" and letter.service == "worker"
+
+
+def test_a_request_that_waited_in_the_topic_past_its_budget_is_answered_by_a_cheap_tier(
+    seeded, model_dir
+):
+    """The serving budget counts from when the request was produced (its record timestamp),
+    not from when the worker read it: a request that waited in the topic longer than the
+    budget is answered — the client still waits: its own deadline is far — by the cache or
+    the hot list, without recall or ranking, and the wait shows as the reply's ``topic``
+    stage. Only a deadline the client set drops a request unanswered."""
+    conn = seeded
+    names = TopicNames(conn.topic_prefix)
+    settings = worker_settings(conn, model_dir, serving=ServingSettings(default_budget_ms=1_000))
+    with running_worker(settings), client_for(conn) as client:
+        fresh = client.recommend("u7", 5, timeout_s=10)  # warm: the group has joined
+        assert fresh.timings_ms["topic"] < 1_000
+        p = Producer(producer_config(conn))
+        corr = uuid.uuid4().hex
+        now = int(time.time() * 1000)
+        request = RecommendRequest("late-1", "u8", 5, deadline_ms=now + 60_000)
+        fut = client._call(_expect(client.client, corr), 5)
+        p.produce(
+            names.recommend_requests,
+            encode_request(request),
+            key=b"u8",
+            headers=[
+                ("reply-to", client.client.reply_topic.encode()),
+                ("correlation-id", corr.encode()),
+            ],
+            timestamp=now - 5_000,  # produced 5 s ago, as if it had waited in a backlog
+        )
+        p.flush(10)
+        reply = fut.result(20)
+        assert reply.tier in ("cached", "hot") and "budget" in reply.tier_reason, reply
+        assert len(reply.items) == 5
+        assert reply.timings_ms["topic"] >= 5_000 and reply.timings_ms["recall"] < 50
 
 
 async def _expect(client, corr, on_reply=None):

@@ -921,3 +921,28 @@ def test_the_covisit_channel_sums_its_anchors_neighbours_newest_first():
     slot = state.slot_of
     assert got.slots[0].tolist() == [slot["i5"], slot["i6"]]
     assert got.slots[1].tolist() == []
+
+
+def test_the_serving_budget_runs_from_when_the_request_was_produced():
+    from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_NOT_AVAILABLE
+
+    from inference.intake import produced_ms
+    from inference.serving.recommender import Inbound
+    from schemas.records import RecommendRequest
+
+    class Msg:
+        def __init__(self, kind, ts):
+            self._ts = (kind, ts)
+
+        def timestamp(self):
+            return self._ts
+
+    assert produced_ms(Msg(TIMESTAMP_CREATE_TIME, 9_000), now=10_000) == 9_000
+    assert produced_ms(Msg(TIMESTAMP_CREATE_TIME, 11_000), now=10_000) == 10_000  # clock ahead
+    assert produced_ms(Msg(TIMESTAMP_NOT_AVAILABLE, -1), now=10_000) == 10_000
+    far = Inbound(RecommendRequest("r", "u", 5, deadline_ms=60_000), "t", None, 9_000)
+    assert far.deadline_ms(250) == 9_250  # the budget, not the client's patience
+    near = Inbound(RecommendRequest("r", "u", 5, deadline_ms=9_100), "t", None, 9_000)
+    assert near.deadline_ms(250) == 9_100
+    none = Inbound(RecommendRequest("r", "u", 5), "t", None, 9_000)
+    assert none.deadline_ms(250) == 9_250

@@ -189,7 +189,7 @@ def headline(
         if t1 > t0
         else {req + "_bucket": s1.get(req + "_bucket", [])}
     )
-    for stage in ("queue", "recall", "rank", "rerank", "total"):
+    for stage in ("topic", "queue", "recall", "rank", "rerank", "total"):
         h.latency_ms[f"{stage}_p99"] = _ms(histogram_quantile(rw, req, 0.99, stage=stage))
     h.latency_ms["total_p50"] = _ms(histogram_quantile(rw, req, 0.5, stage="total"))
     for labels, _ in s1.get("freshrec_replies_total", []):

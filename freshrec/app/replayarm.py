@@ -235,6 +235,9 @@ def run_arm(
             "FRESHREC_MODEL_DIR": str(models),
             "FRESHREC_EMBEDDING_DIM": str(manifest["dim"]),
             "FRESHREC_SEEN_PER_USER": str(EXCLUDE_MAX),
+            # a step's requests arrive at once: the tiers plan to the request's timeout, not to
+            # a latency objective, so a list's quality does not depend on the machine's speed
+            "FRESHREC_REQUEST_BUDGET_MS": str(int(timeout_s * 1000)),
             **SERVING,
             **(overrides or {}),
             **settings,  # the arm's own (frozen's learning rates of 0) win

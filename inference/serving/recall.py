@@ -75,6 +75,30 @@ class RecallResult:
     """Per channel that met its deadline and scored what it found: ``Recalled.scores``."""
     elapsed_ms: float = 0.0
 
+    def spread(self, at: list[int], n: int) -> RecallResult:
+        """This result, for queries ``at`` of a batch of ``n``, as the whole batch's: the
+        other queries found nothing (they were not asked).
+
+        >>> r = RecallResult([{"hot": 1}], scores={"covisit": [{3: 0.5}]}).spread([1], 3)
+        >>> r.per_query, r.scores
+        ([{}, {'hot': 1}, {}], {'covisit': [{}, {3: 0.5}, {}]})
+        """
+        per_query: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+        scores = {name: [{} for _ in range(n)] for name in self.scores}
+        for k, j in enumerate(at):
+            per_query[j] = self.per_query[k]
+            for name, lists in self.scores.items():
+                scores[name][j] = lists[k]
+        return RecallResult(
+            per_query,
+            self.timed_out,
+            self.failed,
+            self.skipped,
+            self.recent,
+            scores,
+            self.elapsed_ms,
+        )
+
 
 class RecallRunner:
     def __init__(

@@ -111,12 +111,22 @@ class Inbound:
     reply_to: str
     correlation_id: bytes | None
     enqueued_ms: int
+    """When the request was produced (its record's timestamp; when the worker read it if the
+    record has none, or one later than that): a request that waited in the topic has spent
+    that much of its budget."""
     partition: int = -1
     offset: int = -1
+    read_ms: int | None = None
+    """When the worker read it (None: at ``enqueued_ms``)."""
 
-    def deadline_ms(self, default_budget_ms: int) -> int:
+    def deadline_ms(self, budget_ms: int) -> int:
+        """The time the ladder plans the request's work to: the serving budget
+        (``FRESHREC_REQUEST_BUDGET_MS``, the mode's) from when the request was produced, or its
+        own ``deadline_ms`` if that is earlier. A client's later deadline is how long it waits,
+        not how slow it may be served: the budget is the latency objective the tiers keep."""
+        planned = self.enqueued_ms + budget_ms
         d = self.request.deadline_ms
-        return d if d is not None else self.enqueued_ms + default_budget_ms
+        return planned if d is None else min(d, planned)
 
 
 class Recommender:
@@ -367,7 +377,18 @@ class Recommender:
             RecallQuery(r.user_id, user_rows[j], r.context.region if r.context else None)
             for j, r in enumerate(reqs)
         ]
-        recall = self.runner.run(queries, budget_ms=min(budgets) * s.recall_share)
+        # a request whose budget is spent (it waited in the topic or the queue) is not
+        # recalled for: it falls to the cache or the hot list, and the others' recall is not
+        # cut to nothing by it (nor do channels time out, and their breakers open, for it)
+        live = [j for j, b in enumerate(budgets) if b > 0]
+        if len(live) == len(queries):
+            recall = self.runner.run(queries, budget_ms=min(budgets) * s.recall_share)
+        elif live:
+            recall = self.runner.run(
+                [queries[j] for j in live], budget_ms=min(budgets[j] for j in live) * s.recall_share
+            ).spread(live, len(queries))
+        else:
+            recall = RecallResult([{} for _ in queries])
         t_recall = time.monotonic()
         if recall.timed_out or recall.failed:
             degraded.append(
@@ -428,13 +449,15 @@ class Recommender:
                 tier = HOT
                 items = self.hot_replies.items(self.snap, r, self._listed)
             done = time.monotonic()
+            read = b.enqueued_ms if b.read_ms is None else b.read_ms
             timings = {
-                "queue": float(max(0, now_ms - b.enqueued_ms)),
+                "topic": float(max(0, read - b.enqueued_ms)),
+                "queue": float(max(0, now_ms - read)),
                 "recall": (t_recall - start) * 1000,
                 "rank": (t_rank - t_recall) * 1000 if j in ranked else 0.0,
                 "rerank": (done - t_rank) * 1000,
             }
-            timings["total"] = timings["queue"] + (done - start) * 1000
+            timings["total"] = timings["topic"] + timings["queue"] + (done - start) * 1000
             timings["cost"] = shared_ms + rank_ms[j]
             reason_text = reason if not degraded else f"{reason}; degraded: {'; '.join(degraded)}"
             replies.append(
