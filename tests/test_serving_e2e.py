@@ -103,20 +103,10 @@ def test_invalid_request_gets_an_error_reply_and_a_dead_letter(seeded, model_dir
     conn = seeded
     names = TopicNames(conn.topic_prefix)
     with running_worker(worker_settings(conn, model_dir)), client_for(conn) as client:
-        p = Producer(producer_config(conn))
         corr = uuid.uuid4().hex
         bad = json.dumps({"schema_version": 1, "request_id": "r1", "user_id": "u1", "k": 0})
         fut = client._call(_expect(client.client, corr), 5)
-        p.produce(
-            names.recommend_requests,
-            bad.encode(),
-            key=b"u1",
-            headers=[
-                ("reply-to", client.client.reply_topic.encode()),
-                ("correlation-id", corr.encode()),
-            ],
-        )
-        p.flush(10)
+        _send_raw(conn, client.client, corr, bad.encode(), b"u1")
         reply = fut.result(20)
         assert reply.tier == "error" and "k" in reply.tier_reason
         letters = dead_letters(conn, names.recommend_requests_dlq, 1)
@@ -135,31 +125,34 @@ def test_a_request_that_waited_in_the_topic_past_its_budget_is_answered_by_a_che
     the hot list, without recall or ranking, and the wait shows as the reply's ``topic``
     stage. Only a deadline the client set drops a request unanswered."""
     conn = seeded
-    names = TopicNames(conn.topic_prefix)
     settings = worker_settings(conn, model_dir, serving=ServingSettings(default_budget_ms=1_000))
     with running_worker(settings), client_for(conn) as client:
         fresh = client.recommend("u7", 5, timeout_s=10)  # warm: the group has joined
         assert fresh.timings_ms["topic"] < 1_000
-        p = Producer(producer_config(conn))
         corr = uuid.uuid4().hex
         now = int(time.time() * 1000)
         request = RecommendRequest("late-1", "u8", 5, deadline_ms=now + 60_000)
         fut = client._call(_expect(client.client, corr), 5)
-        p.produce(
-            names.recommend_requests,
-            encode_request(request),
-            key=b"u8",
-            headers=[
-                ("reply-to", client.client.reply_topic.encode()),
-                ("correlation-id", corr.encode()),
-            ],
-            timestamp=now - 5_000,  # produced 5 s ago, as if it had waited in a backlog
-        )
-        p.flush(10)
+        # produced 5 s ago, as if it had waited in a backlog
+        _send_raw(conn, client.client, corr, encode_request(request), b"u8", timestamp=now - 5_000)
         reply = fut.result(20)
         assert reply.tier in ("cached", "hot") and "budget" in reply.tier_reason, reply
         assert len(reply.items) == 5
         assert reply.timings_ms["topic"] >= 5_000 and reply.timings_ms["recall"] < 50
+
+
+def _send_raw(conn, client, corr: str, value: bytes, key: bytes, **kwargs) -> None:
+    """A request record as a client sends it (reply headers), with a correlation id of our
+    choosing; ``kwargs`` to ``produce`` (a timestamp)."""
+    p = Producer(producer_config(conn))
+    p.produce(
+        TopicNames(conn.topic_prefix).recommend_requests,
+        value,
+        key=key,
+        headers=[("reply-to", client.reply_topic.encode()), ("correlation-id", corr.encode())],
+        **kwargs,
+    )
+    assert p.flush(10) == 0
 
 
 async def _expect(client, corr, on_reply=None):
@@ -435,18 +428,9 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir):
         fut = client._call(
             _expect(client.client, corr, lambda: at_reply.append(learnt._value.get())), 5
         )
-        p = Producer(producer_config(conn))
         request = RecommendRequest("backlog-1", "u3", 5)
-        p.produce(
-            names.recommend_requests,
-            encode_request(request),
-            key=b"u3",
-            headers=[
-                ("reply-to", client.client.reply_topic.encode()),
-                ("correlation-id", corr.encode()),
-            ],
-        )
-        assert p.flush(10) == 0  # queued behind the backlog before the worker starts
+        # queued behind the backlog before the worker starts
+        _send_raw(conn, client.client, corr, encode_request(request), b"u3")
         settings = worker_settings(conn, model_dir)
         # what is tested is the wait behind the backlog, not the recall deadlines: those of
         # the in-memory channels (20 ms) were once missed on a loaded CI machine (recall took
