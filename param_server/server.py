@@ -531,7 +531,7 @@ class ParameterServer(Service):
                     )
                     self._produce(
                         self.names.embeddings_updates,
-                        batch.encode(),
+                        batch.encode(half=self.settings.updates_half),
                         p % self.update_partitions,
                         self._record_broadcast,
                     )

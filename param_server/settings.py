@@ -9,6 +9,7 @@ from freshrec.settings import (
     LEARNING_RATE,
     ConnectionSettings,
     RowSettings,
+    env_bool,
     env_float,
     env_int,
     online_defaults,
@@ -32,6 +33,9 @@ class ParamServerSettings:
     row_ttl_s: int = 30 * 86_400
     """Rows not updated for this long leave the server's memory, and Redis drops them (hash
     field expiry, Redis 7.4+ / Valkey 9+); 0 keeps every row forever."""
+    updates_half: bool = False
+    """Broadcast rows on ``embeddings.updates`` as float16 (``FRESHREC_UPDATES_FP16``: half
+    the bytes of the rows; every worker must read layout version 3)."""
 
     def adagrad_for(self, table: int) -> AdagradConfig:
         if table == TABLE_USER and self.user_adagrad is not None:
@@ -68,4 +72,5 @@ class ParamServerSettings:
             max_dirty_rows=env_int(env, "FRESHREC_MAX_DIRTY_ROWS", 50_000, minimum=1),
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             row_ttl_s=rows.row_ttl_s,
+            updates_half=env_bool(env, "FRESHREC_UPDATES_FP16", False),
         )

@@ -201,14 +201,19 @@ def row_batches(draw):
 @given(row_batches(), st.data())
 def test_row_batches_round_trip_and_any_changed_byte_is_refused(batch, data):
     """Gradient and update batches (any dimension up to the limit, any ids, versions and
-    times, NaN rows included: the worker refuses those after decoding): a batch decodes to
-    itself; a changed byte, a cut or any other bytes raise ``CorruptBatch``."""
+    times, NaN rows included: the worker refuses those after decoding), float32 or float16
+    rows: a batch decodes to itself (its rows rounded to float16 in the half layout); a
+    changed byte, a cut or any other bytes raise ``CorruptBatch``."""
     from schemas.rowbatch import CorruptBatch, RowBatch
 
-    raw = batch.encode()
+    half = data.draw(st.booleans())  # float16 rows (layout 3) where they fit
+    raw = batch.encode(half=half)
     back = RowBatch.decode(raw)
     assert back.ids.tolist() == batch.ids.tolist() and back.dim == batch.dim
-    assert np.array_equal(back.rows, batch.rows, equal_nan=True)
+    want = batch.rows
+    if half and batch.fits_half():
+        want = batch.rows.astype(np.float16).astype(np.float32)
+    assert np.array_equal(back.rows, want, equal_nan=True)
     at = data.draw(st.integers(0, len(raw) - 1))
     flipped = bytearray(raw)
     flipped[at] ^= data.draw(st.integers(1, 255))

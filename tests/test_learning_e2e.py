@@ -737,6 +737,55 @@ def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
     assert seen > 0
 
 
+def test_a_parameter_server_set_to_float16_broadcasts_half_rows_workers_read(conn):
+    """``FRESHREC_UPDATES_FP16``: every broadcast batch is layout 3 (float16 rows), decoded to
+    the rows Redis holds, rounded to float16."""
+    import struct
+    import threading
+
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    from freshrec.kafka import consumer_config
+    from param_server.server import ParameterServer
+    from param_server.settings import ParamServerSettings
+
+    names = TopicNames(conn.topic_prefix)
+    r = redis_lib.Redis.from_url(conn.redis_url)
+    keys = RedisKeys(conn.topic_prefix)
+    ps = ParameterServer(ParamServerSettings(conn, dim=DIM, updates_half=True))
+    stop_ps = threading.Event()
+    thread = threading.Thread(target=ps.run, args=(stop_ps,), daemon=True)
+    updates = Consumer(consumer_config(conn, None))
+    parts = updates.list_topics(names.embeddings_updates, timeout=10).topics
+    updates.assign(
+        [
+            TopicPartition(names.embeddings_updates, q, OFFSET_BEGINNING)
+            for q in parts[names.embeddings_updates].partitions
+        ]
+    )
+    thread.start()
+    try:
+        send(conn, gradient_messages(40, seed=5))
+        batches = []
+        deadline = time.monotonic() + 60
+        while applied_total(conn) < 40 or not batches:
+            assert time.monotonic() < deadline, "no broadcast"
+            batches += [msg.value() for msg in updates.consume(100, 0.05) if msg.error() is None]
+    finally:
+        stop_ps.set()
+        thread.join(30)
+        updates.close()
+    for raw in batches:
+        assert struct.unpack_from("<H", raw, 4) == (3,)
+        batch = RowBatch.decode(raw)
+        for i, row, version in zip(batch.ids, batch.rows, batch.versions, strict=True):
+            stored, stored_version, _ = decode_row(
+                r.hget(row_redis_key(keys, "user", int(i)), row_key(int(i))), W
+            )
+            if stored_version == version:  # not updated again since
+                np.testing.assert_array_equal(row, stored.astype(np.float16).astype(np.float32))
+
+
 def test_a_transaction_is_written_only_while_its_partitions_are_owned(conn):
     from param_server.store import claim_partitions, pack_persist, persist_fenced
 

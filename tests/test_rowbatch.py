@@ -63,6 +63,50 @@ def test_oldest_event_times_round_trip_and_a_version_1_batch_still_reads():
     assert v1.event_ms.tolist() == b.event_ms.tolist() == v1.oldest_ms.tolist()
 
 
+def test_half_precision_rows_halve_the_rows_bytes_and_round_trip_within_float16():
+    import struct
+
+    b = make_batch(n=50, dim=64)
+    full, half = b.encode(), b.encode(half=True)
+    assert len(full) - len(half) == 50 * 64 * 2
+    assert struct.unpack_from("<H", half, 4) == (3,) and struct.unpack_from("<H", full, 4) == (2,)
+    back = RowBatch.decode(half)
+    assert back.rows.dtype == np.float32
+    np.testing.assert_array_equal(back.rows, b.rows.astype(np.float16).astype(np.float32))
+    np.testing.assert_allclose(back.rows, b.rows, rtol=2**-11, atol=2**-24)
+    np.testing.assert_array_equal(back.ids, b.ids)
+    np.testing.assert_array_equal(back.oldest_ms, b.oldest_ms)
+    for cut in range(0, len(half), 97):
+        with pytest.raises(CorruptBatch):
+            RowBatch.decode(half[:cut])
+
+
+def test_rows_float16_cannot_hold_are_sent_as_float32():
+    import dataclasses
+
+    b = make_batch(n=3, dim=4)
+    for value in (1e5, np.inf, np.nan):
+        rows = b.rows.copy()
+        rows[1, 2] = value
+        wide = dataclasses.replace(b, rows=rows)
+        assert not wide.fits_half()
+        data = wide.encode(half=True)
+        assert data == wide.encode()  # version 2, float32: nothing turned to infinity
+        np.testing.assert_array_equal(RowBatch.decode(data).rows, rows)
+
+
+def test_a_row_format_that_disagrees_with_the_version_is_refused():
+    import struct
+    import zlib
+
+    for version, row_format in ((3, 0), (2, 1), (3, 7)):
+        data = bytearray(make_batch(n=2, dim=4).encode(half=version == 3 and row_format == 0))
+        struct.pack_into("<HBBHH", data, 4, version, KIND_UPDATES, TABLE_USER, 4, row_format)
+        data[-4:] = struct.pack("<I", zlib.crc32(bytes(data[:-4])))
+        with pytest.raises(CorruptBatch, match="row format"):
+            RowBatch.decode(bytes(data))
+
+
 def test_empty_batch_round_trips():
     b = make_batch(n=0)
     assert len(RowBatch.decode(b.encode())) == 0
