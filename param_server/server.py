@@ -430,9 +430,7 @@ class ParameterServer(Service):
         self._inflight = None
         if not owned:
             self._fence_off(done.owners)
-        for p, offset in done.offsets.items():
-            if p in self.owned:
-                self.acked[p] = offset
+        self.acked.update({p: o for p, o in done.offsets.items() if p in self.owned})
         self._rewrite_lost(owned.behind)
         persisted_ms = time.time() * 1000
         times = np.concatenate(
@@ -453,10 +451,8 @@ class ParameterServer(Service):
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - done.started)
 
     def _rewrite_lost(self, partitions: tuple[int, ...]) -> None:
-        """Redis lost a transaction it had acknowledged for these partitions (a failover:
-        their applied offsets read back behind the last one written), so rows written only
-        by it are stale there: every row their messages updated since it was loaded is
-        written again by the next flush, with the current offsets."""
+        """Redis lost an acknowledged transaction of these partitions (a failover): every
+        row their messages updated since it was loaded goes with the next flush."""
         if not partitions:
             return
         log.warning(
@@ -464,9 +460,7 @@ class ParameterServer(Service):
             "writing their rows again",
             list(partitions),
         )
-        for p in partitions:
-            if p not in self.owned:
-                continue
+        for p in set(partitions) & self.owned:
             m.PS_REWRITES.inc()
             for t, table in self.tables.items():
                 slots = table.slots_of(p)

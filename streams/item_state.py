@@ -34,6 +34,7 @@ from freshrec.hotscore import (
     smoothed_rate,
     top_k_indices,
 )
+from streams.acked import lost_write
 from streams.covisit import CoVisitCounts
 from streams.decay import ForwardDecay
 
@@ -451,34 +452,9 @@ class ItemPartitionState:
         self.covisit.dropped.update(flush.dropped)
 
     def lost_in_redis(self, found: dict[str, str | None]) -> bool:
-        """Whether the offsets fields Redis held before a flush (``found``) are behind the
-        last snapshot it acknowledged: a write Redis acknowledged and then lost (a replica
-        promoted after its master died, asynchronous replication), so rows written only then
-        are stale there. Offsets ahead of ours (another instance wrote since) are not a loss.
-
-        >>> s = ItemPartitionState(StateConfig())
-        >>> s.persisted = {"applied": '{"0": 9}', "covisit_applied": "{}"}
-        >>> s.lost_in_redis({"applied": '{"0": 9}', "covisit_applied": "{}"})
-        False
-        >>> s.lost_in_redis({"applied": '{"0": 4}', "covisit_applied": "{}"})
-        True
-        >>> s.lost_in_redis({"applied": None, "covisit_applied": None})
-        True
-        """
-        import json
-
-        def offsets(raw: str | None) -> dict[str, int]:
-            return json.loads(raw) if raw else {}
-
-        lost = False
-        for name, mine in self.persisted.items():
-            if mine == found.get(name):
-                continue
-            ours, theirs = offsets(mine), offsets(found.get(name))
-            if any(theirs.get(q, -1) > o for q, o in ours.items()):
-                return False
-            lost = lost or any(theirs.get(q, -1) < o for q, o in ours.items())
-        return lost
+        """Whether Redis's offsets fields (``found``) are behind the last snapshot it
+        acknowledged: ``acked.lost_write``."""
+        return lost_write(self.persisted, found)
 
     def touch_all(self) -> None:
         """Every item and co-visitation anchor is due in the next flush: it rewrites the

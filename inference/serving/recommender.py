@@ -111,19 +111,16 @@ class Inbound:
     reply_to: str
     correlation_id: bytes | None
     enqueued_ms: int
-    """When the request was produced (its record's timestamp; when the worker read it if the
-    record has none, or one later than that): a request that waited in the topic has spent
-    that much of its budget."""
+    """When the request was produced (``intake.produced_ms``): its wait in the topic is part
+    of its budget."""
     partition: int = -1
     offset: int = -1
     read_ms: int | None = None
     """When the worker read it (None: at ``enqueued_ms``)."""
 
     def deadline_ms(self, budget_ms: int) -> int:
-        """The time the ladder plans the request's work to: the serving budget
-        (``FRESHREC_REQUEST_BUDGET_MS``, the mode's) from when the request was produced, or its
-        own ``deadline_ms`` if that is earlier. A client's later deadline is how long it waits,
-        not how slow it may be served: the budget is the latency objective the tiers keep."""
+        """What the ladder plans to: the serving budget from when the request was produced,
+        or its own ``deadline_ms`` if earlier (a later one is how long the client waits)."""
         planned = self.enqueued_ms + budget_ms
         d = self.request.deadline_ms
         return planned if d is None else min(d, planned)
@@ -377,18 +374,8 @@ class Recommender:
             RecallQuery(r.user_id, user_rows[j], r.context.region if r.context else None)
             for j, r in enumerate(reqs)
         ]
-        # a request whose budget is spent (it waited in the topic or the queue) is not
-        # recalled for: it falls to the cache or the hot list, and the others' recall is not
-        # cut to nothing by it (nor do channels time out, and their breakers open, for it)
-        live = [j for j, b in enumerate(budgets) if b > 0]
-        if len(live) == len(queries):
-            recall = self.runner.run(queries, budget_ms=min(budgets) * s.recall_share)
-        elif live:
-            recall = self.runner.run(
-                [queries[j] for j in live], budget_ms=min(budgets[j] for j in live) * s.recall_share
-            ).spread(live, len(queries))
-        else:
-            recall = RecallResult([{} for _ in queries])
+        # a request whose budget is spent is not recalled for: the cache or the hot list
+        recall = self.runner.run_within(queries, budgets, s.recall_share)
         t_recall = time.monotonic()
         if recall.timed_out or recall.failed:
             degraded.append(
