@@ -677,16 +677,26 @@ def test_a_transaction_redis_acknowledged_and_lost_is_written_again(
     assert_same_tables(tables(conn), reference_tables)
 
 
+def updates_from_the_start(conn):
+    """A group-less consumer of every ``embeddings.updates`` partition from its start."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    from freshrec.kafka import consumer_config
+
+    topic = TopicNames(conn.topic_prefix).embeddings_updates
+    updates = Consumer(consumer_config(conn, None))
+    parts = updates.list_topics(topic, timeout=10).topics[topic].partitions
+    updates.assign([TopicPartition(topic, q, OFFSET_BEGINNING) for q in parts])
+    return updates
+
+
 def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
     """The persist is pipelined (sent by a thread while the next messages are applied); made
     slow here, every broadcast row must still be in Redis, at its version or newer, and every
     broadcast offset applied there, by the time a worker could read the update."""
     import threading
 
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
     import param_server.server as ps_module
-    from freshrec.kafka import consumer_config
     from param_server.server import ParameterServer
     from param_server.settings import ParamServerSettings
 
@@ -697,21 +707,13 @@ def test_a_row_is_broadcast_only_once_redis_holds_it(conn, monkeypatch):
         return real_persist(*args, **kwargs)
 
     monkeypatch.setattr(ps_module, "persist_fenced", slow_persist)
-    names = TopicNames(conn.topic_prefix)
     r = redis_lib.Redis.from_url(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
     messages = gradient_messages(120, seed=3)
     ps = ParameterServer(ParamServerSettings(conn, dim=DIM, flush_interval_ms=20))
     stop_ps = threading.Event()
     thread = threading.Thread(target=ps.run, args=(stop_ps,), daemon=True)
-    updates = Consumer(consumer_config(conn, None))
-    parts = updates.list_topics(names.embeddings_updates, timeout=10).topics
-    updates.assign(
-        [
-            TopicPartition(names.embeddings_updates, q, OFFSET_BEGINNING)
-            for q in parts[names.embeddings_updates].partitions
-        ]
-    )
+    updates = updates_from_the_start(conn)
     thread.start()
     try:
         send(conn, messages)
@@ -743,26 +745,15 @@ def test_a_parameter_server_set_to_float16_broadcasts_half_rows_workers_read(con
     import struct
     import threading
 
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-    from freshrec.kafka import consumer_config
     from param_server.server import ParameterServer
     from param_server.settings import ParamServerSettings
 
-    names = TopicNames(conn.topic_prefix)
     r = redis_lib.Redis.from_url(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
     ps = ParameterServer(ParamServerSettings(conn, dim=DIM, updates_half=True))
     stop_ps = threading.Event()
     thread = threading.Thread(target=ps.run, args=(stop_ps,), daemon=True)
-    updates = Consumer(consumer_config(conn, None))
-    parts = updates.list_topics(names.embeddings_updates, timeout=10).topics
-    updates.assign(
-        [
-            TopicPartition(names.embeddings_updates, q, OFFSET_BEGINNING)
-            for q in parts[names.embeddings_updates].partitions
-        ]
-    )
+    updates = updates_from_the_start(conn)
     thread.start()
     try:
         send(conn, gradient_messages(40, seed=5))
