@@ -34,7 +34,6 @@ from freshrec.hotscore import (
     smoothed_rate,
     top_k_indices,
 )
-from streams.acked import lost_write
 from streams.covisit import CoVisitCounts
 from streams.decay import ForwardDecay
 
@@ -137,7 +136,7 @@ class ItemPartitionState:
         self._swept_ms = 0
         self.persisted: dict[str, str | None] = {"applied": None, "covisit_applied": None}
         """The offsets fields of the last snapshot Redis acknowledged (or restored), as
-        written: a flush reads them back first (``lost_in_redis``)."""
+        written: a flush reads them back first (``acked.lost_write``)."""
 
     # ---------------------------------------------------------------------------- growth
     def _slot(self, item_id: str) -> int:
@@ -450,11 +449,6 @@ class ItemPartitionState:
         self.covisit.dirty.update(flush.anchors)
         self.evicted = flush.evicted + self.evicted
         self.covisit.dropped.update(flush.dropped)
-
-    def lost_in_redis(self, found: dict[str, str | None]) -> bool:
-        """Whether Redis's offsets fields (``found``) are behind the last snapshot it
-        acknowledged: ``acked.lost_write``."""
-        return lost_write(self.persisted, found)
 
     def touch_all(self) -> None:
         """Every item and co-visitation anchor is due in the next flush: it rewrites the

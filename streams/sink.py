@@ -11,6 +11,7 @@ from freshrec.neighbours import serving_list
 from freshrec.redisconn import Packed, check_exec, run_packed_async
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Fields, float_text, pack, pack_pairs, pack_ragged
+from streams.acked import lost_write
 from streams.item_state import Flush, ItemPartitionState
 
 FEATURES = ("impressions", "clicks", "conversions", "ctr", "cvr", "hot")
@@ -42,7 +43,7 @@ class StreamsSink:
         was most of a count batch's time.
 
         Each transaction first reads back the offsets Redis held: when they are behind the
-        last snapshot it acknowledged (``ItemPartitionState.lost_in_redis``: a failover lost
+        last snapshot it acknowledged (``acked.lost_write``: a failover lost
         an acknowledged write), the partition's every row is due again and its number is
         returned, for the caller to write it whole before it acknowledges anything."""
         entries = []
@@ -72,7 +73,7 @@ class StreamsSink:
         lost = []
         for (partition, state, meta), replies in zip(written, results, strict=True):
             held = [v.decode() if v is not None else None for v in replies[-1][0]]
-            if state.lost_in_redis(dict(zip(state.persisted, held, strict=True))):
+            if lost_write(state.persisted, dict(zip(state.persisted, held, strict=True))):
                 state.touch_all()
                 lost.append(partition)
             state.persisted = {f: meta[f] for f in state.persisted}

@@ -13,6 +13,7 @@ slots (``cluster-node-timeout`` 5 s here). Results go to ``artifacts/drill_failo
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import tempfile
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from freshrec.app.stack import form_cluster, free_cluster_port, redis_argv, redis_binary, stop_pid
+from freshrec.app.stack import form_cluster, free_cluster_port, redis_argv, redis_binary
 from freshrec.redisconn import Packed, connect, run_packed
 from freshrec.resp import pack
 from tools.benchlib import save, wait_until
@@ -29,35 +30,80 @@ from tools.benchlib import save, wait_until
 KEYS = 2000
 
 
+class FailoverCluster:
+    """A Redis Cluster of the drill's own: three masters with the slots split and a replica
+    of the first, which ``kill_first_master`` SIGKILLs; ``url`` names the second master."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.ports: list[int] = []
+        for _ in range(4):
+            self.ports.append(free_cluster_port(set(self.ports)))
+        self.url = f"redis+cluster://127.0.0.1:{self.ports[1]}"
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        for port in self.ports:
+            d = self.directory / str(port)
+            d.mkdir(parents=True, exist_ok=True)
+            argv = redis_argv(redis_binary(), port, d, cluster=True)
+            self.procs.append(
+                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+        wait_until(lambda: all(_pings(p) for p in self.ports), timeout_s, "the cluster nodes")
+        form_cluster(self.ports[:3], timeout_s)
+        replica = redis.Redis(port=self.ports[3])
+        replica.execute_command("CLUSTER", "MEET", "127.0.0.1", self.ports[0])
+        first = redis.Redis(port=self.ports[0]).execute_command("CLUSTER", "MYID").decode()
+        wait_until(
+            lambda: first.encode() in replica.execute_command("CLUSTER", "NODES"),
+            timeout_s,
+            "the replica to learn the cluster",
+        )
+        replica.execute_command("CLUSTER", "REPLICATE", first)
+        wait_until(
+            lambda: replica.info("replication").get("master_link_status") == "up",
+            timeout_s,
+            "the replica to sync",
+        )
+
+    def kill_first_master(self, timeout_s: float = 60.0) -> float:
+        """SIGKILL the first master; seconds until its replica is a master."""
+        killed = time.monotonic()
+        self.procs[0].kill()
+        self.procs[0].wait(10)
+        replica = redis.Redis(port=self.ports[3])
+        wait_until(
+            lambda: replica.info("replication").get("role") == "master",
+            timeout_s,
+            "the replica's promotion",
+        )
+        return time.monotonic() - killed
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def _pings(port: int) -> bool:
+    with contextlib.suppress(redis.RedisError):
+        return bool(redis.Redis(port=port, socket_timeout=1).ping())
+    return False
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="freshrec-failover-") as tmp:
-        ports: list[int] = []
-        for _ in range(4):
-            ports.append(free_cluster_port(set(ports)))
-        procs = []
+        cluster = FailoverCluster(Path(tmp))
         try:
-            for port in ports:
-                (Path(tmp) / str(port)).mkdir()
-                argv = redis_argv(redis_binary(), port, Path(tmp) / str(port), cluster=True)
-                procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
-            wait_until(lambda: all(_pings(p) for p in ports), 20, "the servers")
-            form_cluster(ports[:3], 20)
-            replica = redis.Redis(port=ports[3])
-            replica.execute_command("CLUSTER", "MEET", "127.0.0.1", ports[0])
-            first = redis.Redis(port=ports[0]).execute_command("CLUSTER", "MYID").decode()
-            wait_until(lambda: _knows(replica, first), 20, "the replica to learn the cluster")
-            replica.execute_command("CLUSTER", "REPLICATE", first)
-            wait_until(
-                lambda: replica.info("replication").get("master_link_status") == "up",
-                30,
-                "the replica to sync",
-            )
-            client = connect(f"redis+cluster://127.0.0.1:{ports[1]}")
+            cluster.start()
+            client = connect(cluster.url)
             keys = [f"drill:{n}".encode() for n in range(KEYS)]
             run_packed(client, [Packed(k, pack(b"SET", k, b"1"), 1) for k in keys])
-            print(f"{KEYS:,} keys written; SIGKILL of the master on port {ports[0]}")
+            print(f"{KEYS:,} keys written; SIGKILL of the master on port {cluster.ports[0]}")
             killed = time.monotonic()
-            procs[0].send_signal(signal.SIGKILL)
+            cluster.procs[0].send_signal(signal.SIGKILL)
             failures = 0
             while True:
                 try:
@@ -71,8 +117,7 @@ def main() -> None:
             took = time.monotonic() - killed
             lost = sum(reply[0] != b"1" for reply in got)
         finally:
-            for proc in procs:
-                stop_pid(proc.pid)
+            cluster.stop()
     result = {
         "keys": KEYS,
         "cluster_node_timeout_ms": 5000,
@@ -84,17 +129,6 @@ def main() -> None:
     print(
         f"every key read again {took:.1f} s after the kill ({failures} failed rounds), lost {lost}"
     )
-
-
-def _pings(port: int) -> bool:
-    try:
-        return bool(redis.Redis(port=port, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
-def _knows(client: redis.Redis, node_id: str) -> bool:
-    return node_id in client.execute_command("CLUSTER", "NODES").decode()
 
 
 if __name__ == "__main__":

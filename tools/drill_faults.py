@@ -63,10 +63,7 @@ from confluent_kafka.admin import AdminClient
 
 from freshrec.app.stack import (
     EmbeddedStack,
-    form_cluster,
-    free_cluster_port,
     free_port,
-    redis_argv,
     redis_binary,
 )
 from freshrec.app.training import train_on_world
@@ -86,6 +83,7 @@ from schemas.rows import decode_row
 from streams.item_state import ItemPartitionState
 from streams.settings import StreamsSettings
 from tools.benchlib import save, service_process, wait_until
+from tools.drill_failover import FailoverCluster
 from tools.drill_worker import committed, partition_ends
 from tools.seed import seed_world
 
@@ -144,69 +142,6 @@ class DurableRedis:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(10)
             self.kill()
-
-
-class FailoverCluster:
-    """A Redis Cluster of the drill's own: three masters with the slots split and a replica
-    of the first, which ``kill_first_master`` SIGKILLs; ``url`` names the second master."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.ports: list[int] = []
-        for _ in range(4):
-            self.ports.append(free_cluster_port(set(self.ports)))
-        self.url = f"redis+cluster://127.0.0.1:{self.ports[1]}"
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        for port in self.ports:
-            d = self.directory / str(port)
-            d.mkdir(parents=True, exist_ok=True)
-            argv = redis_argv(redis_binary(), port, d, cluster=True)
-            self.procs.append(
-                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            )
-        wait_until(lambda: all(_pings(p) for p in self.ports), timeout_s, "the cluster nodes")
-        form_cluster(self.ports[:3], timeout_s)
-        replica = redis_lib.Redis(port=self.ports[3])
-        replica.execute_command("CLUSTER", "MEET", "127.0.0.1", self.ports[0])
-        first = redis_lib.Redis(port=self.ports[0]).execute_command("CLUSTER", "MYID").decode()
-        wait_until(
-            lambda: first.encode() in replica.execute_command("CLUSTER", "NODES"),
-            timeout_s,
-            "the replica to learn the cluster",
-        )
-        replica.execute_command("CLUSTER", "REPLICATE", first)
-        wait_until(
-            lambda: replica.info("replication").get("master_link_status") == "up",
-            timeout_s,
-            "the replica to sync",
-        )
-
-    def kill_first_master(self, timeout_s: float = 60.0) -> float:
-        """SIGKILL the first master; seconds until its replica is a master."""
-        killed = time.monotonic()
-        self.procs[0].kill()
-        self.procs[0].wait(10)
-        replica = redis_lib.Redis(port=self.ports[3])
-        wait_until(
-            lambda: replica.info("replication").get("role") == "master",
-            timeout_s,
-            "the replica's promotion",
-        )
-        return time.monotonic() - killed
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-
-
-def _pings(port: int) -> bool:
-    with contextlib.suppress(redis_lib.RedisError):
-        return bool(redis_lib.Redis(port=port, socket_timeout=1).ping())
-    return False
 
 
 @dataclass
@@ -328,7 +263,10 @@ def redis_check(pipe: Pipeline, workers: list[str]) -> dict:
     keys = RedisKeys("")
     r = connect(pipe.conn.redis_url)
     names = TopicNames("")
-    n_by_item = len(partition_ends(pipe.conn, names.events_by_item))
+    admin = AdminClient(admin_config(pipe.conn))
+    n_by_item = len(
+        admin.list_topics(names.events_by_item, 10).topics[names.events_by_item].partitions
+    )
     stored = 0.0
     config = StreamsSettings.from_env(pipe.env).state
     for q in range(n_by_item):
