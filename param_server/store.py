@@ -163,10 +163,10 @@ def persist_fenced(
     for group in groups:
         for attempt in range(ATTEMPTS):
             try:
-                owned = _fenced_transaction(r, keys, group, owners, attempts, acked or {})
-                if owned is None:
+                lagging = _fenced_transaction(r, keys, group, owners, attempts, acked or {})
+                if lagging is None:  # another owner: nothing written
                     return Fenced(False)
-                behind.extend(owned)
+                behind.extend(lagging)
                 break
             except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
                 if not is_cluster(r) or attempt == ATTEMPTS - 1:
