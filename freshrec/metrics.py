@@ -197,6 +197,12 @@ CACHE_LOOKUPS = Counter(
     ["table", "tier"],
 )
 CACHE_ROWS = Gauge("freshrec_cache_rows", "Rows resident on the device", ["table"])
+HOST_ROWS = Gauge(
+    "freshrec_cache_host_rows",
+    "Rows held in host RAM, the cache's second level (FRESHREC_HOST_USER_ROWS, "
+    "FRESHREC_HOST_ITEM_ROWS): rows the device let go",
+    ["table"],
+)
 CACHE_ROWS_EXPIRED = Counter(
     "freshrec_cache_rows_expired_total",
     "Rows a worker dropped after the row TTL without a touch (items outside the catalogue)",

@@ -41,6 +41,11 @@ class WorkerSettings:
     conn: ConnectionSettings
     learning: LearningSettings = field(default_factory=LearningSettings)
     user_capacity_rows: int = 200_000
+    host_user_rows: int = 500_000
+    """User rows host RAM holds after the device slab lets them go (the cache's second level,
+    ``inference/tables/host.py``; 0: none). ``FRESHREC_HOST_USER_ROWS``."""
+    host_item_rows: int = 200_000
+    """Item rows host RAM holds after the size bound lets them go. ``FRESHREC_HOST_ITEM_ROWS``."""
     row_ttl_s: int = 30 * 86_400
     """Item rows that no event and no broadcast update has touched this long leave the item
     table, unless the catalogue lists them (0: never). The parameter server's setting of the
@@ -214,6 +219,8 @@ class WorkerSettings:
             conn=ConnectionSettings.from_env(env),
             learning=learning,
             user_capacity_rows=env_int(env, "FRESHREC_USER_CACHE_ROWS", 200_000, minimum=1),
+            host_user_rows=env_int(env, "FRESHREC_HOST_USER_ROWS", 500_000, minimum=0),
+            host_item_rows=env_int(env, "FRESHREC_HOST_ITEM_ROWS", 200_000, minimum=0),
             row_ttl_s=rows.row_ttl_s,
             max_item_rows=env_int(env, "FRESHREC_MAX_ITEM_ROWS", 2_000_000, minimum=1),
             batch_max=env_int(env, "FRESHREC_WORKER_BATCH_MAX", 2000, minimum=1),

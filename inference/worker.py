@@ -108,7 +108,12 @@ class Worker(Service):
         self.keys = RedisKeys(settings.conn.topic_prefix)
         self.dim = settings.learning.dim
         self.cache = EmbeddingCache(
-            self.dim, settings.user_capacity_rows, self._fetch, pick_device(settings.device)
+            self.dim,
+            settings.user_capacity_rows,
+            self._fetch,
+            pick_device(settings.device),
+            host_users=settings.host_user_rows,
+            host_items=settings.host_item_rows,
         )
         self.cache.on_evict = self._evicted
         m.DEVICE_INFO.labels(str(self.cache.device)).set(1)  # a GPU held is a GPU paid for

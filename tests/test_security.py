@@ -127,6 +127,7 @@ def test_the_dashboard_escapes_every_value_it_renders_as_markup():
         'ok ? "closed" : "down"',
         'ok ? "up" : "down"',
         'last.cache_hit === null ? "–" : (100 * last.cache_hit).toFixed(1) + "%"',
+        'last.cache_host_hit == null ? "–" : (100 * last.cache_host_hit).toFixed(1) + "%"',
     }  # numbers and fixed words
     for template in re.findall(r"`([^`]*<[^`]*)`", page):
         for expr in re.findall(r"\$\{([^}]*)\}", template):

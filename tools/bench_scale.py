@@ -16,7 +16,12 @@ prefix of its own):
   percentile of the worker's own request time (queue to reply) over requests sent through
   Kafka ten at a time;
 - a parameter server as its own process: **rows/s** applied and persisted over gradient
-  messages for rows drawn from the whole tables (each loaded from Redis first).
+  messages for rows drawn from the whole tables (each loaded from Redis first);
+- the cache's levels: batches of 32 user ids drawn with Zipf weights (exponent
+  ``--zipf``) looked up through a cache with a device slab of a hundredth of the users, once
+  without host RAM and once with a tenth of the users there (``FRESHREC_USER_CACHE_ROWS``,
+  ``FRESHREC_HOST_USER_ROWS``): the **hit rate of each level** (device, host RAM, Redis, new)
+  and the mean and p99 **lookup time** of a batch.
 
 The ranking models are trained once on a small world: their features are hashed, so they
 serve any catalogue. Results go to ``artifacts/bench_scale.json`` and a plot to
@@ -42,6 +47,7 @@ import torch
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
+from freshrec import metrics as m
 from freshrec.app.stack import free_port
 from freshrec.app.training import ensure_models
 from freshrec.client import RecommendClient
@@ -58,6 +64,7 @@ from freshrec.sim.world import World, WorldConfig
 from freshrec.topics import TopicNames, ensure_topics
 from inference.serving.recall import RecallQuery
 from inference.settings import LearningSettings, WorkerSettings
+from inference.tables.cache import EmbeddingCache
 from inference.training.train import TrainConfig
 from inference.worker import Worker
 from schemas.ids import row_ids
@@ -79,6 +86,10 @@ def main() -> None:
         "--gradient-rows", type=int, default=200_000, help="rows in the parameter server's run"
     )
     ap.add_argument("--redis-cluster", type=int, default=0, metavar="N", help="an N-master cluster")
+    ap.add_argument(
+        "--lookups", type=int, default=3000, help="user lookup batches per cache configuration"
+    )
+    ap.add_argument("--zipf", type=float, default=1.0, help="exponent of the users' Zipf weights")
     ap.add_argument("--out", type=Path, default=Path("artifacts"))
     args = ap.parse_args()
     points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",")]
@@ -124,7 +135,7 @@ def measure(conn, items: int, users: int, models: Path, args, progress: Progress
     write_catalogue(r, keys, world, progress)
 
     progress.done(f"{items:,} items / {users:,} users: the worker")
-    point.update(worker_figures(conn, models, world, users, args.requests, progress))
+    point.update(worker_figures(conn, models, world, users, args, progress))
     point["param_server_rows_per_s"] = param_server_rate(
         conn, user_ids, item_ids, args.gradient_rows, progress
     )
@@ -192,7 +203,8 @@ def rss_bytes() -> int:
 
 
 # ----------------------------------------------------------------------------------- worker
-def worker_figures(conn, models: Path, world: World, users: int, n_requests: int, progress):
+def worker_figures(conn, models: Path, world: World, users: int, args, progress):
+    n_requests = args.requests
     gc.collect()
     rss0 = rss_bytes()
     settings = WorkerSettings(
@@ -235,12 +247,14 @@ def worker_figures(conn, models: Path, world: World, users: int, n_requests: int
             times.append((time.perf_counter() - t) * 1000)
         progress.update(f"requests: 0/{n_requests}")
         totals = asyncio.run(_requests(conn, users, n_requests, progress))
+        levels = cache_levels(w._fetch, users, args.lookups, args.zipf, progress)
     finally:
         stop.set()
         thread.join(60)
     if errors:
         raise errors[0]
     return {
+        "cache_levels": levels,
         "worker_ready_s": round(ready_s, 1),
         "worker_rss_mb": round(rss / 2**20, 1),
         "vector_recall_ms": round(float(np.median(times)), 2),
@@ -264,6 +278,45 @@ async def _requests(conn, users: int, n: int, progress) -> list[float]:
             out += [float(rep.timings_ms["total"]) for rep in replies]
             progress.update(f"requests: {len(out)}/{n}")
     return out[:n]
+
+
+# ------------------------------------------------------------------------------ cache levels
+def cache_levels(fetch, users: int, batches: int, zipf: float, progress) -> dict:
+    """Hit rates per level and lookup times of Zipf-drawn user batches through a cache whose
+    device slab holds a hundredth of the users, without host RAM and with a tenth there."""
+    rng = np.random.default_rng(17)
+    weights = 1.0 / np.arange(1, users + 1) ** zipf
+    order = rng.permutation(users)  # popularity unrelated to the id
+    draws = order[rng.choice(users, size=(batches, 32), p=weights / weights.sum())]
+    ids = [row_ids([World.user_id(int(u)) for u in batch]) for batch in draws]
+    device_rows = max(users // 100, 32)
+    out: dict = {"device_rows": device_rows, "zipf": zipf, "batches": batches}
+    for name, host_rows in (("without_host", 0), ("with_host", users // 10)):
+        cache = EmbeddingCache(DIM, device_rows, fetch, torch.device("cpu"), host_users=host_rows)
+        before = {t: total_lookups(t) for t in LEVELS}
+        times = []
+        for n, batch in enumerate(ids):
+            t = time.perf_counter()
+            cache.slots(TABLE_USER, batch)
+            times.append((time.perf_counter() - t) * 1000)
+            if n % 200 == 0:
+                progress.update(f"cache levels, {name}: {n}/{batches} batches")
+        got = {t: total_lookups(t) - before[t] for t in LEVELS}
+        n_ids = sum(got.values())
+        out[name] = {
+            "host_rows": host_rows,
+            **{f"{t}_share": round(got[t] / n_ids, 4) for t in LEVELS},
+            "lookup_mean_ms": round(float(np.mean(times)), 3),
+            "lookup_p99_ms": round(float(np.percentile(times, 99)), 3),
+        }
+    return out
+
+
+LEVELS = ("device", "host", "redis", "new")
+
+
+def total_lookups(tier: str) -> float:
+    return m.CACHE_LOOKUPS.labels("user", tier)._value.get()
 
 
 # ------------------------------------------------------------------------- parameter server
@@ -336,7 +389,18 @@ def line(p: dict) -> str:
         f"{p['items']:,} items / {p['users']:,} users: Redis {p['redis_bytes_per_row']} B/row, "
         f"worker {p['worker_rss_mb']} MB, vector recall {p['vector_recall_ms']} ms "
         f"({p['vector_index']}), request p99 {p['request_p99_ms']} ms, "
-        f"parameter server {p['param_server_rows_per_s']:,} rows/s"
+        f"parameter server {p['param_server_rows_per_s']:,} rows/s; {levels_line(p)}"
+    )
+
+
+def levels_line(p: dict) -> str:
+    c = p["cache_levels"]
+    a, b = c["without_host"], c["with_host"]
+    return (
+        f"user lookups (device {c['device_rows']:,} rows): Redis {a['redis_share'] + a['new_share']:.1%}"
+        f" of ids, {a['lookup_mean_ms']} ms a batch without host RAM; with {b['host_rows']:,} "
+        f"there, host {b['host_share']:.1%}, Redis {b['redis_share'] + b['new_share']:.1%}, "
+        f"{b['lookup_mean_ms']} ms"
     )
 
 
@@ -352,7 +416,28 @@ def table(results: dict) -> str:
             f"{p['worker_rss_mb']} | {p['vector_recall_ms']} ({p['vector_index']}) | "
             f"{p['request_p50_ms']} / {p['request_p99_ms']} | {p['param_server_rows_per_s']:,} |"
         )
+    rows += [
+        "",
+        "| items | users | device / host rows | hit rate device / host / Redis+new, without host "
+        "RAM | with | lookup of 32 users, mean / p99 (ms), without | with |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in results["points"]:
+        c = p["cache_levels"]
+        a, b = c["without_host"], c["with_host"]
+        rows.append(
+            f"| {p['items']:,} | {p['users']:,} | {c['device_rows']:,} / {b['host_rows']:,} | "
+            f"{_shares(a)} | {_shares(b)} | {a['lookup_mean_ms']} / {a['lookup_p99_ms']} | "
+            f"{b['lookup_mean_ms']} / {b['lookup_p99_ms']} |"
+        )
     return "\n".join(rows)
+
+
+def _shares(level: dict) -> str:
+    return (
+        f"{level['device_share']:.1%} / {level['host_share']:.1%} / "
+        f"{level['redis_share'] + level['new_share']:.1%}"
+    )
 
 
 def plot(results: dict, path: Path) -> Path:

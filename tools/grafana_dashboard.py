@@ -405,6 +405,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                 "short",
                 [
                     ("sum by (table) (freshrec_cache_rows)", "rows {{table}}"),
+                    ("sum by (table) (freshrec_cache_host_rows)", "host RAM rows {{table}}"),
                     ("max(freshrec_catalogue_items)", "catalogue items"),
                     ("sum by (service) (freshrec_assigned_partitions)", "partitions {{service}}"),
                     ("sum(freshrec_streams_item_partitions)", "streams item partitions"),

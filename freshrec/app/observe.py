@@ -74,6 +74,9 @@ class Headline:
     tiers: dict[str, float] = field(default_factory=dict)
     breakers: dict[str, str] = field(default_factory=dict)
     cache_hit: float | None = None
+    """Share of embedding rows looked up that the device held."""
+    cache_host_hit: float | None = None
+    """Share that host RAM, the cache's second level, held."""
     up: dict[str, bool] = field(default_factory=dict)
     model: str | None = None
     quality: dict[str, float | None] = field(default_factory=dict)
@@ -201,10 +204,11 @@ def headline(
     lookups = {
         tier: total(s1, "freshrec_cache_lookups_total", tier=tier)
         - total(s0, "freshrec_cache_lookups_total", tier=tier)
-        for tier in ("device", "redis", "new")
+        for tier in ("device", "host", "redis", "new")
     }
     n = sum(lookups.values())
     h.cache_hit = round(lookups["device"] / n, 4) if n > 0 else None
+    h.cache_host_hit = round(lookups["host"] / n, 4) if n > 0 else None
     for labels, v in s1.get("freshrec_model_info", []):
         if v:
             h.model = labels.get("version")

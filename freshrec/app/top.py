@@ -64,8 +64,10 @@ def render(h: Headline) -> str:
     )
     lag = "  ".join(f"{k} {_f(v)}" for k, v in sorted(h.consumer_lag.items()))
     lines.append(f"lag        {lag or '–'}")
-    hit = "–" if h.cache_hit is None else f"{100 * h.cache_hit:.1f}%"
-    lines.append(f"cache hit  {hit}   model {h.model or '–'}")
+    lines.append(
+        f"cache hit  device {_pct(h.cache_hit)} host {_pct(h.cache_host_hit)}"
+        f"   model {h.model or '–'}"
+    )
     return "\n".join(lines)
 
 

@@ -83,7 +83,18 @@ class UpdateInstaller:
             self.deferred.append((batch, take[waiting]))
             m.UPDATES_INSTALLED.labels(name, "deferred").inc(int(waiting.sum()))
             take, slots, resident = take[~waiting], slots[~waiting], resident[~waiting]
-        m.UPDATES_INSTALLED.labels(name, "not_cached").inc(int((~resident).sum()))
+        away = np.flatnonzero(~resident)
+        if len(away):  # rows host RAM holds are kept as fresh as the device's
+            kept = self.cache.refresh_host(
+                table,
+                batch.ids[take[away]].tolist(),
+                batch.rows[take[away]],
+                batch.versions[take[away]],
+                batch.event_ms[take[away]],
+                batch.oldest_ms[take[away]],
+            )
+            m.UPDATES_INSTALLED.labels(name, "host").inc(int(kept.sum()))
+            m.UPDATES_INSTALLED.labels(name, "not_cached").inc(len(away) - int(kept.sum()))
         versions = batch.versions[take]
         held_versions = self.cache.table(table).version
         newer = resident & (versions > held_versions[np.where(resident, slots, 0)])

@@ -1,4 +1,5 @@
-"""EmbeddingCache: the item table resident on the device, hot users in an LRU slab.
+"""EmbeddingCache: the item table resident on the device, hot users in an LRU slab, the
+rows either lets go held in host RAM.
 
 Items are shared by all users, so the whole item table lives on the device (CUDA when
 available, else CPU) and grows as items appear; an item no event or broadcast has touched for
@@ -8,6 +9,11 @@ and past a bound on the rows beyond the catalogue's the least recently touched l
 Users are many: a fixed-capacity slab holds the recently used ones; a miss is fetched from
 Redis in one batched round trip (``HMGET``); a row found nowhere is created from its id
 (``schemas.rows.initial_rows``).
+
+Between the two, host RAM (``inference/tables/host.py``, ``FRESHREC_HOST_USER_ROWS`` and
+``FRESHREC_HOST_ITEM_ROWS``): users the slab evicts and items the size bound evicts go there
+with their versions, a miss on the device is looked for there before Redis, and broadcast
+rows replace held ones, so the three levels (device, host, Redis) serve the same row.
 
 Rows are full-width (dim + 1). Alongside each row the cache keeps the version and newest
 event time of the global row it last installed, and, for the ``reply`` freshness stage, the
@@ -25,6 +31,7 @@ import torch
 from freshrec import metrics as m
 from freshrec.idindex import IdIndex
 from inference.device import to_device, to_host
+from inference.tables.host import EVENT, LOCAL, UNREPLIED, HostRows, include_oldest
 from inference.tables.lru import SlotLRU
 from schemas.rowbatch import TABLE_NAMES
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
@@ -68,6 +75,8 @@ class EmbeddingCache:
         fetch: Fetch,
         device: torch.device,
         clock: Callable[[], int] = lambda: int(time.time() * 1000),
+        host_users: int = 0,
+        host_items: int = 0,
     ) -> None:
         self.dim, self.w = dim, width(dim)
         self.device = device
@@ -80,6 +89,12 @@ class EmbeddingCache:
         self._free_items: list[int] = []  # expired slots, taken again first
         self.users = _Table(self.w, user_capacity, device)
         self.user_lru = SlotLRU(user_capacity)
+        self.host = {
+            TABLE_USER: HostRows(host_users, self.w),
+            TABLE_ITEM: HostRows(host_items, self.w),
+        }
+        """The second level, per table: rows the device let go (users evicted from the slab,
+        items past the size bound), as fresh as the device's."""
         self.on_evict: Callable[[int, np.ndarray, list[int]], None] = lambda t, slots, ids: None
         self.newest_replied_ms = 0  # the newest event time a reply has included
         """Called with the slots whose rows were evicted and those rows' ids, once per
@@ -111,8 +126,7 @@ class EmbeddingCache:
         if miss.any():
             missing, back = np.unique(ids[miss], return_inverse=True)
             new_slots = self._next_item_slots(len(missing))
-            if load:
-                self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots)
+            self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots, store=load)
             self._register_items(missing, new_slots)
             out[miss] = new_slots[back]
         self.items.seen_ms[out] = self.clock()
@@ -158,7 +172,7 @@ class EmbeddingCache:
         n = len(self.item_ids)
         stale = self._evictable(keep)
         stale &= self.items.seen_ms[:n] < unseen_since_ms
-        gone = self._evict_items(np.flatnonzero(stale))
+        gone = self._evict_items(np.flatnonzero(stale), to_host=False)
         m.CACHE_ROWS_EXPIRED.labels("item").inc(gone)
         return gone
 
@@ -172,7 +186,7 @@ class EmbeddingCache:
             return 0
         extra = min(len(slots), extra + at_most // 10)
         oldest = np.argpartition(self.items.seen_ms[slots], extra - 1)[:extra]
-        gone = self._evict_items(np.sort(slots[oldest]))
+        gone = self._evict_items(np.sort(slots[oldest]), to_host=True)
         m.CACHE_ROWS_EVICTED.labels("item").inc(gone)
         return gone
 
@@ -187,11 +201,15 @@ class EmbeddingCache:
             out[:k] &= ~np.asarray(keep[:k], bool)
         return out
 
-    def _evict_items(self, slots: np.ndarray) -> int:
+    def _evict_items(self, slots: np.ndarray, to_host: bool) -> int:
+        """Let the rows at ``slots`` go; past the size bound (``to_host``) they go to host
+        RAM, expired ones (untouched for the TTL) go for good."""
         if not len(slots):
             return 0
         ids = [self.item_ids[s] for s in slots.tolist()]
         self.on_evict(TABLE_ITEM, slots, ids)
+        if to_host:
+            self._to_host(TABLE_ITEM, self.items, slots, ids)
         self.items.rows[self.to_device(slots)] = 0.0
         self.items.version[slots] = 0
         self.items.event_ms[slots] = 0
@@ -221,7 +239,9 @@ class EmbeddingCache:
                 hits += 1
             out[j] = slot
         if evicted_slots:
-            self.on_evict(TABLE_USER, np.asarray(evicted_slots, np.int64), evicted_ids)
+            at = np.asarray(evicted_slots, np.int64)
+            self.on_evict(TABLE_USER, at, evicted_ids)
+            self._to_host(TABLE_USER, self.users, at, evicted_ids)
         m.CACHE_LOOKUPS.labels("user", "device").inc(hits)
         if missing:
             try:
@@ -233,22 +253,82 @@ class EmbeddingCache:
         m.CACHE_ROWS.labels("user").set(len(self.user_lru))
         return out
 
-    def _fill(self, table: int, t: _Table, ids: list[int], slots: np.ndarray | list[int]) -> None:
-        """One batched store round trip for the misses; the rest created from their ids."""
-        found, got_rows, got_versions, got_event_ms = self.fetch(table, ids)
+    def _fill(
+        self,
+        table: int,
+        t: _Table,
+        ids: list[int],
+        slots: np.ndarray | list[int],
+        store: bool = True,
+    ) -> None:
+        """The misses' rows: those host RAM holds, then one batched store round trip for the
+        rest (``store``; without it they are left zero at version 0 for the caller to
+        install), the rest created from their ids. If the store fails, the rows taken from
+        host RAM go back there."""
         name = TABLE_NAMES[table]
-        hits = int(found.sum())
-        m.CACHE_LOOKUPS.labels(name, "redis").inc(hits)
-        m.CACHE_LOOKUPS.labels(name, "new").inc(len(ids) - hits)
-        rows = initial_rows(np.asarray(ids, np.int64), table, self.dim)
-        versions = np.zeros(len(ids), np.uint64)
-        event_ms = np.zeros(len(ids), np.int64)
-        rows[found], versions[found], event_ms[found] = got_rows, got_versions, got_event_ms
         at = np.asarray(slots, np.int64)
-        t.rows.index_copy_(0, self.to_device(at), self.to_device(rows))
+        host = self.host[table]
+        in_host, h_rows, h_versions, h_times = host.take(ids)
+        n_host = int(in_host.sum())
+        if n_host:
+            m.CACHE_LOOKUPS.labels(name, "host").inc(n_host)
+            m.HOST_ROWS.labels(name).set(len(host))
+        if not store:
+            rows = np.zeros((len(ids), self.w), np.float32)
+            versions = np.zeros(len(ids), np.uint64)
+            times = np.zeros((len(ids), 3), np.int64)
+        else:
+            rest = np.flatnonzero(~in_host)
+            try:
+                found, got_rows, got_versions, got_event_ms = (
+                    self.fetch(table, [ids[j] for j in rest.tolist()])
+                    if len(rest)
+                    else (np.zeros(0, bool), None, None, None)
+                )
+            except BaseException:
+                if n_host:
+                    back = [i for i, h in zip(ids, in_host.tolist(), strict=True) if h]
+                    host.put(back, h_rows, h_versions, h_times)
+                raise
+            hits = int(found.sum())
+            m.CACHE_LOOKUPS.labels(name, "redis").inc(hits)
+            m.CACHE_LOOKUPS.labels(name, "new").inc(len(rest) - hits)
+            rows = initial_rows(np.asarray(ids, np.int64), table, self.dim)
+            versions = np.zeros(len(ids), np.uint64)
+            times = np.zeros((len(ids), 3), np.int64)
+            got = rest[found]
+            if len(got):
+                rows[got], versions[got], times[got, EVENT] = got_rows, got_versions, got_event_ms
+        rows[in_host], versions[in_host], times[in_host] = h_rows, h_versions, h_times
+        if store or n_host:
+            t.rows.index_copy_(0, self.to_device(at), self.to_device(rows))
         t.version[at] = versions
-        t.event_ms[at] = event_ms
-        t.unreplied_ms[at] = t.local_ms[at] = 0  # a new occupant
+        t.event_ms[at] = times[:, EVENT]
+        t.unreplied_ms[at] = times[:, UNREPLIED]
+        t.local_ms[at] = times[:, LOCAL]
+
+    def _to_host(self, table: int, t: _Table, slots: np.ndarray, ids: list[int]) -> None:
+        """Rows the device lets go, to host RAM (one copy back), before their slots are
+        taken again."""
+        host = self.host[table]
+        if not host.capacity:
+            return
+        times = np.stack([t.event_ms[slots], t.unreplied_ms[slots], t.local_ms[slots]], 1)
+        host.put(ids, to_host(self.rows(table, slots)), t.version[slots], times)
+        m.HOST_ROWS.labels(TABLE_NAMES[table]).set(len(host))
+
+    def refresh_host(
+        self,
+        table: int,
+        ids: list[int],
+        rows: np.ndarray,
+        versions: np.ndarray,
+        event_ms: np.ndarray,
+        oldest_ms: np.ndarray,
+    ) -> np.ndarray:
+        """Broadcast rows for rows not on the device: those host RAM holds at an older
+        version are replaced. Returns the mask over ``ids`` of rows replaced."""
+        return self.host[table].refresh(ids, rows, versions, event_ms, oldest_ms)
 
     # ---------------------------------------------------------------------------- access
     def to_device(self, a) -> torch.Tensor:
@@ -317,7 +397,7 @@ class EmbeddingCache:
         """This worker's local step put events as old as ``oldest_ms`` (as new as
         ``newest_ms``) into rows ``slots`` (distinct): remembered until a reply uses them."""
         t = self.table(table)
-        _include(t.unreplied_ms, slots, oldest_ms)
+        include_oldest(t.unreplied_ms, slots, oldest_ms)
         t.local_ms[slots] = np.maximum(t.local_ms[slots], newest_ms)
 
     def installed(
@@ -332,7 +412,7 @@ class EmbeddingCache:
         foreign = newest_ms > own
         if foreign.any():
             since = np.maximum(oldest_ms[foreign], own[foreign] + 1)
-            _include(t.unreplied_ms, slots[foreign], since)
+            include_oldest(t.unreplied_ms, slots[foreign], since)
 
     def replied(self, table: int, slots: np.ndarray) -> np.ndarray:
         """A reply used rows ``slots``: the oldest event time each includes that no reply
@@ -365,13 +445,3 @@ class EmbeddingCache:
         self.items.rows[self.to_device(slots)] = self.to_device(stacked)
         self.items.version[slots] = [rows[i][1] for i in ids]
         self.items.event_ms[slots] = [rows[i][2] for i in ids]
-
-
-def _include(unreplied: np.ndarray, slots: np.ndarray, oldest_ms: np.ndarray) -> None:
-    """Rows ``slots`` now include events from ``oldest_ms`` on: the oldest not yet replied.
-
-    >>> u = np.array([0, 50, 0]); _include(u, np.array([0, 1]), np.array([70, 60])); u.tolist()
-    [70, 50, 0]
-    """
-    held = unreplied[slots]
-    unreplied[slots] = np.where(held > 0, np.minimum(held, oldest_ms), oldest_ms)
