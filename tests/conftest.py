@@ -22,11 +22,23 @@ from freshrec.settings import ConnectionSettings
 from freshrec.topics import catalogue_with, ensure_topics
 
 TEST_PARTITIONS = 4
-SESSION_TIMEOUT_MS = 3000
-"""The tests' consumer-group session, half the ``local`` profile's 6 s: a group join on the
-embedded broker takes about half of the session, and the suite joins groups a few hundred
-times. Processes the tests start get it through the environment."""
-os.environ["FRESHREC_KAFKA_SESSION_TIMEOUT_MS"] = str(SESSION_TIMEOUT_MS)
+EMBEDDED_SESSION_TIMEOUT_MS = 3000
+"""The tests' consumer-group session on the embedded broker, half the ``local`` profile's 6 s:
+a group join there takes about half of the session, and the suite joins groups a few hundred
+times (the embedded broker accepts any session)."""
+BROKER_SESSION_TIMEOUT_MS = 6000
+"""On any other broker (testcontainers' Apache Kafka, an external one): the least Apache
+Kafka's ``group.min.session.timeout.ms`` accepts by default."""
+
+
+def _use_session_timeout(ms: int) -> int:
+    """The session every consumer group of the tests uses; processes the tests start get it
+    through the environment."""
+    os.environ["FRESHREC_KAFKA_SESSION_TIMEOUT_MS"] = str(ms)
+    return ms
+
+
+SESSION_TIMEOUT_MS = _use_session_timeout(EMBEDDED_SESSION_TIMEOUT_MS)
 
 
 @dataclass(frozen=True)
@@ -35,13 +47,18 @@ class Services:
     kafka_bootstrap_servers: str
     redis_url: str
 
+    @property
+    def session_timeout_ms(self) -> int:
+        embedded = self.kind.startswith("embedded")
+        return EMBEDDED_SESSION_TIMEOUT_MS if embedded else BROKER_SESSION_TIMEOUT_MS
+
     def conn(self, prefix: str = "") -> ConnectionSettings:
         return ConnectionSettings(
             self.kafka_bootstrap_servers,
             self.redis_url,
             prefix,
             "local",
-            kafka_session_timeout_ms=SESSION_TIMEOUT_MS,
+            kafka_session_timeout_ms=self.session_timeout_ms,
         )
 
 
@@ -58,7 +75,9 @@ def _docker_engine_answers() -> bool:
 @pytest.fixture(scope="session")
 def services(tmp_path_factory) -> Iterator[Services]:
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS") and os.environ.get("REDIS_URL"):
-        yield Services("external", os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"])
+        s = Services("external", os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"])
+        _use_session_timeout(s.session_timeout_ms)
+        yield s
         return
     if _docker_engine_answers():
         from testcontainers.kafka import KafkaContainer
@@ -66,7 +85,9 @@ def services(tmp_path_factory) -> Iterator[Services]:
 
         with KafkaContainer().with_kraft() as kafka, RedisContainer() as redis_c:
             url = f"redis://{redis_c.get_container_host_ip()}:{redis_c.get_exposed_port(6379)}/0"
-            yield Services("testcontainers", kafka.get_bootstrap_server(), url)
+            s = Services("testcontainers", kafka.get_bootstrap_server(), url)
+            _use_session_timeout(s.session_timeout_ms)
+            yield s
         return
     stack = EmbeddedStack(tmp_path_factory.mktemp("stack"))
     state = stack.up(detach=False)

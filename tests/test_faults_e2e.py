@@ -30,9 +30,9 @@ def _checks(r: dict) -> None:
 def test_a_broker_frozen_for_12_s_under_load_loses_nothing_and_everything_recovers(
     model_dir, tmp_path
 ):
-    """Longer than the groups' session timeout (6 s by default, 3 s in the tests): every
-    group loses its members and rejoins, as in the drill's 20 s (`python -m
-    tools.drill_faults`, docs/operations.md)."""
+    """Longer than the groups' session timeout (6 s by default, 3 s in the tests on the
+    embedded broker): every group loses its members and rejoins, as in the drill's 20 s
+    (`python -m tools.drill_faults`, docs/operations.md)."""
     r = run_scenario(
         "broker_pause",
         model_dir,

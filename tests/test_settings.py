@@ -155,3 +155,15 @@ def test_seen_items_are_excluded_unless_the_deployment_declares_repeat_consumpti
     assert WorkerSettings.from_env({"FRESHREC_WORKER_ID": "w"}).exclude_seen is True
     repeat = {"FRESHREC_WORKER_ID": "w", "FRESHREC_EXCLUDE_SEEN": "false"}
     assert WorkerSettings.from_env(repeat).exclude_seen is False
+
+
+def test_the_suite_asks_any_broker_but_the_embedded_one_for_a_session_apache_kafka_accepts():
+    """Apache Kafka refuses sessions under ``group.min.session.timeout.ms`` (6 s by default):
+    the suite run against testcontainers' broker or an external one must not ask for less."""
+    from .conftest import Services
+
+    for kind in ("external", "testcontainers"):
+        s = Services(kind, "localhost:9092", "redis://localhost:6379/0")
+        assert s.session_timeout_ms >= 6000
+        assert s.conn("p.").kafka_session_timeout_ms >= 6000
+    assert Services("embedded", "b", "r").session_timeout_ms < 6000  # joins take half of it
