@@ -9,8 +9,11 @@ times that rate, and as long at the normal rate again. Synthetic background even
 p99 (from the request to its reply), the share of replies per tier, CTR, catalogue coverage
 (the share of items shown at least once), intra-list diversity (the share of a list's item
 pairs from different categories), the share of a list's items the user's previous list
-held, and the worker's CPU-seconds per 1,000 requests with their price at
-``--core-hour-price``.
+held, the worker's CPU-seconds per 1,000 requests with their price at
+``--core-hour-price``, and the worker's own p99 per stage over the phase (its
+``freshrec_request_seconds{stage}``: ``topic`` from the request's produce to the worker's
+read, ``queue`` to the batch's start, then recall, rank, rerank and ``total``), so a client
+p99 beyond the worker's ``total`` is time outside the worker (the reply's way back).
 
     .venv/bin/python -m tools.bench_modes [--modes daily,promo,acquisition] [--requests 20]
         [--spike 5] [--phase 40] [--rate 200]
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from freshrec.app.proctime import cpu_seconds
 from freshrec.cost import CORE_HOUR_PRICE, costs
+from freshrec.promtext import histogram_quantile, scrape_port_now, subtract
 from freshrec.sim.closedloop import ClosedLoop
 from freshrec.sim.produce import produce_events
 from freshrec.sim.world import World
@@ -35,6 +39,20 @@ from tools.benchlib import save
 from tools.drill_faults import WORLD, Pipeline, train_models
 
 PHASES = ("normal", "spike", "after")
+
+
+STAGES = ("topic", "queue", "recall", "rank", "rerank", "total")
+REQUEST_SECONDS = "freshrec_request_seconds"
+
+
+def stage_p99_ms(before: dict, after: dict) -> dict:
+    """The worker's p99 per request stage between two scrapes of its metrics."""
+    window = subtract(after, before, REQUEST_SECONDS + "_bucket")
+    out = {}
+    for stage in STAGES:
+        q = histogram_quantile(window, REQUEST_SECONDS, 0.99, stage=stage)
+        out[stage] = None if q != q else round(q * 1000, 1)
+    return out
 
 
 def phase_figures(loop: ClosedLoop, seconds: float, cpu_s: float, core_hour: float) -> dict:
@@ -100,6 +118,7 @@ def run_mode(
                 timeout_s=5.0,
             )
             stop = threading.Event()
+            metrics0 = scrape_port_now(pipe.ports["worker"])
             cpu0, t0 = cpu_seconds(worker_pid) or 0.0, time.monotonic()
             thread = loop.run_in_thread(stop)
             time.sleep(phase_s)
@@ -109,11 +128,13 @@ def run_mode(
             cpu = (cpu_seconds(worker_pid) or 0.0) - cpu0
             phases[phase] = phase_figures(loop, seconds, cpu, core_hour)
             f = phases[phase]
+            f["worker_stage_p99_ms"] = stage_p99_ms(metrics0, scrape_port_now(pipe.ports["worker"]))
             print(
                 f"   {mode:<12} {phase:<7} {f['requests_per_s']:>6}/s p99 {f['p99_ms']} ms, "
                 f"CTR {f['ctr']:.2%}, coverage {f['coverage']:.1%}, diversity "
                 f"{f['intra_list_diversity']}, repeat {f['repeat_share']}, tiers {f['tiers']}, "
-                f"{f['worker_cpu_s_per_1000']} CPU-s/1k",
+                f"{f['worker_cpu_s_per_1000']} CPU-s/1k, worker p99 by stage "
+                f"{f['worker_stage_p99_ms']}",
                 flush=True,
             )
         stop_events.set()
