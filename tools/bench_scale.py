@@ -21,7 +21,7 @@ prefix of its own):
   ``--zipf``) looked up through a cache with a device slab of a hundredth of the users, once
   without host RAM and once with a tenth of the users there (``FRESHREC_USER_CACHE_ROWS``,
   ``FRESHREC_HOST_USER_ROWS``): the **hit rate of each level** (device, host RAM, Redis, new)
-  and the mean and p99 **lookup time** of a batch.
+  the **Redis round trips** a batch made, and the mean and p99 **lookup time** of a batch.
 
 The ranking models are trained once on a small world: their features are hashed, so they
 serve any catalogue. Results go to ``artifacts/bench_scale.json`` and a plot to
@@ -291,8 +291,15 @@ def cache_levels(fetch, users: int, batches: int, zipf: float, progress) -> dict
     ids = [row_ids([World.user_id(int(u)) for u in batch]) for batch in draws]
     device_rows = max(users // 100, 32)
     out: dict = {"device_rows": device_rows, "zipf": zipf, "batches": batches}
+    trips = [0]
+
+    def counted(table: int, batch_ids: list[int]):
+        trips[0] += 1
+        return fetch(table, batch_ids)
+
     for name, host_rows in (("without_host", 0), ("with_host", users // 10)):
-        cache = EmbeddingCache(DIM, device_rows, fetch, torch.device("cpu"), host_users=host_rows)
+        cache = EmbeddingCache(DIM, device_rows, counted, torch.device("cpu"), host_users=host_rows)
+        trips[0] = 0
         before = {t: total_lookups(t) for t in LEVELS}
         times = []
         for n, batch in enumerate(ids):
@@ -306,6 +313,7 @@ def cache_levels(fetch, users: int, batches: int, zipf: float, progress) -> dict
         out[name] = {
             "host_rows": host_rows,
             **{f"{t}_share": round(got[t] / n_ids, 4) for t in LEVELS},
+            "redis_trips_per_batch": round(trips[0] / batches, 4),
             "lookup_mean_ms": round(float(np.mean(times)), 3),
             "lookup_p99_ms": round(float(np.percentile(times, 99)), 3),
         }
@@ -419,15 +427,17 @@ def table(results: dict) -> str:
     rows += [
         "",
         "| items | users | device / host rows | hit rate device / host / Redis+new, without host "
-        "RAM | with | lookup of 32 users, mean / p99 (ms), without | with |",
-        "|---|---|---|---|---|---|---|",
+        "RAM | with | Redis round trips a batch, without / with "
+        "| lookup of 32 users, mean / p99 (ms), without | with |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for p in results["points"]:
         c = p["cache_levels"]
         a, b = c["without_host"], c["with_host"]
         rows.append(
             f"| {p['items']:,} | {p['users']:,} | {c['device_rows']:,} / {b['host_rows']:,} | "
-            f"{_shares(a)} | {_shares(b)} | {a['lookup_mean_ms']} / {a['lookup_p99_ms']} | "
+            f"{_shares(a)} | {_shares(b)} | {a['redis_trips_per_batch']} / "
+            f"{b['redis_trips_per_batch']} | {a['lookup_mean_ms']} / {a['lookup_p99_ms']} | "
             f"{b['lookup_mean_ms']} / {b['lookup_p99_ms']} |"
         )
     return "\n".join(rows)

@@ -293,7 +293,9 @@ class EmbeddingCache:
             hits = int(found.sum())
             m.CACHE_LOOKUPS.labels(name, "redis").inc(hits)
             m.CACHE_LOOKUPS.labels(name, "new").inc(len(rest) - hits)
-            rows = initial_rows(np.asarray(ids, np.int64), table, self.dim)
+            rows = np.empty((len(ids), self.w), np.float32)
+            new = rest[~found]  # found nowhere: created from their ids
+            rows[new] = initial_rows(np.asarray(ids, np.int64)[new], table, self.dim)
             versions = np.zeros(len(ids), np.uint64)
             times = np.zeros((len(ids), 3), np.int64)
             got = rest[found]
