@@ -10,7 +10,7 @@ its children, from ``/proc``) and Redis's ``used_memory``.
 
 The services run with every bound this flood meets set low, so that they bind within the
 drill (``BOUNDS``): the streams app's items per partition, the worker's item table, user
-rows and users whose recent and consumed items it remembers, the dedupe windows, the co-visitation users, and a row TTL of a minute for what only a
+rows, the rows both let go to host RAM, and users whose recent and consumed items it remembers, the dedupe windows, the co-visitation users, and a row TTL of a minute for what only a
 TTL bounds (rows and recent clicks in Redis, rows in the parameter server's memory). A bound
 that holds shows as a plateau: the report gives each series' level at a third, two thirds and
 the end of the flood, and its growth over the last third against its level.
@@ -46,6 +46,8 @@ BOUNDS = {
     "FRESHREC_STREAMS_MAX_ITEMS": "5000",
     "FRESHREC_MAX_ITEM_ROWS": "20000",
     "FRESHREC_USER_CACHE_ROWS": "20000",
+    "FRESHREC_HOST_USER_ROWS": "20000",
+    "FRESHREC_HOST_ITEM_ROWS": "20000",
     "FRESHREC_RECENT_USERS": "20000",
     "FRESHREC_SEEN_USERS": "20000",
     "FRESHREC_DEDUPE_WINDOW": "20000",
