@@ -18,10 +18,11 @@ prefix of its own):
 - a parameter server as its own process: **rows/s** applied and persisted over gradient
   messages for rows drawn from the whole tables (each loaded from Redis first);
 - the cache's levels: batches of 32 user ids drawn with Zipf weights (exponent
-  ``--zipf``) looked up through a cache with a device slab of a hundredth of the users, once
-  without host RAM and once with a tenth of the users there (``FRESHREC_USER_CACHE_ROWS``,
-  ``FRESHREC_HOST_USER_ROWS``): the **hit rate of each level** (device, host RAM, Redis, new)
-  the **Redis round trips** a batch made, and the mean and p99 **lookup time** of a batch.
+  ``--zipf``) looked up through a cache with a device slab of a hundredth of the users and
+  host RAM for none, a tenth or all of them (``FRESHREC_USER_CACHE_ROWS``,
+  ``FRESHREC_HOST_USER_ROWS``), ``--lookups`` batches to warm it and as many measured: the
+  **hit rate of each level** (device, host RAM, Redis, new), the **Redis round trips** a
+  batch made, and the mean and p99 **lookup time** of a batch.
 
 The ranking models are trained once on a small world: their features are hashed, so they
 serve any catalogue. Results go to ``artifacts/bench_scale.json`` and a plot to
@@ -281,42 +282,52 @@ async def _requests(conn, users: int, n: int, progress) -> list[float]:
 
 
 # ------------------------------------------------------------------------------ cache levels
+HOST_SHARES = (0.0, 0.1, 1.0)
+"""Host RAM's size in each configuration, as a share of the users (the device: a hundredth)."""
+
+
 def cache_levels(fetch, users: int, batches: int, zipf: float, progress) -> dict:
     """Hit rates per level and lookup times of Zipf-drawn user batches through a cache whose
-    device slab holds a hundredth of the users, without host RAM and with a tenth there."""
+    device slab holds a hundredth of the users, with host RAM for none, a tenth or all of
+    them: ``batches`` batches to warm it, then as many more measured."""
     rng = np.random.default_rng(17)
     weights = 1.0 / np.arange(1, users + 1) ** zipf
     order = rng.permutation(users)  # popularity unrelated to the id
-    draws = order[rng.choice(users, size=(batches, 32), p=weights / weights.sum())]
+    draws = order[rng.choice(users, size=(2 * batches, 32), p=weights / weights.sum())]
     ids = [row_ids([World.user_id(int(u)) for u in batch]) for batch in draws]
     device_rows = max(users // 100, 32)
-    out: dict = {"device_rows": device_rows, "zipf": zipf, "batches": batches}
+    out: dict = {"device_rows": device_rows, "zipf": zipf, "batches": batches, "configs": []}
     trips = [0]
 
     def counted(table: int, batch_ids: list[int]):
         trips[0] += 1
         return fetch(table, batch_ids)
 
-    for name, host_rows in (("without_host", 0), ("with_host", users // 10)):
+    for share in HOST_SHARES:
+        host_rows = int(users * share)
         cache = EmbeddingCache(DIM, device_rows, counted, torch.device("cpu"), host_users=host_rows)
+        for batch in ids[:batches]:
+            cache.slots(TABLE_USER, batch)
         trips[0] = 0
         before = {t: total_lookups(t) for t in LEVELS}
         times = []
-        for n, batch in enumerate(ids):
+        for n, batch in enumerate(ids[batches:]):
             t = time.perf_counter()
             cache.slots(TABLE_USER, batch)
             times.append((time.perf_counter() - t) * 1000)
             if n % 200 == 0:
-                progress.update(f"cache levels, {name}: {n}/{batches} batches")
+                progress.update(f"cache levels, host RAM {host_rows:,}: {n}/{batches} batches")
         got = {t: total_lookups(t) - before[t] for t in LEVELS}
         n_ids = sum(got.values())
-        out[name] = {
-            "host_rows": host_rows,
-            **{f"{t}_share": round(got[t] / n_ids, 4) for t in LEVELS},
-            "redis_trips_per_batch": round(trips[0] / batches, 4),
-            "lookup_mean_ms": round(float(np.mean(times)), 3),
-            "lookup_p99_ms": round(float(np.percentile(times, 99)), 3),
-        }
+        out["configs"].append(
+            {
+                "host_rows": host_rows,
+                **{f"{t}_share": round(got[t] / n_ids, 4) for t in LEVELS},
+                "redis_trips_per_batch": round(trips[0] / batches, 4),
+                "lookup_mean_ms": round(float(np.mean(times)), 3),
+                "lookup_p99_ms": round(float(np.percentile(times, 99)), 3),
+            }
+        )
     return out
 
 
@@ -403,12 +414,10 @@ def line(p: dict) -> str:
 
 def levels_line(p: dict) -> str:
     c = p["cache_levels"]
-    a, b = c["without_host"], c["with_host"]
-    return (
-        f"user lookups (device {c['device_rows']:,} rows): Redis {a['redis_share'] + a['new_share']:.1%}"
-        f" of ids, {a['lookup_mean_ms']} ms a batch without host RAM; with {b['host_rows']:,} "
-        f"there, host {b['host_share']:.1%}, Redis {b['redis_share'] + b['new_share']:.1%}, "
-        f"{b['lookup_mean_ms']} ms"
+    return f"user lookups (device {c['device_rows']:,} rows): " + "; ".join(
+        f"host RAM {x['host_rows']:,}: Redis {x['redis_share'] + x['new_share']:.1%} of ids, "
+        f"{x['redis_trips_per_batch']} trips and {x['lookup_mean_ms']} ms a batch"
+        for x in c["configs"]
     )
 
 
@@ -426,28 +435,20 @@ def table(results: dict) -> str:
         )
     rows += [
         "",
-        "| items | users | device / host rows | hit rate device / host / Redis+new, without host "
-        "RAM | with | Redis round trips a batch, without / with "
-        "| lookup of 32 users, mean / p99 (ms), without | with |",
-        "|---|---|---|---|---|---|---|---|",
+        "| items | users | device / host RAM rows | hit rate device / host / Redis+new "
+        "| Redis round trips a batch | lookup of 32 users, mean / p99 (ms) |",
+        "|---|---|---|---|---|---|",
     ]
     for p in results["points"]:
         c = p["cache_levels"]
-        a, b = c["without_host"], c["with_host"]
-        rows.append(
-            f"| {p['items']:,} | {p['users']:,} | {c['device_rows']:,} / {b['host_rows']:,} | "
-            f"{_shares(a)} | {_shares(b)} | {a['redis_trips_per_batch']} / "
-            f"{b['redis_trips_per_batch']} | {a['lookup_mean_ms']} / {a['lookup_p99_ms']} | "
-            f"{b['lookup_mean_ms']} / {b['lookup_p99_ms']} |"
-        )
+        for x in c["configs"]:
+            rows.append(
+                f"| {p['items']:,} | {p['users']:,} | {c['device_rows']:,} / {x['host_rows']:,} | "
+                f"{x['device_share']:.1%} / {x['host_share']:.1%} / "
+                f"{x['redis_share'] + x['new_share']:.1%} | {x['redis_trips_per_batch']} | "
+                f"{x['lookup_mean_ms']} / {x['lookup_p99_ms']} |"
+            )
     return "\n".join(rows)
-
-
-def _shares(level: dict) -> str:
-    return (
-        f"{level['device_share']:.1%} / {level['host_share']:.1%} / "
-        f"{level['redis_share'] + level['new_share']:.1%}"
-    )
 
 
 def plot(results: dict, path: Path) -> Path:
