@@ -155,8 +155,8 @@ def test_broadcast_rows_for_users_in_host_ram_keep_them_fresh():
     cache.slots(TABLE_USER, np.array([2]))  # 1 to host RAM at version 0
     assert cache.slots_for_install(TABLE_USER, [1]).tolist() == [-1]
     fresh = np.full((1, W), 2.0, np.float32)
-    kept = cache.refresh_host(
-        TABLE_USER, [1], fresh, np.array([3], np.uint64), np.array([500]), np.array([400])
+    kept = cache.host[TABLE_USER].refresh(
+        [1], fresh, np.array([3], np.uint64), np.array([500]), np.array([400])
     )
     assert kept.tolist() == [True]
     back = cache.slots(TABLE_USER, np.array([1]))

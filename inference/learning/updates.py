@@ -85,8 +85,7 @@ class UpdateInstaller:
             take, slots, resident = take[~waiting], slots[~waiting], resident[~waiting]
         away = np.flatnonzero(~resident)
         if len(away):  # rows host RAM holds are kept as fresh as the device's
-            kept = self.cache.refresh_host(
-                table,
+            kept = self.cache.host[table].refresh(
                 batch.ids[take[away]].tolist(),
                 batch.rows[take[away]],
                 batch.versions[take[away]],

@@ -319,19 +319,6 @@ class EmbeddingCache:
         host.put(ids, to_host(self.rows(table, slots)), t.version[slots], times)
         m.HOST_ROWS.labels(TABLE_NAMES[table]).set(len(host))
 
-    def refresh_host(
-        self,
-        table: int,
-        ids: list[int],
-        rows: np.ndarray,
-        versions: np.ndarray,
-        event_ms: np.ndarray,
-        oldest_ms: np.ndarray,
-    ) -> np.ndarray:
-        """Broadcast rows for rows not on the device: those host RAM holds at an older
-        version are replaced. Returns the mask over ``ids`` of rows replaced."""
-        return self.host[table].refresh(ids, rows, versions, event_ms, oldest_ms)
-
     # ---------------------------------------------------------------------------- access
     def to_device(self, a) -> torch.Tensor:
         """A host array on the tables' device (``device.to_device``)."""
