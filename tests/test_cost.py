@@ -68,10 +68,29 @@ def test_the_scale_benchmark_reports_each_point_as_a_table_row_and_a_plot(tmp_pa
         "request_p50_ms": 20.5,
         "request_p99_ms": 26.7,
         "param_server_rows_per_s": 174_232,
+        "cache_levels": {
+            "device_rows": 1_000,
+            "configs": [
+                {
+                    "host_rows": host,
+                    "device_share": 0.446,
+                    "host_share": share,
+                    "redis_share": 0.554 - share - 0.004,
+                    "new_share": 0.004,
+                    "redis_trips_per_batch": 1.0,
+                    "lookup_mean_ms": 0.6,
+                    "lookup_p99_ms": 0.8,
+                }
+                for host, share in ((0, 0.0), (10_000, 0.273))
+            ],
+        },
     }
     results = {"points": [point, {**point, "items": 100_000, "users": 1_000_000}]}
     rows = table(results).splitlines()
-    assert len(rows) == 4
+    assert len(rows) == 4 + 1 + 2 + 4  # sizes; a blank line; the levels, a row per configuration
     assert rows[2] == "| 10,000 | 100,000 | 335.7 | 98.0 | 5.03 (exact) | 20.5 / 26.7 | 174,232 |"
+    assert (
+        rows[8] == "| 10,000 | 100,000 | 1,000 / 10,000 | 44.6% / 27.3% / 28.1% | 1.0 | 0.6 / 0.8 |"
+    )
     png = plot(results, tmp_path / "scale.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
