@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from freshrec.app.observe import REQUEST_STAGES
 from freshrec.app.proctime import cpu_seconds
 from freshrec.cost import CORE_HOUR_PRICE, costs
 from freshrec.promtext import histogram_quantile, scrape_port_now, subtract
@@ -41,7 +42,6 @@ from tools.drill_faults import WORLD, Pipeline, train_models
 PHASES = ("normal", "spike", "after")
 
 
-STAGES = ("topic", "queue", "recall", "rank", "rerank", "total")
 REQUEST_SECONDS = "freshrec_request_seconds"
 
 
@@ -49,7 +49,7 @@ def stage_p99_ms(before: dict, after: dict) -> dict:
     """The worker's p99 per request stage between two scrapes of its metrics."""
     window = subtract(after, before, REQUEST_SECONDS + "_bucket")
     out = {}
-    for stage in STAGES:
+    for stage in REQUEST_STAGES:
         q = histogram_quantile(window, REQUEST_SECONDS, 0.99, stage=stage)
         out[stage] = None if q != q else round(q * 1000, 1)
     return out

@@ -24,6 +24,8 @@ from freshrec.slo import SloSettings, burn_rate
 STAGES = ("local", "global_applied", "served", "reply")
 LAG = "freshrec_freshness_lag_seconds"
 NEWEST = "freshrec_freshness_event_timestamp_seconds"
+REQUEST_STAGES = ("topic", "queue", "recall", "rank", "rerank", "total")
+"""The ``stage`` label values of ``freshrec_request_seconds``."""
 
 
 def targets_file(state: Path) -> Path:
@@ -192,7 +194,7 @@ def headline(
         if t1 > t0
         else {req + "_bucket": s1.get(req + "_bucket", [])}
     )
-    for stage in ("topic", "queue", "recall", "rank", "rerank", "total"):
+    for stage in REQUEST_STAGES:
         h.latency_ms[f"{stage}_p99"] = _ms(histogram_quantile(rw, req, 0.99, stage=stage))
     h.latency_ms["total_p50"] = _ms(histogram_quantile(rw, req, 0.5, stage="total"))
     for labels, _ in s1.get("freshrec_replies_total", []):

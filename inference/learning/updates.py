@@ -85,12 +85,13 @@ class UpdateInstaller:
             take, slots, resident = take[~waiting], slots[~waiting], resident[~waiting]
         away = np.flatnonzero(~resident)
         if len(away):  # rows host RAM holds are kept as fresh as the device's
+            sel = take[away]
             kept = self.cache.host[table].refresh(
-                batch.ids[take[away]].tolist(),
-                batch.rows[take[away]],
-                batch.versions[take[away]],
-                batch.event_ms[take[away]],
-                batch.oldest_ms[take[away]],
+                batch.ids[sel].tolist(),
+                batch.rows[sel],
+                batch.versions[sel],
+                batch.event_ms[sel],
+                batch.oldest_ms[sel],
             )
             m.UPDATES_INSTALLED.labels(name, "host").inc(int(kept.sum()))
             m.UPDATES_INSTALLED.labels(name, "not_cached").inc(len(away) - int(kept.sum()))

@@ -31,7 +31,14 @@ import torch
 from freshrec import metrics as m
 from freshrec.idindex import IdIndex
 from inference.device import to_device, to_host
-from inference.tables.host import EVENT, LOCAL, UNREPLIED, HostRows, include_oldest
+from inference.tables.host import (
+    EVENT,
+    LOCAL,
+    UNREPLIED,
+    HostRows,
+    include_foreign,
+    include_oldest,
+)
 from inference.tables.lru import SlotLRU
 from schemas.rowbatch import TABLE_NAMES
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
@@ -397,11 +404,7 @@ class EmbeddingCache:
         than any it learnt itself includes others' events, counted from the oldest of the
         update's events that is newer than its own (a lower bound of their lag)."""
         t = self.table(table)
-        own = t.local_ms[slots]
-        foreign = newest_ms > own
-        if foreign.any():
-            since = np.maximum(oldest_ms[foreign], own[foreign] + 1)
-            include_oldest(t.unreplied_ms, slots[foreign], since)
+        include_foreign(t.unreplied_ms, t.local_ms, slots, oldest_ms, newest_ms)
 
     def replied(self, table: int, slots: np.ndarray) -> np.ndarray:
         """A reply used rows ``slots``: the oldest event time each includes that no reply

@@ -114,11 +114,9 @@ class HostRows:
         self.rows[at] = rows[done]
         self.version[at] = versions[done]
         self.times[at, EVENT] = event_ms[done]
-        own = self.times[at, LOCAL]
-        foreign = event_ms[done] > own
-        if foreign.any():
-            since = np.maximum(oldest_ms[done][foreign], own[foreign] + 1)
-            include_oldest(self.times[:, UNREPLIED], at[foreign], since)
+        include_foreign(
+            self.times[:, UNREPLIED], self.times[:, LOCAL], at, oldest_ms[done], event_ms[done]
+        )
         return done
 
     def _grow(self, need: int) -> None:
@@ -129,6 +127,24 @@ class HostRows:
         self.rows = np.concatenate([self.rows, np.zeros((extra, self.rows.shape[1]), np.float32)])
         self.version = np.concatenate([self.version, np.zeros(extra, np.uint64)])
         self.times = np.concatenate([self.times, np.zeros((extra, 3), np.int64)])
+
+
+def include_foreign(
+    unreplied: np.ndarray,
+    local: np.ndarray,
+    slots: np.ndarray,
+    oldest_ms: np.ndarray,
+    newest_ms: np.ndarray,
+) -> None:
+    """Broadcast rows were installed at ``slots``: events the worker learnt itself were
+    counted from its local step (``local``, the newest it learnt); a row whose update holds
+    events newer than that includes others' events, counted from the oldest of the update's
+    events newer than its own (a lower bound of their lag)."""
+    own = local[slots]
+    foreign = newest_ms > own
+    if foreign.any():
+        since = np.maximum(oldest_ms[foreign], own[foreign] + 1)
+        include_oldest(unreplied, slots[foreign], since)
 
 
 def include_oldest(unreplied: np.ndarray, slots: np.ndarray, oldest_ms: np.ndarray) -> None:
