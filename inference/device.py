@@ -27,6 +27,10 @@ def pick_device(setting: str = "auto") -> torch.device:
     return torch.device(setting)
 
 
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+"""What ``FRESHREC_TABLE_DTYPE`` and ``FRESHREC_RANKING_DTYPE`` accept."""
+
+
 def device_memory(device: torch.device) -> dict[str, int]:
     """The CUDA caching allocator's memory on ``device``, bytes: ``allocated`` (in tensors),
     ``reserved`` (held from the driver), ``inactive_split`` (reserved in blocks that are split

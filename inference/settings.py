@@ -24,6 +24,7 @@ from freshrec.settings import (
     model_dir,
     online_defaults,
 )
+from inference.device import STORAGE_DTYPES
 from inference.learning.learner import LearningSettings
 from inference.learning.steps import LOSSES, LabelConfig
 from inference.models.kinds import served_rankers
@@ -69,6 +70,12 @@ class WorkerSettings:
     """``fetch.wait.max.ms`` of the events-and-requests consumer (None: the Kafka profile's
     ``worker_fetch_wait_ms``, 10 ms ``local``, 100 ms ``production``)."""
     device: str = "auto"
+    table_dtype: str = "float32"
+    """How the device tables store rows: ``float16`` halves their memory, computed in float32
+    (``FRESHREC_TABLE_DTYPE``; ``inference/tables/cache.py``)."""
+    ranking_dtype: str = "float32"
+    """How the served ranking models hold their weights (``FRESHREC_RANKING_DTYPE``;
+    ``inference/models/ranking.py``)."""
     worker_id: str = ""
     metrics_port: int = 0
     redis_timeout_s: float = 0.5
@@ -232,6 +239,8 @@ class WorkerSettings:
             revoke_flush_s=env_float(env, "FRESHREC_REVOKE_FLUSH_S", 10.0, positive=True),
             commit_interval_s=env_float(env, "FRESHREC_COMMIT_INTERVAL_S", 0.2, positive=True),
             device=env.get("FRESHREC_DEVICE", "auto") or "auto",
+            table_dtype=storage_dtype(env, "FRESHREC_TABLE_DTYPE"),
+            ranking_dtype=storage_dtype(env, "FRESHREC_RANKING_DTYPE"),
             worker_id=env.get("FRESHREC_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
             metrics_port=env_int(env, "FRESHREC_METRICS_PORT", 0, minimum=0),
             serving=serving,
@@ -291,6 +300,14 @@ def served_ranker(env: Mapping[str, str]) -> str:
     if name not in SERVED_RANKERS:
         raise SettingsError(f"FRESHREC_RANKER must be one of {', '.join(SERVED_RANKERS)}")
     return name
+
+
+def storage_dtype(env: Mapping[str, str], name: str) -> str:
+    """A storage dtype setting: ``float32`` (the default) or ``float16``."""
+    value = env.get(name, "") or "float32"
+    if value not in STORAGE_DTYPES:
+        raise SettingsError(f"{name} must be one of {', '.join(STORAGE_DTYPES)}, got {value!r}")
+    return value
 
 
 def heat_split(env: Mapping[str, str]) -> HeatSplit:

@@ -60,7 +60,7 @@ from freshrec.topics import TopicNames
 from inference.batching import BatchPolicy, EventSlicer
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter
-from inference.device import device_memory, pick_device
+from inference.device import STORAGE_DTYPES, device_memory, pick_device
 from inference.intake import RequestIntake
 from inference.learning.admission import AdmissionFilter
 from inference.learning.learner import LocalLearner
@@ -114,6 +114,7 @@ class Worker(Service):
             pick_device(settings.device),
             host_users=settings.host_user_rows,
             host_items=settings.host_item_rows,
+            dtype=STORAGE_DTYPES[settings.table_dtype],
         )
         self.cache.on_evict = self._evicted
         m.DEVICE_INFO.labels(str(self.cache.device)).set(1)  # a GPU held is a GPU paid for
@@ -167,7 +168,8 @@ class Worker(Service):
             weights=settings.hot_weights,
             rate_per_hour=settings.hot_decay_per_hour,
         )
-        self.models = ModelWatcher(settings.model_dir, self.cache.device, self.dim)
+        s = settings
+        self.models = ModelWatcher(s.model_dir, self.cache.device, self.dim, s.ranking_dtype)
         self.experiment = (
             LiveExperiment(
                 settings.experiments_file, self.redis, self.keys, settings.answered_ttl_s

@@ -32,9 +32,12 @@ HOST_TENSOR_LINES = {
 }
 
 
-@pytest.fixture
-def warm_worker(seeded, model_dir):
-    w = Worker(worker_settings(seeded, model_dir))
+@pytest.fixture(params=["float32", "float16"])
+def warm_worker(request, seeded, model_dir):
+    """A worker whose tables and ranking weights are stored in ``request.param``: the
+    float16 storage widens on the device, with no round trip of its own."""
+    dtype = request.param
+    w = Worker(worker_settings(seeded, model_dir, table_dtype=dtype, ranking_dtype=dtype))
     w.start()
     try:
         world = World(WORLD)

@@ -406,7 +406,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         s.name: by_history(s, p.item_earlier) for s in [*live_scores, *scored.values()]
     }
     meta["paired"] = replayreport.paired(live_scores, [scored[b] for b in baselines if b in scored])
-    files = replayreport.write(out, rows, windows, meta, args.k)
+    arms = [*live_scores, *scored.values()]
+    files = replayreport.write(out, rows, windows, meta, args.k, arms)
     print(replayreport.table(rows, args.k))
     if meta["paired"]:
         print(replayreport.paired_table(meta["paired"], args.k))

@@ -1,10 +1,13 @@
 """What ``freshrec replay`` writes: the arms' table on stdout, ``replay.csv`` (one row per
 arm), ``replay_windows.csv`` (one row per arm and time window), ``replay.json`` (all of it,
-with the settings) and ``replay_hr.png`` (HR@k per window, one line per arm)."""
+with the settings), ``replay_interactions.csv.gz`` (each scored interaction's HR and NDCG
+per arm: ``tools/replay_diff.py`` pairs two replays' on the same interactions) and
+``replay_hr.png`` (HR@k per window, one line per arm)."""
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from pathlib import Path
 
@@ -89,8 +92,47 @@ def history_table(rows: dict[str, dict], k: int, whose: str = "earlier") -> str:
     return "\n".join(lines)
 
 
-def write(out: Path, rows: list[dict], windows: list[dict], meta: dict, k: int) -> list[Path]:
-    """The files, in ``out``; returns their paths."""
+INTERACTIONS = "replay_interactions.csv.gz"
+
+
+def write_interactions(path: Path, arms: list) -> Path:
+    """Each arm's (``ArmScores``) per-interaction HR and NDCG, with the user and log position,
+    in the replay's order: what a paired comparison of two replays reads."""
+    with gzip.open(path, "wt", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "user", "position", "hr", "ndcg"])
+        for s in arms:
+            positions = s.positions or [-1] * len(s.users)
+            for row in zip(
+                s.users, positions, s.per_interaction["hr"], s.per_interaction["ndcg"], strict=True
+            ):
+                w.writerow([s.name, *row])
+    return path
+
+
+def read_interactions(path: Path, arm: str):
+    """Arm ``arm``'s scores from ``write_interactions``' file, as an ``ArmScores`` that
+    ``evaluation.metrics.paired_difference`` takes (KeyError: no such arm in it)."""
+    from evaluation.metrics import ArmScores
+
+    s = ArmScores(arm)
+    with gzip.open(path, "rt", newline="") as f:
+        for r in csv.DictReader(f):
+            if r["arm"] == arm:
+                s.users.append(r["user"])
+                s.positions.append(int(r["position"]))
+                s.per_interaction["hr"].append(float(r["hr"]))
+                s.per_interaction["ndcg"].append(float(r["ndcg"]))
+    if not s.users:
+        raise KeyError(f"{path} holds no interactions of arm {arm!r}")
+    return s
+
+
+def write(
+    out: Path, rows: list[dict], windows: list[dict], meta: dict, k: int, arms: list = ()
+) -> list[Path]:
+    """The files, in ``out`` (``arms``: the ``ArmScores`` whose interactions are kept);
+    returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     summary, per_window = out / "replay.csv", out / "replay_windows.csv"
     with summary.open("w", newline="") as f:
@@ -103,7 +145,8 @@ def write(out: Path, rows: list[dict], windows: list[dict], meta: dict, k: int) 
         w.writerows(windows)
     report = out / "replay.json"
     report.write_text(json.dumps({**meta, "arms": rows, "windows": windows}, indent=1) + "\n")
-    return [summary, per_window, report, plot(out / "replay_hr.png", windows, k, meta)]
+    scores = write_interactions(out / INTERACTIONS, list(arms))
+    return [summary, per_window, report, scores, plot(out / "replay_hr.png", windows, k, meta)]
 
 
 def plot(path: Path, windows: list[dict], k: int, meta: dict) -> Path:

@@ -139,8 +139,8 @@ class LocalLearner:
         us, ui = to_device(user_slots), to_device(users[1])
         its, ii = to_device(item_slots), to_device(items[1])
         user_rows, item_rows = self.cache.users.rows, self.cache.items.rows
-        u = user_rows.index_select(0, us.index_select(0, ui))
-        v = item_rows.index_select(0, its.index_select(0, ii))
+        u = user_rows.index_select(0, us.index_select(0, ui)).float()  # float16 tables: widened
+        v = item_rows.index_select(0, its.index_select(0, ii)).float()
         gu, gv = gradients(u, v, ex, to_device)
         learning = self.learning
         local = device_local_steps(

@@ -340,7 +340,7 @@ def device_local_steps(
     place. Then one copy to the host — the clipped sums, which are the gradient batch the
     parameter server is sent — from which each table's ``LocalStep`` is read (its deltas
     computed by the same operation as on the device, so the step pool holds exactly what
-    the rows received). ``lr`` is one step size, or one per part (per table).
+    float32 rows received; float16 rows receive it rounded). ``lr`` is one step size, or one per part (per table).
 
     >>> rows = torch.zeros((3, 2))
     >>> part = TableSlice(rows, torch.tensor([2, 0]), torch.tensor([0, 1, 0]),
@@ -357,7 +357,8 @@ def device_local_steps(
         )
         sums.index_add_(0, p.index, p.grads)
         ok, clipped = clip_rows_torch(sums, max_norm)
-        p.rows.index_add_(0, p.slots, clipped.mul(-part_lr))  # rejected rows: zero, no step
+        # rejected rows: zero, no step; a float16 table takes the step rounded to it
+        p.rows.index_add_(0, p.slots, clipped.mul(-part_lr).to(p.rows.dtype))
         clipped_all.append(clipped)
         ok_all.append(ok)
     if not parts:

@@ -40,6 +40,7 @@ from torch import nn
 
 from freshrec.errors import FreshRecError
 from inference.models.kinds import OPTIONAL, build
+from inference.models.ranking import store_half
 
 log = logging.getLogger("freshrec.models")
 MANIFEST = "manifest.json"
@@ -117,7 +118,11 @@ def load_tensors(directory: Path, entry: dict) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def load_model(directory: Path, manifest: dict, kind: str, device: torch.device) -> nn.Module:
+def load_model(
+    directory: Path, manifest: dict, kind: str, device: torch.device, dtype: str = "float32"
+) -> nn.Module:
+    """The ``kind`` model the manifest names, on ``device``; ``dtype`` ``float16``: its weights
+    held in float16 (``ranking.store_half``)."""
     entry = manifest["files"].get(kind)
     if entry is None:
         raise ModelFileError(f"manifest {manifest['version']} has no {kind} model")
@@ -127,7 +132,8 @@ def load_model(directory: Path, manifest: dict, kind: str, device: torch.device)
         model.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError) as exc:
         raise ModelFileError(f"{entry['file']} does not fit a {kind} model: {exc}") from None
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    return store_half(model) if dtype == "float16" else model
 
 
 @dataclass(frozen=True)
@@ -151,9 +157,13 @@ class ModelWatcher:
     """Holds the current ``ModelSet``; ``poll()`` (cheap: one stat) starts a background load
     when the manifest changed, and the new set replaces the old one between batches."""
 
-    def __init__(self, directory: Path, device: torch.device, dim: int) -> None:
+    def __init__(
+        self, directory: Path, device: torch.device, dim: int, dtype: str = "float32"
+    ) -> None:
         self.directory = directory
         self.device = device
+        self.dtype = dtype
+        """How the loaded models hold their weights (``FRESHREC_RANKING_DTYPE``)."""
         self.dim = dim
         self.current: ModelSet | None = None
         self.last_error: str | None = None
@@ -195,10 +205,10 @@ class ModelWatcher:
                 raise ModelFileError(
                     f"models of dim {manifest['dim']} do not fit embeddings of dim {self.dim}"
                 )
-            full = load_model(self.directory, manifest, "wide_deep", self.device)
-            light = load_model(self.directory, manifest, "light", self.device)
+            full = load_model(self.directory, manifest, "wide_deep", self.device, self.dtype)
+            light = load_model(self.directory, manifest, "light", self.device, self.dtype)
             others = {
-                kind: load_model(self.directory, manifest, kind, self.device)
+                kind: load_model(self.directory, manifest, kind, self.device, self.dtype)
                 for kind in manifest["files"]
                 if kind in OPTIONAL
             }

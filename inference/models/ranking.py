@@ -8,7 +8,11 @@ Light: a small MLP over the dense features and the device only; it serves degrad
 low-end devices, and is trained to match the Wide&Deep logits (distillation).
 
 Every candidate of a whole dynamic batch is scored in one ``forward``; on CUDA in half
-precision (``score``).
+precision (``score``). A model may hold its weights in float16 (``FRESHREC_RANKING_DTYPE``,
+``store_half``): half the memory, widened to float32 for each forward pass, so it computes
+as a float32 model would with its weights rounded (the arithmetic on the CPU stays float32,
+where float16 products run several times slower; on CUDA autocast makes it float16 as for
+any model).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from inference.device import to_device
 from inference.models.features import (
@@ -166,8 +171,9 @@ def score(model: nn.Module, x: RankInputs, device: torch.device, on_device: bool
         if grouped:
             owner = to_device(x.owner, device)
             width = int(np.bincount(x.owner).max())  # on the host: no wait for the device
-            return model.forward_grouped(user, owner, item, dense, sparse, cross, *seq, width=width)
-        return model(user, item, dense, sparse, cross, *seq)
+            args = (user, owner, item, dense, sparse, cross, *seq)
+            return widened_call(model, "forward_grouped", args, {"width": width})
+        return widened_call(model, "forward", (user, item, dense, sparse, cross, *seq), {})
 
     if device.type == "cuda":
         with torch.autocast("cuda", dtype=torch.float16):
@@ -176,3 +182,41 @@ def score(model: nn.Module, x: RankInputs, device: torch.device, on_device: bool
         logits = run()
     probs = torch.sigmoid(logits.float())
     return probs if on_device else probs.cpu().numpy()
+
+
+def store_half(model: nn.Module) -> nn.Module:
+    """``model`` with its floating-point weights held in float16 (in place)."""
+    return model.half()
+
+
+def holds_half(model: nn.Module) -> bool:
+    """Whether ``model``'s weights are held in float16 (``store_half``)."""
+    return any(p.dtype == torch.float16 for p in model.parameters())
+
+
+class _Method(nn.Module):
+    """One of a module's methods as a module's ``forward``, for ``functional_call``."""
+
+    def __init__(self, model: nn.Module, method: str) -> None:
+        super().__init__()
+        self.model, self.method = model, method
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.model, self.method)(*args, **kwargs)
+
+
+def widened_call(model: nn.Module, method: str, args: tuple, kwargs: dict):
+    """``model.method(*args, **kwargs)``; a model that holds float16 weights runs it with
+    float32 copies of them, made for this call and let go after it.
+
+    >>> m = store_half(nn.Linear(2, 1))
+    >>> widened_call(m, "forward", (torch.ones(1, 2),), {}).dtype, m.weight.dtype
+    (torch.float32, torch.float16)
+    """
+    if not holds_half(model):
+        return getattr(model, method)(*args, **kwargs)
+    wide = {
+        f"model.{name}": t.float() if t.is_floating_point() else t
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+    }
+    return functional_call(_Method(model, method), wide, args, kwargs)

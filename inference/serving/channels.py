@@ -364,7 +364,7 @@ def search_within_categories(
             out.append(NONE)
             continue
         at = to_device(cand, items.device)
-        rows = items.index_select(0, at)  # several times faster than items[at] on a CPU
-        scores = rows @ to_device(queries[row], items.device)
+        rows = items.index_select(0, at).float()  # several times faster than items[at] on a CPU
+        scores = rows @ to_device(queries[row], items.device).float()
         out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
     return out

@@ -175,7 +175,7 @@ class RankingStage:
             sequences.append([slot_of[x] for x in items[: 4 * length] if x in slot_of][:length])
         index = sequence_index(sequences, length)
         rows = self.cache.items.rows
-        return gather_sequences(lambda ix: rows.index_select(0, ix), index, rows.device)
+        return gather_sequences(lambda ix: rows.index_select(0, ix).float(), index, rows.device)
 
     def _score_tiered(self, models: ModelSet, inputs, dense, arms: list[Arm | None], features):
         """Each candidate scored by its heat tier's model: one forward pass per tier."""

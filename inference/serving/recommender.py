@@ -280,7 +280,7 @@ class Recommender:
             return
         at = slots[subset[started]]
         starts = rows[self.cache.to_device(started)]
-        items.rows.index_copy_(0, self.cache.to_device(at), starts)
+        items.rows.index_copy_(0, self.cache.to_device(at), self.cache.stored(starts))
         items.version[at] = 1  # a starting row, as offline training's: any learnt row is newer
         items.event_ms[at] = int(time.time() * 1000)
         m.COLD_ITEMS_STARTED.inc(len(started))
@@ -548,7 +548,7 @@ class Recommender:
         rel = probs.gather(1, by_score).to(torch.float64)
         outside = np.arange(width)[None, :] >= heads[:, None]  # past a request's head
         rel.masked_fill_(self.cache.to_device(outside), -torch.inf)
-        vecs = self.cache.items.rows.index_select(0, head_slots.reshape(-1))[:, : self.cache.dim]
+        vecs = self.cache.rows(TABLE_ITEM, head_slots.reshape(-1))[:, : self.cache.dim]
         lam = lams[js[0]] if len(set(lams)) == 1 else [lams[j] for j in js]
         picks = mmr_batch(rel, vecs.reshape(len(js), width, -1), k, lam)
         taken = picks.clamp_min(0)

@@ -15,7 +15,12 @@ Between the two, host RAM (``inference/tables/host.py``, ``FRESHREC_HOST_USER_RO
 with their versions, a miss on the device is looked for there before Redis, and broadcast
 rows replace held ones, so the three levels (device, host, Redis) serve the same row.
 
-Rows are full-width (dim + 1). Alongside each row the cache keeps the version and newest
+Rows are full-width (dim + 1), stored in ``dtype`` (``FRESHREC_TABLE_DTYPE``: float32, or
+float16 for half the memory) and read in float32: ``rows`` gathers and widens, and every
+computation on them (recall, ranking, the learning step's gradients) runs in float32; a
+float16 table takes the steps and installs rounded to it. The rows' master copies, which
+learning accumulates into, are the parameter server's, in float32 in Redis.
+Alongside each row the cache keeps the version and newest
 event time of the global row it last installed, and, for the ``reply`` freshness stage, the
 oldest event the row includes that no reply has used yet.
 """
@@ -49,8 +54,8 @@ and newest event times, in order)."""
 
 
 class _Table:
-    def __init__(self, w: int, capacity: int, device: torch.device) -> None:
-        self.rows = torch.zeros((capacity, w), dtype=torch.float32, device=device)
+    def __init__(self, w: int, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.rows = torch.zeros((capacity, w), dtype=dtype, device=device)
         self.version = np.zeros(capacity, np.uint64)
         self.event_ms = np.zeros(capacity, np.int64)
         self.seen_ms = np.zeros(capacity, np.int64)  # last looked up (items: for expiry)
@@ -84,17 +89,20 @@ class EmbeddingCache:
         clock: Callable[[], int] = lambda: int(time.time() * 1000),
         host_users: int = 0,
         host_items: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.dim, self.w = dim, width(dim)
         self.device = device
+        self.dtype = dtype
+        """How the device tables store rows (float32 or float16); they are read in float32."""
         self.fetch = fetch
         self.clock = clock
         """Milliseconds now: when an item slot was last looked up (``items.seen_ms``)."""
-        self.items = _Table(self.w, 1024, device)
+        self.items = _Table(self.w, 1024, device, dtype)
         self.item_index = IdIndex()
         self.item_ids: list[int] = []  # by slot, up to the highest slot ever taken
         self._free_items: list[int] = []  # expired slots, taken again first
-        self.users = _Table(self.w, user_capacity, device)
+        self.users = _Table(self.w, user_capacity, device, dtype)
         self.user_lru = SlotLRU(user_capacity)
         self.host = {
             TABLE_USER: HostRows(host_users, self.w),
@@ -310,7 +318,7 @@ class EmbeddingCache:
                 rows[got], versions[got], times[got, EVENT] = got_rows, got_versions, got_event_ms
         rows[in_host], versions[in_host], times[in_host] = h_rows, h_versions, h_times
         if store or n_host:
-            t.rows.index_copy_(0, self.to_device(at), self.to_device(rows))
+            t.rows.index_copy_(0, self.to_device(at), self.stored(rows))
         t.version[at] = versions
         t.event_ms[at] = times[:, EVENT]
         t.unreplied_ms[at] = times[:, UNREPLIED]
@@ -331,9 +339,13 @@ class EmbeddingCache:
         """A host array on the tables' device (``device.to_device``)."""
         return to_device(a, self.device)
 
+    def stored(self, rows) -> torch.Tensor:
+        """Rows (a host array or a tensor) on the tables' device, in the tables' dtype."""
+        return self.to_device(rows).to(self.dtype)
+
     def rows(self, table: int, slots) -> torch.Tensor:
-        """The rows at ``slots``, on the tables' device."""
-        return self.table(table).rows.index_select(0, self.to_device(slots))
+        """The rows at ``slots``, on the tables' device, in float32."""
+        return self.table(table).rows.index_select(0, self.to_device(slots)).float()
 
     def table(self, table: int) -> _Table:
         return self.items if table == TABLE_ITEM else self.users
@@ -346,7 +358,7 @@ class EmbeddingCache:
 
     def add(self, table: int, slots: np.ndarray, deltas: np.ndarray) -> None:
         t = self.table(table)
-        t.rows.index_add_(0, self.to_device(slots), self.to_device(deltas))
+        t.rows.index_add_(0, self.to_device(slots), self.stored(deltas))
 
     def held(self, table: int, row_id: int) -> int | None:
         """The slot of a resident row, without loading it (None if absent)."""
@@ -368,7 +380,7 @@ class EmbeddingCache:
 
     def install(self, table: int, slot: int, row: np.ndarray, version: int, event_ms: int) -> None:
         t = self.table(table)
-        t.rows[slot] = self.to_device(row)
+        t.rows[slot] = self.stored(row)
         t.version[slot] = version
         t.event_ms[slot] = event_ms
 
@@ -382,7 +394,7 @@ class EmbeddingCache:
     ) -> None:
         """``install`` for many rows (distinct slots) in one device copy."""
         t = self.table(table)
-        t.rows[self.to_device(slots)] = self.to_device(np.asarray(rows, np.float32))
+        t.rows[self.to_device(slots)] = self.stored(np.asarray(rows, np.float32))
         t.version[slots] = versions
         t.event_ms[slots] = event_ms
 
@@ -434,6 +446,6 @@ class EmbeddingCache:
             return
         slots = self._item_slots(np.asarray(ids, np.int64), load=False)
         stacked = np.stack([rows[i][0] for i in ids])
-        self.items.rows[self.to_device(slots)] = self.to_device(stacked)
+        self.items.rows[self.to_device(slots)] = self.stored(stacked)
         self.items.version[slots] = [rows[i][1] for i in ids]
         self.items.event_ms[slots] = [rows[i][2] for i in ids]
