@@ -230,3 +230,40 @@ def test_no_scored_interaction_reaches_tuning():
     positions = [pos for s in inner.steps for t in s.targets.values() for pos, _ in t]
     assert positions and max(positions) < train_end
     assert max(s.end for s in inner.steps) <= train_end
+
+
+def _scored(name: str, hits: list[tuple[str, int]]) -> ArmScores:
+    s = ArmScores(name, k=1, windows=1)
+    for n, (user, hit) in enumerate(hits):
+        s.add_request(0, ["x"] if hit else ["y"], ["x"], user, positions=[n])
+    return s
+
+
+def test_two_replays_are_paired_on_their_kept_interactions(tmp_path, capsys):
+    """``replay_interactions.csv.gz`` keeps each arm's scores as the run made them, and
+    ``tools/replay_diff.py`` pairs two runs' as one run pairs its arms."""
+    from evaluation.metrics import paired_difference
+    from freshrec.app.replayreport import INTERACTIONS, read_interactions, write_interactions
+    from tools.replay_diff import main
+
+    users = [("u", 1), ("u", 1), ("v", 0), ("w", 1)]
+    a = _scored("full", users)
+    b = _scored("full", [("u", 0), ("u", 1), ("v", 0), ("w", 0)])
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    write_interactions(tmp_path / "a" / INTERACTIONS, [a, _scored("frozen", users)])
+    write_interactions(tmp_path / "b" / INTERACTIONS, [b])
+    back = read_interactions(tmp_path / "a" / INTERACTIONS, "full")
+    assert back.users == a.users and back.per_interaction == a.per_interaction
+    assert back.positions == [0, 1, 2, 3]
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path)]) == 0
+    want = paired_difference(a, b)
+    assert want["diff"] == 0.5
+    assert f"A − B {want['diff']:+.4f} ({want['low']:+.4f}..{want['high']:+.4f})" in (
+        capsys.readouterr().out
+    )
+    # another arm, other interactions, a folder without the file: said, exit 2
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--arm", "local"]) == 2
+    write_interactions(tmp_path / "b" / INTERACTIONS, [_scored("full", users[:3])])
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path)]) == 2
+    assert "not scored on the same interactions" in capsys.readouterr().err
+    assert main([str(tmp_path / "a"), str(tmp_path / "c")]) == 2

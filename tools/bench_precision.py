@@ -180,7 +180,7 @@ def table(r: dict) -> str:
     for name, t in r["tables"].items():
         rows.append(
             f"| {name} | {t['bytes_per_row']} | {t['vector_recall_32_ms']} "
-            f"| {t['top200_shared_with_float32']:.1%} | {t['learning_slice_ms']} |"
+            f"| {t['top200_shared_with_float32']:.2%} | {t['learning_slice_ms']} |"
         )
     rows += [
         "",

@@ -9,7 +9,9 @@
 #   PYTHON=/path/to/python tools/gpu_checks.sh
 #
 # Writes OUT_DIR/sync_check.log, pytest.log, bench_ann_cuda.json, bench_serving_cuda.json,
-# bench_serving_cpu.json, bench_ranking.json and a log of each step; exits non-zero if any step failed.
+# bench_serving_cpu.json, bench_ranking.json, bench_precision.json (float32 against float16
+# tables and ranking weights: device bytes per 1M rows, recall, learning slice and ranking batch
+# times, AUC) and a log of each step; exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -43,4 +45,6 @@ cp artifacts/bench_serving.json "$OUT/bench_serving_cpu.json" 2>/dev/null
 # every ranking model (attention included) on the GPU, from a small training run
 step bench_ranking_cuda "$PY" -m tools.bench_ranking --device cuda --impressions 50000 \
   --out "$OUT" --models "$OUT/ranking-models"
+# float32 against float16 storage on the GPU: the allocator's bytes for 1M item rows
+step bench_precision_cuda "$PY" -m tools.bench_precision --device cuda --items 1000000 --out "$OUT"
 exit $failed
