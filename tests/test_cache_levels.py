@@ -226,3 +226,22 @@ def test_the_installer_sends_broadcast_rows_for_users_in_host_ram_there():
     back = cache.slots(TABLE_USER, np.array([1]))
     assert cache.gather(TABLE_USER, back)[0].tolist() == [3.0] * W
     assert int(cache.users.version[back[0]]) == 5
+
+
+def test_the_item_tables_newest_version_follows_every_install_without_a_scan():
+    """A reply's ``item_table_version`` is ``items.newest``: the highest version installed
+    by any path (a store load, a broadcast, a whole table), kept when rows leave."""
+    rows = {7: (np.ones(DIM + 1, np.float32), 3, 0), 8: (np.ones(DIM + 1, np.float32), 5, 0)}
+    cache = EmbeddingCache(
+        DIM, 2, lambda t, ids: (np.zeros(len(ids), bool), None, None, None), torch.device("cpu")
+    )
+    assert cache.items.newest == 0
+    cache.load_items(rows)
+    assert cache.items.newest == 5
+    (slot,) = cache.slots_for_install(TABLE_ITEM, [9])
+    cache.install(TABLE_ITEM, int(slot), np.zeros(DIM + 1, np.float32), 11, 0)
+    assert cache.items.newest == 11
+    cache.install_many(TABLE_ITEM, np.array([slot]), np.zeros((1, DIM + 1)), np.array([4]), [0])
+    assert cache.items.newest == 11 == max(11, int(cache.items.version.max()))
+    cache.evict_items(0)
+    assert cache.items.newest == 11

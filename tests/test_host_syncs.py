@@ -29,6 +29,10 @@ HOST_TENSOR_LINES = {
     "inference/learning/steps.py",
     # the CPU path of the vector search: a GPU's goes through to_host
     "inference/serving/ann.py",
+    # the CPU paths of MMR and of the re-ranking stage (numpy views of host tensors): a
+    # GPU's stay in torch
+    "inference/serving/rerank.py",
+    "inference/serving/rerankstage.py",
 }
 
 
@@ -65,6 +69,29 @@ def test_a_learning_slice_and_a_serving_batch_keep_their_host_round_trip_budget(
         assert copies[0] <= c.host_copies <= copies[1], (name, c.host_copies)
         lines = {site.rpartition(":")[0] for _, site in c.calls}
         assert lines <= HOST_TENSOR_LINES, (name, dict(c.calls))
+
+
+def test_the_reranking_stage_gives_the_same_lists_in_numpy_and_in_torch(warm_worker):
+    """On a CPU the stage runs in numpy (``RerankStage.on_host``); the torch path a GPU takes
+    gives the same lists from the same ranking, here on the CPU."""
+    w, _, batch = warm_worker
+    stage = w.recommender.reranking
+    assert stage.on_host
+    seen = []
+    rerank = stage.rerank
+
+    def recording(*args):
+        seen.append(args)
+        return rerank(*args)
+
+    stage.rerank = recording
+    w.recommender.serve(batch)
+    (args,) = seen
+    assert sum(len(items) for items in rerank(*args).values()) > 0
+    stage.on_host = False
+    on_device = rerank(*args)
+    stage.on_host = True
+    assert on_device == rerank(*args)
 
 
 def test_the_counter_sees_what_a_gpu_would_wait_for():

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from inference.batching import BatchPolicy, Decision, EventSlicer, split_expired
 from inference.serving.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
@@ -131,7 +132,8 @@ def test_mmr_does_not_mutate_its_inputs():
     assert (rel == rel0).all() and (vecs == vecs0).all()
 
 
-def test_batched_mmr_picks_what_mmr_picks_per_request():
+@pytest.mark.parametrize("engine", ["numpy", "torch"])
+def test_batched_mmr_picks_what_mmr_picks_per_request(engine):
     rng = np.random.default_rng(7)
     for _ in range(200):
         b, p, k, lam = rng.integers(1, 8), rng.integers(1, 60), rng.integers(0, 25), rng.random()
@@ -140,7 +142,7 @@ def test_batched_mmr_picks_what_mmr_picks_per_request():
         lens = rng.integers(0, p + 1, b)  # shorter requests are padded with -inf
         for j in range(b):
             rel[j, lens[j] :] = -np.inf
-        got = mmr_batch(rel, vecs, k, lam)
+        got = mmr_batch(rel, vecs, k, lam, engine)
         assert got.shape == (b, min(k, p))
         for j in range(b):
             picked = [x for x in got[j].tolist() if x >= 0]
@@ -149,20 +151,35 @@ def test_batched_mmr_picks_what_mmr_picks_per_request():
         mmr_batch(np.zeros((1, 3)), np.zeros((1, 3, 2)), 2, lam=-0.1)
 
 
-def test_batched_mmr_with_a_lambda_per_request_picks_what_mmr_picks_with_each():
+@pytest.mark.parametrize("engine", ["numpy", "torch"])
+def test_batched_mmr_with_a_lambda_per_request_picks_what_mmr_picks_with_each(engine):
     rng = np.random.default_rng(8)
     for _ in range(100):
         b, p, k = rng.integers(1, 8), rng.integers(1, 40), rng.integers(0, 15)
         lams = rng.random(b).round(2).tolist()
         rel = rng.random((b, p))
         vecs = rng.standard_normal((b, p, 8)).astype(np.float32)
-        got = mmr_batch(rel, vecs, k, lams)
+        got = mmr_batch(rel, vecs, k, lams, engine)
         for j in range(b):
             assert [x for x in got[j].tolist() if x >= 0] == mmr(rel[j], vecs[j], k, lams[j])
     with pytest.raises(ValueError):
         mmr_batch(np.zeros((2, 3)), np.zeros((2, 3, 2)), 2, lam=[0.5])
     with pytest.raises(ValueError):
         mmr_batch(np.zeros((1, 3)), np.zeros((1, 3, 2)), 2, lam=[1.5])
+
+
+def test_batched_mmr_on_a_cpu_runs_in_numpy_and_gives_back_what_it_was_given():
+    """Torch inputs on a CPU take the numpy steps (``auto``) and get a tensor back, with the
+    picks the torch steps make; an unknown engine is refused."""
+    rng = np.random.default_rng(9)
+    rel = torch.from_numpy(rng.random((4, 30)))
+    rel[1, 20:] = -torch.inf
+    vecs = torch.from_numpy(rng.standard_normal((4, 30, 8)).astype(np.float32))
+    got = mmr_batch(rel, vecs, 12, [0.2, 0.5, 0.7, 1.0])
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.int64
+    assert torch.equal(got, mmr_batch(rel, vecs, 12, [0.2, 0.5, 0.7, 1.0], "torch"))
+    with pytest.raises(ValueError, match="engine"):
+        mmr_batch(rel, vecs, 2, 0.5, "cupy")
 
 
 def test_category_spacing_keeps_a_gap_where_possible():
@@ -921,6 +938,42 @@ def test_the_covisit_channel_sums_its_anchors_neighbours_newest_first():
     slot = state.slot_of
     assert got.slots[0].tolist() == [slot["i5"], slot["i6"]]
     assert got.slots[1].tolist() == []
+
+
+def test_the_i2i_and_covisit_channels_read_a_batchs_recent_clicks_once():
+    """Both channels need the recent clicks of the users the worker holds none for: one
+    Redis read a batch serves both (from their two threads), a new batch reads again."""
+    import concurrent.futures as cf
+
+    from inference.serving.channels import CHANNELS
+    from tests.serving_harness import serving_state
+
+    state, queries = serving_state()
+    reads = []
+    pipeline = state.redis.pipeline
+
+    def counting(transaction=False):
+        pipe = pipeline(transaction)
+        lrange = pipe.lrange
+
+        def counted(key, start, stop):
+            reads.append(key)
+            return lrange(key, start, stop)
+
+        pipe.lrange = counted
+        return pipe
+
+    state.redis.pipeline = counting
+    i2i, covisit = CHANNELS["i2i"](state), CHANNELS["covisit"](state)
+    with cf.ThreadPoolExecutor(2) as pool:
+        first = [pool.submit(c.recall, queries, 10) for c in (i2i, covisit)]
+        got = [f.result() for f in first]
+    assert reads == ["t.user:recent:u2"]  # u1's clicks are the worker's own
+    assert got[0].recent == got[1].recent == {}
+    again = list(queries)  # the next batch: read again
+    i2i.recall(again, 10)
+    covisit.recall(again, 10)
+    assert len(reads) == 2
 
 
 def test_the_serving_budget_runs_from_when_the_request_was_produced():

@@ -29,6 +29,7 @@ Adding a channel is a class and a line: subclass ``RecallChannel`` with a ``name
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -49,6 +50,25 @@ from schemas.rowbatch import TABLE_ITEM
 NONE = np.empty(0, np.int64)
 NEW_ITEMS = "\0new"
 """The new-items list among ``ServingState.lists`` (beside the hot lists' scopes)."""
+
+
+class BatchMemo:
+    """One value per batch of queries, computed once for every channel that asks (the i2i
+    and co-visitation channels both need the batch's recent clicks, from their own threads:
+    the first to ask reads them, the other waits for that read instead of making its own).
+    A batch is known by its query list's identity: the runner gives every channel the same
+    list, a new one each batch."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: object = None
+        self._value: object = None
+
+    def get(self, queries: object, compute: Callable[[], object]):
+        with self._lock:
+            if self._key is not queries:
+                self._value, self._key = compute(), queries
+            return self._value
 
 
 @dataclass
@@ -79,6 +99,8 @@ class ServingState:
     ann: IVFIndex | None = None
     item_shards: int = 0
     """``events.by_item`` partitions: where an item's neighbour list is (0: not known yet)."""
+    recents: BatchMemo = field(default_factory=BatchMemo)
+    """The batch's recent clicks (``recent_clicks``), read once for the channels that use them."""
 
 
 class RecallChannel(abc.ABC):
@@ -220,7 +242,12 @@ class CoVisitChannel(RecallChannel):
 
 def recent_clicks(st: ServingState, queries) -> tuple[list[list[str]], dict[str, list[str]]]:
     """Each query's user's recent clicks, newest first: the worker's own, else the streams
-    app's list in Redis (one round trip for those); and those read from Redis, by user."""
+    app's list in Redis (one round trip for those, once a batch: ``ServingState.recents``);
+    and those read from Redis, by user."""
+    return st.recents.get(queries, lambda: _read_recent_clicks(st, queries))
+
+
+def _read_recent_clicks(st: ServingState, queries):
     recents: list[list[str]] = [st.recent_clicks(q.user_id) for q in queries]
     missing = [j for j, r in enumerate(recents) if not r]
     if missing:

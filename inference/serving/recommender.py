@@ -24,7 +24,6 @@ import torch
 from freshrec import metrics as m
 from freshrec.lifecycle import lower_thread_priority
 from freshrec.rediskeys import RedisKeys
-from inference.device import to_host
 from inference.models.coldstart import category_starts, known_category
 from inference.models.features import CATEGORY_BUCKETS
 from inference.models.modelfile import ModelWatcher
@@ -43,11 +42,11 @@ from inference.serving.degrade import (
     reason_label,
 )
 from inference.serving.hotreply import HotReplies
-from inference.serving.merge import found_by, merge_slot_arrays
+from inference.serving.merge import merge_slot_arrays
 from inference.serving.modes import DAILY
 from inference.serving.rankstage import RankBatch, RankingStage
 from inference.serving.recall import ChannelConfig, RecallQuery, RecallResult, RecallRunner
-from inference.serving.rerank import mmr_batch, space_categories
+from inference.serving.rerankstage import RerankStage
 from inference.serving.resultcache import ResultCache
 from inference.serving.snapshot import Snapshot, SnapshotRefresher
 from inference.tables.cache import EmbeddingCache
@@ -161,6 +160,7 @@ class Recommender:
         self.shown = ShownItems(round(settings.hold_shown_s * 1000), settings.hold_shown_users)
         self.sequence_of = sequence  # the user's last clicked items, newest first
         self.ranking = RankingStage(settings, cache, client, keys)
+        self.reranking = RerankStage(cache)
         """Which model scores which candidate, and what each tier costs (the ladder's input)."""
         self.ladder = Ladder(settings.ladder)
         self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
@@ -281,7 +281,7 @@ class Recommender:
         at = slots[subset[started]]
         starts = rows[self.cache.to_device(started)]
         items.rows.index_copy_(0, self.cache.to_device(at), self.cache.stored(starts))
-        items.version[at] = 1  # a starting row, as offline training's: any learnt row is newer
+        items.set_version(at, 1)  # a starting row, as offline training's: any learnt row is newer
         items.event_ms[at] = int(time.time() * 1000)
         m.COLD_ITEMS_STARTED.inc(len(started))
         self.start_items(cat.row_ids[subset[started]], starts.cpu().numpy())
@@ -415,8 +415,16 @@ class Recommender:
         if features_note:
             degraded.append(features_note)
         t_rank = time.monotonic()
-        item_table_version = int(self.cache.items.version.max(initial=0))  # once per batch
-        reranked = self._rerank(merged, ranked, reqs, lambdas(arms, s.mmr_lambda))
+        item_table_version = self.cache.items.newest
+        reranked = self.reranking.rerank(
+            merged,
+            ranked,
+            [r.k for r in reqs],
+            lambdas(arms, s.mmr_lambda),
+            self.name_of_slot,
+            self._categories,
+            s,
+        )
         # each request's share of the batch's work: recall and re-ranking split evenly, and its
         # own ranker's time over the requests that ranker scored (an A/B variant's cost)
         shared_ms = ((t_recall - start) + (time.monotonic() - t_rank)) * 1000 / len(batch)
@@ -521,59 +529,6 @@ class Recommender:
     def _cache_key(r: RecommendRequest) -> tuple:
         ctx = r.context
         return (r.user_id, ctx.device if ctx else None, ctx.region if ctx else None, r.k)
-
-    def _rerank(self, merged: list[Candidates], ranked: dict[int, torch.Tensor], reqs, lams):
-        """MMR over the head of each ranking (all requests of the batch in one ``mmr_batch``,
-        on the tables' device), then category spacing. Returns, per ranked request,
-        [(item, score, channels)]. The picks, their slots and scores come to the host in one
-        copy: the reply."""
-        if not ranked:
-            return {}
-        js = list(ranked)
-        k = max(reqs[j].k for j in js)
-        factor = self.settings.mmr_pool_factor
-        lens = [len(ranked[j]) for j in js]
-        heads = np.array(
-            [min(max(factor * reqs[j].k, 50), n) for j, n in zip(js, lens, strict=True)]
-        )
-        width = int(heads.max())
-        probs = torch.nn.utils.rnn.pad_sequence(
-            [ranked[j] for j in js], batch_first=True, padding_value=-torch.inf
-        )
-        by_score = torch.sort(-probs, dim=1, stable=True).indices[:, :width]
-        slots = np.zeros((len(js), probs.shape[1]), np.int64)
-        for row, j in enumerate(js):
-            slots[row, : lens[row]] = merged[j].slots
-        head_slots = self.cache.to_device(slots).gather(1, by_score)
-        rel = probs.gather(1, by_score).to(torch.float64)
-        outside = np.arange(width)[None, :] >= heads[:, None]  # past a request's head
-        rel.masked_fill_(self.cache.to_device(outside), -torch.inf)
-        vecs = self.cache.rows(TABLE_ITEM, head_slots.reshape(-1))[:, : self.cache.dim]
-        lam = lams[js[0]] if len(set(lams)) == 1 else [lams[j] for j in js]
-        picks = mmr_batch(rel, vecs.reshape(len(js), width, -1), k, lam)
-        taken = picks.clamp_min(0)
-        reply = to_host(
-            torch.stack(
-                [
-                    picks.to(torch.float64),
-                    head_slots.gather(1, taken).to(torch.float64),  # exact: slots < 2^53
-                    rel.gather(1, taken),
-                ]
-            )
-        )
-        out = {}
-        for row, j in enumerate(js):
-            n = reqs[j].k
-            picked = reply[0, row, :n] >= 0
-            slots = reply[1, row, :n][picked].astype(np.int64)
-            rel_row = reply[2, row, :n][picked]
-            order = space_categories(self._categories(slots), self.settings.category_gap)
-            final = slots[order]
-            scores = np.round(rel_row[order], 6).tolist()
-            channels = found_by(final, merged[j].per_channel)
-            names = self.name_of_slot[final].tolist()
-            out[j] = list(zip(names, scores, channels, strict=True))
-        return out
 
     def _listed(self, name: str) -> bool:
         """Whether an item may be served: it is in the catalogue snapshot (any item before

@@ -60,36 +60,85 @@ def scaled(relevance: np.ndarray) -> np.ndarray:
     return (relevance - lo) / max(hi - lo, 1e-12)
 
 
-def mmr_batch(relevance, vectors, k: int, lam: float | list[float] = 0.7):
-    """``mmr`` for a batch of requests at once, in torch where the inputs live (a GPU's
-    ranking batch stays on it): ``relevance`` (B, P) with ``-inf`` where a request has fewer
-    than P candidates (padding), ``vectors`` (B, P, d). Returns (B, k) indices in MMR order,
-    ``-1`` past a request's candidates — a tensor on the inputs' device, or a numpy array for
-    numpy inputs. Picks are those of ``mmr`` run per request (same scores, same first-index
-    tie-break), in k vectorised steps instead of B × k small ones. ``lam`` is one λ for all,
-    or one per request (an experiment's variants).
+ENGINES = ("auto", "numpy", "torch")
+
+
+def mmr_batch(relevance, vectors, k: int, lam: float | list[float] = 0.7, engine: str = "auto"):
+    """``mmr`` for a batch of requests at once: ``relevance`` (B, P) with ``-inf`` where a
+    request has fewer than P candidates (padding), ``vectors`` (B, P, d). Returns (B, k)
+    indices in MMR order, ``-1`` past a request's candidates — a tensor on the inputs' device,
+    or a numpy array for numpy inputs. Picks are those of ``mmr`` run per request (same
+    scores, same first-index tie-break), in k vectorised steps instead of B × k small ones.
+    ``lam`` is one λ for all, or one per request (an experiment's variants).
+
+    ``engine``: where the steps run. ``auto``: in torch on a GPU (a ranking batch stays on
+    it), in numpy on a CPU, whose batched matrix-vector product is several times faster than
+    torch's there (32 requests × 200 candidates, k 20: ~1.9 against ~3.9 ms, one thread);
+    ``numpy`` or ``torch`` choose one (the tests hold them to the same picks).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     per_request = not isinstance(lam, (int, float))
     if not all(0.0 <= x <= 1.0 for x in (lam if per_request else [lam])):
         raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    if per_request and len(lam) != len(relevance):
+        raise ValueError(f"{len(lam)} lambdas for {len(relevance)} requests")
     host = isinstance(relevance, np.ndarray)
     rel = torch.as_tensor(relevance, dtype=torch.float64)
+    vecs = torch.as_tensor(vectors)
+    if engine == "torch" or (engine == "auto" and rel.device.type != "cpu"):
+        out = _torch_steps(rel, vecs, k, lam)
+    else:  # host tensors: their numpy views, no copy
+        out = torch.from_numpy(_numpy_steps(rel.numpy(), vecs.numpy(), k, lam))
+    return out.numpy() if host else out
+
+
+def _numpy_steps(rel: np.ndarray, vecs: np.ndarray, k: int, lam) -> np.ndarray:
+    """``mmr_batch``'s steps in numpy."""
+    b, n = rel.shape
+    finite = np.isfinite(rel)  # min-max per request, as ``scaled``, padding left out
+    lo = np.where(finite, rel, np.inf).min(axis=1, keepdims=True) if n else rel[:, :1]
+    hi = np.where(finite, rel, -np.inf).max(axis=1, keepdims=True) if n else rel[:, :1]
+    with np.errstate(invalid="ignore"):
+        rel = np.where(finite, (rel - lo) / np.maximum(hi - lo, 1e-12), rel)
+    k = min(k, n)
+    if k <= 0 or b == 0:
+        return np.full((b, max(k, 0)), -1, np.int64)
+    unit = vecs / np.maximum(np.linalg.norm(vecs, axis=2, keepdims=True), 1e-12)
+    lam = np.asarray(lam, np.float64).reshape(-1, 1) if not isinstance(lam, float | int) else lam
+    keep = 1.0 - lam
+    alive = finite.copy()  # a candidate not picked yet (padding never is one)
+    base = lam * np.where(alive, rel, 0.0)
+    score = np.where(alive, base, -np.inf)
+    rows = np.arange(b)
+    out = np.empty((b, k), np.int64)
+    max_sim = None
+    for step in range(k):
+        best = score.argmax(axis=1)  # the first of equal maxima
+        out[:, step] = np.where(score[rows, best] == -np.inf, -1, best)
+        alive[rows, best] = False
+        sim = np.matmul(unit, unit[rows, best][:, :, None])[:, :, 0]
+        max_sim = sim if max_sim is None else np.maximum(max_sim, sim)
+        score = base - keep * max_sim
+        score[~alive] = -np.inf
+    return out
+
+
+def _torch_steps(rel: torch.Tensor, vecs: torch.Tensor, k: int, lam) -> torch.Tensor:
+    """``mmr_batch``'s steps in torch, where the inputs live."""
+    per_request = not isinstance(lam, (int, float))
     finite = torch.isfinite(rel)  # min-max per request, as ``scaled``, padding left out
     lo = rel.masked_fill(~finite, torch.inf).min(dim=1, keepdim=True).values
     hi = rel.masked_fill(~finite, -torch.inf).max(dim=1, keepdim=True).values
     rel = torch.where(finite, (rel - lo) / (hi - lo).clamp_min(1e-12), rel)
-    vecs = torch.as_tensor(vectors)
     b, n = rel.shape
     k = min(k, n)
     if k <= 0 or b == 0:
-        out = torch.full((b, max(k, 0)), -1, dtype=torch.int64, device=rel.device)
-        return out.numpy() if host else out
+        return torch.full((b, max(k, 0)), -1, dtype=torch.int64, device=rel.device)
     unit = vecs / vecs.norm(dim=2, keepdim=True).clamp_min(1e-12)
     flat_unit = unit.reshape(b * n, -1)
     alive = torch.isfinite(rel)  # a candidate not picked yet (padding never is one)
     if per_request:
-        if len(lam) != b:
-            raise ValueError(f"{len(lam)} lambdas for {b} requests")
         lam = torch.tensor(lam, dtype=torch.float64, device=rel.device)[:, None]
         keep = 1.0 - lam
     base = lam * rel.masked_fill(~alive, 0.0)
@@ -97,20 +146,19 @@ def mmr_batch(relevance, vectors, k: int, lam: float | list[float] = 0.7):
     score = base.masked_fill(~alive, -torch.inf)
     max_sim = None
     tops, bests = [], []
-    for _ in range(k):  # few small ops a step: their count is the cost on a CPU
+    for _ in range(k):  # few small ops a step: their count is the cost
         top, best = score.max(dim=1)  # the first of equal maxima, as numpy's argmax
         tops.append(top)
         bests.append(best)
         at = offsets + best
         alive.view(-1).index_fill_(0, at, False)
-        sim = (unit * flat_unit.index_select(0, at)[:, None, :]).sum(2)  # a CPU's bmm is slower
+        sim = (unit * flat_unit.index_select(0, at)[:, None, :]).sum(2)
         max_sim = sim if max_sim is None else torch.maximum(max_sim, sim)
         if per_request:
             score = (base - keep * max_sim).masked_fill_(~alive, -torch.inf)
         else:
             score = torch.add(base, max_sim, alpha=-(1.0 - lam)).masked_fill_(~alive, -torch.inf)
-    out = torch.stack(bests, 1).masked_fill_(torch.stack(tops, 1) == -torch.inf, -1)
-    return out.numpy() if host else out
+    return torch.stack(bests, 1).masked_fill_(torch.stack(tops, 1) == -torch.inf, -1)
 
 
 def space_categories(categories: list[str], min_gap: int) -> list[int]:

@@ -63,6 +63,15 @@ class _Table:
         """The oldest event time the row includes that no reply has used yet (0: none)."""
         self.local_ms = np.zeros(capacity, np.int64)
         """The newest event time this worker learnt into the row itself."""
+        self.newest = 0
+        """The highest version any row of the table has been given (``set_version``): a
+        reply's ``item_table_version``, read once a batch without a scan of the table."""
+
+    def set_version(self, slots, versions) -> None:
+        """The versions of the rows at ``slots`` (``newest`` follows)."""
+        self.version[slots] = versions
+        if np.size(versions):
+            self.newest = max(self.newest, int(np.max(versions)))
 
     def grow(self, capacity: int) -> None:
         extra = capacity - len(self.rows)
@@ -319,7 +328,7 @@ class EmbeddingCache:
         rows[in_host], versions[in_host], times[in_host] = h_rows, h_versions, h_times
         if store or n_host:
             t.rows.index_copy_(0, self.to_device(at), self.stored(rows))
-        t.version[at] = versions
+        t.set_version(at, versions)
         t.event_ms[at] = times[:, EVENT]
         t.unreplied_ms[at] = times[:, UNREPLIED]
         t.local_ms[at] = times[:, LOCAL]
@@ -381,7 +390,7 @@ class EmbeddingCache:
     def install(self, table: int, slot: int, row: np.ndarray, version: int, event_ms: int) -> None:
         t = self.table(table)
         t.rows[slot] = self.stored(row)
-        t.version[slot] = version
+        t.set_version(slot, version)
         t.event_ms[slot] = event_ms
 
     def install_many(
@@ -395,7 +404,7 @@ class EmbeddingCache:
         """``install`` for many rows (distinct slots) in one device copy."""
         t = self.table(table)
         t.rows[self.to_device(slots)] = self.stored(np.asarray(rows, np.float32))
-        t.version[slots] = versions
+        t.set_version(slots, versions)
         t.event_ms[slots] = event_ms
 
     # ------------------------------------------------------------- the reply stage
@@ -447,5 +456,5 @@ class EmbeddingCache:
         slots = self._item_slots(np.asarray(ids, np.int64), load=False)
         stacked = np.stack([rows[i][0] for i in ids])
         self.items.rows[self.to_device(slots)] = self.stored(stacked)
-        self.items.version[slots] = [rows[i][1] for i in ids]
+        self.items.set_version(slots, [rows[i][1] for i in ids])
         self.items.event_ms[slots] = [rows[i][2] for i in ids]

@@ -110,7 +110,8 @@ def rounded_to_half(model: nn.Module) -> nn.Module:
     >>> m = nn.Linear(1, 1)
     >>> with torch.no_grad():
     ...     _ = m.weight.fill_(1 / 3)
-    >>> float(rounded_to_half(m).weight), rounded_to_half(m).weight.dtype, float(m.weight)
+    >>> w = rounded_to_half(m).weight.detach()
+    >>> float(w), w.dtype, float(m.weight.detach())
     (0.333251953125, torch.float32, 0.3333333432674408)
     """
     out = copy.deepcopy(model)
