@@ -340,7 +340,8 @@ def device_local_steps(
     place. Then one copy to the host — the clipped sums, which are the gradient batch the
     parameter server is sent — from which each table's ``LocalStep`` is read (its deltas
     computed by the same operation as on the device, so the step pool holds exactly what
-    float32 rows received; float16 rows receive it rounded). ``lr`` is one step size, or one per part (per table).
+    float32 rows received; float16 rows receive it rounded). ``lr`` is one step size, or
+    one per part (per table).
 
     >>> rows = torch.zeros((3, 2))
     >>> part = TableSlice(rows, torch.tensor([2, 0]), torch.tensor([0, 1, 0]),

@@ -24,12 +24,11 @@ from inference.device import to_host
 
 SCAN = 0.04
 MIN_NPROBE = 64
-SCAN_BLOCK = 8192
-"""Rows of a float16 table widened to float32 at a time by ``exact_search`` (and as fast,
-on this CPU, as one product over a float32 table)."""
 """By default a query probes ``MIN_NPROBE`` cells or enough for ``SCAN`` of the catalogue,
 whichever is more: recall@250 0.92–0.94 from 200k to 1M items at 27–96 ms for a batch of
 32 on one core, where exact search takes 74–593 ms (``tools.bench_ann``, docs/benchmarks.md)."""
+SCAN_BLOCK = 8192
+"""Rows of a float16 table widened to float32 at a time by ``exact_search``."""
 
 
 def ivf_cells(n: int) -> int:
