@@ -9,8 +9,9 @@ For each dtype:
 - **vector recall**: the exact search of 32 queries for their 200 best items over the whole
   item table (median ms), and the share of the float32 table's top 200 the float16 table
   finds;
-- **learning slice**: the device part of a slice of 4,096 examples drawn over both tables
-  (gather, widen, logistic gradients, the step, the one copy back; median ms);
+- **learning slice**: the learner's step on the device (``learner.step_on_device``: gather,
+  widen, logistic gradients, the step, the one copy back) for a slice of 4,096 examples
+  drawn over both tables (median ms);
 - **ranking**: Wide&Deep and the light model trained on a small synthetic world by
   ``freshrec train``'s code: held-out AUC with the weights as trained and rounded to float16
   (the manifest's), the weights' bytes, and the median time to score one request of 500
@@ -35,7 +36,8 @@ from freshrec.app.training import train_on_world
 from freshrec.progress import ProgressLine
 from freshrec.sim.world import World, WorldConfig
 from inference.device import STORAGE_DTYPES
-from inference.learning.steps import TableSlice, device_local_steps, logistic_gradients
+from inference.learning.learner import LearningSettings, step_on_device
+from inference.learning.steps import Examples
 from inference.models.modelfile import load_model, read_manifest
 from inference.models.ranking import score
 from inference.serving.ann import exact_search
@@ -80,27 +82,16 @@ def vector_recall(cache: EmbeddingCache, items: int, repeats: int):
 
 
 def learning_slice(cache: EmbeddingCache, items: int, users: int, repeats: int) -> float:
+    """The median time of the learner's step on the device (``learner.step_on_device``) for
+    a slice of ``SLICE`` examples drawn over both tables, each row once."""
     rng = np.random.default_rng(3)
-    us = cache.to_device(rng.integers(0, users, SLICE))
-    its = cache.to_device(rng.integers(0, items, SLICE))
-    y = cache.to_device((rng.random(SLICE) < 0.3).astype(np.float32))
-    w = cache.to_device(np.ones(SLICE, np.float32))
-    arange = torch.arange(SLICE, device=cache.device)
-
-    def one() -> None:
-        u = cache.users.rows.index_select(0, us).float()
-        v = cache.items.rows.index_select(0, its).float()
-        gu, gv = logistic_gradients(u, v, y, w)
-        device_local_steps(
-            [
-                TableSlice(cache.users.rows, us, arange, gu),
-                TableSlice(cache.items.rows, its, arange, gv),
-            ],
-            0.01,
-            1.0,
-        )
-
-    return median_ms(one, repeats)
+    us = cache.to_device(rng.choice(users, SLICE, replace=False))
+    its = cache.to_device(rng.choice(items, SLICE, replace=False))
+    at = cache.to_device(np.arange(SLICE))
+    labels = (rng.random(SLICE) < 0.3).astype(np.float32)
+    ex = Examples([], [], labels, np.ones(SLICE, np.float32), np.zeros(SLICE, np.int64))
+    learning = LearningSettings(dim=DIM, lr=0.01, user_lr=0.01)
+    return median_ms(lambda: step_on_device(cache, (us, at), (its, at), ex, learning), repeats)
 
 
 def ranking(directory: Path, device: torch.device, repeats: int) -> dict:

@@ -20,6 +20,7 @@ from inference.learning.outbox import GradientOutbox
 from inference.learning.pending import PendingSteps
 from inference.learning.steps import (
     LabelConfig,
+    LocalStep,
     TableSlice,
     counts_and_newest,
     device_local_steps,
@@ -64,6 +65,24 @@ class LearningSettings:
     (``PendingSteps.trim``, docs/online-learning.md): learning goes on, and a row may miss
     such a step between an update that lacks it and one that includes it."""
     labels: LabelConfig = field(default_factory=LabelConfig)
+
+
+def step_on_device(cache, users, items, ex, learning: LearningSettings) -> list[LocalStep]:
+    """A slice's step where the tables live: ``users`` and ``items`` are each (the distinct
+    slots the slice touches, each example's position among them), on the tables' device.
+    The rows are gathered and widened to float32 (float16 tables), the gradients of
+    ``ex``'s loss taken, and each table's step applied (``device_local_steps``: the one copy
+    to the host). Returns the user table's step, then the item table's."""
+    (us, ui), (its, ii) = users, items
+    user_rows, item_rows = cache.users.rows, cache.items.rows
+    u = user_rows.index_select(0, us.index_select(0, ui)).float()
+    v = item_rows.index_select(0, its.index_select(0, ii)).float()
+    gu, gv = gradients(u, v, ex, cache.to_device)
+    return device_local_steps(
+        [TableSlice(user_rows, us, ui, gu), TableSlice(item_rows, its, ii, gv)],
+        [learning.user_lr, learning.lr],
+        learning.max_grad_norm,
+    )
 
 
 class LocalLearner:
@@ -138,16 +157,8 @@ class LocalLearner:
         to_device = self.cache.to_device
         us, ui = to_device(user_slots), to_device(users[1])
         its, ii = to_device(item_slots), to_device(items[1])
-        user_rows, item_rows = self.cache.users.rows, self.cache.items.rows
-        u = user_rows.index_select(0, us.index_select(0, ui)).float()  # float16 tables: widened
-        v = item_rows.index_select(0, its.index_select(0, ii)).float()
-        gu, gv = gradients(u, v, ex, to_device)
         learning = self.learning
-        local = device_local_steps(
-            [TableSlice(user_rows, us, ui, gu), TableSlice(item_rows, its, ii, gv)],
-            [learning.user_lr, learning.lr],
-            learning.max_grad_norm,
-        )
+        local = step_on_device(self.cache, (us, ui), (its, ii), ex, learning)
         now_ms = clock.now_ms()
         for table, (distinct, index), key_slots, step in (
             (TABLE_USER, users, user_slots, local[0]),

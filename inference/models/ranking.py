@@ -17,6 +17,8 @@ any model).
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from torch import nn
@@ -189,6 +191,11 @@ def store_half(model: nn.Module) -> nn.Module:
     model.half()
     model.stores_half = True
     return model
+
+
+def half_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` holding float16 weights (``store_half``), ``model`` untouched."""
+    return store_half(copy.deepcopy(model))
 
 
 def holds_half(model: nn.Module) -> bool:

@@ -160,8 +160,8 @@ class Recommender:
         self.shown = ShownItems(round(settings.hold_shown_s * 1000), settings.hold_shown_users)
         self.sequence_of = sequence  # the user's last clicked items, newest first
         self.ranking = RankingStage(settings, cache, client, keys)
-        self.reranking = RerankStage(cache)
         """Which model scores which candidate, and what each tier costs (the ladder's input)."""
+        self.reranking = RerankStage(cache)
         self.ladder = Ladder(settings.ladder)
         self.results = ResultCache(settings.result_cache_entries, settings.result_ttl_ms)
         self.snap = Snapshot()

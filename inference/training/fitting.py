@@ -3,12 +3,13 @@ stopping on a validation split, chunked prediction, and the AUC it reports."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
+
+from inference.models.ranking import widened_call
 
 Progress = Callable[[str], None]
 
@@ -96,26 +97,11 @@ def fit_ranker(model, data, valid, cfg, rng, progress, label) -> dict:
 @torch.inference_mode()
 def predict(model, tensors: tuple[torch.Tensor, ...], chunk: int = 8192) -> np.ndarray:
     """The model's logits over input tensors, ``chunk`` rows at a time (an attention
-    ranker's sequences of a whole split would not fit in memory at once)."""
+    ranker's sequences of a whole split would not fit in memory at once); a model holding
+    float16 weights computes as it does when served (``ranking.widened_call``)."""
     n = len(tensors[0])
-    parts = [model(*(t[lo : lo + chunk] for t in tensors)) for lo in range(0, n, chunk)]
+    parts = [
+        widened_call(model, "forward", tuple(t[lo : lo + chunk] for t in tensors), {})
+        for lo in range(0, n, chunk)
+    ]
     return torch.cat(parts).numpy() if parts else np.empty(0, np.float32)
-
-
-def rounded_to_half(model: nn.Module) -> nn.Module:
-    """A float32 copy of ``model`` with its weights rounded to float16: what the model
-    computes when served with ``FRESHREC_RANKING_DTYPE=float16`` (``ranking.widened_call``),
-    for its held-out AUC.
-
-    >>> m = nn.Linear(1, 1)
-    >>> with torch.no_grad():
-    ...     _ = m.weight.fill_(1 / 3)
-    >>> w = rounded_to_half(m).weight.detach()
-    >>> float(w), w.dtype, float(m.weight.detach())
-    (0.333251953125, torch.float32, 0.3333333432674408)
-    """
-    out = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.copy_(p.half().float())
-    return out

@@ -33,14 +33,13 @@ from inference.models.attention import SEQUENCE
 from inference.models.coldstart import category_starts, known_category
 from inference.models.features import CATEGORY_BUCKETS, DENSE
 from inference.models.modelfile import save_model, save_tensors, write_manifest
-from inference.models.ranking import LightRanker, WideDeep, as_tensors
+from inference.models.ranking import LightRanker, WideDeep, as_tensors, half_copy
 from inference.models.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
 from inference.training.fitting import (
     auc,
     fit_ranker,
     optimiser_step,
     predict,
-    rounded_to_half,
     shuffled_batches,
 )
 from inference.training.logfeatures import (
@@ -423,8 +422,8 @@ def train(
         "auc_wide_deep": auc(y[test_idx], full_logits[2]),
         "auc_light": auc(y[test_idx], light_test),
         # the same models with their weights held in float16 (FRESHREC_RANKING_DTYPE)
-        "auc_wide_deep_float16": auc(y[test_idx], predict(rounded_to_half(full), t_test)),
-        "auc_light_float16": auc(y[test_idx], predict(rounded_to_half(light), t_test)),
+        "auc_wide_deep_float16": auc(y[test_idx], predict(half_copy(full), t_test)),
+        "auc_light_float16": auc(y[test_idx], predict(half_copy(light), t_test)),
         **{f"auc_{name}": got["auc"] for name, got in more.items()},
         **(
             tiered_auc(logs, test_idx, feats, y, (full_logits[2], more["pruned"], light_test))
