@@ -12,7 +12,7 @@ import numpy as np
 import redis
 
 from freshrec.errors import FreshRecError
-from freshrec.partitioner import row_partitions
+from freshrec.partitioner import FEW, row_partitions
 from freshrec.redisconn import Packed, run_packed
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import pack_fixed
@@ -49,11 +49,21 @@ def shard_ids(ids: np.ndarray, shards: int) -> list[tuple[int, np.ndarray]]:
 
     >>> [(s, p.tolist()) for s, p in shard_ids(np.array([5, 6, 5]), 1)]
     [(0, [0, 1, 2])]
+    >>> few = np.array([1, 2, 3, 1, 4]) * 1000003  # shards 1, 2, 0, 1, 0 of 3
+    >>> many = np.concatenate([few, few])
+    >>> [(s, p.tolist()) for s, p in shard_ids(few, 3)] == [
+    ...     (s, p[p < 5].tolist()) for s, p in shard_ids(many, 3) if (p < 5).any()]
+    True
     """
     ids = np.asarray(ids, np.int64)
     if shards == 1:
         return [(0, np.arange(len(ids)))] if len(ids) else []
     parts = row_partitions(ids, shards)
+    if len(ids) <= FEW:  # a few ids: grouped in Python, cheaper than numpy's sort and split
+        groups: dict[int, list[int]] = {}
+        for j, part in enumerate(parts.tolist()):
+            groups.setdefault(part, []).append(j)
+        return [(part, np.asarray(pos, np.int64)) for part, pos in sorted(groups.items())]
     order = np.argsort(parts, kind="stable")
     cuts = np.flatnonzero(np.diff(parts[order])) + 1
     return [(int(parts[pos[0]]), pos) for pos in np.split(order, cuts) if len(pos)]

@@ -107,20 +107,52 @@ def _numpy_steps(rel: np.ndarray, vecs: np.ndarray, k: int, lam) -> np.ndarray:
     unit = vecs / np.maximum(np.linalg.norm(vecs, axis=2, keepdims=True), 1e-12)
     lam = np.asarray(lam, np.float64).reshape(-1, 1) if not isinstance(lam, float | int) else lam
     keep = 1.0 - lam
-    alive = finite.copy()  # a candidate not picked yet (padding never is one)
-    base = lam * np.where(alive, rel, 0.0)
-    score = np.where(alive, base, -np.inf)
+    base = lam * np.where(finite, rel, 0.0)
+    # -inf once picked, and for padding: adding it keeps those out of every argmax
+    dead = np.where(finite, 0.0, -np.inf)
+    if b == 1:  # the common small batch: one-dimensional steps, half the operations
+        picks = _one_request_steps(base[0], dead[0], unit[0], k, float(np.ravel(keep)[0]))
+        return picks[None, :]
     rows = np.arange(b)
     out = np.empty((b, k), np.int64)
+    tops = np.empty((b, k))
+    score = base + dead
     max_sim = None
     for step in range(k):
         best = score.argmax(axis=1)  # the first of equal maxima
-        out[:, step] = np.where(score[rows, best] == -np.inf, -1, best)
-        alive[rows, best] = False
+        out[:, step] = best
+        tops[:, step] = score[rows, best]
+        dead[rows, best] = -np.inf
+        if step + 1 == k:
+            break
         sim = np.matmul(unit, unit[rows, best][:, :, None])[:, :, 0]
-        max_sim = sim if max_sim is None else np.maximum(max_sim, sim)
+        max_sim = sim if max_sim is None else np.maximum(max_sim, sim, out=max_sim)
         score = base - keep * max_sim
-        score[~alive] = -np.inf
+        score += dead
+    out[tops == -np.inf] = -1
+    return out
+
+
+def _one_request_steps(
+    base: np.ndarray, dead: np.ndarray, unit: np.ndarray, k: int, keep: float
+) -> np.ndarray:
+    """``_numpy_steps`` for one request: ``base`` (n,) its λ-weighted relevance, ``dead`` (n,)
+    -inf where there is no candidate, ``unit`` (n, d) its unit vectors."""
+    out = np.full(k, -1, np.int64)
+    score = base + dead
+    max_sim = None
+    for step in range(k):
+        best = int(score.argmax())
+        if score[best] == -np.inf:
+            break
+        out[step] = best
+        dead[best] = -np.inf
+        if step + 1 == k:
+            break
+        sim = unit @ unit[best]
+        max_sim = sim if max_sim is None else np.maximum(max_sim, sim, out=max_sim)
+        score = base - keep * max_sim
+        score += dead
     return out
 
 
