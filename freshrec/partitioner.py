@@ -124,7 +124,8 @@ def row_partitions(ids: np.ndarray, partitions: int) -> np.ndarray:
     murmur2 over two 32-bit words in uint32 numpy arithmetic (it wraps like the ``&``).
 
     >>> ids = np.array([0, 1, -1, 2**62, 123456789] * 2)
-    >>> row_partitions(ids, 7).tolist() == [kafka_partition(int(i).to_bytes(8, "little", signed=True), 7) for i in ids]
+    >>> keys = [int(i).to_bytes(8, "little", signed=True) for i in ids]  # ``row_key``
+    >>> row_partitions(ids, 7).tolist() == [kafka_partition(k, 7) for k in keys]
     True
     >>> row_partitions(ids[:3], 7).tolist() == row_partitions(ids, 7)[:3].tolist()
     True

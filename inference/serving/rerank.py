@@ -137,7 +137,8 @@ def _one_request_steps(
     base: np.ndarray, dead: np.ndarray, unit: np.ndarray, k: int, keep: float
 ) -> np.ndarray:
     """``_numpy_steps`` for one request: ``base`` (n,) its λ-weighted relevance, ``dead`` (n,)
-    -inf where there is no candidate, ``unit`` (n, d) its unit vectors."""
+    -inf where there is no candidate (each pick is marked in it, in place), ``unit`` (n, d)
+    its unit vectors, ``keep`` 1 − λ."""
     out = np.full(k, -1, np.int64)
     score = base + dead
     max_sim = None
