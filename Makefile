@@ -4,6 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
+# The suite runs on this many pytest-xdist workers, each with its own embedded broker and Redis:
+# most of a test is waiting on a broker or a child process, so two keep two cores busy.
+TEST_WORKERS ?= 2
 
 .PHONY: run test lint format clean stack-down chromium prometheus
 
@@ -16,7 +19,7 @@ run: $(STAMP)
 	$(BIN)/freshrec run $(ARGS)
 
 test: $(STAMP) chromium prometheus
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # The dashboard test renders the page in Debian's headless Chromium. Installed with apt when
 # missing and this user may (root, or sudo without a password); otherwise the test says how.

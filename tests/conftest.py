@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Kafka broker and Redis server for the whole session.
+"""Shared fixtures: a real Kafka broker and Redis server for the whole session (each
+pytest-xdist worker's session: ``make test`` runs two, each with a stack of its own).
 
 Picked in this order: ``KAFKA_BOOTSTRAP_SERVERS``/``REDIS_URL``; testcontainers when a Docker
 engine answers; the embedded stack (Tansu + Valkey from PyPI wheels). Each test gets its own

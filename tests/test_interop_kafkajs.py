@@ -7,6 +7,7 @@ whichever client sent them.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import subprocess
@@ -33,14 +34,17 @@ def _bin(name: str) -> str:
 
 
 def ensure_kafkajs() -> None:
-    if (INTEROP / "node_modules" / "kafkajs" / "package.json").exists():
-        return
-    subprocess.run(
-        [_bin("npm"), "install", "--no-audit", "--no-fund", "--loglevel=error"],
-        cwd=INTEROP,
-        check=True,
-        timeout=300,
-    )
+    """Installs kafkajs once; under a lock, since two tests on two xdist workers use it."""
+    with open(INTEROP / ".npm-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (INTEROP / "node_modules" / "kafkajs" / "package.json").exists():
+            return
+        subprocess.run(
+            [_bin("npm"), "install", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=INTEROP,
+            check=True,
+            timeout=300,
+        )
 
 
 def test_kafkajs_produces_and_consumes_events_with_the_same_partitioning(conn):
