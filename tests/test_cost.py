@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from freshrec.app.proctime import cpu_seconds
+from freshrec.app.proctime import cpu_seconds, own_cpu_seconds
 from freshrec.cost import costs, line
 
 from .conftest import wait_for
@@ -30,9 +30,13 @@ def test_cpu_time_of_a_process_includes_its_children():
         assert parent.stdout.readline().strip() == "started"
         # the child's burn shows in the tree's time (polled, with a deadline)
         wait_for(lambda: (cpu_seconds(parent.pid) or 0.0) >= 0.5, 30, 0.05, what="0.5 CPU-s")
+        # the parent alone did not burn it (the flood drill's counting process, say)
+        own = own_cpu_seconds(parent.pid)
+        assert own is not None and own < 0.4, own
     finally:
         parent.communicate("\n", timeout=30)
     assert cpu_seconds(parent.pid) is None  # gone
+    assert own_cpu_seconds(parent.pid) is None
 
 
 def test_cost_per_thousand_is_cpu_over_count_and_none_without_traffic():

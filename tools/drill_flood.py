@@ -6,7 +6,11 @@ broker and Redis (``tools/drill_faults.py``'s pipeline), then produces valid cli
 ``--new-items`` (else one of the last thousand named) and a new user id with probability
 ``--new-users`` (else a recent one, so users click several items and make co-visitation
 pairs). Every ``--every`` seconds it samples each service's resident memory (the process and
-its children, from ``/proc``) and Redis's ``used_memory``.
+its children, from ``/proc``) and Redis's ``used_memory``; and, so that a level is read as a
+plateau only while the services keep up, the events delivered to the broker, validated and
+counted by the streams app and read by the worker, the share of each interval the streams
+stages spent in batches, and the CPU of each service, of the streams app's counting process
+and of the embedded broker (with its resident memory: it keeps every record).
 
 The services run with every bound this flood meets set low, so that they bind within the
 drill (``BOUNDS``): the streams app's items per partition, the worker's item table, user
@@ -14,6 +18,10 @@ rows, the rows both let go to host RAM, and users whose recent and consumed item
 TTL bounds (rows and recent clicks in Redis, rows in the parameter server's memory). A bound
 that holds shows as a plateau: the report gives each series' level at a third, two thirds and
 the end of the flood, and its growth over the last third against its level.
+
+The services wait 100-500 ms in their fetches (``KAFKA_PROFILES``; ``--kafka-profile local``
+for the local defaults, under which the embedded broker leaves a consumer that falls behind
+without answers).
 
     .venv/bin/python -m tools.drill_flood [--rate 2000] [--duration 240] [--every 5]
 
@@ -34,7 +42,7 @@ from pathlib import Path
 import orjson
 import redis as redis_lib
 
-from freshrec.app.proctime import rss_bytes
+from freshrec.app.proctime import cpu_seconds, own_cpu_seconds, rss_bytes
 from freshrec.kafka import produce
 from freshrec.sim.pacing import Pacer
 from freshrec.sim.produce import DeliveryCounter, events_producer
@@ -56,7 +64,29 @@ BOUNDS = {
 }
 """Each bound the flood meets, set so that it binds within a few minutes."""
 
+PRODUCTION = {"FRESHREC_KAFKA_PROFILE": "production", "FRESHREC_KAFKA_SESSION_TIMEOUT_MS": "6000"}
+KAFKA_PROFILES = {
+    "drill": {
+        **PRODUCTION,
+        "FRESHREC_WORKER_FETCH_WAIT_MS": "500",
+        "FRESHREC_STREAMS_FETCH_WAIT_MS": "500",
+    },
+    "production": PRODUCTION,
+    "local": {"FRESHREC_KAFKA_PROFILE": "local"},
+}
+"""The services' Kafka client timings (``--kafka-profile``). On the embedded broker a consumer
+whose fetch wait is shorter than the broker's walk of a partition full of small batches gets
+empty answers once it falls behind, and stays behind (docs/operations.md, "The embedded
+broker"); the drill would then measure idle services. At the ``local`` profile's 10-20 ms the
+worker stopped learning about 140 s into a flood of 2,000 events/s; at ``production``'s
+100 ms it kept up to about 500 s. ``drill`` (the default) adds 500 ms waits for the worker's
+and the counting stage's consumers, which read the most: a flood has no requests whose
+latency a long wait would cost. The session timeout stays at 6 s, as this broker needs for
+a quick group join."""
+
 SERVICES = ("streams", "param-server", "worker")
+STAGES = ("validate", "count", "publish")
+"""The streams app's stages whose busy time is sampled (seconds spent in batches)."""
 
 
 class Flood:
@@ -107,6 +137,21 @@ class Flood:
         producer.flush(30)
 
 
+def share(samples: list[tuple[float, float]]) -> float:
+    """The last sampling interval's growth of a series of cumulative seconds, per second of
+    the interval (0 before two samples): the share of it a stage spent in batches, or a
+    process on a CPU. Near 100% a stage is the bottleneck; low while its input waits, not.
+
+    >>> share([(0.0, 1.0), (10.0, 4.0), (30.0, 5.0)])
+    0.05
+    >>> share([(0.0, 1.0)])
+    0.0
+    """
+    if len(samples) < 2 or samples[-1][0] <= samples[-2][0]:
+        return 0.0
+    return (samples[-1][1] - samples[-2][1]) / (samples[-1][0] - samples[-2][0])
+
+
 def plateau(samples: list[tuple[float, float]]) -> dict:
     """A series' level at a third, two thirds and the end, and its growth over the last
     third as a share of its level there."""
@@ -121,11 +166,19 @@ def plateau(samples: list[tuple[float, float]]) -> dict:
     }
 
 
-def run(rate: float, duration_s: float, every_s: float, new_items: float, new_users: float):
+def run(
+    rate: float,
+    duration_s: float,
+    every_s: float,
+    new_items: float,
+    new_users: float,
+    kafka_profile: str = "drill",
+):
     models = train_models(Path(tempfile.mkdtemp(prefix="freshrec-flood-models-")))
     workdir = Path(tempfile.mkdtemp(prefix="freshrec-flood-"))
     pipe = Pipeline(workdir, models, message_timeout_ms=0)
     pipe.env.update(BOUNDS)
+    pipe.env.update(KAFKA_PROFILES[kafka_profile])
     try:
         for name in SERVICES:
             pipe.start(name, name)
@@ -134,6 +187,16 @@ def run(rate: float, duration_s: float, every_s: float, new_items: float, new_us
         flood = Flood(pipe, rate, new_items, new_users)
         series: dict[str, list[tuple[float, float]]] = {s: [] for s in (*SERVICES, "redis")}
         counted: list[tuple[float, float]] = []
+        validated: list[tuple[float, float]] = []
+        delivered: list[tuple[float, float]] = []  # on the broker (the flood's acks)
+        learnt: list[tuple[float, float]] = []  # read by the worker
+        busy: dict[str, list[tuple[float, float]]] = {stage: [] for stage in STAGES}
+        # CPU seconds of each service's processes, and of the streams app's counting
+        # process alone (its validate stage is a child process)
+        cpu: dict[str, list[tuple[float, float]]] = {
+            k: [] for k in (*SERVICES, "counting", "broker")
+        }
+        broker: list[tuple[float, float]] = []  # the embedded broker's RSS: it keeps every record
         start = time.monotonic()
         flood.thread.start()
         while (t := time.monotonic() - start) < duration_s:
@@ -141,9 +204,31 @@ def run(rate: float, duration_s: float, every_s: float, new_items: float, new_us
                 series[name].append((t, rss_bytes(pipe.procs[name].pid)))
             series["redis"].append((t, float(store.info("memory")["used_memory"])))
             counted.append((t, pipe.metric("streams", "freshrec_streams_counted_events_total")))
+            delivered.append((t, flood.counter.delivered))
+            validated.append(
+                (t, pipe.metric("streams", "freshrec_streams_events_total", outcome="valid"))
+            )
+            learnt.append(
+                (t, pipe.metric("worker", "freshrec_worker_events_total", outcome="valid"))
+            )
+            for name in SERVICES:
+                cpu[name].append((t, cpu_seconds(pipe.procs[name].pid) or 0.0))
+            cpu["counting"].append((t, own_cpu_seconds(pipe.procs["streams"].pid) or 0.0))
+            cpu["broker"].append((t, own_cpu_seconds(pipe.kafka_pid) or 0.0))
+            broker.append((t, rss_bytes(pipe.kafka_pid)))
+            for stage in STAGES:
+                seconds = pipe.metric("streams", "freshrec_streams_batch_seconds_sum", stage=stage)
+                busy[stage].append((t, seconds))
             print(
-                f"  {t:5.0f} s  events {flood.sent:,}  "
-                + "  ".join(f"{k} {v[-1][1] / 2**20:,.0f} MiB" for k, v in series.items()),
+                f"  {t:5.0f} s  events {flood.sent:,} delivered {delivered[-1][1]:,} "
+                f"validated {validated[-1][1]:,.0f} counted {counted[-1][1]:,.0f} "
+                f"learnt {learnt[-1][1]:,.0f}  "
+                + "  ".join(f"{k} {v[-1][1] / 2**20:,.0f} MiB" for k, v in series.items())
+                + f"  broker {broker[-1][1] / 2**20:,.0f} MiB"
+                + "  busy "
+                + " ".join(f"{k} {share(v):.0%}" for k, v in busy.items())
+                + "  cpu "
+                + " ".join(f"{k} {share(v):.0%}" for k, v in cpu.items()),
                 flush=True,
             )
             time.sleep(every_s)
@@ -167,9 +252,29 @@ def run(rate: float, duration_s: float, every_s: float, new_items: float, new_us
             "plateau": {k: plateau(v) for k, v in series.items()},
             "series": {k: [[round(t, 1), int(v)] for t, v in s] for k, s in series.items()},
             "counted_series": [[round(t, 1), int(v)] for t, v in counted],
+            "broker_rss_series": [[round(t, 1), int(v)] for t, v in broker],
+            "delivered_series": [[round(t, 1), int(v)] for t, v in delivered],
+            "validated_series": [[round(t, 1), int(v)] for t, v in validated],
+            "learnt_series": [[round(t, 1), int(v)] for t, v in learnt],
+            "stage_seconds_series": {
+                k: [[round(t, 1), round(v, 3)] for t, v in s] for k, s in busy.items()
+            },
+            "cpu_seconds_series": {
+                k: [[round(t, 1), round(v, 2)] for t, v in s] for k, s in cpu.items()
+            },
         }
     finally:
         pipe.close()
+
+
+READ_SERIES = {
+    "delivered_series": "delivered to the broker",
+    "validated_series": "validated (streams)",
+    "counted_series": "counted (streams)",
+    "learnt_series": "read by the worker",
+}
+"""What each stage has read, plotted under the memory: a level is a plateau under load only
+while these keep up with the events delivered."""
 
 
 def plot(result: dict, path: Path) -> None:
@@ -178,10 +283,12 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    read = {label: result[k] for k, label in READ_SERIES.items() if result.get(k)}
+    rows = 2 if read else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(8, 4.5 * rows), sharex=True, squeeze=False)
+    ax = axes[0][0]
     for name, points in result["series"].items():
         ax.plot([t for t, _ in points], [v / 2**20 for _, v in points], label=name)
-    ax.set_xlabel("seconds of flood")
     ax.set_ylabel("resident memory, MiB (Redis: used_memory)")
     ax.set_title(
         f"{result['events']['sent']:,} events naming new ids "
@@ -189,6 +296,14 @@ def plot(result: dict, path: Path) -> None:
     )
     ax.legend()
     ax.grid(alpha=0.3)
+    if read:
+        below = axes[1][0]
+        for label, points in read.items():
+            below.plot([t for t, _ in points], [v / 1e6 for _, v in points], label=label)
+        below.set_ylabel("events, millions")
+        below.legend()
+        below.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("seconds of flood")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -201,10 +316,18 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--new-items", type=float, default=0.8, help="share of events, new item")
     ap.add_argument("--new-users", type=float, default=0.5, help="share of events, new user")
+    ap.add_argument(
+        "--kafka-profile",
+        choices=sorted(KAFKA_PROFILES),
+        default="drill",
+        help="the services' Kafka client timings (KAFKA_PROFILES; drill: 100-500 ms waits)",
+    )
     ap.add_argument("--out", type=Path, default=Path("artifacts"))
     ap.add_argument("--plot", type=Path, default=Path("docs/drill_flood.png"))
     args = ap.parse_args()
-    result = run(args.rate, args.duration, args.every, args.new_items, args.new_users)
+    result = run(
+        args.rate, args.duration, args.every, args.new_items, args.new_users, args.kafka_profile
+    )
     result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result["bounds"] = BOUNDS
     plot(result, args.plot)

@@ -54,6 +54,13 @@ def cpu_seconds(pid: int) -> float | None:
     return sum(used.get(p, 0.0) for p in descendants(pid, parents))
 
 
+def own_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used so far by ``pid`` alone, not its descendants (the streams app's
+    counting process without its validate child); None where it is not running."""
+    st = _stat(pid)
+    return None if st is None else st[1]
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of ``pid`` and every live descendant (0 where /proc is not there)."""
     total = 0
