@@ -44,6 +44,7 @@ import redis as redis_lib
 
 from freshrec.app.proctime import cpu_seconds, own_cpu_seconds, rss_bytes
 from freshrec.kafka import produce
+from freshrec.promtext import scrape_port, total
 from freshrec.sim.pacing import Pacer
 from freshrec.sim.produce import DeliveryCounter, events_producer
 from freshrec.topics import TopicNames
@@ -137,6 +138,21 @@ class Flood:
         producer.flush(30)
 
 
+READ_SERIES = {
+    "delivered": "delivered to the broker",
+    "validated": "validated (streams)",
+    "counted": "counted (streams)",
+    "learnt": "read by the worker",
+}
+"""What each stage has read (saved as ``{key}_series``), plotted under the memory: a level is
+a plateau under load only while these keep up with the events delivered."""
+
+
+def points(samples: list[tuple[float, float]], digits: int | None = None) -> list[list]:
+    """A series as saved: seconds to 0.1, values whole (or to ``digits``)."""
+    return [[round(t, 1), int(v) if digits is None else round(v, digits)] for t, v in samples]
+
+
 def share(samples: list[tuple[float, float]]) -> float:
     """The last sampling interval's growth of a series of cumulative seconds, per second of
     the interval (0 before two samples): the share of it a stage spent in batches, or a
@@ -186,10 +202,9 @@ def run(
         store = redis_lib.Redis.from_url(pipe.redis.url)
         flood = Flood(pipe, rate, new_items, new_users)
         series: dict[str, list[tuple[float, float]]] = {s: [] for s in (*SERVICES, "redis")}
-        counted: list[tuple[float, float]] = []
-        validated: list[tuple[float, float]] = []
-        delivered: list[tuple[float, float]] = []  # on the broker (the flood's acks)
-        learnt: list[tuple[float, float]] = []  # read by the worker
+        # what each stage has read: delivered to the broker (the flood's acks), validated
+        # and counted by the streams app, read by the worker
+        read: dict[str, list[tuple[float, float]]] = {k: [] for k in READ_SERIES}
         busy: dict[str, list[tuple[float, float]]] = {stage: [] for stage in STAGES}
         # CPU seconds of each service's processes, and of the streams app's counting
         # process alone (its validate stage is a child process)
@@ -203,26 +218,27 @@ def run(
             for name in SERVICES:
                 series[name].append((t, rss_bytes(pipe.procs[name].pid)))
             series["redis"].append((t, float(store.info("memory")["used_memory"])))
-            counted.append((t, pipe.metric("streams", "freshrec_streams_counted_events_total")))
-            delivered.append((t, flood.counter.delivered))
-            validated.append(
-                (t, pipe.metric("streams", "freshrec_streams_events_total", outcome="valid"))
-            )
-            learnt.append(
-                (t, pipe.metric("worker", "freshrec_worker_events_total", outcome="valid"))
-            )
+            streams = scrape_port(pipe.ports["streams"])  # once a sample: the metrics below
+            worker = scrape_port(pipe.ports["worker"])
+            for key, value in (
+                ("delivered", flood.counter.delivered),
+                ("validated", total(streams, "freshrec_streams_events_total", outcome="valid")),
+                ("counted", total(streams, "freshrec_streams_counted_events_total")),
+                ("learnt", total(worker, "freshrec_worker_events_total", outcome="valid")),
+            ):
+                read[key].append((t, value))
             for name in SERVICES:
                 cpu[name].append((t, cpu_seconds(pipe.procs[name].pid) or 0.0))
             cpu["counting"].append((t, own_cpu_seconds(pipe.procs["streams"].pid) or 0.0))
             cpu["broker"].append((t, own_cpu_seconds(pipe.kafka_pid) or 0.0))
             broker.append((t, rss_bytes(pipe.kafka_pid)))
             for stage in STAGES:
-                seconds = pipe.metric("streams", "freshrec_streams_batch_seconds_sum", stage=stage)
+                seconds = total(streams, "freshrec_streams_batch_seconds_sum", stage=stage)
                 busy[stage].append((t, seconds))
             print(
-                f"  {t:5.0f} s  events {flood.sent:,} delivered {delivered[-1][1]:,} "
-                f"validated {validated[-1][1]:,.0f} counted {counted[-1][1]:,.0f} "
-                f"learnt {learnt[-1][1]:,.0f}  "
+                f"  {t:5.0f} s  events {flood.sent:,} "
+                + " ".join(f"{k} {v[-1][1]:,.0f}" for k, v in read.items())
+                + "  "
                 + "  ".join(f"{k} {v[-1][1] / 2**20:,.0f} MiB" for k, v in series.items())
                 + f"  broker {broker[-1][1] / 2**20:,.0f} MiB"
                 + "  busy "
@@ -243,38 +259,21 @@ def run(
                 "sent": flood.sent,
                 "delivered": flood.counter.delivered,
                 "failed": flood.counter.failed,
-                "counted": counted[-1][1] if counted else 0,
+                "counted": read["counted"][-1][1] if read["counted"] else 0,
             },
             "streams_items_held": pipe.metric("streams", "freshrec_streams_items"),
             "streams_items_evicted": evicted,
             "worker_rows_evicted": pipe.metric("worker", "freshrec_cache_rows_evicted_total"),
             "alive": pipe.alive(),
             "plateau": {k: plateau(v) for k, v in series.items()},
-            "series": {k: [[round(t, 1), int(v)] for t, v in s] for k, s in series.items()},
-            "counted_series": [[round(t, 1), int(v)] for t, v in counted],
-            "broker_rss_series": [[round(t, 1), int(v)] for t, v in broker],
-            "delivered_series": [[round(t, 1), int(v)] for t, v in delivered],
-            "validated_series": [[round(t, 1), int(v)] for t, v in validated],
-            "learnt_series": [[round(t, 1), int(v)] for t, v in learnt],
-            "stage_seconds_series": {
-                k: [[round(t, 1), round(v, 3)] for t, v in s] for k, s in busy.items()
-            },
-            "cpu_seconds_series": {
-                k: [[round(t, 1), round(v, 2)] for t, v in s] for k, s in cpu.items()
-            },
+            "series": {k: points(s) for k, s in series.items()},
+            "broker_rss_series": points(broker),
+            **{f"{k}_series": points(s) for k, s in read.items()},
+            "stage_seconds_series": {k: points(s, 3) for k, s in busy.items()},
+            "cpu_seconds_series": {k: points(s, 2) for k, s in cpu.items()},
         }
     finally:
         pipe.close()
-
-
-READ_SERIES = {
-    "delivered_series": "delivered to the broker",
-    "validated_series": "validated (streams)",
-    "counted_series": "counted (streams)",
-    "learnt_series": "read by the worker",
-}
-"""What each stage has read, plotted under the memory: a level is a plateau under load only
-while these keep up with the events delivered."""
 
 
 def plot(result: dict, path: Path) -> None:
@@ -283,7 +282,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    read = {label: result[k] for k, label in READ_SERIES.items() if result.get(k)}
+    read = {
+        label: result[f"{k}_series"]
+        for k, label in READ_SERIES.items()
+        if result.get(f"{k}_series")
+    }
     rows = 2 if read else 1
     fig, axes = plt.subplots(rows, 1, figsize=(8, 4.5 * rows), sharex=True, squeeze=False)
     ax = axes[0][0]
