@@ -136,6 +136,16 @@ HOT_LIST_PUBLISHES = Counter("freshrec_hot_list_publishes_total", "Hot lists pub
 STREAMS_ITEMS = Gauge(
     "freshrec_streams_items", "Items whose counts this instance holds (all its partitions)"
 )
+STREAMS_COVISIT_NEIGHBOURS = Gauge(
+    "freshrec_streams_covisit_neighbours",
+    "Co-visitation neighbours this instance counts (all its anchors and partitions; at most "
+    "its items × FRESHREC_COVISIT_CANDIDATES, and FRESHREC_COVISIT_MAX_NEIGHBOURS a partition)",
+)
+STREAMS_COVISIT_TRIMMED = Counter(
+    "freshrec_streams_covisit_trimmed_total",
+    "Co-visitation neighbours cut from the longest rows of a partition past "
+    "FRESHREC_COVISIT_MAX_NEIGHBOURS",
+)
 STREAMS_EVICTED = Counter(
     "freshrec_streams_items_evicted_total",
     "Items whose counts left the streams state: idle (decayed below "

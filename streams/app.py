@@ -292,7 +292,11 @@ class StreamsApp:
                 for _, state in states:
                     for reason, n in state.take_evictions().items():
                         m.STREAMS_EVICTED.labels(reason).inc(n)
+                    m.STREAMS_COVISIT_TRIMMED.inc(state.take_trimmed())
                 m.STREAMS_ITEMS.set(sum(s.n_items for s in self.states.values()))
+                m.STREAMS_COVISIT_NEIGHBOURS.set(
+                    sum(s.covisit.entries for s in self.states.values())
+                )
 
     def _apply_prices(self) -> None:
         """Prices from the catalogue stage (another thread) into the partitions' states."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import orjson
 
 from freshrec.neighbours import MAX_PAIRS, PAIR_WINDOW, PAIR_WINDOW_MS, UserWindows
@@ -73,6 +74,9 @@ class CoVisitCounts:
         """Per anchor, the newest event time among its pairs (freshness of its list)."""
         self.dropped: set[str] = set()
         """Anchors dropped since their state was last persisted (``drop``)."""
+        self.entries = 0
+        """Neighbours held over all anchors (what this state's memory grows with: at most
+        anchors × ``candidates``)."""
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -89,9 +93,14 @@ class CoVisitCounts:
             row = counts.get(a)
             if row is None:
                 row = counts[a] = {}
-            row[b] = row.get(b, 0.0) + w
-            if len(row) > cap:
-                self._prune(row)
+            held = row.get(b)
+            if held is None:
+                row[b] = w
+                self.entries += 1
+                if len(row) > cap:
+                    self._prune(row)
+            else:
+                row[b] = held + w
         self.dirty.update(anchors)
         self.published.update(anchors)
         if ts_ms is not None:
@@ -103,8 +112,45 @@ class CoVisitCounts:
     def _prune(self, row: dict[str, float]) -> None:
         """The weakest quarter leaves (ties: by name, so every replay prunes alike)."""
         keep = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[: self.candidates * 3 // 4]
+        self.entries -= len(row) - len(keep)
         row.clear()
         row.update(keep)
+
+    def trim(self, budget: int) -> int:
+        """Past ``budget`` neighbours over all anchors, cut the longest rows to one quota, the
+        largest that brings the total to nine tenths of the budget (not below one a row),
+        each keeping its strongest (ties by name, as ``_prune``). The anchors clicked with
+        the most others lose their weakest pairs first; a quiet anchor keeps its few.
+        Returns how many neighbours left.
+
+        >>> c = CoVisitCounts(candidates=200)
+        >>> c.add(["a"] * 5 + ["b"] * 2, ["x", "y", "z", "v", "w", "x", "y"], [5, 4, 3, 2, 1, 1, 1])
+        >>> c.trim(4), sorted(c.counts["a"]), sorted(c.counts["b"]), c.entries
+        (5, ['x'], ['x'], 2)
+        >>> c.trim(4)
+        0
+        """
+        if self.entries <= budget:
+            return 0
+        target = max(1, budget * 9 // 10)
+        lengths = np.fromiter((len(r) for r in self.counts.values()), np.int64, len(self.counts))
+        lo, hi = 1, int(lengths.max())  # the largest quota whose total is within the target
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int(np.minimum(lengths, mid).sum()) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        before = self.entries
+        for anchor, row in self.counts.items():
+            if len(row) > lo:
+                keep = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:lo]
+                self.entries -= len(row) - lo
+                row.clear()
+                row.update(keep)
+                self.dirty.add(anchor)
+                self.published.add(anchor)
+        return before - self.entries
 
     def rescale(self, factor: float) -> None:
         """The landmark moved: every stored count scaled as the item counts are."""
@@ -124,7 +170,9 @@ class CoVisitCounts:
     def drop(self, anchors: Sequence[str]) -> None:
         """Forget anchors (their item left the partition's state)."""
         for a in anchors:
-            if self.counts.pop(a, None) is not None:
+            row = self.counts.pop(a, None)
+            if row is not None:
+                self.entries -= len(row)
                 self.dropped.add(a)
             self.newest_ms.pop(a, None)
             self.dirty.discard(a)
@@ -153,7 +201,9 @@ class CoVisitCounts:
     def restore(self, rows: dict[str, bytes]) -> None:
         for anchor, raw in rows.items():
             names, values, newest = orjson.loads(raw)
+            self.entries -= len(self.counts.get(anchor, ()))
             self.counts[anchor] = dict(zip(names, values, strict=True))
+            self.entries += len(self.counts[anchor])
             self.newest_ms[anchor] = int(newest)
         self.dirty.clear()
         self.published = set(self.counts)  # lists are written after the state: again

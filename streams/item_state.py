@@ -78,6 +78,10 @@ class StateConfig:
     price_cap: float = 1000.0
     covisit_candidates: int = 200
     """Co-visitation neighbours counted per anchor at most (``covisit.py``)."""
+    covisit_max_neighbours: int = 5_000_000
+    """Co-visitation neighbours one partition holds over all its anchors at most: past it
+    the longest rows are cut (``CoVisitCounts.trim``), so that memory is bounded by this,
+    not by ``max_items`` × ``covisit_candidates``."""
     evict_below: float = 0.01
     """An item whose decayed impressions, clicks and conversions add up to less than this at
     the partition's event time leaves the state (and its rows and features leave Redis): it
@@ -133,6 +137,8 @@ class ItemPartitionState:
         """Items evicted since the last flush (their Redis fields still to delete)."""
         self.evictions = {"idle": 0, "cap": 0}
         """Items evicted since ``take_evictions``, by reason."""
+        self.trimmed = 0
+        """Co-visitation neighbours cut past the budget since ``take_trimmed``."""
         self._swept_ms = 0
         self.persisted: dict[str, str | None] = {"applied": None, "covisit_applied": None}
         """The offsets fields of the last snapshot Redis acknowledged (or restored), as
@@ -439,6 +445,7 @@ class ItemPartitionState:
     def begin_flush(self) -> Flush:
         """Sweep, then take everything a persist writes (``Flush``)."""
         self.sweep()
+        self.trimmed += self.covisit.trim(self.config.covisit_max_neighbours)
         evicted, self.evicted = self.evicted, []
         slots, anchors = self.take_touched(), self.covisit.take_dirty()
         return Flush(slots, anchors, evicted, self.covisit.take_dropped())
@@ -460,6 +467,11 @@ class ItemPartitionState:
     def take_evictions(self) -> dict[str, int]:
         out = dict(self.evictions)
         self.evictions = dict.fromkeys(out, 0)
+        return out
+
+    def take_trimmed(self) -> int:
+        """Co-visitation neighbours cut past the budget since the last call."""
+        out, self.trimmed = self.trimmed, 0
         return out
 
     def sweep(self) -> int:

@@ -70,6 +70,9 @@ class StreamsSettings:
             smoothing=Smoothing(),
             price_cap=env_float(env, "FRESHREC_PRICE_CAP", 1000.0, positive=True),
             covisit_candidates=env_int(env, "FRESHREC_COVISIT_CANDIDATES", 200, minimum=4),
+            covisit_max_neighbours=env_int(
+                env, "FRESHREC_COVISIT_MAX_NEIGHBOURS", 5_000_000, minimum=1
+            ),
             evict_below=env_float(env, "FRESHREC_STREAMS_EVICT_BELOW", 0.01, minimum=0.0),
             max_items=env_int(env, "FRESHREC_STREAMS_MAX_ITEMS", 500_000, minimum=10),
         )

@@ -596,14 +596,21 @@ def test_co_visitation_memory_is_bounded_and_pruning_is_deterministic():
     for c in counts:
         for j in range(200):
             c.add(["a"], [f"b{j % 37}"], [1.0 + (j % 5)])
+        c.add(["z"], ["b0"], [1.0])
     assert len(counts[0].counts["a"]) <= 8
     assert counts[0].counts == counts[1].counts
+    # what the gauge of neighbours held reads: every entry, through adds and prunes
+    assert counts[0].entries == len(counts[0].counts["a"]) + 1
     blob = counts[0].blob("a")
     again = CoVisitCounts(candidates=8)
     again.restore({"a": blob})
-    assert again.counts == counts[0].counts and again.published == {"a"}
+    again.restore({"a": blob})  # restored twice: counted once
+    assert again.counts == {"a": counts[0].counts["a"]} and again.published == {"a"}
+    assert again.entries == len(again.counts["a"])
     again.rescale(0.5)
     assert again.counts["a"] == {b: v / 2 for b, v in counts[0].counts["a"].items()}
+    counts[0].drop(["a", "nobody"])
+    assert counts[0].entries == 1
 
 
 # ------------------------------------------------------------------------------ eviction
@@ -652,6 +659,26 @@ def test_an_evicted_anchor_takes_its_co_visitation_counts_with_it():
     assert s.item_ids == ["b"] and set(s.covisit.counts) == {"b"}
     # "a" was counted and evicted; "ghost" never had counted clicks of its own
     assert flush.evicted == ["a"] and flush.dropped == ["a", "ghost"]
+
+
+def test_past_the_neighbour_budget_the_longest_rows_lose_their_weakest_pairs():
+    """A partition's co-visitation neighbours over all anchors stay within
+    covisit_max_neighbours: each flush past it cuts the longest rows to one quota, keeping
+    each row's strongest pairs, and writes the cut rows again."""
+    s = make_state(covisit_max_neighbours=10)
+    s.apply([(0, o, a, CLICK, T0, None, 0) for o, a in enumerate(["a", "b", "c"])])
+    # a is clicked with eight others (n1 strongest), b with three, c with one
+    names = [f"n{j}" for j in range(1, 9)]
+    s.apply_pairs(["a"] * 8, names, [0] * 8, list(range(10, 18)), [T0] * 8)
+    s.apply_pairs(["a"] * 3, ["n1", "n2", "n3"], [0] * 3, [20, 21, 22], [T0] * 3)
+    s.apply_pairs(["b"] * 3 + ["c"], ["x", "y", "z", "w"], [0] * 4, [30, 31, 32, 33], [T0] * 4)
+    assert s.covisit.entries == 12
+    flush = s.begin_flush()
+    # to nine tenths of 10: a quota of 5 a row makes 5 + 3 + 1 = 9; 6 would make 10
+    assert s.covisit.entries == 9 and s.take_trimmed() == 3
+    assert set(s.covisit.counts["a"]) == {"n1", "n2", "n3", "n4", "n5"}
+    assert set(s.covisit.counts["c"]) == {"w"} and "a" in flush.anchors
+    assert s.begin_flush().anchors == [] and s.take_trimmed() == 0  # within budget: as is
 
 
 def test_a_flush_that_failed_is_given_back_whole():
