@@ -14,10 +14,14 @@ and of the embedded broker (with its resident memory: it keeps every record).
 
 The services run with every bound this flood meets set low, so that they bind within the
 drill (``BOUNDS``): the streams app's items per partition, the worker's item table, user
-rows, the rows both let go to host RAM, and users whose recent and consumed items it remembers, the dedupe windows, the co-visitation users, and a row TTL of a minute for what only a
-TTL bounds (rows and recent clicks in Redis, rows in the parameter server's memory). A bound
-that holds shows as a plateau: the report gives each series' level at a third, two thirds and
-the end of the flood, and its growth over the last third against its level.
+rows, the rows both let go to host RAM, and users whose recent and consumed items it
+remembers, the dedupe windows, the co-visitation users and the neighbours counted over a
+partition's anchors, and a row TTL of a minute for what only a TTL bounds (rows and recent
+clicks in Redis, rows in the parameter server's memory). A bound that holds shows as a
+plateau: the report gives each series' level at a third, two thirds and the end of the
+flood, and its growth over the last third against its level. Every ``--redis-every``
+seconds it also takes what Redis holds by key family (keys, fields or entries, and bytes by
+``MEMORY USAGE``), so that a growing ``used_memory`` can be traced to what grows.
 
 The services wait 100-500 ms in their fetches (``KAFKA_PROFILES``; ``--kafka-profile local``
 for the local defaults, under which the embedded broker leaves a consumer that falls behind
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import tempfile
 import threading
 import time
@@ -61,6 +66,7 @@ BOUNDS = {
     "FRESHREC_SEEN_USERS": "20000",
     "FRESHREC_DEDUPE_WINDOW": "20000",
     "FRESHREC_COVISIT_USERS": "20000",
+    "FRESHREC_COVISIT_MAX_NEIGHBOURS": "10000",
     "FRESHREC_ROW_TTL_S": "60",
 }
 """Each bound the flood meets, set so that it binds within a few minutes."""
@@ -168,6 +174,63 @@ def share(samples: list[tuple[float, float]]) -> float:
     return (samples[-1][1] - samples[-2][1]) / (samples[-1][0] - samples[-2][0])
 
 
+ID_FAMILIES = ("user:recent:", "req:answered:", "req:variant:")
+"""Key families with one key per id: their keys are counted together."""
+TAG = re.compile(r"\{[sg]\d+\}")
+
+
+def family(key: str) -> str:
+    """The family of a FreshRec key: its partition's hash tag and any trailing id as ``*``.
+
+    >>> family("emb:item:{g3}"), family("streams:{s5}:rows"), family("user:recent:u42")
+    ('emb:item:{*}', 'streams:{*}:rows', 'user:recent:*')
+    """
+    for head in ID_FAMILIES:
+        if key.startswith(head):
+            return head + "*"
+    return TAG.sub("{*}", key)
+
+
+LENGTH = {b"hash": "HLEN", b"list": "LLEN", b"set": "SCARD", b"zset": "ZCARD"}
+
+
+def redis_families(store) -> dict:
+    """What Redis holds, by key family: keys, elements (fields, list entries, members) and
+    bytes (``MEMORY USAGE``, exact); with ``INFO``'s split of used memory into dataset and
+    overhead and its counts of keys, keys with a TTL and expired keys."""
+    keys = list(store.scan_iter(count=1000))
+    pipe = store.pipeline(transaction=False)
+    for key in keys:
+        pipe.type(key)
+        pipe.memory_usage(key, samples=0)
+    answers = pipe.execute()
+    pipe = store.pipeline(transaction=False)
+    for key, kind in zip(keys, answers[0::2], strict=True):
+        # a key gone since the scan is of type none: STRLEN answers 0
+        pipe.execute_command(LENGTH.get(kind, "STRLEN"), key)
+    lengths = pipe.execute()
+    out: dict[str, dict] = {}
+    for key, size, length in zip(keys, answers[1::2], lengths, strict=True):
+        f = out.setdefault(family(key.decode(errors="replace")), [0, 0, 0])
+        f[0] += 1
+        f[1] += length or 0
+        f[2] += size or 0
+    memory, stats, space = store.info("memory"), store.info("stats"), store.info("keyspace")
+    db = space.get("db0", {})
+    return {
+        "families": {
+            k: {"keys": v[0], "elements": v[1], "bytes": v[2]} for k, v in sorted(out.items())
+        },
+        "used_memory": memory["used_memory"],
+        "dataset": memory["used_memory_dataset"],
+        "overhead": memory["used_memory_overhead"],
+        "keys": db.get("keys", 0),
+        "keys_with_ttl": db.get("expires", 0),
+        "expired_keys": stats.get("expired_keys", 0),
+        **{k: v for k, v in stats.items() if "expired" in k and "field" in k},
+    }
+
+
 def plateau(samples: list[tuple[float, float]]) -> dict:
     """A series' level at a third, two thirds and the end, and its growth over the last
     third as a share of its level there."""
@@ -189,6 +252,7 @@ def run(
     new_items: float,
     new_users: float,
     kafka_profile: str = "drill",
+    redis_every_s: float = 300.0,
 ):
     models = train_models(Path(tempfile.mkdtemp(prefix="freshrec-flood-models-")))
     workdir = Path(tempfile.mkdtemp(prefix="freshrec-flood-"))
@@ -201,7 +265,11 @@ def run(
         pipe.wait_assigned(list(SERVICES))
         store = redis_lib.Redis.from_url(pipe.redis.url)
         flood = Flood(pipe, rate, new_items, new_users)
-        series: dict[str, list[tuple[float, float]]] = {s: [] for s in (*SERVICES, "redis")}
+        # each service's resident memory, the streams app's counting process alone too (the
+        # rest of it is its validate process), and Redis's used_memory
+        series: dict[str, list[tuple[float, float]]] = {
+            s: [] for s in (*SERVICES, "streams-counting", "redis")
+        }
         # what each stage has read: delivered to the broker (the flood's acks), validated
         # and counted by the streams app, read by the worker
         read: dict[str, list[tuple[float, float]]] = {k: [] for k in READ_SERIES}
@@ -212,11 +280,15 @@ def run(
             k: [] for k in (*SERVICES, "counting", "broker")
         }
         broker: list[tuple[float, float]] = []  # the embedded broker's RSS: it keeps every record
+        held: list[tuple[float, dict]] = []  # what Redis holds by key family, now and then
+        # what the streams app holds: items and co-visitation neighbours (all partitions)
+        entries: dict[str, list[tuple[float, float]]] = {"items": [], "neighbours": []}
         start = time.monotonic()
         flood.thread.start()
         while (t := time.monotonic() - start) < duration_s:
             for name in SERVICES:
                 series[name].append((t, rss_bytes(pipe.procs[name].pid)))
+            series["streams-counting"].append((t, rss_bytes(pipe.procs["streams"].pid, own=True)))
             series["redis"].append((t, float(store.info("memory")["used_memory"])))
             streams = scrape_port(pipe.ports["streams"])  # once a sample: the metrics below
             worker = scrape_port(pipe.ports["worker"])
@@ -227,6 +299,9 @@ def run(
                 ("learnt", total(worker, "freshrec_worker_events_total", outcome="valid")),
             ):
                 read[key].append((t, value))
+            entries["items"].append((t, total(streams, "freshrec_streams_items")))
+            neighbours = total(streams, "freshrec_streams_covisit_neighbours")
+            entries["neighbours"].append((t, neighbours))
             for name in SERVICES:
                 cpu[name].append((t, cpu_seconds(pipe.procs[name].pid) or 0.0))
             cpu["counting"].append((t, own_cpu_seconds(pipe.procs["streams"].pid) or 0.0))
@@ -241,13 +316,27 @@ def run(
                 + "  "
                 + "  ".join(f"{k} {v[-1][1] / 2**20:,.0f} MiB" for k, v in series.items())
                 + f"  broker {broker[-1][1] / 2**20:,.0f} MiB"
+                + " held "
+                + " ".join(f"{k} {v[-1][1]:,.0f}" for k, v in entries.items())
                 + "  busy "
                 + " ".join(f"{k} {share(v):.0%}" for k, v in busy.items())
                 + "  cpu "
                 + " ".join(f"{k} {share(v):.0%}" for k, v in cpu.items()),
                 flush=True,
             )
+            if redis_every_s and t >= len(held) * redis_every_s:
+                held.append((t, redis_families(store)))
+                top = sorted(held[-1][1]["families"].items(), key=lambda kv: -kv[1]["bytes"])
+                print(
+                    "  redis "
+                    + "  ".join(
+                        f"{k} {v['bytes'] / 2**20:.1f} MiB ({v['keys']:,} keys, {v['elements']:,} elements)"
+                        for k, v in top[:6]
+                    ),
+                    flush=True,
+                )
             time.sleep(every_s)
+        held.append((time.monotonic() - start, redis_families(store)))
         flood.stop.set()
         flood.thread.join(60)
         evicted = {
@@ -268,6 +357,8 @@ def run(
             "plateau": {k: plateau(v) for k, v in series.items()},
             "series": {k: points(s) for k, s in series.items()},
             "broker_rss_series": points(broker),
+            "streams_held_series": {k: points(s) for k, s in entries.items()},
+            "redis_families_series": [[round(t, 1), h] for t, h in held],
             **{f"{k}_series": points(s) for k, s in read.items()},
             "stage_seconds_series": {k: points(s, 3) for k, s in busy.items()},
             "cpu_seconds_series": {k: points(s, 2) for k, s in cpu.items()},
@@ -325,11 +416,23 @@ def main() -> None:
         default="drill",
         help="the services' Kafka client timings (KAFKA_PROFILES; drill: 100-500 ms waits)",
     )
+    ap.add_argument(
+        "--redis-every",
+        type=float,
+        default=300.0,
+        help="seconds between samples of what Redis holds by key family (0: none)",
+    )
     ap.add_argument("--out", type=Path, default=Path("artifacts"))
     ap.add_argument("--plot", type=Path, default=Path("docs/drill_flood.png"))
     args = ap.parse_args()
     result = run(
-        args.rate, args.duration, args.every, args.new_items, args.new_users, args.kafka_profile
+        args.rate,
+        args.duration,
+        args.every,
+        args.new_items,
+        args.new_users,
+        args.kafka_profile,
+        args.redis_every,
     )
     result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result["bounds"] = BOUNDS

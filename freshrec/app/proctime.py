@@ -61,10 +61,12 @@ def own_cpu_seconds(pid: int) -> float | None:
     return None if st is None else st[1]
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` and every live descendant (0 where /proc is not there)."""
+def rss_bytes(pid: int, own: bool = False) -> int:
+    """Resident memory of ``pid`` and every live descendant, or of ``pid`` alone with
+    ``own`` (0 where /proc is not there)."""
     total = 0
-    for p in descendants(pid) if Path("/proc/self/stat").exists() else ():
+    pids = {pid} if own else descendants(pid)
+    for p in pids if Path("/proc/self/stat").exists() else ():
         try:
             status = Path(f"/proc/{p}/status").read_text()
         except OSError:
