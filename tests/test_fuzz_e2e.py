@@ -22,7 +22,9 @@ in-process against the same decoders.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import time
 import uuid
 
@@ -132,6 +134,7 @@ def fuzzed(tmp_path_factory, services, model_dir):
     letters = TopicCounter(conn, [names.recommend_requests_dlq, names.events_dlq])
     try:
         with (
+            private_random(AIOKAFKA_RANDOM),
             service(conn, "streams", log, FRESHREC_METRICS_PORT=str(port)) as streams,
             running_worker(worker_settings(conn, model_dir)),
             client_for(conn) as client,
@@ -139,6 +142,29 @@ def fuzzed(tmp_path_factory, services, model_dir):
             yield conn, letters, streams, port, client
     finally:
         letters.close()
+
+
+AIOKAFKA_RANDOM = (
+    "aiokafka.client",
+    "aiokafka.conn",
+    "aiokafka.consumer.fetcher",
+    "aiokafka.partitioner",
+)
+"""Modules that shuffle with the ``random`` module's global state on the worker's thread."""
+
+
+@contextlib.contextmanager
+def private_random(modules):
+    """Give library modules a ``random.Random`` of their own while the in-process worker
+    runs: its Kafka client shuffles nodes and partitions on every fetch, from its own
+    thread, and Hypothesis takes any change to the global state during a draw for a
+    strategy using ``random`` (a deprecation warning now, an error to come)."""
+    import importlib
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in modules:
+            mp.setattr(importlib.import_module(name), "random", random.Random())
+        yield
 
 
 class TopicCounter:
