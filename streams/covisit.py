@@ -110,8 +110,13 @@ class CoVisitCounts:
                     newest[a] = int(t)
 
     def _prune(self, row: dict[str, float]) -> None:
-        """The weakest quarter leaves (ties: by name, so every replay prunes alike)."""
-        keep = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[: self.candidates * 3 // 4]
+        """The weakest quarter leaves."""
+        self._keep_strongest(row, self.candidates * 3 // 4)
+
+    def _keep_strongest(self, row: dict[str, float], n: int) -> None:
+        """Keep a row's ``n`` strongest neighbours (ties: by name, so every replay cuts
+        alike)."""
+        keep = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
         self.entries -= len(row) - len(keep)
         row.clear()
         row.update(keep)
@@ -119,7 +124,7 @@ class CoVisitCounts:
     def trim(self, budget: int) -> int:
         """Past ``budget`` neighbours over all anchors, cut the longest rows to one quota, the
         largest that brings the total to nine tenths of the budget (not below one a row),
-        each keeping its strongest (ties by name, as ``_prune``). The anchors clicked with
+        each keeping its strongest (``_keep_strongest``). The anchors clicked with
         the most others lose their weakest pairs first; a quiet anchor keeps its few.
         Returns how many neighbours left.
 
@@ -144,10 +149,7 @@ class CoVisitCounts:
         before = self.entries
         for anchor, row in self.counts.items():
             if len(row) > lo:
-                keep = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:lo]
-                self.entries -= len(row) - lo
-                row.clear()
-                row.update(keep)
+                self._keep_strongest(row, lo)
                 self.dirty.add(anchor)
                 self.published.add(anchor)
         return before - self.entries

@@ -50,6 +50,7 @@ import redis as redis_lib
 from freshrec.app.proctime import cpu_seconds, own_cpu_seconds, rss_bytes
 from freshrec.kafka import produce
 from freshrec.promtext import scrape_port, total
+from freshrec.rediskeys import RedisKeys
 from freshrec.sim.pacing import Pacer
 from freshrec.sim.produce import DeliveryCounter, events_producer
 from freshrec.topics import TopicNames
@@ -174,8 +175,9 @@ def share(samples: list[tuple[float, float]]) -> float:
     return (samples[-1][1] - samples[-2][1]) / (samples[-1][0] - samples[-2][0])
 
 
-ID_FAMILIES = ("user:recent:", "req:answered:", "req:variant:")
-"""Key families with one key per id: their keys are counted together."""
+_KEYS = RedisKeys("")  # the drill's pipeline writes without a prefix
+ID_FAMILIES = (_KEYS.user_recent(""), _KEYS.answered(""), _KEYS.request_variant(""))
+"""Key families with one key per id (``freshrec/rediskeys.py``): counted together."""
 TAG = re.compile(r"\{[sg]\d+\}")
 
 
