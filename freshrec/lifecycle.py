@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import gc
 import logging
 import os
@@ -13,6 +14,11 @@ import threading
 from collections.abc import Callable
 
 from freshrec.endpoints import serve_metrics
+from freshrec.settings import stop_grace_s
+
+log = logging.getLogger("freshrec.lifecycle")
+
+_stop_deadline_armed = threading.Lock()
 
 
 def settle_heap() -> int:
@@ -27,12 +33,48 @@ def settle_heap() -> int:
     return gc.get_freeze_count()
 
 
-def set_from_signal(event: threading.Event) -> None:
+def set_from_signal(event: threading.Event, grace_s: float = 0.0, name: str = "") -> None:
     """Set ``event`` from a signal handler. The handler runs on the main thread between two
     bytecodes, possibly while that thread holds the event's lock (inside ``wait`` or
     ``set``): setting it right there would wait for itself forever, so another thread sets
-    it."""
-    threading.Thread(target=event.set, daemon=True, name="signalled").start()
+    it. With ``grace_s`` the process also has that long to stop (``exit_if_not_stopped``)."""
+
+    def signalled() -> None:
+        event.set()
+        exit_if_not_stopped(grace_s, name)
+
+    threading.Thread(target=signalled, daemon=True, name="signalled").start()
+
+
+def exit_if_not_stopped(grace_s: float, name: str) -> None:
+    """Give a stopping process ``grace_s`` seconds (``FRESHREC_STOP_GRACE_S``; 0: forever):
+    if it is still running then — a close waiting on a broker that is gone, a thread that
+    does not end, an exit hook joining a child that hangs — log so, dump every thread's
+    stack to stderr (where it was stuck) and exit with status 1 at once. Nothing is lost by
+    that: a service commits an offset only once its work is written, so what was not
+    committed is read again by the next owner. Armed once per process; later calls do
+    nothing."""
+    if grace_s <= 0 or not _stop_deadline_armed.acquire(blocking=False):
+        return
+
+    def expire() -> None:
+        log.error(
+            "%s did not stop within %g s of being asked to (FRESHREC_STOP_GRACE_S): exiting "
+            "without finishing; its threads were at:",
+            name or "the service",
+            grace_s,
+        )
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(1)
+
+    timer = threading.Timer(grace_s, expire)
+    timer.daemon = True
+    timer.name = "stop-deadline"
+    timer.start()
 
 
 def run_until_signalled(
@@ -42,11 +84,13 @@ def run_until_signalled(
     redis_url: str | None = None,
 ) -> int:
     """Serve metrics and health (readiness pings ``redis_url``), run ``loop(stop)``;
-    SIGTERM/SIGINT set ``stop`` for a clean exit."""
+    SIGTERM/SIGINT set ``stop`` for a clean exit, which has ``FRESHREC_STOP_GRACE_S`` to
+    finish (``exit_if_not_stopped``)."""
+    grace_s = stop_grace_s(os.environ)
     serve_metrics(metrics_port, redis_url=redis_url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: set_from_signal(stop))
+        signal.signal(sig, lambda *_: set_from_signal(stop, grace_s, name))
     loop(stop)
     logging.getLogger(f"freshrec.{name}").info("%s stopped", name)
     return 0

@@ -366,6 +366,13 @@ class HotScoreSettings:
         )
 
 
+def stop_grace_s(env: Mapping[str, str]) -> float:
+    """How long a service asked to stop (SIGTERM, SIGINT) may take before it exits anyway
+    (``FRESHREC_STOP_GRACE_S``; 0: as long as it takes). Below Kubernetes' default 30 s grace,
+    so the service's own account of where it was stuck reaches the log before a SIGKILL."""
+    return env_float(env, "FRESHREC_STOP_GRACE_S", 20.0, minimum=0)
+
+
 def metrics_host(env: Mapping[str, str]) -> str:
     """Where a service's ``/metrics``, ``/healthz`` and ``/readyz`` listen
     (``FRESHREC_METRICS_HOST``): loopback unless configured (``0.0.0.0`` in a container that

@@ -49,12 +49,12 @@ from freshrec.clock import now_ms
 from freshrec.endpoints import serve_metrics
 from freshrec.health import HEALTH
 from freshrec.kafka import admin_config, partition_count, profile
-from freshrec.lifecycle import settle_heap
+from freshrec.lifecycle import exit_if_not_stopped, settle_heap
 from freshrec.outage import is_outage
 from freshrec.outage import until_redis_answers_async as until_redis_answers
 from freshrec.redisconn import connect_async
 from freshrec.rediskeys import RedisKeys
-from freshrec.settings import state_dir
+from freshrec.settings import state_dir, stop_grace_s
 from freshrec.topics import TopicNames
 from streams.catalogue import CatalogueStage
 from streams.covisit import PAIR_COLUMNS
@@ -435,10 +435,23 @@ def _start_validate_process(
     log.info("validate stage: process %d", proc.pid)
 
 
-def run_streams(settings: StreamsSettings) -> int:
-    """Run one streams instance until SIGTERM/SIGINT."""
+def _faust_worker(app, grace_s: float):
+    """faust's worker for ``app``, with a deadline on its stop (``exit_if_not_stopped``):
+    asked to stop while the broker is gone, its consumers' shutdown can wait on fetches
+    that never come back."""
     from faust.worker import Worker
 
+    class StreamsWorker(Worker):
+        def _schedule_shutdown(self, signal) -> None:  # on the event loop, not in a handler
+            exit_if_not_stopped(grace_s, "the streams app")
+            super()._schedule_shutdown(signal)
+
+    return StreamsWorker(app, loglevel="INFO", quiet=True, redirect_stdouts=False)
+
+
+def run_streams(settings: StreamsSettings) -> int:
+    """Run one streams instance until SIGTERM/SIGINT."""
+    grace_s = stop_grace_s(os.environ)
     metrics = MergedRegistry()
     serve_metrics(settings.metrics_port, metrics, redis_url=settings.conn.redis_url)
     streams = StreamsApp(settings)
@@ -462,7 +475,7 @@ def run_streams(settings: StreamsSettings) -> int:
         threading.Thread(
             target=_crash_on_error, args=(stage.run, stop, name), daemon=True, name=name
         ).start()
-    worker = Worker(streams.app, loglevel="INFO", quiet=True, redirect_stdouts=False)
+    worker = _faust_worker(streams.app, grace_s)
     log.info("%d objects settled", settle_heap())
     worker.execute_from_commandline()
     return 0

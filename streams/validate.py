@@ -40,7 +40,7 @@ from freshrec.redisconn import Packed, connect, is_cluster, run_packed
 from freshrec.rediskeys import RedisKeys
 from freshrec.resp import Pipelined, pack
 from freshrec.service import Service
-from freshrec.settings import LOG_FORMAT
+from freshrec.settings import LOG_FORMAT, stop_grace_s
 from freshrec.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
@@ -397,7 +397,8 @@ def run_validate_process(
     watching, exits too."""
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: set_from_signal(stop))
+    grace_s = stop_grace_s(os.environ)
+    signal.signal(signal.SIGTERM, lambda *_: set_from_signal(stop, grace_s, "the validate process"))
     # Ctrl-C reaches the whole process group: the parent stops this process in its own
     # order (SIGTERM at exit); stopping here first would read as a failed stage there
     signal.signal(signal.SIGINT, signal.SIG_IGN)
