@@ -27,7 +27,15 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError
 
 from freshrec.errors import FreshRecError
+from freshrec.logrepeat import hold_repeats
 from freshrec.settings import ConnectionSettings, SettingsError
+
+#: librdkafka's own lines from FreshRec's producers and consumers, through Python's logging
+#: (``freshrec.librdkafka``, served when the client is polled) instead of straight to stderr,
+#: each kind at most once per 30 s: with no broker answering, librdkafka logs every refused
+#: connection, ~19 lines a second from each consumer (``logrepeat``)
+CLIENT_LOG = logging.getLogger("freshrec.librdkafka")
+CLIENT_LOG_REPEATS = hold_repeats([CLIENT_LOG])
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,7 @@ def producer_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any
         "compression.type": "none",
         "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,
         "metadata.max.age.ms": p.metadata_max_age_ms,
+        "logger": CLIENT_LOG,
     }
     if conn.message_timeout_ms is not None:
         cfg["message.timeout.ms"] = conn.message_timeout_ms
@@ -151,6 +160,7 @@ def consumer_config(
         "fetch.queue.backoff.ms": 20,
         "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,
         "metadata.max.age.ms": p.metadata_max_age_ms,
+        "logger": CLIENT_LOG,
     }
     if group_id is not None:
         cfg.update(

@@ -50,6 +50,7 @@ from freshrec.endpoints import serve_metrics
 from freshrec.health import HEALTH
 from freshrec.kafka import admin_config, partition_count, profile
 from freshrec.lifecycle import exit_if_not_stopped, settle_heap
+from freshrec.logrepeat import hold_repeats
 from freshrec.outage import is_outage
 from freshrec.outage import until_redis_answers_async as until_redis_answers
 from freshrec.redisconn import connect_async
@@ -435,6 +436,10 @@ def _start_validate_process(
     log.info("validate stage: process %d", proc.pid)
 
 
+#: the aiokafka modules that log per attempt (``aiokafka`` itself is its client's logger)
+AIOKAFKA_LOGGERS = ("", ".conn", ".cluster", ".consumer.fetcher", ".consumer.group_coordinator")
+
+
 def _faust_worker(app, grace_s: float):
     """faust's worker for ``app``, with a deadline on its stop (``exit_if_not_stopped``):
     asked to stop while the broker is gone, its consumers' shutdown can wait on fetches
@@ -452,6 +457,9 @@ def _faust_worker(app, grace_s: float):
 def run_streams(settings: StreamsSettings) -> int:
     """Run one streams instance until SIGTERM/SIGINT."""
     grace_s = stop_grace_s(os.environ)
+    # faust's Kafka client, with no broker answering, logs each failed fetch and metadata
+    # request, ten times a second: each kind once per 30 s
+    hold_repeats(logging.getLogger(f"aiokafka{name}") for name in AIOKAFKA_LOGGERS)
     metrics = MergedRegistry()
     serve_metrics(settings.metrics_port, metrics, redis_url=settings.conn.redis_url)
     streams = StreamsApp(settings)
