@@ -37,8 +37,11 @@ def test_exclude_seen_leaves_out_what_the_user_clicked_and_only_then(seeded, mod
         produce(seeded, clicks)
         wait_for(lambda: w.stats["events"] >= learnt + 3, 30, "the clicks learnt")
         count, total = _reply_stage()
+        # a deep list, as below: the clicks move the user's ranking, so whether a clicked item
+        # stays in a short one depends on the model (none of the three in the top 20 once on a
+        # loaded CI machine), not on the exclusion
         shown = [
-            i.item_id for i in client.recommend(user, 20, exclude_seen=False, timeout_s=10).items
+            i.item_id for i in client.recommend(user, 200, exclude_seen=False, timeout_s=10).items
         ]
         # the first reply to use the rows the clicks went into: the reply stage, timed from
         # the oldest click each row includes (the user's row, the clicked items' rows)
@@ -47,11 +50,11 @@ def test_exclude_seen_leaves_out_what_the_user_clicked_and_only_then(seeded, mod
         oldest = (time.time() * 1000 - clicks[0].ts_ms) / 1000
         assert 0 < (_reply_stage()[1] - total) / rows <= oldest
         hidden = [
-            i.item_id for i in client.recommend(user, 20, exclude_seen=True, timeout_s=10).items
+            i.item_id for i in client.recommend(user, 200, exclude_seen=True, timeout_s=10).items
         ]
-    assert set(clicked) & set(shown), (clicked, shown)  # asked not to, the worker keeps them
+    assert set(clicked) <= set(shown), (clicked, shown)  # asked not to, the worker keeps them
     assert not set(clicked) & set(hidden), (clicked, hidden)
-    assert len(hidden) == 20
+    assert len(hidden) == 200
 
 
 def test_the_worker_default_excludes_seen_items_when_a_request_does_not_say(seeded, model_dir):
