@@ -63,10 +63,7 @@ def exit_if_not_stopped(grace_s: float, name: str) -> None:
             "without finishing; its threads were at:",
             name or "the service",
             grace_s,
-        )
-        for handler in logging.getLogger().handlers:
-            with contextlib.suppress(Exception):
-                handler.flush()
+        )  # a stream handler flushes each record: the line is out before the stacks
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(1)

@@ -436,8 +436,14 @@ def _start_validate_process(
     log.info("validate stage: process %d", proc.pid)
 
 
-#: the aiokafka modules that log per attempt (``aiokafka`` itself is its client's logger)
-AIOKAFKA_LOGGERS = ("", ".conn", ".cluster", ".consumer.fetcher", ".consumer.group_coordinator")
+#: the aiokafka loggers that log per attempt (``aiokafka`` is its client module's)
+AIOKAFKA_LOGGERS = (
+    "aiokafka",
+    "aiokafka.conn",
+    "aiokafka.cluster",
+    "aiokafka.consumer.fetcher",
+    "aiokafka.consumer.group_coordinator",
+)
 
 
 def _faust_worker(app, grace_s: float):
@@ -459,7 +465,7 @@ def run_streams(settings: StreamsSettings) -> int:
     grace_s = stop_grace_s(os.environ)
     # faust's Kafka client, with no broker answering, logs each failed fetch and metadata
     # request, ten times a second: each kind once per 30 s
-    hold_repeats(logging.getLogger(f"aiokafka{name}") for name in AIOKAFKA_LOGGERS)
+    hold_repeats(map(logging.getLogger, AIOKAFKA_LOGGERS))
     metrics = MergedRegistry()
     serve_metrics(settings.metrics_port, metrics, redis_url=settings.conn.redis_url)
     streams = StreamsApp(settings)
