@@ -29,6 +29,7 @@ from confluent_kafka import Consumer, KafkaError
 from freshrec.errors import FreshRecError
 from freshrec.logrepeat import hold_repeats
 from freshrec.settings import ConnectionSettings, SettingsError
+from freshrec.topics import metadata
 
 #: librdkafka's own lines from FreshRec's producers and consumers, through Python's logging
 #: (``freshrec.librdkafka``, served when the client is polled) instead of straight to stderr,
@@ -111,7 +112,7 @@ def profile(conn: ConnectionSettings) -> ClientProfile:
 
 
 def admin_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"bootstrap.servers": conn.kafka_bootstrap_servers}
+    cfg: dict[str, Any] = {"bootstrap.servers": conn.kafka_bootstrap_servers, "logger": CLIENT_LOG}
     cfg.update(conn.kafka_security.librdkafka())
     cfg.update(overrides)
     return cfg
@@ -331,7 +332,7 @@ def partition_count(client, topic: str, timeout_s: float = 15.0) -> int:
     """How many partitions ``topic`` has, read from ``client`` (a producer, consumer or admin
     client). All topics' metadata is asked for: a request naming one topic may create it on a
     broker that auto-creates topics."""
-    found = client.list_topics(timeout=timeout_s).topics.get(topic)
+    found = metadata(client, timeout_s).topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
         raise TopicMissing(f"topic {topic} is missing: run `freshrec topics create` first")
     return len(found.partitions)

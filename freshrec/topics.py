@@ -7,13 +7,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from freshrec.errors import FreshRecError
+from freshrec.errors import FreshRecError, RetriableError
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,29 @@ def catalogue_with(partitions: Mapping[str, int] | None = None) -> tuple[TopicSp
     return specs
 
 
+class BrokerUnreachable(RetriableError):
+    """No Kafka broker answered a metadata request in time: none is running at the
+    bootstrap address, or the client may not reach it."""
+
+
+def metadata(client, timeout_s: float, topic: str | None = None):
+    """``client.list_topics`` (a producer, consumer or admin client), a broker that does not
+    answer raised as ``BrokerUnreachable``, which says what to check, instead of
+    librdkafka's ``KafkaException`` (a service starting without its broker then exits
+    with that line, not a traceback)."""
+    try:
+        return client.list_topics(topic, timeout=timeout_s)
+    except KafkaException as exc:
+        with contextlib.suppress(Exception):  # the client's log lines: why (held if repeated)
+            client.poll(0)
+        err = exc.args[0] if exc.args else exc
+        reason = err.str() if isinstance(err, KafkaError) else str(err)
+        raise BrokerUnreachable(
+            f"no Kafka broker answered within {timeout_s:g} s ({reason}): is it running, and "
+            "are KAFKA_BOOTSTRAP_SERVERS and KAFKA_SECURITY_PROTOCOL / KAFKA_SASL_* right?"
+        ) from None
+
+
 def ensure_topics(
     admin: AdminClient,
     prefix: str = "",
@@ -136,13 +161,13 @@ def ensure_topics(
     any, so a mismatch leaves the broker as it was.
     """
     specs = tuple(specs)
-    metadata = admin.list_topics(timeout=timeout_s)
+    found = metadata(admin, timeout_s)
     existing: list[str] = []
     missing: list[TopicSpec] = []
     problems: list[str] = []
     for spec in specs:
         name = prefix + spec.name
-        topic = metadata.topics.get(name)
+        topic = found.topics.get(name)
         if topic is None or topic.error is not None:
             missing.append(spec)
             continue
@@ -185,7 +210,7 @@ def _wait_until_visible(admin: AdminClient, names: list[str], timeout_s: float) 
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        topics = admin.list_topics(timeout=timeout_s).topics
+        topics = metadata(admin, timeout_s).topics
         if all(n in topics and topics[n].error is None for n in names):
             return
         time.sleep(0.05)

@@ -17,7 +17,7 @@ from freshrec.settings import ConnectionSettings
 from freshrec.sim.pacing import Pacer
 from freshrec.sim.traffic import EventSynthesizer, catalogue
 from freshrec.sim.world import World
-from freshrec.topics import TopicNames
+from freshrec.topics import TopicNames, metadata
 from schemas.codec import encode_event, encode_item
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def events_producer(conn: ConnectionSettings, linger_ms: int | None = None) -> P
     topic = TopicNames(conn.topic_prefix).events
     overrides = {} if linger_ms is None else {"linger.ms": linger_ms}
     producer = Producer(producer_config(conn, **overrides))
-    producer.list_topics(topic, timeout=10)
+    metadata(producer, 10, topic)
     return producer
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from freshrec import metrics as m
+from freshrec.topics import metadata
 from schemas.codec import decode_control
 
 log = logging.getLogger("freshrec.worker")
@@ -40,7 +41,7 @@ class LiveMode:
     def partitions(self, client, topic: str) -> list[TopicPartition]:
         """What to read of the control topic: its partition from the start, or nothing where
         the topic is missing (a deployment from before modes: the mode then stays)."""
-        if topic not in client.list_topics(timeout=15).topics:
+        if topic not in metadata(client, 15).topics:
             log.warning("no %s topic: the serving mode stays %s", topic, self.current)
             return []
         return [TopicPartition(topic, 0, OFFSET_BEGINNING)]

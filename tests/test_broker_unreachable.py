@@ -1,0 +1,70 @@
+"""A service or command started with no Kafka broker answering says so in one line and exits
+with status 2 (``freshrec.topics.metadata``), instead of a librdkafka traceback and, from the
+admin clients, a raw line to stderr for every refused connection."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
+
+from freshrec.app.stack import free_port
+from freshrec.errors import FreshRecError
+from freshrec.kafka import CLIENT_LOG, admin_config, partition_count, producer_config
+from freshrec.settings import ConnectionSettings
+from freshrec.topics import BrokerUnreachable, ensure_topics, metadata
+
+
+def nowhere() -> ConnectionSettings:
+    """Connection settings naming a port nothing listens on."""
+    return ConnectionSettings(kafka_bootstrap_servers=f"127.0.0.1:{free_port()}", redis_url="")
+
+
+def test_metadata_from_no_broker_is_a_freshrec_error_that_says_what_to_check(caplog):
+    caplog.set_level(logging.INFO, logger=CLIENT_LOG.name)
+    admin = AdminClient(admin_config(nowhere()))
+    with pytest.raises(BrokerUnreachable) as raised:
+        metadata(admin, 1.0)
+    assert isinstance(raised.value, FreshRecError) and raised.value.retriable
+    text = str(raised.value)
+    assert "no Kafka broker answered within 1 s" in text
+    assert "KAFKA_BOOTSTRAP_SERVERS" in text
+    # the admin client's own line about why went through Python's logging
+    assert any("Connection refused" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_partition_count_and_topic_creation_raise_it_too():
+    producer = Producer(producer_config(nowhere()))
+    with pytest.raises(BrokerUnreachable):
+        partition_count(producer, "events", timeout_s=1.0)
+    with pytest.raises(BrokerUnreachable):
+        ensure_topics(AdminClient(admin_config(nowhere())), timeout_s=1.0)
+
+
+@pytest.mark.parametrize("service", ["worker", "streams"])
+def test_a_service_started_without_a_broker_exits_2_with_one_clear_line(tmp_path, service):
+    env = dict(
+        os.environ,
+        KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
+        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
+        FRESHREC_METRICS_PORT="0",
+        FRESHREC_HOME=str(tmp_path),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "freshrec.app.cli", service],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "freshrec: error: no Kafka broker answered within" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    # librdkafka's own lines only through logging, repeats held: no raw "%3|" lines
+    raw = [line for line in done.stderr.splitlines() if line.startswith("%")]
+    assert not raw, raw[:3]
