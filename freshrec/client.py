@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaConnectionError
 from aiokafka.partitioner import DefaultPartitioner
 
 from freshrec.errors import FreshRecError
-from freshrec.kafka import PROFILES
+from freshrec.kafka import PROFILES, TopicMissing
 from freshrec.settings import KafkaSecurity
-from freshrec.topics import TopicNames
+from freshrec.topics import BrokerUnreachable, TopicNames
 from schemas.codec import decode_reply, encode_request
 from schemas.contract import Rejected
 from schemas.records import RecommendReply, RecommendRequest, RequestContext
@@ -116,6 +117,29 @@ class RecommendClient:
         await self.stop()
 
     async def start(self) -> None:
+        """Connect and take up the reply topic. No broker answering raises
+        ``BrokerUnreachable``, a missing reply topic ``TopicMissing`` (both ``FreshRecError``);
+        whatever was connected by then is closed again."""
+        try:
+            await self._start()
+        except KafkaConnectionError as exc:
+            await self._close_clients()
+            raise BrokerUnreachable(
+                f"no Kafka broker answered at {self.bootstrap} ({exc}): is it running, and are "
+                "the bootstrap servers and the security settings right?"
+            ) from None
+        except BaseException:
+            await self._close_clients()
+            raise
+
+    async def _close_clients(self) -> None:
+        for client in (self._consumer, self._producer):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.stop()
+        self._consumer = self._producer = None
+
+    async def _start(self) -> None:
         if self.own_reply_topic:
             await asyncio.get_running_loop().run_in_executor(None, self._create_reply_topic)
         self._producer = AIOKafkaProducer(
@@ -154,7 +178,7 @@ class RecommendClient:
             if parts:
                 return sorted(parts)
             if time.monotonic() > deadline:
-                raise RuntimeError(
+                raise TopicMissing(
                     f"reply topic {topic} does not exist: run `freshrec topics create`"
                 )
             await asyncio.sleep(0.2)

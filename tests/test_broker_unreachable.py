@@ -1,9 +1,11 @@
 """A service or command started with no Kafka broker answering says so in one line and exits
-with status 2 (``freshrec.topics.metadata``), instead of a librdkafka traceback and, from the
-admin clients, a raw line to stderr for every refused connection."""
+with status 2 (``freshrec.topics.metadata``; ``RecommendClient.start`` raises the same error),
+instead of a traceback and, from the admin clients, a raw line to stderr for every refused
+connection."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -14,6 +16,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from freshrec.app.stack import free_port
+from freshrec.client import RecommendClient
 from freshrec.errors import FreshRecError
 from freshrec.kafka import CLIENT_LOG, admin_config, partition_count, producer_config
 from freshrec.settings import ConnectionSettings
@@ -68,3 +71,29 @@ def test_a_service_started_without_a_broker_exits_2_with_one_clear_line(tmp_path
     # librdkafka's own lines only through logging, repeats held: no raw "%3|" lines
     raw = [line for line in done.stderr.splitlines() if line.startswith("%")]
     assert not raw, raw[:3]
+
+
+def test_the_recommend_client_with_no_broker_raises_it_and_closes_what_it_opened():
+    client = RecommendClient(f"127.0.0.1:{free_port()}")
+    with pytest.raises(BrokerUnreachable, match=r"no Kafka broker answered at 127\.0\.0\.1:"):
+        asyncio.run(client.start())
+    assert client._producer is None and client._consumer is None
+
+
+def test_freshrec_recommend_with_no_broker_exits_2_with_one_clear_line(tmp_path):
+    env = dict(
+        os.environ,
+        KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
+        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
+        FRESHREC_HOME=str(tmp_path),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "freshrec.app.cli", "recommend", "--user", "u1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "freshrec: error: no Kafka broker answered at" in done.stderr
+    assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr, done.stderr[-3000:]
