@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from freshrec.endpoints import serve_metrics
+from freshrec.outage import StopRequested
 from freshrec.settings import stop_grace_s
 
 log = logging.getLogger("freshrec.lifecycle")
@@ -88,7 +89,11 @@ def run_until_signalled(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: set_from_signal(stop, grace_s, name))
-    loop(stop)
+    try:
+        loop(stop)
+    except StopRequested as exc:  # asked to stop while starting, Redis not answering
+        logging.getLogger(f"freshrec.{name}").info("%s stopped (%s)", name, exc)
+        return 0
     logging.getLogger(f"freshrec.{name}").info("%s stopped", name)
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -110,6 +111,11 @@ class _Waiting:
             self.since = None
 
 
+class StopRequested(FreshRecError):
+    """The service was asked to stop while it waited for Redis (``until_redis_answers`` with
+    its ``stop``): nothing was done that needs undoing, so it stops there."""
+
+
 def until_redis_answers(
     op: Callable[[], T],
     what: str,
@@ -117,10 +123,13 @@ def until_redis_answers(
     wait_s: float = 1.0,
     while_waiting: Callable[[bool], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    stop: threading.Event | None = None,
 ) -> T:
     """``op()``, again every ``wait_s`` while Redis is unreachable. ``while_waiting(first)``
     runs before each wait (pause consumption, poll to keep the group) and
-    ``while_waiting``'s owner learns the wait ended by ``op`` returning."""
+    ``while_waiting``'s owner learns the wait ended by ``op`` returning. ``stop`` set during
+    a wait ends it with ``StopRequested`` (a service starting while Redis is down can still
+    be stopped)."""
     waiting = _Waiting(what)
     try:
         while True:
@@ -132,7 +141,10 @@ def until_redis_answers(
                 first = waiting.failed(exc)
                 if while_waiting is not None:
                     while_waiting(first)
-                sleep(wait_s)
+                if stop is None:
+                    sleep(wait_s)
+                elif stop.wait(wait_s):
+                    raise StopRequested(f"{what}: asked to stop while waiting for Redis") from exc
                 continue
             waiting.done()
             return result

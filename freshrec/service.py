@@ -60,5 +60,8 @@ class Service(abc.ABC):
     def wait_for_redis(
         self, op: Callable[[], T], what: str, while_waiting: Callable[[bool], None] | None = None
     ) -> T:
-        """``op()``, waiting out a Redis outage (``freshrec.outage.until_redis_answers``)."""
-        return until_redis_answers(op, f"{self.name}: {what}", while_waiting=while_waiting)
+        """``op()``, waiting out a Redis outage (``freshrec.outage.until_redis_answers``);
+        asked to stop meanwhile, it raises ``StopRequested``."""
+        return until_redis_answers(
+            op, f"{self.name}: {what}", while_waiting=while_waiting, stop=self._stop
+        )

@@ -245,11 +245,18 @@ class Worker(Service):
     def start(self) -> None:
         """Load the item table, then follow the broadcast from before that load; load the
         models and the serving snapshot; join the group."""
-        shards = row_shards(self.redis, self.keys, self.outbox.partitions)  # the rows' layout
+        shards = self.wait_for_redis(  # the rows' layout
+            lambda: row_shards(self.redis, self.keys, self.outbox.partitions), "starting"
+        )
         if self.experiment:
             self.experiment.load()  # a bad file stops the worker here, with the line at fault
-        positions = broadcast_offsets(self.redis, self.keys)
-        items = load_table(self.redis, self.keys, TABLE_ITEM, self.dim + 1, shards)
+        positions = self.wait_for_redis(
+            lambda: broadcast_offsets(self.redis, self.keys), "reading broadcast positions"
+        )
+        items = self.wait_for_redis(
+            lambda: load_table(self.redis, self.keys, TABLE_ITEM, self.dim + 1, shards),
+            "loading the item table",
+        )
         self.cache.load_items(items)
         if self.models.load_now() is None:
             log.warning(

@@ -572,7 +572,9 @@ class ParameterServer(Service):
             self._pause(True)
             self.consumer.poll(0)  # keep group membership alive
 
-        result = until_redis_answers(op, self.name, wait_s=0.5, while_waiting=waiting)
+        result = until_redis_answers(
+            op, self.name, wait_s=0.5, while_waiting=waiting, stop=self._stop
+        )
         self._pause(False)
         return result
 

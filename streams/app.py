@@ -51,7 +51,7 @@ from freshrec.health import HEALTH
 from freshrec.kafka import admin_config, partition_count, profile
 from freshrec.lifecycle import exit_if_not_stopped, settle_heap
 from freshrec.logrepeat import hold_repeats
-from freshrec.outage import is_outage
+from freshrec.outage import StopRequested, is_outage
 from freshrec.outage import until_redis_answers_async as until_redis_answers
 from freshrec.redisconn import connect_async
 from freshrec.rediskeys import RedisKeys
@@ -99,6 +99,7 @@ class StreamsApp:
         self._publish_not_before = 0.0
         self._features_not_before = 0.0
         self.persist_lock = asyncio.Lock()
+        self.connecting = asyncio.Lock()
         self.price_retry_at: dict[int, float] = defaultdict(float)
         self.price_retry_wait: dict[int, float] = defaultdict(lambda: PRICE_RETRY_S / 2)
         self.price_updates: queue.SimpleQueue = queue.SimpleQueue()
@@ -163,11 +164,20 @@ class StreamsApp:
         return app
 
     async def _redis(self) -> StreamsSink:
-        if self.sink is None:
-            self.redis = await connect_async(self.settings.conn.redis_url)
-            # readers find an item's feature hash by the by-item partition count
-            await self.redis.set(self.keys.feature_shards, self.by_item_partitions)
-            self.sink = StreamsSink(self.redis, self.keys)
+        """The Redis sink, connected once; started while Redis is down, every stage that needs
+        it waits (``until_redis_answers``) instead of crashing the app."""
+        if self.sink is not None:
+            return self.sink
+        async with self.connecting:
+            if self.sink is None:
+                if self.redis is None:
+                    self.redis = await connect_async(self.settings.conn.redis_url)
+                r = self.redis
+                # readers find an item's feature hash by the by-item partition count
+                await until_redis_answers(
+                    lambda: r.set(self.keys.feature_shards, self.by_item_partitions), "starting"
+                )
+                self.sink = StreamsSink(r, self.keys)
         return self.sink
 
     async def _on_revoked(self, sender, revoked, **kwargs) -> None:
@@ -394,6 +404,8 @@ def _crash_on_error(loop, stop: threading.Event, name: str) -> None:
     input: state is in Redis and a restart resumes from committed offsets."""
     try:
         loop(stop)
+    except StopRequested:  # asked to stop while Redis was not answering: nothing committed
+        log.info("the %s stage stopped while waiting for Redis", name)
     except BaseException:
         log.exception("the %s stage failed; exiting", name)
         logging.shutdown()

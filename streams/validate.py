@@ -34,7 +34,7 @@ from freshrec.childmetrics import send_snapshots
 from freshrec.dedupe import DedupeWindow
 from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
 from freshrec.lifecycle import die_with_parent, set_from_signal
-from freshrec.outage import is_outage
+from freshrec.outage import StopRequested, is_outage
 from freshrec.partitioner import str_partitions
 from freshrec.redisconn import Packed, connect, is_cluster, run_packed
 from freshrec.rediskeys import RedisKeys
@@ -409,6 +409,8 @@ def run_validate_process(
     sender.start()
     try:
         ValidateStage(settings, by_item_partitions).run(stop)
+    except StopRequested:  # asked to stop while Redis was not answering: nothing committed
+        log.info("validate stage: asked to stop while waiting for Redis")
     except BaseException:
         log.exception("the validate stage failed; exiting")
         logging.shutdown()

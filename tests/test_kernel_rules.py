@@ -13,7 +13,7 @@ import redis
 from freshrec import metrics as m
 from freshrec.errors import FreshRecError, RetriableError
 from freshrec.kafka import TopicMissing, delivery_retriable, partition_count
-from freshrec.outage import is_outage, until_redis_answers
+from freshrec.outage import StopRequested, is_outage, until_redis_answers
 from freshrec.retry import RetryPolicy, RetryQueue
 from freshrec.service import Service
 
@@ -68,6 +68,20 @@ def test_an_outage_is_waited_out_and_other_errors_pass_through(caplog):
     assert m.REDIS_WAITING._value.get() == 0  # the wait is over
     assert is_outage(redis.TimeoutError()) and is_outage(RetriableError("x"))
     assert not is_outage(FreshRecError("x")) and not is_outage(ValueError())
+
+
+def test_a_stop_asked_for_during_a_wait_ends_it():
+    stop, calls = threading.Event(), []
+
+    def op():
+        calls.append(1)
+        stop.set()  # asked to stop while the first attempt failed
+        raise redis.ConnectionError("refused")
+
+    with pytest.raises(StopRequested, match="test: asked to stop while waiting for Redis"):
+        until_redis_answers(op, "test", wait_s=60, stop=stop)  # returns at once, not in 60 s
+    assert calls == [1]
+    assert m.REDIS_WAITING._value.get() == 0
 
 
 def test_a_retry_policy_spends_its_attempts_and_backs_off():
