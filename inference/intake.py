@@ -90,6 +90,9 @@ class RequestIntake:
         self.queue: deque[Inbound] = deque()
         self.offsets = RequestOffsets()  # commit no request before an earlier open one
         self.answered: OrderedDict[str, None] = OrderedDict()
+        self.answering: dict[str, int] = {}
+        """Ids whose reply is produced and not yet acknowledged (→ its request's partition): a
+        duplicate can arrive before the delivery report, the reply already on its way."""
         self._answered_unsaved: list[str] = []
         self.reply_topics = reply_topic_pattern(
             settings.conn.topic_prefix, settings.reply_topic_pattern
@@ -219,7 +222,7 @@ class RequestIntake:
         fresh, seen = [], set()
         for b in live:
             rid = b.request.request_id
-            if rid in self.answered or rid in seen:
+            if rid in self.answered or rid in self.answering or rid in seen:
                 m.REQUESTS.labels("duplicate").inc()
                 self.offsets.done(b.partition, b.offset)
             else:
@@ -259,7 +262,11 @@ class RequestIntake:
         value = encode_reply(reply)
         headers = [("correlation-id", corr)] if corr is not None else []
 
+        if reply.tier != "error":
+            self.answering[reply.request_id] = partition
+
         def delivered(ok: bool, err) -> None:
+            self.answering.pop(reply.request_id, None)
             if ok:
                 if reply.tier != "error":
                     self._remember_answered(reply.request_id)
@@ -347,4 +354,6 @@ class RequestIntake:
                 kept.append(b)
         self.queue = kept
         self.offsets.forget(gone)
+        for rid in [r for r, p in self.answering.items() if p in gone]:
+            del self.answering[rid]  # a reply taken back (purged) is the next owner's to send
         self._retries.drain()  # their requests are answered again by the next owner

@@ -123,7 +123,7 @@ class Worker(Service):
         learning = settings.learning
         self.gate = OffsetGate()  # learnt events' offsets until their gradients are delivered
         self.outbox = GradientOutbox(
-            self._partitions(self.names.gradients),
+            partition_count(self.producer, self.names.gradients),
             AdmissionFilter(learning.admission_touches, learning.admission_window_s * 1000),
             learning.gradient_linger_ms,
             OUTBOX_MAX_ROWS,
@@ -236,27 +236,20 @@ class Worker(Service):
         )
 
     # ------------------------------------------------------------------------------ setup
-    def _partitions(self, topic: str) -> int:
-        return partition_count(self.producer, topic)
-
     def _fetch(self, table: int, ids: list[int]):
         return fetch_rows(self.redis, self.keys, table, ids, self.dim + 1, self.outbox.partitions)
+
+    def _start_reads(self) -> tuple:  # the broadcast's positions before the table it follows
+        shards = row_shards(self.redis, self.keys, self.outbox.partitions)
+        positions = broadcast_offsets(self.redis, self.keys)
+        return positions, load_table(self.redis, self.keys, TABLE_ITEM, self.dim + 1, shards)
 
     def start(self) -> None:
         """Load the item table, then follow the broadcast from before that load; load the
         models and the serving snapshot; join the group."""
-        shards = self.wait_for_redis(  # the rows' layout
-            lambda: row_shards(self.redis, self.keys, self.outbox.partitions), "starting"
-        )
         if self.experiment:
             self.experiment.load()  # a bad file stops the worker here, with the line at fault
-        positions = self.wait_for_redis(
-            lambda: broadcast_offsets(self.redis, self.keys), "reading broadcast positions"
-        )
-        items = self.wait_for_redis(
-            lambda: load_table(self.redis, self.keys, TABLE_ITEM, self.dim + 1, shards),
-            "loading the item table",
-        )
+        positions, items = self.wait_for_redis(self._start_reads, "starting")
         self.cache.load_items(items)
         if self.models.load_now() is None:
             log.warning(
@@ -270,7 +263,7 @@ class Worker(Service):
         self.models.on_change = self._model_changed
         self.snapshots.start()
         self.recommender.adopt_snapshot()
-        n = self._partitions(self.names.embeddings_updates)
+        n = partition_count(self.producer, self.names.embeddings_updates)
         self.updates.assign(
             [
                 TopicPartition(self.names.embeddings_updates, p, positions.get(p, OFFSET_BEGINNING))

@@ -18,6 +18,7 @@ import redis as redis_lib
 from confluent_kafka import Producer, TopicPartition
 
 from freshrec import metrics as m
+from freshrec.client import RecommendTimeout
 from freshrec.kafka import consumer_config, producer_config
 from freshrec.rediskeys import RedisKeys
 from freshrec.topics import TopicNames
@@ -171,6 +172,38 @@ def test_a_reply_librdkafka_gives_up_on_is_produced_again_and_its_request_waits(
         reply = fut.result(20)  # delivered
         assert reply.items
         wait_for(lambda: committed_requests(conn, w) >= 1, 20, "the commit after delivery")
+
+
+def test_a_duplicate_read_while_the_first_reply_is_on_its_way_is_not_answered(seeded, model_dir):
+    """An id counted as answered only once its reply's delivery was acknowledged: the same
+    request read in between (on a loaded machine) was answered a second time."""
+    conn = seeded
+    settings = worker_settings(conn, model_dir)
+    names = TopicNames(conn.topic_prefix)
+    clients = WorkerClients.connect(settings)
+    clients.producer = held = HeldProducer(
+        clients.producer, lambda topic: topic == names.recommend_replies and held.holding
+    )
+    held.holding = True
+    req = RecommendRequest(f"dup-{uuid.uuid4().hex}", "u3", 3)
+    with running_worker(settings, clients=clients), client_for(conn) as client:
+        first = client._call(_send(client, req, 30), 5)
+        wait_for(lambda: len(held.held) == 1, 20, "the first reply to be produced")
+        before = counter(m.REQUESTS, "duplicate")
+        second = client._call(_send(client, req, 3), 5)
+        wait_for(lambda: counter(m.REQUESTS, "duplicate") == before + 1, 20, "the duplicate")
+        assert len(held.held) == 1  # no second reply produced
+        held.holding = False
+        held.release()
+        assert first.result(20).items
+        with pytest.raises(RecommendTimeout):
+            second.result(20)
+
+
+async def _send(client, req: RecommendRequest, timeout_s: float):
+    from .test_serving_e2e import _Bridge
+
+    return _Bridge(asyncio.ensure_future(client.client.send(req, timeout_s)))
 
 
 async def _recommend(client, user):

@@ -11,7 +11,7 @@ import pytest
 import redis as redis_lib
 from confluent_kafka import Producer
 
-from freshrec.kafka import close_producer, producer_config
+from freshrec.kafka import close_producer, partition_count, producer_config
 from freshrec.partitioner import kafka_partition, row_partitions
 from freshrec.redisconn import connect
 from freshrec.rediskeys import RedisKeys
@@ -376,7 +376,10 @@ def test_events_are_committed_only_once_the_broker_holds_their_gradients(conn):
     produce(conn, clicks("oc-u", "oc-i", 5))
     pump([w], lambda: len(held.held) == 2 and not w.backlog, what="the gradients to leave")
     w.commit(sync=True)
-    parts = [TopicPartition(w.names.events, p) for p in range(w._partitions(w.names.events))]
+    parts = [
+        TopicPartition(w.names.events, p)
+        for p in range(partition_count(w.producer, w.names.events))
+    ]
 
     def committed() -> int:
         return sum(max(tp.offset, 0) for tp in w.events.committed(parts, timeout=10))

@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 from freshrec import metrics as m
 from freshrec.app.stack import free_port
 from freshrec.client import RecommendTimeout
-from freshrec.kafka import producer_config
+from freshrec.kafka import partition_count, producer_config
 from freshrec.rediskeys import RedisKeys
 from freshrec.sim.world import World
 from freshrec.topics import TopicNames
@@ -206,7 +206,7 @@ def test_no_request_is_committed_while_an_earlier_one_of_its_partition_is_unansw
     w.commit(sync=True)
     parts = [
         TopicPartition(names.recommend_requests, q)
-        for q in range(w._partitions(names.recommend_requests))
+        for q in range(partition_count(w.producer, names.recommend_requests))
     ]
 
     def committed() -> list[int]:
