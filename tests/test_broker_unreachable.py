@@ -28,6 +28,24 @@ def nowhere() -> ConnectionSettings:
     return ConnectionSettings(kafka_bootstrap_servers=f"127.0.0.1:{free_port()}", redis_url="")
 
 
+def _freshrec_with_nothing_there(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``freshrec ARGS`` with Kafka and Redis at ports nothing listens on."""
+    env = dict(
+        os.environ,
+        KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
+        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
+        FRESHREC_METRICS_PORT="0",
+        FRESHREC_HOME=str(tmp_path),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "freshrec.app.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_metadata_from_no_broker_is_a_freshrec_error_that_says_what_to_check(caplog):
     caplog.set_level(logging.INFO, logger=CLIENT_LOG.name)
     admin = AdminClient(admin_config(nowhere()))
@@ -51,20 +69,7 @@ def test_partition_count_and_topic_creation_raise_it_too():
 
 @pytest.mark.parametrize("service", ["worker", "streams"])
 def test_a_service_started_without_a_broker_exits_2_with_one_clear_line(tmp_path, service):
-    env = dict(
-        os.environ,
-        KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
-        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
-        FRESHREC_METRICS_PORT="0",
-        FRESHREC_HOME=str(tmp_path),
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "freshrec.app.cli", service],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _freshrec_with_nothing_there(tmp_path, service)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "freshrec: error: no Kafka broker answered within" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -81,19 +86,7 @@ def test_the_recommend_client_with_no_broker_raises_it_and_closes_what_it_opened
 
 
 def test_freshrec_recommend_with_no_broker_exits_2_with_one_clear_line(tmp_path):
-    env = dict(
-        os.environ,
-        KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
-        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
-        FRESHREC_HOME=str(tmp_path),
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "freshrec.app.cli", "recommend", "--user", "u1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _freshrec_with_nothing_there(tmp_path, "recommend", "--user", "u1")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "freshrec: error: no Kafka broker answered at" in done.stderr
     assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr, done.stderr[-3000:]

@@ -148,17 +148,23 @@ def test_a_request_of_any_size_gets_a_bounded_dead_letter(seeded, model_dir):
         assert client.recommend("u2", 5, timeout_s=10).items
 
 
-def test_a_reply_librdkafka_gives_up_on_is_produced_again_and_its_request_waits(seeded, model_dir):
-    """A failed reply was marked done and never retried: the request was committed and
-    nobody got an answer."""
-    conn = seeded
-    settings = worker_settings(conn, model_dir)
-    names = TopicNames(conn.topic_prefix)
+def _holding_replies(settings):
+    """The worker's clients with its replies held (``held.holding``, on at first)."""
+    names = TopicNames(settings.conn.topic_prefix)
     clients = WorkerClients.connect(settings)
     clients.producer = held = HeldProducer(
         clients.producer, lambda topic: topic == names.recommend_replies and held.holding
     )
     held.holding = True
+    return clients, held
+
+
+def test_a_reply_librdkafka_gives_up_on_is_produced_again_and_its_request_waits(seeded, model_dir):
+    """A failed reply was marked done and never retried: the request was committed and
+    nobody got an answer."""
+    conn = seeded
+    settings = worker_settings(conn, model_dir)
+    clients, held = _holding_replies(settings)
     with running_worker(settings, clients=clients) as w, client_for(conn) as client:
         fut = client._call(_recommend(client, "u5"), 5)
         wait_for(lambda: len(held.held) == 1, 20, "the reply to be produced")
@@ -179,12 +185,7 @@ def test_a_duplicate_read_while_the_first_reply_is_on_its_way_is_not_answered(se
     request read in between (on a loaded machine) was answered a second time."""
     conn = seeded
     settings = worker_settings(conn, model_dir)
-    names = TopicNames(conn.topic_prefix)
-    clients = WorkerClients.connect(settings)
-    clients.producer = held = HeldProducer(
-        clients.producer, lambda topic: topic == names.recommend_replies and held.holding
-    )
-    held.holding = True
+    clients, held = _holding_replies(settings)
     req = RecommendRequest(f"dup-{uuid.uuid4().hex}", "u3", 3)
     with running_worker(settings, clients=clients), client_for(conn) as client:
         first = client._call(_send(client, req, 30), 5)
