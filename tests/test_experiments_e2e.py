@@ -219,9 +219,16 @@ def test_variants_rank_with_the_attention_models_and_the_heat_tiers(seeded, mode
         )
         wait_for(lambda: w.seen.get(user)[:3] == clicked[::-1], 30, "the worker to read the clicks")
         rec = w.recommender
-        batch = rec.rank_batch([RecommendRequest("x", user)], None, [], [None], RecallResult([{}]))
-        seq, lens = rec.ranking._sequences(batch, [0], SEQUENCE)
-        assert int(lens[0]) >= 3
-        slots = [rec.slot_of[x] for x in clicked[::-1]]
-        want = rec.cache.items.rows.index_select(0, torch.tensor(slots))
-        assert torch.equal(seq[0, :3], want)
+        slots = torch.tensor([rec.slot_of[x] for x in clicked[::-1]])
+
+        def sequence_is_the_clicked_rows():
+            # the worker applies broadcast rows while this runs: a row changed between
+            # the sequence's gather and this read is read again, not compared stale
+            batch = rec.rank_batch(
+                [RecommendRequest("x", user)], None, [], [None], RecallResult([{}])
+            )
+            seq, lens = rec.ranking._sequences(batch, [0], SEQUENCE)
+            assert int(lens[0]) >= 3
+            return torch.equal(seq[0, :3], rec.cache.items.rows.index_select(0, slots))
+
+        wait_for(sequence_is_the_clicked_rows, 30, "the sequence to be the clicked items' rows")
