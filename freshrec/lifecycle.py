@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from freshrec.endpoints import serve_metrics
-from freshrec.outage import StopRequested
+from freshrec.outage import STOP_SIGNALLED, StopRequested
 from freshrec.settings import stop_grace_s
 
 log = logging.getLogger("freshrec.lifecycle")
@@ -34,13 +34,19 @@ def settle_heap() -> int:
     return gc.get_freeze_count()
 
 
-def set_from_signal(event: threading.Event, grace_s: float = 0.0, name: str = "") -> None:
+def set_from_signal(
+    event: threading.Event, grace_s: float = 0.0, name: str = "", whole_process: bool = False
+) -> None:
     """Set ``event`` from a signal handler. The handler runs on the main thread between two
     bytecodes, possibly while that thread holds the event's lock (inside ``wait`` or
     ``set``): setting it right there would wait for itself forever, so another thread sets
-    it. With ``grace_s`` the process also has that long to stop (``exit_if_not_stopped``)."""
+    it. With ``grace_s`` the process also has that long to stop (``exit_if_not_stopped``);
+    with ``whole_process`` the signal stops the process, and waits that look at
+    ``STOP_SIGNALLED`` (a broker's metadata at start) end too."""
 
     def signalled() -> None:
+        if whole_process:
+            STOP_SIGNALLED.set()
         event.set()
         exit_if_not_stopped(grace_s, name)
 
@@ -88,10 +94,10 @@ def run_until_signalled(
     serve_metrics(metrics_port, redis_url=redis_url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: set_from_signal(stop, grace_s, name))
+        signal.signal(sig, lambda *_: set_from_signal(stop, grace_s, name, whole_process=True))
     try:
         loop(stop)
-    except StopRequested as exc:  # asked to stop while starting, Redis not answering
+    except StopRequested as exc:  # asked to stop while starting: no Redis or broker answering
         logging.getLogger(f"freshrec.{name}").info("%s stopped (%s)", name, exc)
         return 0
     logging.getLogger(f"freshrec.{name}").info("%s stopped", name)

@@ -113,7 +113,15 @@ class _Waiting:
 
 class StopRequested(FreshRecError):
     """The service was asked to stop while it waited for Redis (``until_redis_answers`` with
-    its ``stop``): nothing was done that needs undoing, so it stops there."""
+    its ``stop``) or, starting, for its Kafka broker (``topics.metadata``): nothing was done
+    that needs undoing, so it stops there."""
+
+
+STOP_SIGNALLED = threading.Event()
+"""Set once a service process was sent its stop signal (``lifecycle.set_from_signal`` with
+``whole_process``). A wait that holds the main thread inside a client library, where a signal
+handler cannot run until the call returns (a broker's metadata at start: 15 s), waits on
+another thread instead and ends when this is set."""
 
 
 def until_redis_answers(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from freshrec.errors import FreshRecError, RetriableError
+from freshrec.outage import STOP_SIGNALLED, StopRequested
 
 log = logging.getLogger(__name__)
 
@@ -135,18 +138,46 @@ def metadata(client, timeout_s: float, topic: str | None = None):
     """``client.list_topics`` (a producer, consumer or admin client), a broker that does not
     answer raised as ``BrokerUnreachable``, which says what to check, instead of
     librdkafka's ``KafkaException`` (a service starting without its broker then exits
-    with that line, not a traceback)."""
-    try:
-        return client.list_topics(topic, timeout=timeout_s)
-    except KafkaException as exc:
+    with that line, not a traceback).
+
+    The request runs on another thread: inside it the main thread could run no signal
+    handler for up to ``timeout_s``, so a service told to stop while its broker is away
+    (``STOP_SIGNALLED``) would have stopped only when the wait ran out, with status 2. It
+    raises ``StopRequested`` at once instead, and says so once when the broker is slow to
+    answer."""
+    outcome: list = []
+    answered = threading.Event()
+
+    def ask() -> None:
+        try:
+            outcome.append(client.list_topics(topic, timeout=timeout_s))
+        except BaseException as exc:  # handed to the caller below
+            outcome.append(exc)
+        finally:
+            answered.set()
+
+    threading.Thread(target=ask, daemon=True, name="kafka-metadata").start()
+    said = False
+    start = time.monotonic()
+    while not answered.wait(0.2):
+        if STOP_SIGNALLED.is_set():
+            raise StopRequested("asked to stop while waiting for the Kafka broker")
+        if not said and time.monotonic() - start >= 1.0:
+            said = True
+            log.info("no Kafka broker answered yet; waiting up to %g s", timeout_s)
+    result = outcome[0]
+    if isinstance(result, KafkaException):
         with contextlib.suppress(Exception):  # the client's log lines: why (held if repeated)
             client.poll(0)
-        err = exc.args[0] if exc.args else exc
+        err = result.args[0] if result.args else result
         reason = err.str() if isinstance(err, KafkaError) else str(err)
         raise BrokerUnreachable(
             f"no Kafka broker answered within {timeout_s:g} s ({reason}): is it running, and "
             "are KAFKA_BOOTSTRAP_SERVERS and KAFKA_SECURITY_PROTOCOL / KAFKA_SASL_* right?"
         ) from None
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def ensure_topics(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -28,18 +29,23 @@ def nowhere() -> ConnectionSettings:
     return ConnectionSettings(kafka_bootstrap_servers=f"127.0.0.1:{free_port()}", redis_url="")
 
 
-def _freshrec_with_nothing_there(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    """``freshrec ARGS`` with Kafka and Redis at ports nothing listens on."""
-    env = dict(
+def _nothing_there(tmp_path) -> dict[str, str]:
+    """The environment of a ``freshrec`` process with Kafka and Redis at ports nothing
+    listens on."""
+    return dict(
         os.environ,
         KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
         REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
         FRESHREC_METRICS_PORT="0",
         FRESHREC_HOME=str(tmp_path),
     )
+
+
+def _freshrec_with_nothing_there(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``freshrec ARGS`` with Kafka and Redis at ports nothing listens on."""
     return subprocess.run(
         [sys.executable, "-m", "freshrec.app.cli", *args],
-        env=env,
+        env=_nothing_there(tmp_path),
         capture_output=True,
         text=True,
         timeout=120,
@@ -76,6 +82,33 @@ def test_a_service_started_without_a_broker_exits_2_with_one_clear_line(tmp_path
     # librdkafka's own lines only through logging, repeats held: no raw "%3|" lines
     raw = [line for line in done.stderr.splitlines() if line.startswith("%")]
     assert not raw, raw[:3]
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_service_told_to_stop_while_its_broker_is_away_stops_at_once(tmp_path, stop):
+    """The metadata wait (15 s) no longer holds the signal handler back: the worker stops
+    with status 0, not with status 2 when the wait runs out."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "freshrec.app.cli", "worker"],
+        env=_nothing_there(tmp_path),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen = []
+        for line in proc.stderr:  # ends at the process's exit if the line never comes
+            seen.append(line)
+            if "no Kafka broker answered yet" in line:
+                proc.send_signal(stop)
+                break
+        proc.wait(timeout=60)
+        seen.append(proc.stderr.read())  # communicate() would skip what the loop buffered
+    finally:
+        proc.kill()
+    text = "".join(seen)
+    assert proc.returncode == 0, text[-3000:]
+    assert "asked to stop while waiting for the Kafka broker" in text, text[-3000:]
+    assert "Traceback" not in text and "freshrec: error" not in text, text[-3000:]
 
 
 def test_the_recommend_client_with_no_broker_raises_it_and_closes_what_it_opened():
