@@ -65,6 +65,11 @@ class WorkerSettings:
     event_slice_idle_ms: float = 40.0
     """The budget while no request has arrived for a second: only the first request after
     the quiet waits behind such a slice, and a backlog is learnt faster."""
+    prefetch_purge_ms: float = 1000.0
+    """While the events read are a backlog's (the newest over a second old), the event
+    partitions pause this often, dropping their prefetched events (read again later), so a
+    request behind them waits about this long at most (``batching.PrefetchPurge``; 0: never).
+    ``FRESHREC_PREFETCH_PURGE_MS``."""
     poll_timeout_ms: int = 5
     fetch_wait_ms: int | None = None
     """``fetch.wait.max.ms`` of the events-and-requests consumer (None: the Kafka profile's
@@ -234,6 +239,7 @@ class WorkerSettings:
             event_slice=env_int(env, "FRESHREC_EVENT_SLICE", 16384, minimum=1),
             event_slice_ms=env_float(env, "FRESHREC_EVENT_SLICE_MS", 10.0, positive=True),
             event_slice_idle_ms=env_float(env, "FRESHREC_EVENT_SLICE_IDLE_MS", 40.0, positive=True),
+            prefetch_purge_ms=env_float(env, "FRESHREC_PREFETCH_PURGE_MS", 1000.0, minimum=0.0),
             fetch_wait_ms=env_optional_int(env, "FRESHREC_WORKER_FETCH_WAIT_MS", minimum=0),
             torch_threads=env_int(env, "FRESHREC_TORCH_THREADS", 1, minimum=0),
             revoke_flush_s=env_float(env, "FRESHREC_REVOKE_FLUSH_S", 10.0, positive=True),

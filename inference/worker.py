@@ -15,8 +15,9 @@ A round of the loop (``poll_once``), in its phases (``freshrec_worker_loop_secon
    remembered (``pending.py``), the gradients into the outbox (``outbox.py``), which leaves
    for the parameter server when its linger runs out (``gradients.py``);
 4. updates: broadcast rows installed with the local steps they lack (``updates.py``);
-5. other: flow control (past a high-water mark the event partitions pause, so requests keep
-   flowing whatever the event backlog), offset commits (``commits.py``), housekeeping.
+5. other: flow control (past a high-water mark, and every second while the events read are
+   a backlog's, the event partitions pause, so requests keep flowing whatever the event
+   backlog), offset commits (``commits.py``), housekeeping.
 
 Requests go before events. Offsets are committed explicitly: an event's once the broker holds
 its gradients, a request's once its reply is delivered.
@@ -57,7 +58,7 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards, seed_starts
 from freshrec.service import Service
 from freshrec.topics import TopicNames
-from inference.batching import BatchPolicy, EventSlicer
+from inference.batching import BatchPolicy, EventSlicer, PrefetchPurge
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter
 from inference.device import STORAGE_DTYPES, device_memory, pick_device
@@ -156,6 +157,7 @@ class Worker(Service):
             min(256, most),
         )
         self.backlog: deque[Message] = deque()
+        self.purge = PrefetchPurge(settings.prefetch_purge_ms / 1000)
         self.paused: list[TopicPartition] = []
         self._events_retry_at = 0.0
         self._housekeeping_at = 0.0
@@ -316,13 +318,12 @@ class Worker(Service):
                 self.intake.accept(msg)
         self.backlog.extend(events)
         # every event: a burst weighs what it holds
-        stamps = [
-            t for kind, t in map(Message.timestamp, events) if kind != TIMESTAMP_NOT_AVAILABLE
-        ]
+        stamps = [t for k, t in map(Message.timestamp, events) if k != TIMESTAMP_NOT_AVAILABLE]
+        newest_age = None  # of this consume's events: a backlog's are old
         if stamps:
-            m.observe_many(
-                m.WORKER_FETCH_LAG, np.maximum(time.time() - np.asarray(stamps) / 1000, 0)
-            )
+            lag = np.maximum(time.time() - np.asarray(stamps) / 1000, 0)
+            m.observe_many(m.WORKER_FETCH_LAG, lag)
+            newest_age = float(lag.min())
         self.intake.serve_ready()
         self.intake.retry_failed()
         self.sender.retry_due(time.monotonic())
@@ -341,7 +342,7 @@ class Worker(Service):
         if self.installer.deferred:
             self.installer.install_deferred()
         t4 = time.perf_counter()
-        self._flow_control()
+        self._flow_control(newest_age)
         self.intake.save_answered()  # right away: it narrows the window for a duplicate answer
         now = time.monotonic()
         if now - self._last_commit > self.settings.commit_interval_s:
@@ -379,10 +380,8 @@ class Worker(Service):
             )
 
     def _consume_size(self) -> int:
-        """At least ``batch_max`` messages, and enough to fill the next slice: a backlog
-        refilled ``batch_max`` at a time held every slice to that size whatever its budget
-        (slices of 2,000 events cost ~7.5 µs an event, of 16,000 ~5.3: the fixed costs of a
-        slice, and rows named again within one, summed once)."""
+        """At least ``batch_max`` messages, and enough to fill the next slice (slices of
+        2,000 events cost ~7.5 µs an event, of 16,000 ~5.3)."""
         return max(self.settings.batch_max, self.slicer.size(time.monotonic()) - len(self.backlog))
 
     def _poll_timeout_s(self) -> float:
@@ -429,20 +428,21 @@ class Worker(Service):
         if not self.outbox.rows:  # nothing waits in the outbox: all of it is produced
             self.gate.seal()
 
-    def _flow_control(self) -> None:
-        high = max(4 * self.settings.batch_max, 2 * self.slicer.size(time.monotonic()))
-        if not self.paused and len(self.backlog) > high:
+    def _flow_control(self, newest_age: float | None) -> None:
+        now = time.monotonic()
+        purge, resume = self.purge.due(newest_age, now), self.purge.may_resume(now)
+        high = max(4 * self.settings.batch_max, 2 * self.slicer.size(now))
+        if not self.paused and (purge or len(self.backlog) > high):
             parts = [tp for tp in self.events.assignment() if tp.topic == self.names.events]
             if parts:
                 self.events.pause(parts)
                 self.paused = parts
-        elif self.paused and len(self.backlog) < self.settings.batch_max:
+        elif self.paused and len(self.backlog) < self.settings.batch_max and resume:
             self.events.resume(self.paused)
             self.paused = []
 
     def _send_if_due(self) -> None:
-        """The one place that asks the outbox whether it is due (its linger ran out, or its
-        rows passed their bound) and sends it then."""
+        """The one place that asks the outbox whether it is due, and sends it then."""
         if self.outbox.due(now_ms()):
             self.send_outbox()
 
