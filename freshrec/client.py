@@ -122,14 +122,13 @@ class RecommendClient:
         whatever was connected by then is closed again."""
         try:
             await self._start()
-        except KafkaConnectionError as exc:
+        except BaseException as exc:
             await self._close_clients()
-            raise BrokerUnreachable(
-                f"no Kafka broker answered at {self.bootstrap} ({exc}): is it running, and are "
-                "the bootstrap servers and the security settings right?"
-            ) from None
-        except BaseException:
-            await self._close_clients()
+            if isinstance(exc, KafkaConnectionError):
+                raise BrokerUnreachable(
+                    f"no Kafka broker answered at {self.bootstrap} ({exc}): is it running, and "
+                    "are the bootstrap servers and the security settings right?"
+                ) from None
             raise
 
     async def _close_clients(self) -> None:

@@ -12,6 +12,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException
@@ -145,39 +147,35 @@ def metadata(client, timeout_s: float, topic: str | None = None):
     (``STOP_SIGNALLED``) would have stopped only when the wait ran out, with status 2. It
     raises ``StopRequested`` at once instead, and says so once when the broker is slow to
     answer."""
-    outcome: list = []
-    answered = threading.Event()
+    answer: Future = Future()
 
     def ask() -> None:
         try:
-            outcome.append(client.list_topics(topic, timeout=timeout_s))
+            answer.set_result(client.list_topics(topic, timeout=timeout_s))
         except BaseException as exc:  # handed to the caller below
-            outcome.append(exc)
-        finally:
-            answered.set()
+            answer.set_exception(exc)
 
     threading.Thread(target=ask, daemon=True, name="kafka-metadata").start()
-    said = False
     start = time.monotonic()
-    while not answered.wait(0.2):
-        if STOP_SIGNALLED.is_set():
-            raise StopRequested("asked to stop while waiting for the Kafka broker")
-        if not said and time.monotonic() - start >= 1.0:
-            said = True
-            log.info("no Kafka broker answered yet; waiting up to %g s", timeout_s)
-    result = outcome[0]
-    if isinstance(result, KafkaException):
-        with contextlib.suppress(Exception):  # the client's log lines: why (held if repeated)
-            client.poll(0)
-        err = result.args[0] if result.args else result
-        reason = err.str() if isinstance(err, KafkaError) else str(err)
-        raise BrokerUnreachable(
-            f"no Kafka broker answered within {timeout_s:g} s ({reason}): is it running, and "
-            "are KAFKA_BOOTSTRAP_SERVERS and KAFKA_SECURITY_PROTOCOL / KAFKA_SASL_* right?"
-        ) from None
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    said = False
+    while True:
+        try:
+            return answer.result(0.2)
+        except FutureTimeout:
+            if STOP_SIGNALLED.is_set():
+                raise StopRequested("asked to stop while waiting for the Kafka broker") from None
+            if not said and time.monotonic() - start >= 1.0:
+                said = True
+                log.info("no Kafka broker answered yet; waiting up to %g s", timeout_s)
+        except KafkaException as exc:
+            with contextlib.suppress(Exception):  # the client's log lines: why (held if repeated)
+                client.poll(0)
+            err = exc.args[0] if exc.args else exc
+            reason = err.str() if isinstance(err, KafkaError) else str(err)
+            raise BrokerUnreachable(
+                f"no Kafka broker answered within {timeout_s:g} s ({reason}): is it running, "
+                "and are KAFKA_BOOTSTRAP_SERVERS and KAFKA_SECURITY_PROTOCOL / KAFKA_SASL_* right?"
+            ) from None
 
 
 def ensure_topics(
