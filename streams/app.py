@@ -31,6 +31,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -49,7 +50,7 @@ from freshrec.clock import now_ms
 from freshrec.endpoints import serve_metrics
 from freshrec.health import HEALTH
 from freshrec.kafka import admin_config, partition_count, profile
-from freshrec.lifecycle import exit_if_not_stopped, settle_heap
+from freshrec.lifecycle import exit_if_not_stopped, set_from_signal, settle_heap
 from freshrec.logrepeat import hold_repeats
 from freshrec.outage import StopRequested, is_outage
 from freshrec.outage import until_redis_answers_async as until_redis_answers
@@ -480,7 +481,19 @@ def run_streams(settings: StreamsSettings) -> int:
     hold_repeats(map(logging.getLogger, AIOKAFKA_LOGGERS))
     metrics = MergedRegistry()
     serve_metrics(settings.metrics_port, metrics, redis_url=settings.conn.redis_url)
-    streams = StreamsApp(settings)
+    # until faust's worker installs its own handlers, a stop ends the start-up as it ends a
+    # worker's: waits for the broker or Redis give up (StopRequested), and the process exits
+    # with 0 within the grace
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(
+            sig, lambda *_: set_from_signal(stopped, grace_s, "the streams app", whole_process=True)
+        )
+    try:
+        streams = StreamsApp(settings)
+    except StopRequested as exc:
+        log.info("the streams app stopped before it started (%s)", exc)
+        return 0
     log.info(
         "streams app %s: by-item partitions %d, fetch wait %s ms",
         streams.app.conf.id,
@@ -503,5 +516,8 @@ def run_streams(settings: StreamsSettings) -> int:
         ).start()
     worker = _faust_worker(streams.app, grace_s)
     log.info("%d objects settled", settle_heap())
+    if stopped.is_set():  # asked while the stages started: the validate child stops with us
+        log.info("the streams app stopped before it started")
+        return 0
     worker.execute_from_commandline()
     return 0
