@@ -193,6 +193,13 @@ WORKER_FETCH_LAG = Histogram(
     "returning it: the broker's and the fetch's share of the local freshness lag",
     buckets=LAG_BUCKETS_S,
 )
+WORKER_EVENT_PAUSES = Counter(
+    "freshrec_worker_event_pauses_total",
+    "Times the worker paused its event partitions: its own backlog past the high mark "
+    "(backlog), or reading a backlog's events, to drop the prefetched ones so requests "
+    "behind them are fetched (prefetch)",
+    ["reason"],
+)
 WORKER_EXAMPLES = Counter("freshrec_worker_examples_total", "Training examples", ["label"])
 GRADIENT_ROWS = Counter(
     "freshrec_gradient_rows_total", "Gradient rows by fate", ["table", "outcome"]

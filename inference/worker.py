@@ -58,10 +58,11 @@ from freshrec.rediskeys import RedisKeys
 from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards, seed_starts
 from freshrec.service import Service
 from freshrec.topics import TopicNames
-from inference.batching import BatchPolicy, EventSlicer, PrefetchPurge
+from inference.batching import BatchPolicy, EventSlicer
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter
 from inference.device import STORAGE_DTYPES, device_memory, pick_device
+from inference.eventflow import EventFlow
 from inference.intake import RequestIntake
 from inference.learning.admission import AdmissionFilter
 from inference.learning.learner import LocalLearner
@@ -157,8 +158,9 @@ class Worker(Service):
             min(256, most),
         )
         self.backlog: deque[Message] = deque()
-        self.purge = PrefetchPurge(settings.prefetch_purge_ms / 1000)
-        self.paused: list[TopicPartition] = []
+        self.flow = EventFlow(
+            self.events, self.names.events, settings.batch_max, settings.prefetch_purge_ms / 1000
+        )
         self._events_retry_at = 0.0
         self._housekeeping_at = 0.0
         self._expired_at = time.monotonic()
@@ -342,9 +344,9 @@ class Worker(Service):
         if self.installer.deferred:
             self.installer.install_deferred()
         t4 = time.perf_counter()
-        self._flow_control(newest_age)
-        self.intake.save_answered()  # right away: it narrows the window for a duplicate answer
         now = time.monotonic()
+        self.flow.adjust(len(self.backlog), self.slicer.size(now), newest_age, now)
+        self.intake.save_answered()  # right away: it narrows the window for a duplicate answer
         if now - self._last_commit > self.settings.commit_interval_s:
             self.commit()
             self._last_commit = now
@@ -428,19 +430,6 @@ class Worker(Service):
         if not self.outbox.rows:  # nothing waits in the outbox: all of it is produced
             self.gate.seal()
 
-    def _flow_control(self, newest_age: float | None) -> None:
-        now = time.monotonic()
-        purge, resume = self.purge.due(newest_age, now), self.purge.may_resume(now)
-        high = max(4 * self.settings.batch_max, 2 * self.slicer.size(now))
-        if not self.paused and (purge or len(self.backlog) > high):
-            parts = [tp for tp in self.events.assignment() if tp.topic == self.names.events]
-            if parts:
-                self.events.pause(parts)
-                self.paused = parts
-        elif self.paused and len(self.backlog) < self.settings.batch_max and resume:
-            self.events.resume(self.paused)
-            self.paused = []
-
     def _send_if_due(self) -> None:
         """The one place that asks the outbox whether it is due, and sends it then."""
         if self.outbox.due(now_ms()):
@@ -463,7 +452,7 @@ class Worker(Service):
     def _on_assign(self, consumer, parts) -> None:
         self.assigned = len(parts)
         m.ASSIGNED_PARTITIONS.labels("worker").set(len(parts))
-        self.paused = []
+        self.flow.forget()
 
     def _on_revoke(self, consumer, parts) -> None:
         """Before the partitions go: deliver what was produced for them and commit it. What
@@ -491,7 +480,7 @@ class Worker(Service):
         for t, p in gone:
             if t == self.names.events:
                 self.dedupe.pop(p, None)
-        self.paused = []
+        self.flow.forget()
         self.assigned = 0
         m.ASSIGNED_PARTITIONS.labels("worker").set(0)
 

@@ -176,6 +176,7 @@ def test_every_inference_module_lives_in_a_wing_or_the_loop():
         "inference.clients",
         "inference.commits",
         "inference.device",
+        "inference.eventflow",
         "inference.feedback",
         "inference.intake",
         "inference.offsets",

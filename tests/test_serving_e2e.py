@@ -413,7 +413,8 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir, mon
     """A request behind a backlog of events is answered while the backlog is learnt: sent
     before the worker starts, the broker may hand it over before or after the events; sent
     while the worker learns, it is fetched behind the events the client has prefetched, which
-    the worker drops every ``prefetch_purge_ms`` of full consumes (``PrefetchPurge``)."""
+    the worker drops every ``prefetch_purge_ms`` while the events it reads are old
+    (``PrefetchPurge``), counting each such pause."""
     from dataclasses import replace
 
     from inference.intake import RequestIntake
@@ -425,6 +426,8 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir, mon
     produce_values(conn, names.events, synthetic_records(World(WORLD), 3, n))
     learnt = m.WORKER_EVENTS.labels("valid")
     before = learnt._value.get()
+    prefetch_pauses = m.WORKER_EVENT_PAUSES.labels("prefetch")
+    pauses_before = prefetch_pauses._value.get()
     # the events learnt when the worker produces the reply, read on its own thread: read when
     # the client receives it, the count also held what was learnt during the reply's trip and
     # the client's fetch wait (38,164 and 59,670 on loaded CI machines)
@@ -479,6 +482,8 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir, mon
     assert len(at_reply) == 1, at_reply
     late = (at_reply[0] - before, "read at", at_read[0] - before, "sent at", sent_at)
     assert at_reply[0] - before < n / 2, late
+    if sent == "while it learns":  # read behind prefetched events: only a pause lets it by
+        assert prefetch_pauses._value.get() > pauses_before, late
 
 
 async def _send_later(client, user):

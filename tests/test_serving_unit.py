@@ -8,8 +8,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from confluent_kafka import TopicPartition
 
+from freshrec import metrics as m
 from inference.batching import BatchPolicy, Decision, EventSlicer, split_expired
+from inference.eventflow import EventFlow
 from inference.serving.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
 from inference.serving.merge import merge_channels
 from inference.serving.rerank import mmr, mmr_batch, space_categories
@@ -999,3 +1002,59 @@ def test_the_serving_budget_runs_from_when_the_request_was_produced():
     assert near.deadline_ms(250) == 9_100
     none = Inbound(RecommendRequest("r", "u", 5), "t", None, 9_000)
     assert none.deadline_ms(250) == 9_250
+
+
+class _Consumer:
+    """What ``EventFlow`` asks of a consumer: its assignment, pause and resume."""
+
+    def __init__(self, parts):
+        self.parts, self.calls = parts, []
+
+    def assignment(self):
+        return self.parts
+
+    def pause(self, parts):
+        self.calls.append(("pause", [tp.partition for tp in parts]))
+
+    def resume(self, parts):
+        self.calls.append(("resume", [tp.partition for tp in parts]))
+
+
+def test_event_partitions_pause_past_the_backlog_mark_or_to_drop_a_backlogs_prefetch():
+    parts = [
+        TopicPartition("events", 0),
+        TopicPartition("requests", 0),
+        TopicPartition("events", 1),
+    ]
+    consumer = _Consumer(parts)
+    flow = EventFlow(consumer, "events", batch_max=100, purge_every_s=1.0)
+    count = {r: m.WORKER_EVENT_PAUSES.labels(r) for r in ("backlog", "prefetch")}
+    before = {r: c._value.get() for r, c in count.items()}
+
+    def counted():
+        return {r: c._value.get() - before[r] for r, c in count.items()}
+
+    flow.adjust(backlog=400, slice_size=100, newest_age=0.0, now=0.0)  # at the mark: no pause
+    assert consumer.calls == []
+    flow.adjust(backlog=401, slice_size=100, newest_age=0.0, now=0.1)  # past it: events only
+    assert consumer.calls == [("pause", [0, 1])] and counted() == {"backlog": 1, "prefetch": 0}
+    flow.adjust(backlog=150, slice_size=100, newest_age=None, now=0.2)  # not yet worked down
+    flow.adjust(backlog=99, slice_size=100, newest_age=None, now=0.3)
+    assert consumer.calls[1:] == [("resume", [0, 1])]
+    # live events, however many rounds: never paused for the prefetch
+    for i in range(20):
+        flow.adjust(backlog=10, slice_size=100, newest_age=0.05, now=1.0 + i)
+    assert len(consumer.calls) == 2
+    # a backlog's events (over a second old): paused a second after they began, held 20 ms
+    flow.adjust(backlog=10, slice_size=100, newest_age=30.0, now=30.0)
+    flow.adjust(backlog=10, slice_size=100, newest_age=30.0, now=31.0)
+    assert consumer.calls[2:] == [("pause", [0, 1])] and counted() == {"backlog": 1, "prefetch": 1}
+    flow.adjust(backlog=0, slice_size=100, newest_age=None, now=31.01)  # within the hold
+    assert len(consumer.calls) == 3
+    flow.adjust(backlog=0, slice_size=100, newest_age=None, now=31.03)
+    assert consumer.calls[3:] == [("resume", [0, 1])]
+    # a rebalance: what was paused is no longer assigned, nothing to resume
+    flow.adjust(backlog=500, slice_size=100, newest_age=None, now=40.0)
+    flow.forget()
+    flow.adjust(backlog=0, slice_size=100, newest_age=None, now=41.0)
+    assert consumer.calls[4:] == [("pause", [0, 1])]

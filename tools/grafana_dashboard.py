@@ -123,6 +123,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], int]]]] = [
                         "steps let go /s (pool at its bound)",
                     ),
                     ("sum(freshrec_worker_event_backlog)", "worker event backlog"),
+                    (
+                        "sum by (reason) (rate(freshrec_worker_event_pauses_total[1m]))",
+                        "event partitions paused /s ({{reason}})",
+                    ),
                 ],
                 12,
             ),

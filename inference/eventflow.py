@@ -1,0 +1,49 @@
+"""When the worker's event partitions are paused and resumed: the thin I/O around
+``inference.batching.PrefetchPurge`` and the backlog's high-water mark, with a counter of
+each pause by reason (docs/serving.md, "Inside the worker")."""
+
+from __future__ import annotations
+
+from confluent_kafka import TopicPartition
+
+from freshrec import metrics as m
+from inference.batching import PrefetchPurge
+
+
+class EventFlow:
+    """Pauses ``topic``'s assigned partitions on ``consumer`` when the worker's own backlog
+    passes its high mark (``backlog``) or while the events read are a backlog's, every
+    ``purge_every_s`` (``prefetch``: drops the client's prefetched events so a request behind
+    them is fetched); resumes them once the backlog is under ``batch_max`` and a prefetch
+    pause has lasted its hold. ``freshrec_worker_event_pauses_total{reason}`` counts the
+    pauses: ``prefetch`` pauses on live traffic say its record timestamps are old (a producer
+    stamping events with their own time), not that the worker is behind."""
+
+    def __init__(self, consumer, topic: str, batch_max: int, purge_every_s: float) -> None:
+        self.consumer = consumer
+        self.topic = topic
+        self.batch_max = batch_max
+        self.purge = PrefetchPurge(purge_every_s)
+        self.paused: list[TopicPartition] = []
+        self._pauses = {r: m.WORKER_EVENT_PAUSES.labels(r) for r in ("backlog", "prefetch")}
+
+    def adjust(self, backlog: int, slice_size: int, newest_age: float | None, now: float) -> None:
+        """After a loop round: ``backlog`` events held, the next slice ``slice_size``, the
+        newest of this round's consume ``newest_age`` seconds old (None: it read none), at
+        ``now`` (monotonic seconds)."""
+        purge, resume = self.purge.due(newest_age, now), self.purge.may_resume(now)
+        high = max(4 * self.batch_max, 2 * slice_size)
+        if not self.paused and (purge or backlog > high):
+            parts = [tp for tp in self.consumer.assignment() if tp.topic == self.topic]
+            if parts:
+                self.consumer.pause(parts)
+                self.paused = parts
+                self._pauses["backlog" if backlog > high else "prefetch"].inc()
+        elif self.paused and backlog < self.batch_max and resume:
+            self.consumer.resume(self.paused)
+            self.paused = []
+
+    def forget(self) -> None:
+        """The assignment changed: nothing this paused is assigned any more (a new
+        assignment starts unpaused)."""
+        self.paused = []
