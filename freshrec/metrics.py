@@ -196,8 +196,8 @@ WORKER_FETCH_LAG = Histogram(
 WORKER_EVENT_PAUSES = Counter(
     "freshrec_worker_event_pauses_total",
     "Times the worker paused its event partitions: its own backlog past the high mark "
-    "(backlog), or reading a backlog's events, to drop the prefetched ones so requests "
-    "behind them are fetched (prefetch)",
+    "(backlog), or its consumes full (events waiting in the client's queue), to drop the "
+    "prefetched ones so requests behind them are fetched (prefetch)",
     ["reason"],
 )
 WORKER_EXAMPLES = Counter("freshrec_worker_examples_total", "Training examples", ["label"])

@@ -128,28 +128,28 @@ class PrefetchPurge:
     under the pause mark while the events wait in the Kafka client's prefetched queue: a
     request fetched after them is read only once all of them are learnt (sent while a worker
     worked off 60,000 queued events, one was read when all of them were learnt; with this, at
-    the first pause, ``tests/test_serving_e2e.py``). While the events consumed are behind (the
-    newest of a consume older than ``behind_s``: a backlog, not live traffic), every
-    ``every_s`` the worker pauses its event partitions, which drops their prefetched events
-    and leaves the next fetch to the request partitions, and resumes them after ``hold_s``
-    at least (resumed in the next loop round, a few milliseconds on, they were fetched again
-    before the request partition had a fetch of its own) once its own backlog is worked
-    down; the client fetches again from the next unread offset. The dropped events are
-    fetched again, which costs the catch-up rate (on the embedded broker, pauses every 1 s
-    took 10-18% off it, every 200 ms about half: docs/serving.md). A consume of live events
-    ends the run; one with no events says nothing. ``every_s`` 0: never.
+    the first pause, ``tests/test_serving_e2e.py``). While consumes come back full (the
+    client's queue held at least what was asked: events wait there, a backlog or traffic
+    faster than the worker, not live traffic it keeps up with), every ``every_s`` the worker
+    pauses its event partitions, which drops their prefetched events and leaves the next
+    fetch to the request partitions, and resumes them after ``hold_s`` at least (resumed in
+    the next loop round, a few milliseconds on, they were fetched again before the request
+    partition had a fetch of its own) once its own backlog is worked down; the client
+    fetches again from the next unread offset. The dropped events are fetched again, which
+    costs the catch-up rate (on the embedded broker, pauses every 1 s took 10-18% off it,
+    every 200 ms about half: docs/serving.md). A consume that is not full (the queue
+    drained) ends the run. ``every_s`` 0: never.
 
-    >>> p = PrefetchPurge(every_s=1.0, behind_s=1.0, hold_s=0.02)
-    >>> p.due(5.0, now=0.0), p.due(5.0, now=0.5), p.due(None, now=1.0), p.due(5.0, now=1.05)
-    (False, False, False, True)
+    >>> p = PrefetchPurge(every_s=1.0, hold_s=0.02)
+    >>> p.due(True, now=0.0), p.due(True, now=0.5), p.due(True, now=1.05)
+    (False, False, True)
     >>> p.may_resume(now=1.06), p.may_resume(now=1.08)
     (False, True)
-    >>> p.due(5.0, now=1.1), p.due(0.01, now=2.5), p.due(5.0, now=2.6)
+    >>> p.due(True, now=1.1), p.due(False, now=2.5), p.due(True, now=2.6)
     (False, False, False)
     """
 
     every_s: float = 1.0
-    behind_s: float = 1.0
     hold_s: float = 0.02
     since: float | None = None
     paused_at: float = float("-inf")
@@ -158,12 +158,10 @@ class PrefetchPurge:
         """Whether a pause this made has lasted ``hold_s`` (any other pause: always)."""
         return now - self.paused_at >= self.hold_s
 
-    def due(self, newest_age_s: float | None, now: float) -> bool:
-        """A consume's newest event was ``newest_age_s`` old (None: it held no events), at
-        ``now`` (monotonic seconds): whether to pause the event partitions now."""
-        if newest_age_s is None:
-            return False
-        if newest_age_s < self.behind_s or self.every_s <= 0:
+    def due(self, full: bool, now: float) -> bool:
+        """Whether to pause the event partitions now, after a consume that came back
+        ``full`` (or not) at ``now`` (monotonic seconds)."""
+        if not full or self.every_s <= 0:
             self.since = None
             return False
         if self.since is None:

@@ -12,12 +12,12 @@ from inference.batching import PrefetchPurge
 
 class EventFlow:
     """Pauses ``topic``'s assigned partitions on ``consumer`` when the worker's own backlog
-    passes its high mark (``backlog``) or while the events read are a backlog's, every
+    passes its high mark (``backlog``) or while its consumes come back full, every
     ``purge_every_s`` (``prefetch``: drops the client's prefetched events so a request behind
     them is fetched); resumes them once the backlog is under ``batch_max`` and a prefetch
     pause has lasted its hold. ``freshrec_worker_event_pauses_total{reason}`` counts the
-    pauses: ``prefetch`` pauses on live traffic say its record timestamps are old (a producer
-    stamping events with their own time), not that the worker is behind."""
+    pauses: steady ``prefetch`` pauses say events arrive faster than the worker learns them
+    (or a backlog is being worked off)."""
 
     def __init__(self, consumer, topic: str, batch_max: int, purge_every_s: float) -> None:
         self.consumer = consumer
@@ -27,11 +27,11 @@ class EventFlow:
         self.paused: list[TopicPartition] = []
         self._pauses = {r: m.WORKER_EVENT_PAUSES.labels(r) for r in ("backlog", "prefetch")}
 
-    def adjust(self, backlog: int, slice_size: int, newest_age: float | None, now: float) -> None:
-        """After a loop round: ``backlog`` events held, the next slice ``slice_size``, the
-        newest of this round's consume ``newest_age`` seconds old (None: it read none), at
-        ``now`` (monotonic seconds)."""
-        purge, resume = self.purge.due(newest_age, now), self.purge.may_resume(now)
+    def adjust(self, backlog: int, slice_size: int, full: bool, now: float) -> None:
+        """After a loop round: ``backlog`` events held, the next slice ``slice_size``, this
+        round's consume ``full`` (it got all it asked for: more may wait), at ``now``
+        (monotonic seconds)."""
+        purge, resume = self.purge.due(full, now), self.purge.may_resume(now)
         high = max(4 * self.batch_max, 2 * slice_size)
         if not self.paused and (purge or backlog > high):
             parts = [tp for tp in self.consumer.assignment() if tp.topic == self.topic]

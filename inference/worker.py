@@ -308,7 +308,8 @@ class Worker(Service):
     # ------------------------------------------------------------------------------- loop
     def poll_once(self) -> None:
         t0 = time.perf_counter()
-        msgs = consume_available(self.events, self._consume_size(), self._poll_timeout_s())
+        size = self._consume_size()
+        msgs = consume_available(self.events, size, self._poll_timeout_s())
         t1 = time.perf_counter()
         topic = self.names.events
         events = [msg for msg in msgs if msg.error() is None and msg.topic() == topic]
@@ -321,11 +322,10 @@ class Worker(Service):
         self.backlog.extend(events)
         # every event: a burst weighs what it holds
         stamps = [t for k, t in map(Message.timestamp, events) if k != TIMESTAMP_NOT_AVAILABLE]
-        newest_age = None  # of this consume's events: a backlog's are old
         if stamps:
-            lag = np.maximum(time.time() - np.asarray(stamps) / 1000, 0)
-            m.observe_many(m.WORKER_FETCH_LAG, lag)
-            newest_age = float(lag.min())
+            m.observe_many(
+                m.WORKER_FETCH_LAG, np.maximum(time.time() - np.asarray(stamps) / 1000, 0)
+            )
         self.intake.serve_ready()
         self.intake.retry_failed()
         self.sender.retry_due(time.monotonic())
@@ -345,7 +345,7 @@ class Worker(Service):
             self.installer.install_deferred()
         t4 = time.perf_counter()
         now = time.monotonic()
-        self.flow.adjust(len(self.backlog), self.slicer.size(now), newest_age, now)
+        self.flow.adjust(len(self.backlog), self.slicer.size(now), len(msgs) >= size, now)
         self.intake.save_answered()  # right away: it narrows the window for a duplicate answer
         if now - self._last_commit > self.settings.commit_interval_s:
             self.commit()

@@ -486,6 +486,40 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir, mon
         assert prefetch_pauses._value.get() > pauses_before, late
 
 
+def test_live_events_stamped_long_ago_are_not_paused_for(seeded, model_dir):
+    """Live traffic the worker keeps up with is never paused to drop prefetched events,
+    whatever its records' Kafka timestamps: here a minute back, as from a producer that
+    stamps records with their events' own times. (Paused while events looked old, this
+    worker paused 23 times in this test.)"""
+    from dataclasses import replace
+
+    from tools.benchlib import synthetic_records
+
+    conn = seeded
+    names = TopicNames(conn.topic_prefix)
+    records = synthetic_records(World(WORLD), 4, 3_000)
+    learnt = m.WORKER_EVENTS.labels("valid")
+    pauses = m.WORKER_EVENT_PAUSES.labels("prefetch")
+    producer = Producer(producer_config(conn))
+    producer.list_topics(timeout=10)  # connected before the traffic starts
+    settings = replace(worker_settings(conn, model_dir), prefetch_purge_ms=100.0)
+    with running_worker(settings):
+        before, pauses_before = learnt._value.get(), pauses._value.get()
+        stamp_ms = int(time.time() * 1000) - 60_000
+        start = time.monotonic()
+        # 1,000 events/s for three seconds, paced: a consume comes back full (2,000 events
+        # waiting) only if the worker stalls for two seconds
+        for i in range(0, len(records), 30):
+            while time.monotonic() - start < i / 1_000:
+                producer.poll(0.002)
+            for key, value in records[i : i + 30]:
+                producer.produce(names.events, value, key, timestamp=stamp_ms)
+            producer.poll(0)
+        assert producer.flush(30) == 0
+        wait_for(lambda: learnt._value.get() - before >= len(records), 60, "the events learnt")
+    assert pauses._value.get() == pauses_before
+
+
 async def _send_later(client, user):
     import asyncio
 

@@ -1020,7 +1020,7 @@ class _Consumer:
         self.calls.append(("resume", [tp.partition for tp in parts]))
 
 
-def test_event_partitions_pause_past_the_backlog_mark_or_to_drop_a_backlogs_prefetch():
+def test_event_partitions_pause_past_the_backlog_mark_or_to_drop_a_full_queues_prefetch():
     parts = [
         TopicPartition("events", 0),
         TopicPartition("requests", 0),
@@ -1034,27 +1034,29 @@ def test_event_partitions_pause_past_the_backlog_mark_or_to_drop_a_backlogs_pref
     def counted():
         return {r: c._value.get() - before[r] for r, c in count.items()}
 
-    flow.adjust(backlog=400, slice_size=100, newest_age=0.0, now=0.0)  # at the mark: no pause
+    flow.adjust(backlog=400, slice_size=100, full=False, now=0.0)  # at the mark: no pause
     assert consumer.calls == []
-    flow.adjust(backlog=401, slice_size=100, newest_age=0.0, now=0.1)  # past it: events only
+    flow.adjust(backlog=401, slice_size=100, full=False, now=0.1)  # past it: events only
     assert consumer.calls == [("pause", [0, 1])] and counted() == {"backlog": 1, "prefetch": 0}
-    flow.adjust(backlog=150, slice_size=100, newest_age=None, now=0.2)  # not yet worked down
-    flow.adjust(backlog=99, slice_size=100, newest_age=None, now=0.3)
+    flow.adjust(backlog=150, slice_size=100, full=False, now=0.2)  # not yet worked down
+    flow.adjust(backlog=99, slice_size=100, full=False, now=0.3)
     assert consumer.calls[1:] == [("resume", [0, 1])]
-    # live events, however many rounds: never paused for the prefetch
+    # consumes that drain the client's queue (live traffic the worker keeps up with, whatever
+    # its record timestamps say), however many rounds: never paused for the prefetch
     for i in range(20):
-        flow.adjust(backlog=10, slice_size=100, newest_age=0.05, now=1.0 + i)
+        flow.adjust(backlog=10, slice_size=100, full=False, now=1.0 + i)
     assert len(consumer.calls) == 2
-    # a backlog's events (over a second old): paused a second after they began, held 20 ms
-    flow.adjust(backlog=10, slice_size=100, newest_age=30.0, now=30.0)
-    flow.adjust(backlog=10, slice_size=100, newest_age=30.0, now=31.0)
+    # consumes that come back full (events wait in the client's queue): paused a second
+    # after they began, held 20 ms
+    flow.adjust(backlog=10, slice_size=100, full=True, now=30.0)
+    flow.adjust(backlog=10, slice_size=100, full=True, now=31.0)
     assert consumer.calls[2:] == [("pause", [0, 1])] and counted() == {"backlog": 1, "prefetch": 1}
-    flow.adjust(backlog=0, slice_size=100, newest_age=None, now=31.01)  # within the hold
+    flow.adjust(backlog=0, slice_size=100, full=False, now=31.01)  # within the hold
     assert len(consumer.calls) == 3
-    flow.adjust(backlog=0, slice_size=100, newest_age=None, now=31.03)
+    flow.adjust(backlog=0, slice_size=100, full=False, now=31.03)
     assert consumer.calls[3:] == [("resume", [0, 1])]
     # a rebalance: what was paused is no longer assigned, nothing to resume
-    flow.adjust(backlog=500, slice_size=100, newest_age=None, now=40.0)
+    flow.adjust(backlog=500, slice_size=100, full=False, now=40.0)
     flow.forget()
-    flow.adjust(backlog=0, slice_size=100, newest_age=None, now=41.0)
+    flow.adjust(backlog=0, slice_size=100, full=False, now=41.0)
     assert consumer.calls[4:] == [("pause", [0, 1])]
