@@ -1055,8 +1055,15 @@ def test_event_partitions_pause_past_the_backlog_mark_or_to_drop_a_full_queues_p
     assert len(consumer.calls) == 3
     flow.adjust(backlog=0, slice_size=100, full=False, now=31.03)
     assert consumer.calls[3:] == [("resume", [0, 1])]
+    # the queue the pause emptied fills again: a consume short of full just after the resume
+    # does not end the run, and the next pause comes a second after the last
+    flow.adjust(backlog=0, slice_size=100, full=False, now=31.1)
+    flow.adjust(backlog=0, slice_size=100, full=True, now=32.0)
+    assert consumer.calls[4:] == [("pause", [0, 1])] and counted()["prefetch"] == 2
+    flow.adjust(backlog=0, slice_size=100, full=False, now=32.1)
+    assert consumer.calls[5:] == [("resume", [0, 1])]
     # a rebalance: what was paused is no longer assigned, nothing to resume
     flow.adjust(backlog=500, slice_size=100, full=False, now=40.0)
     flow.forget()
     flow.adjust(backlog=0, slice_size=100, full=False, now=41.0)
-    assert consumer.calls[4:] == [("pause", [0, 1])]
+    assert consumer.calls[6:] == [("pause", [0, 1])]
