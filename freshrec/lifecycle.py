@@ -53,6 +53,13 @@ def set_from_signal(
     threading.Thread(target=signalled, daemon=True, name="signalled").start()
 
 
+def stop_on_signals(stop: threading.Event, grace_s: float, name: str) -> None:
+    """SIGTERM and SIGINT set ``stop`` and stop the whole process (``set_from_signal``), with
+    ``grace_s`` to finish."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: set_from_signal(stop, grace_s, name, whole_process=True))
+
+
 def exit_if_not_stopped(grace_s: float, name: str) -> None:
     """Give a stopping process ``grace_s`` seconds (``FRESHREC_STOP_GRACE_S``; 0: forever):
     if it is still running then — a close waiting on a broker that is gone, a thread that
@@ -93,8 +100,7 @@ def run_until_signalled(
     grace_s = stop_grace_s(os.environ)
     serve_metrics(metrics_port, redis_url=redis_url)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: set_from_signal(stop, grace_s, name, whole_process=True))
+    stop_on_signals(stop, grace_s, name)
     try:
         loop(stop)
     except StopRequested as exc:  # asked to stop while starting: no Redis or broker answering

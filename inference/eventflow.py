@@ -31,18 +31,19 @@ class EventFlow:
         """After a loop round: ``backlog`` events held, the next slice ``slice_size``, this
         round's consume ``full`` (it got all it asked for: more may wait), at ``now``
         (monotonic seconds)."""
-        purge = not self.paused and self.purge.due(full, now)
+        if self.paused:
+            if backlog < self.batch_max and self.purge.may_resume(now):
+                self.consumer.resume(self.paused)
+                self.paused = []
+                self.purge.resumed(now)
+            return
         high = max(4 * self.batch_max, 2 * slice_size)
-        if not self.paused and (purge or backlog > high):
+        if self.purge.due(full, now) or backlog > high:
             parts = [tp for tp in self.consumer.assignment() if tp.topic == self.topic]
             if parts:
                 self.consumer.pause(parts)
                 self.paused = parts
                 self._pauses["backlog" if backlog > high else "prefetch"].inc()
-        elif self.paused and backlog < self.batch_max and self.purge.may_resume(now):
-            self.consumer.resume(self.paused)
-            self.paused = []
-            self.purge.resumed(now)
 
     def forget(self) -> None:
         """The assignment changed: nothing this paused is assigned any more (a new

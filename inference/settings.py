@@ -66,10 +66,10 @@ class WorkerSettings:
     """The budget while no request has arrived for a second: only the first request after
     the quiet waits behind such a slice, and a backlog is learnt faster."""
     prefetch_purge_ms: float = 1000.0
-    """While the events read are a backlog's (the newest over a second old), the event
-    partitions pause this often, dropping their prefetched events (read again later), so a
-    request behind them waits about this long at most (``batching.PrefetchPurge``; 0: never).
-    ``FRESHREC_PREFETCH_PURGE_MS``."""
+    """While the worker's consumes come back full (events wait in the client's queue), the
+    event partitions pause this often, dropping their prefetched events (read again later),
+    so a request behind them waits about this long at most (``batching.PrefetchPurge``; 0:
+    never). ``FRESHREC_PREFETCH_PURGE_MS``."""
     poll_timeout_ms: int = 5
     fetch_wait_ms: int | None = None
     """``fetch.wait.max.ms`` of the events-and-requests consumer (None: the Kafka profile's

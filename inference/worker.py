@@ -15,9 +15,9 @@ A round of the loop (``poll_once``), in its phases (``freshrec_worker_loop_secon
    remembered (``pending.py``), the gradients into the outbox (``outbox.py``), which leaves
    for the parameter server when its linger runs out (``gradients.py``);
 4. updates: broadcast rows installed with the local steps they lack (``updates.py``);
-5. other: flow control (past a high-water mark, and every second while the events read are
-   a backlog's, the event partitions pause, so requests keep flowing whatever the event
-   backlog), offset commits (``commits.py``), housekeeping.
+5. other: flow control (``eventflow.py``: past a high-water mark, and every second while
+   consumes come back full, the event partitions pause, so requests keep flowing whatever
+   the event backlog), offset commits (``commits.py``), housekeeping.
 
 Requests go before events. Offsets are committed explicitly: an event's once the broker holds
 its gradients, a request's once its reply is delivered.
@@ -382,8 +382,10 @@ class Worker(Service):
             )
 
     def _consume_size(self) -> int:
-        """At least ``batch_max`` messages, and enough to fill the next slice (slices of
-        2,000 events cost ~7.5 µs an event, of 16,000 ~5.3)."""
+        """At least ``batch_max`` messages, and enough to fill the next slice: a backlog
+        refilled ``batch_max`` at a time held every slice to that size whatever its budget
+        (slices of 2,000 events cost ~7.5 µs an event, of 16,000 ~5.3: the fixed costs of a
+        slice, and rows named again within one, summed once)."""
         return max(self.settings.batch_max, self.slicer.size(time.monotonic()) - len(self.backlog))
 
     def _poll_timeout_s(self) -> float:
@@ -431,7 +433,8 @@ class Worker(Service):
             self.gate.seal()
 
     def _send_if_due(self) -> None:
-        """The one place that asks the outbox whether it is due, and sends it then."""
+        """The one place that asks the outbox whether it is due (its linger ran out, or its
+        rows passed their bound) and sends it then."""
         if self.outbox.due(now_ms()):
             self.send_outbox()
 

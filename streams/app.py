@@ -31,7 +31,6 @@ import logging
 import multiprocessing
 import os
 import queue
-import signal
 import threading
 import time
 from collections import defaultdict
@@ -50,7 +49,7 @@ from freshrec.clock import now_ms
 from freshrec.endpoints import serve_metrics
 from freshrec.health import HEALTH
 from freshrec.kafka import admin_config, partition_count, profile
-from freshrec.lifecycle import exit_if_not_stopped, set_from_signal, settle_heap
+from freshrec.lifecycle import exit_if_not_stopped, settle_heap, stop_on_signals
 from freshrec.logrepeat import hold_repeats
 from freshrec.outage import StopRequested, is_outage
 from freshrec.outage import until_redis_answers_async as until_redis_answers
@@ -485,10 +484,7 @@ def run_streams(settings: StreamsSettings) -> int:
     # worker's: waits for the broker or Redis give up (StopRequested), and the process exits
     # with 0 within the grace
     stopped = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(
-            sig, lambda *_: set_from_signal(stopped, grace_s, "the streams app", whole_process=True)
-        )
+    stop_on_signals(stopped, grace_s, "the streams app")
     try:
         streams = StreamsApp(settings)
     except StopRequested as exc:
