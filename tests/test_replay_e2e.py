@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from evaluation.baselines import BASELINES as SPECS
 from freshrec.app.cli import main
 
 CLUSTERS, PER_CLUSTER, USERS = 6, 12, 48
@@ -90,7 +91,14 @@ def test_replay_runs_every_arm_live_and_the_baselines_on_the_same_interactions(t
     with (out / "replay_windows.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(rows) * 4
     assert (out / "replay_hr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert report["details"]["item_knn"]["chosen_on_the_training_part"].startswith("alpha=")
+    knn = report["details"]["item_knn"]
+    assert knn["chosen_on_the_training_part"].startswith("alpha=")
+    # every setting searched, with its score on the training part; the chosen one the best
+    grid = dict(SPECS["item_knn"].candidates(report["train_end"]))
+    assert set(knn["validation_hr"]) == set(grid)
+    assert knn["validation_hr"][knn["chosen_on_the_training_part"]] == max(
+        knn["validation_hr"].values()
+    )
     # each live arm against each baseline and against frozen, on the same interactions
     paired = {(r["arm"], r["against"]): r for r in report["paired"]}
     assert set(paired) == {

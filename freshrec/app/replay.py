@@ -184,6 +184,22 @@ def tuning_grid(specs: list[str]) -> list[dict[str, str]]:
     return [dict(zip(names, vs, strict=True)) for vs in itertools.product(*axes.values())]
 
 
+def choice_margin(validation: dict[str, float], k: int) -> str:
+    """How far the chosen setting (the best) was ahead of the next on the training part's
+    last tenth, for the line that reports a baseline: a margin inside that tenth's noise
+    means another setting could as well have been chosen.
+
+    >>> choice_margin({"window=10": 0.0123, "window=50": 0.0121, "window=90": 0.01}, 10)
+    '; validation HR@10 0.0123, next window=50 0.0121'
+    >>> choice_margin({"-": 0.02}, 10)
+    ''
+    """
+    if len(validation) < 2:
+        return ""
+    (_, hr), (second, hr2) = sorted(validation.items(), key=lambda kv: -kv[1])[:2]
+    return f"; validation HR@{k} {hr:.4f}, next {second} {hr2:.4f}"
+
+
 def _tune_live(arms, inter, items, p, out: Path, run_id, args, overrides, progress) -> dict:
     """Per live arm, the ``--tune`` setting that did best (HR@k) on the validation replay:
     the training part's last tenth replayed through the live pipeline, with models trained on
@@ -236,7 +252,8 @@ def _tune_live(arms, inter, items, p, out: Path, run_id, args, overrides, progre
 
 
 def _baseline(name: str, data, k: int, windows: int, progress: ProgressLine):
-    """The baseline's scores on the replay, its settings tuned on the training part."""
+    """The baseline's scores on the replay, its settings tuned on the training part, and each
+    setting's HR@k on the training part's last tenth (empty when there was nothing to choose)."""
     from evaluation.prequential import run, tune
 
     spec = SPECS.get(name)
@@ -244,10 +261,10 @@ def _baseline(name: str, data, k: int, windows: int, progress: ProgressLine):
         raise SystemExit(f"freshrec replay: unknown baseline {name!r} (known: {BASELINES})")
     p = data.plan
     settings = dict(spec.candidates(p.train_end))
-    chosen = next(iter(settings))
+    chosen, validation = next(iter(settings)), {}
     if len(settings) > 1:
         factories = [(label, lambda s=s: spec.cls(**s)) for label, s in settings.items()]
-        chosen, _ = tune(factories, data.users, data.items, p.train_end, k)
+        chosen, validation = tune(factories, data.users, data.items, p.train_end, k)
 
     def make():
         return spec.cls(**settings[chosen])
@@ -259,7 +276,7 @@ def _baseline(name: str, data, k: int, windows: int, progress: ProgressLine):
 
     started = time.monotonic()
     scores = run(make(), p, data.users, data.items, data.t_ms, k, windows, name, on_step)
-    return scores, chosen, round(time.monotonic() - started, 1)
+    return scores, chosen, validation, round(time.monotonic() - started, 1)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -380,11 +397,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
             )
     scored: dict[str, object] = {}  # baseline -> its ArmScores, for the paired differences
     for name in baselines:
-        scores, chosen, wall_s = _baseline(name, data, args.k, args.windows, progress)
+        scores, chosen, validation, wall_s = _baseline(name, data, args.k, args.windows, progress)
         scored[name] = scores
         record(name, "baseline", scores, wall_s, chosen)
-        extra[name] = {"chosen_on_the_training_part": chosen}
-        progress.done(f"{name} ({chosen}): HR@{args.k} {rows[-1]['hr']}")
+        extra[name] = {"chosen_on_the_training_part": chosen, "validation_hr": validation}
+        progress.done(
+            f"{name} ({chosen}{choice_margin(validation, args.k)}): HR@{args.k} {rows[-1]['hr']}"
+        )
     meta = {
         "log": str(args.path),
         "interactions": len(inter),
