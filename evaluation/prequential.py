@@ -86,12 +86,18 @@ def tune(
     step: int = 100,
 ) -> tuple[str, dict[str, float]]:
     """The name of the best candidate (a factory each) on the training part's last 10%,
-    and every candidate's HR@k there."""
+    and every candidate's HR@k there.
+
+    Chosen on the exact figures, not on the four decimals a report shows: the most hits, then
+    the higher NDCG@k, then the earlier candidate. On a sparse log most settings land within
+    a few hits of each other (Yelp's item kNN grid: 0.0093–0.0098), where rounded scores tie
+    and the grid's order would choose."""
     u, i = users[:train_end], items[:train_end]
     inner = plan(u, i, train_share=0.9, step=step)
-    results = {}
+    results, order = {}, {}
     for name, make in candidates:
-        s = run(make(), inner, u, i, np.arange(len(u)), k=k, windows=1, name=name)
-        results[name] = s.total.values()["hr"] or 0.0
-    best = max(results, key=lambda n: results[n])
+        t = run(make(), inner, u, i, np.arange(len(u)), k=k, windows=1, name=name).total
+        results[name] = t.hits / t.interactions if t.interactions else 0.0
+        order[name] = (t.hits, t.ndcg)
+    best = max(order, key=lambda n: order[n])
     return best, results

@@ -109,6 +109,39 @@ def test_tuning_picks_on_the_training_part_only():
     assert best == "window=10" and results["window=10"] > results["pop"]
 
 
+def test_tuning_chooses_on_exact_hits_then_ndcg_not_on_rounded_scores():
+    # new users, one interaction each: the last tenth (20,000) is the validation part
+    n = 200_000
+    users = np.array([f"u{j}" for j in range(n)], object)
+    items = np.array(["x" if j % 10 == 0 else "z" for j in range(n)], object)
+    items[-2:] = ["x", "y"]  # 2,001 x's in the validation part, and a y
+
+    class Fixed:
+        def __init__(self, lists: dict[str, list[str]], default: list[str]) -> None:
+            self.lists, self.default = lists, default
+
+        def learn(self, users, items) -> None:
+            pass
+
+        def recommend(self, user, k, exclude):
+            return self.lists.get(user, self.default)
+
+    last = str(users[-1])
+    candidates = [
+        ("x", lambda: Fixed({}, ["x"])),  # the x's
+        ("x, and y for the last", lambda: Fixed({last: ["y"]}, ["x"])),  # one hit more
+        ("x second", lambda: Fixed({}, ["q", "x"])),  # the x's, lower in the list
+    ]
+    best, results = tune(candidates, users, items, train_end=n)
+    assert results["x, and y for the last"] > results["x"] == results["x second"]
+    # rounded as a report shows them (four decimals), the first two tie; the choice does not
+    assert round(results["x"], 4) == round(results["x, and y for the last"], 4)
+    assert best == "x, and y for the last"
+    # equal hits: the higher NDCG, whatever the grid's order
+    best, _ = tune(candidates[2::-2], users, items, train_end=n)
+    assert best == "x"
+
+
 def test_recovery_is_timed_from_the_drift_to_the_end_of_the_first_good_window():
     from evaluation.drift import Recovery, level_before, recovery_s, window
 

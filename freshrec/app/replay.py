@@ -239,8 +239,9 @@ def _tune_live(arms, inter, items, p, out: Path, run_id, args, overrides, progre
                 progress=progress.update,
                 overrides={**overrides, **settings},
             )
-            hr[label] = result.scores.total.values()["hr"] or 0.0
-            progress.done(f"{arm} on the validation replay, {label}: HR@{args.k} {hr[label]}")
+            t = result.scores.total  # exact: rounded scores tie on a sparse log
+            hr[label] = round(t.hits / t.interactions, 6) if t.interactions else 0.0
+            progress.done(f"{arm} on the validation replay, {label}: HR@{args.k} {hr[label]:.4f}")
         best = max(grid, key=lambda s: hr[",".join(f"{k}={v}" for k, v in s.items())])
         chosen[arm] = {
             "settings": best,
@@ -400,7 +401,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         scores, chosen, validation, wall_s = _baseline(name, data, args.k, args.windows, progress)
         scored[name] = scores
         record(name, "baseline", scores, wall_s, chosen)
-        extra[name] = {"chosen_on_the_training_part": chosen, "validation_hr": validation}
+        extra[name] = {
+            "chosen_on_the_training_part": chosen,
+            "validation_hr": {label: round(hr, 6) for label, hr in validation.items()},
+        }
         progress.done(
             f"{name} ({chosen}{choice_margin(validation, args.k)}): HR@{args.k} {rows[-1]['hr']}"
         )
