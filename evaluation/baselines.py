@@ -313,7 +313,7 @@ class ItemKNN:
         n = len(self.items)
         if self._matrix is None or self._matrix.shape[0] != n:
             index = [torch.zeros(0, dtype=torch.int64)] * 2
-            values = torch.zeros(0, dtype=torch.float32)
+            values = torch.zeros(0, dtype=torch.float64)
             if self._matrix is not None:  # the counts so far, grown to the vocabulary
                 old = self._matrix.to_sparse_coo().coalesce()
                 index, values = list(old.indices()), old.values()
@@ -322,7 +322,7 @@ class ItemKNN:
                     np.stack([np.concatenate(self._rows), np.concatenate(self._cols)])
                 )
                 index = [torch.cat([index[0], new[0]]), torch.cat([index[1], new[1]])]
-                values = torch.cat([values, torch.ones(new.shape[1])])
+                values = torch.cat([values, torch.ones(new.shape[1], dtype=torch.float64)])
                 self._rows, self._cols = [], []
             coo = torch.sparse_coo_tensor(
                 torch.stack(index), values, (n, n), check_invariants=False
@@ -345,7 +345,9 @@ class ItemKNN:
         if not n:
             return [[] for _ in users]
         counts = np.maximum(self.counts[:n], 1.0)
-        weights = np.zeros((n, len(users)), np.float32)
+        # float64: the popularity tie-break below (1e-9) is below a float32 score's precision
+        # (7e-9 at 0.1), where equal scores would fall to the vocabulary's order instead
+        weights = np.zeros((n, len(users)), np.float64)
         for q, user in enumerate(users):
             window = self.recent.get(user)
             if window:

@@ -188,6 +188,16 @@ def test_item_knn_scores_equal_hand_computed_co_occurrence():
     assert short.counts[ix["x"]] == 1
 
 
+def test_item_knn_breaks_equal_scores_by_popularity_not_by_first_seen():
+    """q's window is [a]; b and c each met a once: at α 0 both score c(a, ·)/n(a) = 1/4. c is
+    the more popular (three users to b's one), so it comes first, though b was seen first."""
+    from evaluation.baselines import ItemKNN
+
+    knn = ItemKNN(window=10, alpha=0.0)
+    knn.learn(["u1", "u1", "u2", "u2", "u4", "u5", "q"], ["a", "b", "a", "c", "c", "c", "a"])
+    assert knn.recommend("q", 2, exclude={"a"}) == ["c", "b"]
+
+
 def test_item_knn_equals_brute_force_on_a_random_log():
     from evaluation.baselines import ItemKNN
 
