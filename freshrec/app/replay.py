@@ -184,20 +184,24 @@ def tuning_grid(specs: list[str]) -> list[dict[str, str]]:
     return [dict(zip(names, vs, strict=True)) for vs in itertools.product(*axes.values())]
 
 
-def choice_margin(validation: dict[str, float], k: int) -> str:
-    """How far the chosen setting (the best) was ahead of the next on the training part's
+def choice_margin(validation: dict[str, float], chosen: str, k: int) -> str:
+    """How far the chosen setting was ahead of the best of the others on the training part's
     last tenth, for the line that reports a baseline: a margin inside that tenth's noise
-    means another setting could as well have been chosen.
+    means another setting could as well have been chosen (an equal HR: the choice fell to
+    NDCG).
 
-    >>> choice_margin({"window=10": 0.0123, "window=50": 0.0121, "window=90": 0.01}, 10)
+    >>> choice_margin({"window=10": 0.0123, "window=50": 0.0121, "window=90": 0.01}, "window=10", 10)
     '; validation HR@10 0.0123, next window=50 0.0121'
-    >>> choice_margin({"-": 0.02}, 10)
+    >>> choice_margin({"window=10": 0.0123, "window=50": 0.0123}, "window=50", 10)
+    '; validation HR@10 0.0123, next window=10 0.0123'
+    >>> choice_margin({"-": 0.02}, "-", 10)
     ''
     """
-    if len(validation) < 2:
+    others = {label: hr for label, hr in validation.items() if label != chosen}
+    if chosen not in validation or not others:
         return ""
-    (_, hr), (second, hr2) = sorted(validation.items(), key=lambda kv: -kv[1])[:2]
-    return f"; validation HR@{k} {hr:.4f}, next {second} {hr2:.4f}"
+    second = max(others, key=lambda label: others[label])
+    return f"; validation HR@{k} {validation[chosen]:.4f}, next {second} {others[second]:.4f}"
 
 
 def _tune_live(arms, inter, items, p, out: Path, run_id, args, overrides, progress) -> dict:
@@ -406,7 +410,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             "validation_hr": {label: round(hr, 6) for label, hr in validation.items()},
         }
         progress.done(
-            f"{name} ({chosen}{choice_margin(validation, args.k)}): HR@{args.k} {rows[-1]['hr']}"
+            f"{name} ({chosen}{choice_margin(validation, chosen, args.k)}): HR@{args.k} {rows[-1]['hr']}"
         )
     meta = {
         "log": str(args.path),
