@@ -413,7 +413,7 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir, mon
     """A request behind a backlog of events is answered while the backlog is learnt: sent
     before the worker starts, the broker may hand it over before or after the events; sent
     while the worker learns, it is fetched behind the events the client has prefetched, which
-    the worker drops every ``prefetch_purge_ms`` while the events it reads are old
+    the worker drops every ``prefetch_purge_ms`` while its consumes come back full
     (``PrefetchPurge``), counting each such pause."""
     from dataclasses import replace
 
@@ -480,11 +480,14 @@ def test_a_backlog_of_events_does_not_hold_back_a_request(seeded, model_dir, mon
     # answered while the backlog was being learnt, not after it, against all 60,000 for a
     # worker that learns before it serves (or reads its requests behind prefetched events)
     assert len(at_reply) == 1, at_reply
-    # (for one sent while learning: before half of what was left when it was sent; how much
-    # was learnt before it went out is the test's own latency, up to ~19,000 here)
+    # (for one sent while learning: counted from when it was sent, since how much was learnt
+    # before it went out is the test's own latency, up to ~19,000 here). Answered before
+    # three quarters of what was left then: with the pauses, 15 recorded runs on 2 cores
+    # answered after 8% to 50% of it (2 of 38 runs over half); with them off
+    # (``prefetch_purge_ms`` 0) after 87% to 95%
     start = before if sent == "before the worker starts" else sent_at[0]
     late = (at_reply[0] - before, "read at", at_read[0] - before, "sent at", start - before)
-    assert at_reply[0] - start < (n - (start - before)) / 2, late
+    assert at_reply[0] - start < 0.75 * (n - (start - before)), late
     if sent == "while it learns":  # read behind prefetched events: only a pause lets it by
         assert prefetch_pauses._value.get() > pauses_before, late
 
