@@ -36,10 +36,16 @@ class Tally:
     requests: int = 0
     recall: float = 0.0
 
+    @property
+    def hit_rate(self) -> float:
+        """HR unrounded (0.0 with nothing scored): what settings are chosen on, where the four
+        decimals of ``values`` would tie."""
+        return self.hits / self.interactions if self.interactions else 0.0
+
     def values(self) -> dict[str, float | None]:
         n, r = self.interactions, self.requests
         return {
-            "hr": round(self.hits / n, 4) if n else None,
+            "hr": round(self.hit_rate, 4) if n else None,
             "ndcg": round(self.ndcg / n, 4) if n else None,
             "mrr": round(self.mrr / n, 4) if n else None,
             "recall": round(self.recall / r, 4) if r else None,

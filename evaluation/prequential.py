@@ -94,10 +94,9 @@ def tune(
     and the grid's order would choose."""
     u, i = users[:train_end], items[:train_end]
     inner = plan(u, i, train_share=0.9, step=step)
-    results, order = {}, {}
-    for name, make in candidates:
-        t = run(make(), inner, u, i, np.arange(len(u)), k=k, windows=1, name=name).total
-        results[name] = t.hits / t.interactions if t.interactions else 0.0
-        order[name] = (t.hits, t.ndcg)
-    best = max(order, key=lambda n: order[n])
-    return best, results
+    totals = {
+        name: run(make(), inner, u, i, np.arange(len(u)), k=k, windows=1, name=name).total
+        for name, make in candidates
+    }
+    best = max(totals, key=lambda n: (totals[n].hits, totals[n].ndcg))
+    return best, {name: t.hit_rate for name, t in totals.items()}

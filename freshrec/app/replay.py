@@ -243,8 +243,7 @@ def _tune_live(arms, inter, items, p, out: Path, run_id, args, overrides, progre
                 progress=progress.update,
                 overrides={**overrides, **settings},
             )
-            t = result.scores.total  # exact: rounded scores tie on a sparse log
-            hr[label] = round(t.hits / t.interactions, 6) if t.interactions else 0.0
+            hr[label] = round(result.scores.total.hit_rate, 6)  # 4 decimals tie: sparse logs
             progress.done(f"{arm} on the validation replay, {label}: HR@{args.k} {hr[label]:.4f}")
         best = max(grid, key=lambda s: hr[",".join(f"{k}={v}" for k, v in s.items())])
         chosen[arm] = {
