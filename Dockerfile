@@ -6,12 +6,12 @@ WORKDIR /app
 # CPU-only image can add --index-url for the CPU wheel at build time.
 COPY pyproject.toml README.md ./
 COPY freshrec ./freshrec
+COPY freshcore ./freshcore
 COPY schemas ./schemas
 COPY streams ./streams
 COPY inference ./inference
 COPY param_server ./param_server
 COPY evaluation ./evaluation
-COPY tools ./tools
 RUN pip install --no-cache-dir .
 # The CUDA caching allocator, where a worker runs on a GPU (seed B: cap the size of blocks it
 # splits, so that a long-running process does not fragment the device's memory; collect

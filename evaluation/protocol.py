@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from freshrec.hashing import hash_uniform
+from schemas.hashing import hash_uniform
 
 
 @dataclass

@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from freshrec.hashing import salted_bucket
+from schemas.hashing import salted_bucket
 
 Z95 = 1.959963984540054
 ANALYSIS_BUCKETS = 64

@@ -1,7 +1,7 @@
 """The HTTP endpoints of a service: ``/metrics`` for Prometheus, ``/healthz`` (liveness) and
 ``/readyz`` (readiness) for an orchestrator, on one port, on a daemon thread.
 
-Readiness asks ``freshrec.health.HEALTH`` with the partitions this process owns (the
+Readiness asks ``freshcore.health.HEALTH`` with the partitions this process owns (the
 ``freshrec_assigned_partitions`` gauge it already sets) and a Redis ping of at most once a
 second (0.5 s timeout). Both answer 200 or 503 with a one-line reason as plain text.
 """
@@ -18,12 +18,12 @@ from urllib.parse import parse_qs
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from freshrec import metrics as m
-from freshrec.health import HEALTH
-from freshrec.redisconn import connect
-from freshrec.settings import metrics_host
+from freshcore import metrics as m
+from freshcore.health import HEALTH
+from freshcore.redisconn import connect
+from freshcore.settings import metrics_host
 
-log = logging.getLogger("freshrec.endpoints")
+log = logging.getLogger("freshcore.endpoints")
 
 
 class _RedisCheck:
@@ -97,8 +97,8 @@ def serve_metrics(
     port: int, registry=None, redis_url: str | None = None, host: str | None = None
 ) -> None:
     """Serve ``/metrics`` (this process's registry, or ``registry``:
-    ``freshrec.childmetrics.MergedRegistry`` where a child process has metrics too),
-    ``/healthz`` and ``/readyz`` (``freshrec.health``; readiness pings ``redis_url``) on
+    ``freshcore.childmetrics.MergedRegistry`` where a child process has metrics too),
+    ``/healthz`` and ``/readyz`` (``freshcore.health``; readiness pings ``redis_url``) on
     ``host:port`` — ``FRESHREC_METRICS_HOST``, loopback unless configured. Port 0: nothing."""
     if not port:
         return

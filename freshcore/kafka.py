@@ -26,10 +26,10 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError
 
-from freshrec.errors import FreshRecError
-from freshrec.logrepeat import hold_repeats
-from freshrec.settings import ConnectionSettings, SettingsError
-from freshrec.topics import metadata
+from freshcore.logrepeat import hold_repeats
+from freshcore.settings import ConnectionSettings, SettingsError
+from freshcore.topics import metadata
+from schemas.errors import FreshRecError
 
 #: librdkafka's own lines from FreshRec's producers and consumers, through Python's logging
 #: (``freshrec.librdkafka``, served when the client is polled) instead of straight to stderr,
@@ -198,7 +198,7 @@ def lag_statistics(group: str) -> dict[str, Any]:
     (the embedded broker's ListOffsets answers are wrong, so lag is never asked for)."""
     import json
 
-    from freshrec import metrics as m
+    from freshcore import metrics as m
 
     def on_stats(raw: str) -> None:
         try:
@@ -254,7 +254,7 @@ def consume_batch(
         if err is None:
             good.append(msg)
         elif err.code() != KafkaError._PARTITION_EOF:
-            logging.getLogger("freshrec.kafka").warning("%s consumer error: %s", what, err)
+            logging.getLogger("freshcore.kafka").warning("%s consumer error: %s", what, err)
     return good
 
 
@@ -319,7 +319,7 @@ _TRANSIENT_DELIVERY = frozenset(
 
 def delivery_retriable(err) -> bool:
     """Whether a failed delivery may pass on its own (a timeout, a broker away): the same
-    message produced again may be delivered (``freshrec/retry.py``)."""
+    message produced again may be delivered (``freshcore/retry.py``)."""
     code = err.code() if hasattr(err, "code") else None
     return code in _TRANSIENT_DELIVERY or bool(getattr(err, "retriable", lambda: False)())
 
@@ -341,12 +341,12 @@ def partition_count(client, topic: str, timeout_s: float = 15.0) -> int:
 def gradients_partitions(conn: ConnectionSettings, env=None, timeout_s: float = 10.0) -> int:
     """How many partitions ``gradients`` has: the broker's count where the topic exists,
     else the count ``freshrec topics create`` would give it (``FRESHREC_PARTITIONS`` or the
-    catalogue's). Rows in Redis are laid out by it (``freshrec.rowstore.row_shards``)."""
+    catalogue's). Rows in Redis are laid out by it (``freshcore.rowstore.row_shards``)."""
     import os
 
     from confluent_kafka.admin import AdminClient
 
-    from freshrec.topics import BY_NAME, TopicNames, partitions_from_env
+    from freshcore.topics import BY_NAME, TopicNames, partitions_from_env
 
     name = TopicNames(conn.topic_prefix).gradients
     with contextlib.suppress(TopicMissing):

@@ -13,11 +13,11 @@ import sys
 import threading
 from collections.abc import Callable
 
-from freshrec.endpoints import serve_metrics
-from freshrec.outage import STOP_SIGNALLED, StopRequested
-from freshrec.settings import stop_grace_s
+from freshcore.endpoints import serve_metrics
+from freshcore.outage import STOP_SIGNALLED, StopRequested
+from freshcore.settings import stop_grace_s
 
-log = logging.getLogger("freshrec.lifecycle")
+log = logging.getLogger("freshcore.lifecycle")
 
 _stop_deadline_armed = threading.Lock()
 

@@ -47,7 +47,7 @@ LAG_BUCKETS_S = (
 class _CpuCollector:
     """``freshrec_cpu_seconds_total``: the CPU (user + system) this process has used. A
     service's child process (the streams app's validate stage) exports its own, which the
-    parent's endpoint adds in (``freshrec.childmetrics``): one figure per service, what the
+    parent's endpoint adds in (``freshcore.childmetrics``): one figure per service, what the
     cost rules price (``tools/prometheus_rules.py``)."""
 
     def collect(self):

@@ -18,11 +18,11 @@ from typing import TypeVar
 
 import redis
 
-from freshrec import metrics as m
-from freshrec.errors import FreshRecError
+from freshcore import metrics as m
+from schemas.errors import FreshRecError
 
 T = TypeVar("T")
-log = logging.getLogger("freshrec.outage")
+log = logging.getLogger("freshcore.outage")
 
 REDIS_DOWN: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
 """Errors that mean Redis did not answer (as opposed to refusing a command)."""

@@ -7,7 +7,7 @@ that owns their keys.
 connects through ``connect``/``connect_async``; what they get answers redis-py's commands
 either way (redis-py's cluster client routes them and follows ``MOVED``/``ASK``).
 
-Commands packed with numpy (``freshrec/resp.py``) bypass redis-py's routing, so they travel
+Commands packed with numpy (``freshcore/resp.py``) bypass redis-py's routing, so they travel
 as ``Packed`` entries: the key that routes them, the packed bytes (commands on keys of that
 key's slot only — a cluster refuses a transaction across slots) and how many replies they
 get. ``run_packed`` sends them all on one connection to a single server; on a cluster it
@@ -36,8 +36,8 @@ import redis.asyncio.cluster
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from freshrec.errors import RetriableError
-from freshrec.resp import exchange_async, execute
+from freshcore.resp import exchange_async, execute
+from schemas.errors import RetriableError
 
 log = logging.getLogger("freshrec.redis")
 
@@ -96,7 +96,7 @@ def check_exec(reply, what: str = "the transaction") -> list:
     >>> check_exec([1, redis.ResponseError("OOM command not allowed")], "counts")
     Traceback (most recent call last):
     ...
-    freshrec.redisconn.TransactionFailed: 1 of 2 commands of counts failed: OOM command not allowed
+    freshcore.redisconn.TransactionFailed: 1 of 2 commands of counts failed: OOM command not allowed
     """
     failed = [r for r in reply or () if isinstance(r, Exception)]
     if failed:
@@ -378,7 +378,7 @@ def reload_slots(client, error: Exception | None = None, attempt: int = 0) -> No
 
 async def run_packed_async(client, entries: Sequence[Packed]) -> list[list]:
     """``run_packed`` for a ``redis.asyncio`` client."""
-    from freshrec.resp import execute_async
+    from freshcore.resp import execute_async
 
     if not entries:
         return []

@@ -71,7 +71,7 @@ class RedisKeys:
     @property
     def rows_layout(self) -> str:
         """String: the number of ``gradients`` partitions the rows are laid out by (the
-        first writer records it; see ``freshrec.rowstore.row_shards``)."""
+        first writer records it; see ``freshcore.rowstore.row_shards``)."""
         return f"{self.prefix}rows:shards"
 
     @property
@@ -125,7 +125,7 @@ class RedisKeys:
 
     def covisit(self, shard: int) -> str:
         """Hash of the anchors of ``events.by_item`` partition ``shard``: field = item id,
-        value = its neighbour list (``freshrec/neighbours.py``), for the covisit channel.
+        value = its neighbour list (``freshcore/neighbours.py``), for the covisit channel.
 
         >>> RedisKeys("t1.").covisit(2)
         't1.covisit:{s2}'

@@ -2,7 +2,7 @@
 its next attempt. Pure: time is passed in.
 
 A producer's delivery callback runs inside ``poll``; it must not produce again from there.
-So a failed delivery that may pass on its own (``freshrec.kafka.delivery_retriable``) goes
+So a failed delivery that may pass on its own (``freshcore.kafka.delivery_retriable``) goes
 into a ``RetryQueue``, and the service's loop produces what is ``due``. The policy says how
 many attempts a message gets (``None``: until it is delivered or taken back) and how long it
 waits before each next one.

@@ -11,11 +11,11 @@ import time
 import numpy as np
 import redis
 
-from freshrec.errors import FreshRecError
-from freshrec.partitioner import FEW, row_partitions
-from freshrec.redisconn import Packed, run_packed
-from freshrec.rediskeys import RedisKeys
-from freshrec.resp import pack_fixed
+from freshcore.partitioner import FEW, row_partitions
+from freshcore.redisconn import Packed, run_packed
+from freshcore.rediskeys import RedisKeys
+from freshcore.resp import pack_fixed
+from schemas.errors import FreshRecError
 from schemas.rowbatch import TABLE_ITEM, TABLE_NAMES
 from schemas.rows import decode_row, decode_rows, encode_rows, key_matrix, key_to_id, row_key
 

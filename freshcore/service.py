@@ -4,7 +4,7 @@ whatever happened — told whether the loop ended cleanly (a clean end commits w
 failure commits nothing, so the work is read again after a restart). The worker, the
 parameter server and the streams app's validate and catalogue stages are ``Service``s; the
 faust count stage is faust's (``mode``) own. A Redis outage is waited out the same way in all
-of them (``wait_for_redis``, ``freshrec/outage.py``)."""
+of them (``wait_for_redis``, ``freshcore/outage.py``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
-from freshrec.health import HEALTH
-from freshrec.outage import until_redis_answers
+from freshcore.health import HEALTH
+from freshcore.outage import until_redis_answers
 
 T = TypeVar("T")
 
@@ -22,7 +22,7 @@ T = TypeVar("T")
 class Service(abc.ABC):
     name: ClassVar[str] = "service"
     beats: ClassVar[bool] = True
-    """Each round beats the process's liveness (``freshrec/health.py``); a stage on a side
+    """Each round beats the process's liveness (``freshcore/health.py``); a stage on a side
     thread of a process whose main loop beats says False."""
 
     _stop: threading.Event | None = None
@@ -60,7 +60,7 @@ class Service(abc.ABC):
     def wait_for_redis(
         self, op: Callable[[], T], what: str, while_waiting: Callable[[bool], None] | None = None
     ) -> T:
-        """``op()``, waiting out a Redis outage (``freshrec.outage.until_redis_answers``);
+        """``op()``, waiting out a Redis outage (``freshcore.outage.until_redis_answers``);
         asked to stop meanwhile, it raises ``StopRequested``."""
         return until_redis_answers(
             op, f"{self.name}: {what}", while_waiting=while_waiting, stop=self._stop

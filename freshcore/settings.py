@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from freshrec.errors import FreshRecError
-from freshrec.hotscore import HotWeights
+from freshcore.hotscore import HotWeights
 from schemas.codec import DeadLetterLimits
+from schemas.errors import FreshRecError
 
 STACK_ENV_FILE = "stack.env"
 
@@ -346,7 +346,7 @@ class RowSettings:
 
 @dataclass(frozen=True)
 class HotScoreSettings:
-    """The hot score's weights and decay (``freshrec/hotscore.py``): the streams app computes
+    """The hot score's weights and decay (``freshcore/hotscore.py``): the streams app computes
     it, the worker merges the published lists with it, so both read it here."""
 
     weights: HotWeights = field(default_factory=HotWeights)

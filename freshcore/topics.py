@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from freshrec.errors import FreshRecError, RetriableError
-from freshrec.outage import STOP_SIGNALLED, StopRequested
+from freshcore.outage import STOP_SIGNALLED, StopRequested
+from schemas.errors import FreshRecError, RetriableError
 
 log = logging.getLogger(__name__)
 

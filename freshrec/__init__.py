@@ -9,19 +9,20 @@ The public face, for code that asks for recommendations::
 
 Every error FreshRec raises on purpose derives from ``FreshRecError`` (``retriable`` says
 whether the same call may succeed later). The client is imported on first use, so
-``import freshrec.settings`` in a service stays light.
+``import freshrec`` stays light.
 
-This package also holds what every service shares (the kernel): settings, the Kafka client
-profile, the topic catalogue, Redis connections, metrics; ``freshrec.app`` is the command line
-and the embedded stack. The services live beside it in ``streams/``, ``inference/`` and
-``param_server/``; wire contracts in ``schemas/``.
+This package is the product on top: the public face and the client, the ``freshrec``
+command and the embedded stack (``freshrec.app``), the simulator ``freshrec run`` drives
+(``freshrec.sim``). It stands on the services (``streams/``, ``inference/``,
+``param_server/``), the replay's ``evaluation/``, the kernel they share (``freshcore/``) and
+the wire contracts (``schemas/``); none of them imports it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from freshrec.errors import FreshRecError, RetriableError
+from schemas.errors import FreshRecError, RetriableError
 
 if TYPE_CHECKING:
     from freshrec.client import (

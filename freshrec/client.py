@@ -33,12 +33,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaConnectionError
 from aiokafka.partitioner import DefaultPartitioner
 
-from freshrec.errors import FreshRecError
-from freshrec.kafka import PROFILES, TopicMissing
-from freshrec.settings import KafkaSecurity
-from freshrec.topics import BrokerUnreachable, TopicNames
+from freshcore.kafka import PROFILES, TopicMissing
+from freshcore.settings import KafkaSecurity
+from freshcore.topics import BrokerUnreachable, TopicNames
 from schemas.codec import decode_reply, encode_request
 from schemas.contract import Rejected
+from schemas.errors import FreshRecError
 from schemas.records import RecommendReply, RecommendRequest, RequestContext
 
 log = logging.getLogger("freshrec.client")

@@ -125,7 +125,7 @@ class CostTerms:
     def from_env(cls, env) -> CostTerms:
         from dataclasses import fields
 
-        from freshrec.settings import env_float
+        from freshcore.settings import env_float
 
         return cls(
             **{

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from freshrec.settings import SettingsError, env_float
+from freshcore.settings import SettingsError, env_float
 
-# The lag histograms' bucket bounds an objective may sit on (``freshrec.metrics``): a share
+# The lag histograms' bucket bounds an objective may sit on (``freshcore.metrics``): a share
 # of observations above a bound is exact only at a bound.
 LAG_BOUNDS_S = (0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 

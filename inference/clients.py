@@ -10,8 +10,8 @@ from typing import Any
 import redis
 from confluent_kafka import Consumer, Producer
 
-from freshrec.kafka import consumer_config, lag_statistics, producer_config, profile
-from freshrec.redisconn import connect
+from freshcore.kafka import consumer_config, lag_statistics, producer_config, profile
+from freshcore.redisconn import connect
 from inference.settings import WorkerSettings
 
 
@@ -35,7 +35,7 @@ class WorkerClients:
     """The worker's connections to Redis and Kafka."""
 
     redis: redis.Redis
-    """A single server's client or a cluster's (``freshrec.redisconn``)."""
+    """A single server's client or a cluster's (``freshcore.redisconn``)."""
     producer: Producer
     """Replies, dead letters and gradients."""
     events: Consumer

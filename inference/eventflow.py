@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from confluent_kafka import TopicPartition
 
-from freshrec import metrics as m
+from freshcore import metrics as m
 from inference.batching import PrefetchPurge
 
 

@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterable
 import redis
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 
-from freshrec import metrics as m
-from freshrec.clock import now_ms
-from freshrec.kafka import delivery_retriable, produce
-from freshrec.rediskeys import RedisKeys
-from freshrec.retry import RetryPolicy, RetryQueue
-from freshrec.topics import TopicNames
+from freshcore import metrics as m
+from freshcore.clock import now_ms
+from freshcore.kafka import delivery_retriable, produce
+from freshcore.rediskeys import RedisKeys
+from freshcore.retry import RetryPolicy, RetryQueue
+from freshcore.topics import TopicNames
 from inference.batching import BatchPolicy, split_expired
 from inference.feedback import Feedback
 from inference.learning.sender import ProducerFailed

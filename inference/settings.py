@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from freshrec.hotscore import HotWeights
-from freshrec.settings import (
+from freshcore.hotscore import HotWeights
+from freshcore.settings import (
     LEARNING_RATE,
     ConnectionSettings,
     HotScoreSettings,

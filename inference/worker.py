@@ -45,19 +45,19 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from freshrec import metrics as m
-from freshrec.clock import now_ms
-from freshrec.dedupe import DedupeWindow
-from freshrec.kafka import (
+from freshcore import metrics as m
+from freshcore.clock import now_ms
+from freshcore.dedupe import DedupeWindow
+from freshcore.kafka import (
     close_producer,
     consume_available,
     partition_count,
 )
-from freshrec.lifecycle import run_until_signalled, settle_heap
-from freshrec.rediskeys import RedisKeys
-from freshrec.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards, seed_starts
-from freshrec.service import Service
-from freshrec.topics import TopicNames
+from freshcore.lifecycle import run_until_signalled, settle_heap
+from freshcore.rediskeys import RedisKeys
+from freshcore.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards, seed_starts
+from freshcore.service import Service
+from freshcore.topics import TopicNames
 from inference.batching import BatchPolicy, EventSlicer
 from inference.clients import WorkerClients
 from inference.commits import OffsetCommitter

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from freshrec.gradients import scaled, squared_norms
-from freshrec.settings import LEARNING_RATE
+from freshcore.gradients import scaled, squared_norms
+from freshcore.settings import LEARNING_RATE
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ unreachable the server pauses its partitions, keeps what it has in memory, commi
 and resumes when Redis answers.
 
 Rows are held in dense per-table slabs (``table.py``), applied a message at a time with
-vectorised operations, and persisted with commands packed by numpy (``freshrec/resp.py``).
+vectorised operations, and persisted with commands packed by numpy (``freshcore/resp.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Producer
 
-from freshrec import metrics as m
-from freshrec.errors import FreshRecError
-from freshrec.kafka import (
+from freshcore import metrics as m
+from freshcore.kafka import (
     background_consumer,
     close_producer,
     consume_batch,
@@ -39,14 +38,14 @@ from freshrec.kafka import (
     produce,
     producer_config,
 )
-from freshrec.lifecycle import run_until_signalled, settle_heap
-from freshrec.outage import is_outage, until_redis_answers
-from freshrec.partitioner import row_partitions
-from freshrec.redisconn import connect
-from freshrec.rediskeys import RedisKeys
-from freshrec.rowstore import row_shards
-from freshrec.service import Service
-from freshrec.topics import TopicNames
+from freshcore.lifecycle import run_until_signalled, settle_heap
+from freshcore.outage import is_outage, until_redis_answers
+from freshcore.partitioner import row_partitions
+from freshcore.redisconn import connect
+from freshcore.rediskeys import RedisKeys
+from freshcore.rowstore import row_shards
+from freshcore.service import Service
+from freshcore.topics import TopicNames
 from param_server.settings import ParamServerSettings
 from param_server.store import (
     PersistUnit,
@@ -58,6 +57,7 @@ from param_server.store import (
     persist_fenced,
 )
 from param_server.table import ParamTable
+from schemas.errors import FreshRecError
 from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
 from schemas.rows import initial_rows, version_floor
 

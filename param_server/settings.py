@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from freshrec.settings import (
+from freshcore.settings import (
     LEARNING_RATE,
     ConnectionSettings,
     RowSettings,

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
-from freshrec.redisconn import (
+from freshcore.redisconn import (
     ATTEMPTS,
     check_exec,
     is_cluster,
     node_client,
     reload_slots,
 )
-from freshrec.rediskeys import RedisKeys
-from freshrec.resp import pack, pack_fixed, pooled_connection
-from freshrec.rowstore import fetch_blobs
+from freshcore.rediskeys import RedisKeys
+from freshcore.resp import pack, pack_fixed, pooled_connection
+from freshcore.rowstore import fetch_blobs
 from schemas.rowbatch import TABLE_NAMES
 from schemas.rows import (
     decode_rows,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from freshrec.idindex import IdIndex
+from freshcore.idindex import IdIndex
 from param_server.adagrad import AdagradConfig, adagrad_step
 
 

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from freshrec.errors import FreshRecError
+from schemas.errors import FreshRecError
 
 MIN_TIMESTAMP_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
 

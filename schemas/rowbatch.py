@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from freshrec.errors import FreshRecError
+from schemas.errors import FreshRecError
 
 MAGIC = b"FRRB"
 LAYOUT_VERSION = 2

@@ -23,7 +23,7 @@ import struct
 
 import numpy as np
 
-from freshrec.hashing import hash_uniform_rows
+from schemas.hashing import hash_uniform_rows
 from schemas.rowbatch import TABLE_ITEM, TABLE_USER
 
 INIT_SEED = 0x5EED

@@ -43,20 +43,20 @@ from confluent_kafka.admin import AdminClient
 from mode.supervisors import CrashingSupervisor
 from redis.asyncio import Redis
 
-from freshrec import metrics as m
-from freshrec.childmetrics import MergedRegistry
-from freshrec.clock import now_ms
-from freshrec.endpoints import serve_metrics
-from freshrec.health import HEALTH
-from freshrec.kafka import admin_config, partition_count, profile
-from freshrec.lifecycle import exit_if_not_stopped, settle_heap, stop_on_signals
-from freshrec.logrepeat import hold_repeats
-from freshrec.outage import StopRequested, is_outage
-from freshrec.outage import until_redis_answers_async as until_redis_answers
-from freshrec.redisconn import connect_async
-from freshrec.rediskeys import RedisKeys
-from freshrec.settings import state_dir, stop_grace_s
-from freshrec.topics import TopicNames
+from freshcore import metrics as m
+from freshcore.childmetrics import MergedRegistry
+from freshcore.clock import now_ms
+from freshcore.endpoints import serve_metrics
+from freshcore.health import HEALTH
+from freshcore.kafka import admin_config, partition_count, profile
+from freshcore.lifecycle import exit_if_not_stopped, settle_heap, stop_on_signals
+from freshcore.logrepeat import hold_repeats
+from freshcore.outage import StopRequested, is_outage
+from freshcore.outage import until_redis_answers_async as until_redis_answers
+from freshcore.redisconn import connect_async
+from freshcore.rediskeys import RedisKeys
+from freshcore.settings import state_dir, stop_grace_s
+from freshcore.topics import TopicNames
 from streams.catalogue import CatalogueStage
 from streams.covisit import PAIR_COLUMNS
 from streams.item_state import ItemPartitionState, by_item_columns

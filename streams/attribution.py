@@ -2,8 +2,8 @@
 conversion whose ``request_id`` names a reply counts for the variant that reply was served
 under, which the worker recorded under ``req:variant:{request_id}`` before the reply left
 (``inference/serving/liveexperiment.py``), when the event's user and item are the reply's
-(``freshrec.served``). The counts go to ``exp:{name}:counts``, in total and per analysis
-bucket of the user (``freshrec.abstats``), and ``freshrec_experiment_events_total``. While no experiment has run (``experiments`` is empty,
+(``freshcore.served``). The counts go to ``exp:{name}:counts``, in total and per analysis
+bucket of the user (``freshcore.abstats``), and ``freshrec_experiment_events_total``. While no experiment has run (``experiments`` is empty,
 checked every few seconds) nothing is looked up.
 
 Counting is at least once: a batch's counts are written before its offsets are committed, so
@@ -15,12 +15,12 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from freshrec import metrics as m
-from freshrec.abstats import bucket_of
-from freshrec.redisconn import Packed, run_packed
-from freshrec.rediskeys import RedisKeys
-from freshrec.resp import pack
-from freshrec.served import Served, decode
+from freshcore import metrics as m
+from freshcore.abstats import bucket_of
+from freshcore.redisconn import Packed, run_packed
+from freshcore.rediskeys import RedisKeys
+from freshcore.resp import pack
+from freshcore.served import Served, decode
 
 CHECK_EVERY_S = 5.0
 UNATTRIBUTED = "unattributed"
@@ -30,12 +30,12 @@ MISMATCHED = "mismatched"
 def tally(events, served_of: dict[str, Served | None]) -> Counter:
     """(experiment, variant, event_type, bucket) -> events, for events whose request was
     served under a variant to the event's user with the event's item (bucket: the user's
-    analysis bucket, ``freshrec.abstats.bucket_of``). Events naming a request without a record
+    analysis bucket, ``freshcore.abstats.bucket_of``). Events naming a request without a record
     count as ("", "unattributed", type, -1); those whose user or item is not the reply's, as
     ("", "mismatched", type, -1).
 
     >>> from schemas.records import Event
-    >>> from freshrec.served import decode, encode
+    >>> from freshcore.served import decode, encode
     >>> es = [Event("e1", "click", "u", "i", 1, request_id="r1"),
     ...       Event("e2", "impression", "u", "i", 1, request_id="r2"),
     ...       Event("e3", "click", "v", "i", 1, request_id="r1"),

@@ -20,12 +20,12 @@ from collections.abc import Sequence
 
 from confluent_kafka import Producer
 
-from freshrec import metrics as m
-from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
-from freshrec.redisconn import connect
-from freshrec.rediskeys import RedisKeys
-from freshrec.service import Service
-from freshrec.topics import TopicNames
+from freshcore import metrics as m
+from freshcore.kafka import background_consumer, consume_batch, produce, producer_config
+from freshcore.redisconn import connect
+from freshcore.rediskeys import RedisKeys
+from freshcore.service import Service
+from freshcore.topics import TopicNames
 from schemas.codec import dead_letter, decode_item, encode_dead_letter
 from schemas.contract import Rejected
 from schemas.records import Item

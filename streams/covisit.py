@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from freshrec.neighbours import MAX_PAIRS, PAIR_WINDOW, PAIR_WINDOW_MS, UserWindows
+from freshcore.neighbours import MAX_PAIRS, PAIR_WINDOW, PAIR_WINDOW_MS, UserWindows
 
 __all__ = ["PAIR_COLUMNS", "CoVisitConfig", "CoVisitCounts", "UserWindows"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from freshrec.hotscore import HOUR_MS, decay_factor, decay_ln_per_ms
+from freshcore.hotscore import HOUR_MS, decay_factor, decay_ln_per_ms
 
 __all__ = ["HOUR_MS", "ForwardDecay"]
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
-from freshrec.hotscore import (
+from freshcore.hotscore import (
     HotEntry,
     HotList,
     HotWeights,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from freshrec.hotscore import Smoothing
-from freshrec.neighbours import MAX_PAIRS, PAIR_WINDOW, PAIR_WINDOW_MS
-from freshrec.settings import (
+from freshcore.hotscore import Smoothing
+from freshcore.neighbours import MAX_PAIRS, PAIR_WINDOW, PAIR_WINDOW_MS
+from freshcore.settings import (
     ConnectionSettings,
     HotScoreSettings,
     SettingsError,

@@ -6,11 +6,11 @@ import numpy as np
 import orjson
 from redis.asyncio import Redis
 
-from freshrec.hotscore import HotList, hot_scores, price_norm
-from freshrec.neighbours import serving_list
-from freshrec.redisconn import Packed, check_exec, run_packed_async
-from freshrec.rediskeys import RedisKeys
-from freshrec.resp import Fields, float_text, pack, pack_pairs, pack_ragged
+from freshcore.hotscore import HotList, hot_scores, price_norm
+from freshcore.neighbours import serving_list
+from freshcore.redisconn import Packed, check_exec, run_packed_async
+from freshcore.rediskeys import RedisKeys
+from freshcore.resp import Fields, float_text, pack, pack_pairs, pack_ragged
 from streams.acked import lost_write
 from streams.item_state import Flush, ItemPartitionState
 
@@ -39,7 +39,7 @@ class StreamsSink:
         partition with all of a flush or none of it; all partitions in one round trip (one
         per node of a cluster). The touched items' serving features follow in the next
         publish round. A write that fails gives back all it took, so the retry writes it
-        whole. Commands are packed here (``freshrec/resp.py``): redis-py's asyncio packer
+        whole. Commands are packed here (``freshcore/resp.py``): redis-py's asyncio packer
         was most of a count batch's time.
 
         Each transaction first reads back the offsets Redis held: when they are behind the

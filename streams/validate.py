@@ -29,19 +29,19 @@ import orjson
 import redis
 from confluent_kafka import Producer, TopicPartition
 
-from freshrec import metrics as m
-from freshrec.childmetrics import send_snapshots
-from freshrec.dedupe import DedupeWindow
-from freshrec.kafka import background_consumer, consume_batch, produce, producer_config
-from freshrec.lifecycle import die_with_parent, set_from_signal
-from freshrec.outage import StopRequested, is_outage
-from freshrec.partitioner import str_partitions
-from freshrec.redisconn import Packed, connect, is_cluster, run_packed
-from freshrec.rediskeys import RedisKeys
-from freshrec.resp import Pipelined, pack
-from freshrec.service import Service
-from freshrec.settings import LOG_FORMAT, stop_grace_s
-from freshrec.topics import TopicNames
+from freshcore import metrics as m
+from freshcore.childmetrics import send_snapshots
+from freshcore.dedupe import DedupeWindow
+from freshcore.kafka import background_consumer, consume_batch, produce, producer_config
+from freshcore.lifecycle import die_with_parent, set_from_signal
+from freshcore.outage import StopRequested, is_outage
+from freshcore.partitioner import str_partitions
+from freshcore.redisconn import Packed, connect, is_cluster, run_packed
+from freshcore.rediskeys import RedisKeys
+from freshcore.resp import Pipelined, pack
+from freshcore.service import Service
+from freshcore.settings import LOG_FORMAT, stop_grace_s
+from freshcore.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
 from streams.attribution import Attribution

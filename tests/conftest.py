@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import pytest
 from confluent_kafka.admin import AdminClient
 
+from freshcore.kafka import admin_config
+from freshcore.settings import ConnectionSettings
+from freshcore.topics import catalogue_with, ensure_topics
 from freshrec.app.stack import EmbeddedStack
-from freshrec.kafka import admin_config
-from freshrec.settings import ConnectionSettings
-from freshrec.topics import catalogue_with, ensure_topics
 
 TEST_PARTITIONS = 4
 EMBEDDED_SESSION_TIMEOUT_MS = 3000

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from freshcore.kafka import gradients_partitions
 from freshrec.app.training import train_on_world
 from freshrec.client import SyncRecommendClient
-from freshrec.kafka import gradients_partitions
 from freshrec.sim.world import World, WorldConfig
 from inference.serving.breaker import BreakerConfig
 from inference.serving.recommender import ServingSettings
@@ -135,7 +135,7 @@ def serving_state(items: int = 60, catalogue: int = 40, dim: int = 8):
     import numpy as np
     import torch
 
-    from freshrec.rediskeys import RedisKeys
+    from freshcore.rediskeys import RedisKeys
     from inference.serving.channels import NEW_ITEMS, ServingState, category_members
     from inference.serving.recall import RecallQuery
     from inference.tables.cache import EmbeddingCache
@@ -155,7 +155,7 @@ def serving_state(items: int = 60, catalogue: int = 40, dim: int = 8):
     slot_category = np.full(n, -1, np.int64)
     slot_category[slots] = categories
     recent = {"u1": names[:3]}
-    from freshrec.neighbours import serving_list
+    from freshcore.neighbours import serving_list
 
     # co-visitation lists of u1's clicks: catalogue items, an uncatalogued one, u1's own
     lists = {

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from freshrec.hotscore import HotWeights, Smoothing, price_norm
-from freshrec.kafka import producer_config
-from freshrec.topics import TopicNames
+from freshcore.hotscore import HotWeights, Smoothing, price_norm
+from freshcore.kafka import producer_config
+from freshcore.topics import TopicNames
 from schemas.codec import encode_event, encode_item
 from schemas.records import Event, Item
 
@@ -130,7 +130,7 @@ def dead_letters(conn, topic: str, n: int, timeout_s: float = 30.0) -> list:
     by a new consumer group from the beginning."""
     from confluent_kafka import Consumer
 
-    from freshrec.kafka import consumer_config
+    from freshcore.kafka import consumer_config
     from schemas.codec import decode_dead_letter
 
     consumer = Consumer(consumer_config(conn, f"{conn.topic_prefix}dlq-reader-{time.time_ns()}"))
@@ -237,7 +237,7 @@ def private_redis(conn) -> Iterator[tuple]:
 def item_feature(r, keys, name: str, item: str):
     """The serving feature ``name`` of ``item`` as Redis holds it (None: not written yet),
     from the hash of the item's ``events.by_item`` partition."""
-    from freshrec.partitioner import str_partitions
+    from freshcore.partitioner import str_partitions
 
     shards = int(r.get(keys.feature_shards) or 0)
     if not shards:
@@ -301,9 +301,9 @@ def brute_force_covisit(
 
 def covisit_lists(conn) -> dict[str, dict[str, float]]:
     """Every anchor's published neighbour list, from every by-item partition's hash."""
-    from freshrec.neighbours import read_serving_list
-    from freshrec.redisconn import connect
-    from freshrec.rediskeys import RedisKeys
+    from freshcore.neighbours import read_serving_list
+    from freshcore.redisconn import connect
+    from freshcore.rediskeys import RedisKeys
 
     r = connect(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)

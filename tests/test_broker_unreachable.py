@@ -1,5 +1,5 @@
 """A service or command started with no Kafka broker answering says so in one line and exits
-with status 2 (``freshrec.topics.metadata``; ``RecommendClient.start`` raises the same error),
+with status 2 (``freshcore.topics.metadata``; ``RecommendClient.start`` raises the same error),
 instead of a traceback and, from the admin clients, a raw line to stderr for every refused
 connection."""
 
@@ -16,12 +16,12 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
+from freshcore.kafka import CLIENT_LOG, admin_config, partition_count, producer_config
+from freshcore.settings import ConnectionSettings
+from freshcore.topics import BrokerUnreachable, ensure_topics, metadata
 from freshrec.app.stack import free_port
 from freshrec.client import RecommendClient
-from freshrec.errors import FreshRecError
-from freshrec.kafka import CLIENT_LOG, admin_config, partition_count, producer_config
-from freshrec.settings import ConnectionSettings
-from freshrec.topics import BrokerUnreachable, ensure_topics, metadata
+from schemas.errors import FreshRecError
 
 
 def nowhere() -> ConnectionSettings:

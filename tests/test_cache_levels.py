@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from freshrec import metrics as m
+from freshcore import metrics as m
 from inference.tables.cache import EmbeddingCache
 from inference.tables.host import EVENT, LOCAL, UNREPLIED, HostRows
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows

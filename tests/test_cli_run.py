@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from freshrec.abstats import VERDICTS
+from freshcore.abstats import VERDICTS
 from freshrec.app.stack import pid_alive
 
 from .conftest import wait_for
@@ -154,9 +154,9 @@ def send_hostile(stack_dir: Path, experiment: Path) -> None:
     import numpy as np
     from confluent_kafka import Producer
 
-    from freshrec.kafka import producer_config
-    from freshrec.settings import STACK_ENV_FILE, ConnectionSettings, read_env_file
-    from freshrec.topics import TopicNames
+    from freshcore.kafka import producer_config
+    from freshcore.settings import STACK_ENV_FILE, ConnectionSettings, read_env_file
+    from freshcore.topics import TopicNames
     from schemas.codec import encode_event
     from schemas.records import Event
     from schemas.rowbatch import KIND_UPDATES, TABLE_ITEM, RowBatch

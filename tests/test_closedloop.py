@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from freshrec.settings import ConnectionSettings
+from freshcore.settings import ConnectionSettings
 from freshrec.sim.closedloop import ClosedLoop, LoopStats
 from freshrec.sim.world import World, WorldConfig
 from schemas.codec import decode_event

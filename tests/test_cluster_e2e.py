@@ -16,14 +16,14 @@ import redis as redis_lib
 from confluent_kafka import OFFSET_BEGINNING
 from redis.crc import key_slot
 
+from freshcore.kafka import admin_config, consumer_config, producer_config
+from freshcore.partitioner import row_partitions
+from freshcore.redisconn import Packed, connect, is_cluster, run_packed
+from freshcore.rediskeys import RedisKeys
+from freshcore.resp import pack
+from freshcore.rowstore import fetch_rows, row_shards
+from freshcore.topics import TopicNames, catalogue_with, ensure_topics
 from freshrec.app.stack import EmbeddedStack, StackError, pid_alive
-from freshrec.kafka import admin_config, consumer_config, producer_config
-from freshrec.partitioner import row_partitions
-from freshrec.redisconn import Packed, connect, is_cluster, run_packed
-from freshrec.rediskeys import RedisKeys
-from freshrec.resp import pack
-from freshrec.rowstore import fetch_rows, row_shards
-from freshrec.topics import TopicNames, catalogue_with, ensure_topics
 from param_server.store import (
     applied_offsets,
     claim_partitions,
@@ -326,7 +326,7 @@ def test_serving_features_are_read_from_the_hash_of_each_items_partition(any_con
     """What the streams app writes per ``events.by_item`` partition, a worker reads back for
     any items at once (the high_end devices' realtime features), on a single server and a
     cluster."""
-    from freshrec.partitioner import str_partitions
+    from freshcore.partitioner import str_partitions
     from inference.serving.snapshot import read_features
 
     r = connect(any_conn.redis_url)

@@ -67,10 +67,10 @@ def test_a_worker_starts_a_new_catalogue_item_from_its_category_here_and_in_redi
     """An item published to the catalogue with no row anywhere: the worker starts it at its
     category's mean learnt row and writes that start to Redis (version 1, where the parameter
     server will find it); an item of no known category keeps its id row and writes nothing."""
-    from freshrec import metrics as m
-    from freshrec.redisconn import connect
-    from freshrec.rediskeys import RedisKeys
-    from freshrec.rowstore import fetch_rows
+    from freshcore import metrics as m
+    from freshcore.redisconn import connect
+    from freshcore.rediskeys import RedisKeys
+    from freshcore.rowstore import fetch_rows
     from schemas.ids import row_id
     from schemas.rows import TABLE_ITEM, initial_rows
 

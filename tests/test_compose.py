@@ -160,7 +160,7 @@ def _exported_series() -> set[str]:
     """Every series name the code exports (counters with _total, histograms' parts)."""
     from prometheus_client import Counter, Gauge, Histogram
 
-    from freshrec import metrics
+    from freshcore import metrics
 
     names: set[str] = set()
     for obj in vars(metrics).values():

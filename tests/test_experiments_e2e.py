@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from freshrec.abstats import bucket_of
-from freshrec.redisconn import connect
-from freshrec.rediskeys import RedisKeys
+from freshcore.abstats import bucket_of
+from freshcore.redisconn import connect
+from freshcore.rediskeys import RedisKeys
 from inference.serving.experiments import parse
 from schemas.records import Event
 
@@ -174,7 +174,7 @@ def test_variants_rank_with_the_attention_models_and_the_heat_tiers(seeded, mode
     """Each variant's replies are ranked by its model (the reply's ``ranker``), the tiered
     variant's candidates by all three tier models, and the attention rankers read the user's
     sequence from the clicks the worker has read."""
-    from freshrec import metrics as m
+    from freshcore import metrics as m
     from inference.models.attention import SEQUENCE
     from inference.serving.recall import RecallResult
     from schemas.records import RecommendRequest

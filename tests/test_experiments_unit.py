@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from freshrec.abstats import compare, ratio
+from freshcore.abstats import compare, ratio
 from freshrec.app.abreport import render, variant_rows
 from inference.serving.arms import Arm, quotas, request, steer
 from inference.serving.degrade import Choice
@@ -287,7 +287,7 @@ def test_a_variant_renamed_while_redis_fails_keeps_serving_the_running_experimen
     before); once it does, the renamed variant serves."""
     import os
 
-    from freshrec.rediskeys import RedisKeys
+    from freshcore.rediskeys import RedisKeys
     from inference.serving.liveexperiment import LiveExperiment
 
     path = tmp_path / "exp.toml"

@@ -33,11 +33,11 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from freshrec import metrics as m
+from freshcore import metrics as m
+from freshcore.kafka import close_producer, consumer_config, producer_config
+from freshcore.topics import TopicNames
 from freshrec.app.stack import free_port
-from freshrec.kafka import close_producer, consumer_config, producer_config
 from freshrec.promtext import scrape_port_now, total
-from freshrec.topics import TopicNames
 
 from .serving_harness import client_for, counter, running_worker, worker_settings
 from .streams_harness import service, wait_for
@@ -112,7 +112,7 @@ def records(make):
 def fuzzed(tmp_path_factory, services, model_dir):
     """One worker (in this process: its counters are readable) and one streams app (its
     own process, metrics on a port) on a prefix of their own, for every example."""
-    from freshrec.topics import catalogue_with, ensure_topics
+    from freshcore.topics import catalogue_with, ensure_topics
 
     from .serving_harness import seed_redis
 
@@ -120,7 +120,7 @@ def fuzzed(tmp_path_factory, services, model_dir):
     conn = services.conn(prefix)
     from confluent_kafka.admin import AdminClient
 
-    from freshrec.kafka import admin_config
+    from freshcore.kafka import admin_config
 
     ensure_topics(
         AdminClient(admin_config(conn)),

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from freshrec.errors import FreshRecError
+from schemas.errors import FreshRecError
 
 NOW_MS = 1_767_225_600_000
 CASES = settings(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from freshrec.settings import SettingsError
+from freshcore.settings import SettingsError
 from inference.learning.steps import TableSlice, device_local_steps
 from inference.models.modelfile import load_model, read_manifest
 from inference.models.ranking import holds_half, score

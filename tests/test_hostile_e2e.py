@@ -17,11 +17,11 @@ import pytest
 import redis as redis_lib
 from confluent_kafka import Producer, TopicPartition
 
-from freshrec import metrics as m
+from freshcore import metrics as m
+from freshcore.kafka import consumer_config, producer_config
+from freshcore.rediskeys import RedisKeys
+from freshcore.topics import TopicNames
 from freshrec.client import RecommendTimeout
-from freshrec.kafka import consumer_config, producer_config
-from freshrec.rediskeys import RedisKeys
-from freshrec.topics import TopicNames
 from inference.clients import WorkerClients
 from schemas.codec import encode_request
 from schemas.records import RecommendRequest
@@ -218,7 +218,7 @@ def test_a_transaction_with_a_failed_command_is_not_taken_for_persisted(conn):
     reply for success, so offsets could move ahead of rows."""
     import numpy as np
 
-    from freshrec.redisconn import TransactionFailed
+    from freshcore.redisconn import TransactionFailed
     from param_server.store import (
         claim_partitions,
         pack_persist,

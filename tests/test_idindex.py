@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from freshrec.idindex import IdIndex
+from freshcore.idindex import IdIndex
 
 
 def test_matches_a_dict_through_inserts_deletes_growth_rebuilds_and_clears():

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer
 
-from freshrec.kafka import consumer_config, producer_config
-from freshrec.partitioner import kafka_partition
-from freshrec.topics import TopicNames
+from freshcore.kafka import consumer_config, producer_config
+from freshcore.partitioner import kafka_partition
+from freshcore.topics import TopicNames
 from schemas.codec import decode_event, encode_event
 from schemas.records import Event
 

@@ -10,16 +10,16 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from freshrec import metrics as m
-from freshrec.errors import FreshRecError, RetriableError
-from freshrec.kafka import TopicMissing, delivery_retriable, partition_count
-from freshrec.outage import StopRequested, is_outage, until_redis_answers
-from freshrec.retry import RetryPolicy, RetryQueue
-from freshrec.service import Service
+from freshcore import metrics as m
+from freshcore.kafka import TopicMissing, delivery_retriable, partition_count
+from freshcore.outage import StopRequested, is_outage, until_redis_answers
+from freshcore.retry import RetryPolicy, RetryQueue
+from freshcore.service import Service
+from schemas.errors import FreshRecError, RetriableError
 
 
 def test_an_outage_is_waited_out_and_other_errors_pass_through(caplog):
-    caplog.set_level(logging.INFO, "freshrec.outage")
+    caplog.set_level(logging.INFO, "freshcore.outage")
     calls, waits, slept = [], [], []
 
     def op():

@@ -11,11 +11,11 @@ import pytest
 import redis as redis_lib
 from confluent_kafka import Producer
 
-from freshrec.kafka import close_producer, partition_count, producer_config
-from freshrec.partitioner import kafka_partition, row_partitions
-from freshrec.redisconn import connect
-from freshrec.rediskeys import RedisKeys
-from freshrec.topics import TopicNames
+from freshcore.kafka import close_producer, partition_count, producer_config
+from freshcore.partitioner import kafka_partition, row_partitions
+from freshcore.redisconn import connect
+from freshcore.rediskeys import RedisKeys
+from freshcore.topics import TopicNames
 from inference.clients import WorkerClients
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import Worker
@@ -132,7 +132,7 @@ def gradient_rows(conn, table: int) -> dict[int, list[int]]:
     """Row id -> example counts (a gradient batch's ``versions``) of every gradient row so far."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    from freshrec.kafka import consumer_config
+    from freshcore.kafka import consumer_config
 
     topic = TopicNames(conn.topic_prefix).gradients
     c = Consumer(consumer_config(conn, None))
@@ -235,7 +235,7 @@ def test_a_row_forgotten_by_admission_leaves_no_steps_behind(conn):
 def test_a_broadcast_that_fails_is_counted_and_moves_no_broadcast_position(conn):
     from confluent_kafka import KafkaError
 
-    from freshrec import metrics as m
+    from freshcore import metrics as m
     from param_server.server import ParameterServer
     from param_server.settings import ParamServerSettings
 
@@ -394,7 +394,7 @@ def test_events_are_committed_only_once_the_broker_holds_their_gradients(conn):
 def test_a_slice_retried_after_a_redis_error_is_learnt_and_counted_once(conn):
     """Rows that cannot be loaded (Redis down) put the slice back to be learnt later: its
     events are counted when it is learnt, once, and its local steps are taken once."""
-    from freshrec import metrics as m
+    from freshcore import metrics as m
 
     w = learner(conn)
     real, calls = w.cache.fetch, []
@@ -471,7 +471,7 @@ def test_with_the_parameter_server_down_the_step_pool_stays_bounded_and_rows_con
     """No broadcast takes steps out of the read-your-writes pool while the parameter server
     is down: past its bound the oldest sent steps are let go and learning goes on; once the
     server is back every row still ends as the server's row."""
-    from freshrec import metrics as m
+    from freshcore import metrics as m
 
     w = learner(conn, max_pending_steps=40)
     let_go = m.PENDING_STEPS_LET_GO._value.get()
@@ -501,7 +501,7 @@ def test_the_newest_event_time_of_each_stage_is_exposed(conn):
     the parameter server persisted, and the worker installed from its broadcast."""
     import threading
 
-    from freshrec import metrics as m
+    from freshcore import metrics as m
     from param_server.server import ParameterServer
     from param_server.settings import ParamServerSettings
 
@@ -592,8 +592,8 @@ def reference_tables(services, tmp_path_factory):
 
     from confluent_kafka.admin import AdminClient
 
-    from freshrec.kafka import admin_config
-    from freshrec.topics import catalogue_with, ensure_topics
+    from freshcore.kafka import admin_config
+    from freshcore.topics import catalogue_with, ensure_topics
 
     from .conftest import TEST_PARTITIONS
 
@@ -684,7 +684,7 @@ def updates_from_the_start(conn):
     """A group-less consumer of every ``embeddings.updates`` partition from its start."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    from freshrec.kafka import consumer_config
+    from freshcore.kafka import consumer_config
 
     topic = TopicNames(conn.topic_prefix).embeddings_updates
     updates = Consumer(consumer_config(conn, None))
@@ -1103,7 +1103,7 @@ def test_items_untouched_for_the_row_ttl_leave_the_table_catalogue_items_stay(co
     """The worker's item table is bounded like the store's: an item that no event and no
     broadcast has touched for ``FRESHREC_ROW_TTL_S`` leaves it, with its local steps, and
     its slot is reused; an item the catalogue lists stays (serving needs its row)."""
-    from freshrec.rediskeys import RedisKeys
+    from freshcore.rediskeys import RedisKeys
     from schemas.records import Item
     from streams.catalogue import queue_catalogue
 

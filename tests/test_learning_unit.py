@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from freshrec.gradients import clip_rows
+from freshcore.gradients import clip_rows
 from inference.learning.pending import PendingSteps
 from inference.learning.steps import (
     LabelConfig,
@@ -466,7 +466,7 @@ def test_parameter_table_applies_a_log_at_once_exactly_as_message_by_message():
 def test_packed_redis_commands_equal_redis_py_packing():
     from redis.connection import PythonRespSerializer
 
-    from freshrec.resp import pack, pack_fixed
+    from freshcore.resp import pack, pack_fixed
     from schemas.rows import encode_rows, encode_rows_matrix, key_matrix, row_key
 
     ids = np.array([5, -3, 2**62], np.int64)
@@ -615,7 +615,7 @@ def test_the_item_table_holds_at_most_its_bound_the_least_recently_touched_leave
     memory stops growing."""
     import torch
 
-    from freshrec import metrics as m
+    from freshcore import metrics as m
     from inference.tables.cache import EmbeddingCache
 
     now = [0]
@@ -646,10 +646,10 @@ def test_the_item_table_holds_at_most_its_bound_the_least_recently_touched_leave
 
 def test_the_device_local_step_equals_the_numpy_rules_the_parameter_server_applies():
     """The worker's slice arithmetic in torch (sums, rejection, clipping, −lr·g, applied in
-    place) against the numpy rules of ``freshrec.gradients`` and ``aggregate``."""
+    place) against the numpy rules of ``freshcore.gradients`` and ``aggregate``."""
     import torch
 
-    from freshrec.gradients import clip_rows, finite_rows
+    from freshcore.gradients import clip_rows, finite_rows
     from inference.learning.steps import TableSlice, device_local_steps
 
     rng = np.random.default_rng(4)
@@ -725,7 +725,7 @@ def test_freshness_is_timed_from_the_oldest_event_each_stage_includes():
 def test_the_reply_stage_counts_each_row_once_from_the_oldest_event_no_reply_used():
     import torch
 
-    from freshrec import metrics as m
+    from freshcore import metrics as m
     from inference.tables.cache import EmbeddingCache
 
     def fetch(table, ids):
@@ -764,7 +764,7 @@ def test_an_update_batch_of_another_width_or_of_non_finite_rows_is_skipped_not_i
     dimension must not crash them all, and NaN rows must not reach the table."""
     import torch
 
-    from freshrec import metrics as m
+    from freshcore import metrics as m
     from inference.learning.pending import PendingSteps
     from inference.learning.updates import UpdateInstaller
     from inference.tables.cache import EmbeddingCache

@@ -1,4 +1,4 @@
-"""Repeated log lines once per window (``freshrec/logrepeat.py``), and librdkafka's lines about
+"""Repeated log lines once per window (``freshcore/logrepeat.py``), and librdkafka's lines about
 a broker that does not answer held to that."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import logging
 
 from confluent_kafka import Producer
 
+from freshcore.kafka import CLIENT_LOG, CLIENT_LOG_REPEATS, producer_config
+from freshcore.logrepeat import RepeatFilter, kind_of
+from freshcore.settings import ConnectionSettings
 from freshrec.app.stack import free_port
-from freshrec.kafka import CLIENT_LOG, CLIENT_LOG_REPEATS, producer_config
-from freshrec.logrepeat import RepeatFilter, kind_of
-from freshrec.settings import ConnectionSettings
 
 from .streams_harness import wait_for
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from freshrec import metrics as m
-from freshrec.settings import SettingsError
+from freshcore import metrics as m
+from freshcore.settings import SettingsError
 from inference.serving.livemode import LiveMode
 from inference.serving.modes import MODES, ModeError, load_modes
 from inference.settings import WorkerSettings
@@ -133,8 +133,8 @@ def test_a_control_record_switches_every_worker_under_traffic_and_replies_name_t
 def client_producer_garbage(conn) -> None:
     from confluent_kafka import Producer
 
-    from freshrec.kafka import producer_config
-    from freshrec.topics import TopicNames
+    from freshcore.kafka import producer_config
+    from freshcore.topics import TopicNames
 
     producer = Producer(producer_config(conn))
     producer.produce(TopicNames(conn.topic_prefix).control, b"\x00not a record", key=b"mode")

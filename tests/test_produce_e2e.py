@@ -6,11 +6,11 @@ import time
 
 from confluent_kafka import Consumer
 
-from freshrec.kafka import consumer_config
-from freshrec.partitioner import kafka_partition
+from freshcore.kafka import consumer_config
+from freshcore.partitioner import kafka_partition
+from freshcore.topics import TopicNames
 from freshrec.sim.produce import produce_events, produce_items
 from freshrec.sim.world import World, WorldConfig
-from freshrec.topics import TopicNames
 from schemas.codec import decode_event, decode_item
 
 

@@ -208,7 +208,7 @@ def test_the_shipped_rules_are_generated_from_the_objectives():
 
 
 def test_thresholds_are_settings_and_bad_ones_are_refused():
-    from freshrec.settings import SettingsError
+    from freshcore.settings import SettingsError
 
     slow = SloSettings.from_env({"FRESHREC_SLO_SERVED_S": "2", "FRESHREC_SLO_BEHIND_S": "60"})
     exprs = {
@@ -381,10 +381,10 @@ def _probe(port: int, path: str) -> tuple[int, str]:
 
 
 def test_readiness_needs_partitions_and_redis_and_liveness_a_loop_that_goes_round(services):
-    from freshrec import metrics as m
+    from freshcore import metrics as m
+    from freshcore.endpoints import start_endpoints
+    from freshcore.health import HEALTH
     from freshrec.app.stack import free_port
-    from freshrec.endpoints import start_endpoints
-    from freshrec.health import HEALTH
 
     port = free_port()
     server = start_endpoints("127.0.0.1", port, redis_url=services.redis_url)

@@ -288,7 +288,7 @@ def test_bad_ranking_settings_are_one_line_errors():
         parse(bad)
     with pytest.raises(ValueError, match="unknown rankers"):
         parse_rankers("pruned,transformer")
-    from freshrec.settings import SettingsError
+    from freshcore.settings import SettingsError
     from inference.settings import heat_split, served_ranker
 
     with pytest.raises(SettingsError, match="FRESHREC_RANKER"):
@@ -343,7 +343,7 @@ def test_a_batch_the_device_has_no_memory_for_is_split_and_a_request_that_never_
     """A fake allocator failure (``torch.OutOfMemoryError``, what CUDA raises) past a number of
     candidates: the batch is scored in halves, each request as it would have been; a request
     too large even alone goes to the hot tier, counted, and the others keep their scores."""
-    from freshrec import metrics as m
+    from freshcore import metrics as m
 
     class Stage(RankingStage):
         def _inputs(self, b, group, realtime_features):  # each request's pairs its own

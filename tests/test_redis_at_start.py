@@ -1,5 +1,5 @@
 """A service started while Redis does not answer waits for it, as it waits out an outage
-once running (``freshrec/outage.py``): it says so once, starts when Redis comes up, and a
+once running (``freshcore/outage.py``): it says so once, starts when Redis comes up, and a
 stop asked for meanwhile ends it at once with status 0. The worker died of a redis-py
 traceback there, the streams app's faust worker crashed, and the parameter server waited
 but could be stopped only by the stop deadline."""
@@ -61,7 +61,7 @@ def test_a_service_started_before_redis_waits_and_starts_when_redis_comes_up(
     text = _text(log)
     assert "Traceback" not in text and "experienced a crash" not in text, text[-3000:]
     waits = [
-        line.split("freshrec.outage: ", 1)[-1] for line in text.splitlines() if WAITING in line
+        line.split("freshcore.outage: ", 1)[-1] for line in text.splitlines() if WAITING in line
     ]
     assert waits and len(waits) == len(set(waits)), "one line a wait, not one per attempt"
 

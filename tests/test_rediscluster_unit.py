@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from redis.crc import key_slot
 
+from freshcore.partitioner import row_partitions
+from freshcore.redisconn import parse_url
+from freshcore.rediskeys import RedisKeys
+from freshcore.resp import pack
+from freshcore.rowstore import shard_ids
 from freshrec.app.stack import slot_ranges
-from freshrec.partitioner import row_partitions
-from freshrec.redisconn import parse_url
-from freshrec.rediskeys import RedisKeys
-from freshrec.resp import pack
-from freshrec.rowstore import shard_ids
 from param_server.store import pack_persist
 from schemas.rows import TABLE_ITEM, TABLE_USER
 from streams.validate import pack_recent

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from freshrec.kafka import admin_config, consumer_config, producer_config
-from freshrec.settings import ConnectionSettings, KafkaSecurity, SettingsError
+from freshcore.kafka import admin_config, consumer_config, producer_config
+from freshcore.settings import ConnectionSettings, KafkaSecurity, SettingsError
 
 SASL = {
     "KAFKA_BOOTSTRAP_SERVERS": "broker:9093",
@@ -142,7 +142,7 @@ def test_a_redis_password_never_reaches_a_log_line_or_an_error(caplog):
 
     import redis
 
-    from freshrec.redisconn import connect
+    from freshcore.redisconn import connect
 
     with socket.socket() as s:  # a loopback port nothing listens on
         s.bind(("127.0.0.1", 0))

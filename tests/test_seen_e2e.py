@@ -21,7 +21,7 @@ def _clicks(user: str, items: list[str], tag: str) -> list[Event]:
 
 def _reply_stage() -> tuple[float, float]:
     """The ``reply`` freshness histogram's count and sum (this process's worker)."""
-    from freshrec import metrics as m
+    from freshcore import metrics as m
 
     hist = m.FRESHNESS_LAG.labels("reply")
     return sum(b.get() for b in hist._buckets), hist._sum.get()
@@ -85,7 +85,7 @@ def test_an_event_delivered_twice_is_learnt_once(seeded, model_dir):
 
 
 def test_impressions_and_clicks_naming_a_reply_are_counted_by_its_tier(seeded, model_dir):
-    from freshrec import metrics as m
+    from freshcore import metrics as m
 
     with running_worker(worker_settings(seeded, model_dir)) as w, client_for(seeded) as client:
         reply = client.recommend("u45", 5, timeout_s=10)

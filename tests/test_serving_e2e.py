@@ -18,13 +18,13 @@ import pytest
 import redis as redis_lib
 from confluent_kafka import Producer
 
-from freshrec import metrics as m
+from freshcore import metrics as m
+from freshcore.kafka import partition_count, producer_config
+from freshcore.rediskeys import RedisKeys
+from freshcore.topics import TopicNames
 from freshrec.app.stack import free_port
 from freshrec.client import RecommendTimeout
-from freshrec.kafka import partition_count, producer_config
-from freshrec.rediskeys import RedisKeys
 from freshrec.sim.world import World
-from freshrec.topics import TopicNames
 from inference.models.modelfile import read_manifest, write_manifest
 from inference.serving.breaker import BreakerConfig
 from inference.serving.recommender import ServingSettings
@@ -572,7 +572,7 @@ def test_large_catalogues_use_the_ivf_index_for_vector_recall(seeded, model_dir)
     )
     with running_worker(settings) as w, client_for(conn) as client:
         wait_for(lambda: w.recommender.ann is not None, 20, "the background index build")
-        from freshrec import metrics as m
+        from freshcore import metrics as m
 
         assert m.ANN_INDEX_ITEMS._value.get() == len(w.recommender.ann.order) > 0
         reply = client.recommend("u0", 10, context={"device": "pc"}, timeout_s=10)
@@ -640,7 +640,7 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
 
     import redis as redis_lib
 
-    from freshrec.rediskeys import RedisKeys
+    from freshcore.rediskeys import RedisKeys
     from inference.serving.recall import RecallQuery
     from streams.catalogue import queue_deletions
 
@@ -707,7 +707,7 @@ def test_an_item_deleted_from_the_catalogue_is_served_by_no_tier(seeded, model_d
 def test_the_catalogue_reloads_when_the_streams_app_writes_it_not_only_when_it_grows(
     redis_client, prefix
 ):
-    from freshrec.rediskeys import RedisKeys
+    from freshcore.rediskeys import RedisKeys
     from inference.serving.snapshot import SnapshotRefresher
     from schemas.records import Item
     from streams.catalogue import queue_catalogue, queue_deletions

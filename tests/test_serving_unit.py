@@ -10,7 +10,7 @@ import pytest
 import torch
 from confluent_kafka import TopicPartition
 
-from freshrec import metrics as m
+from freshcore import metrics as m
 from inference.batching import BatchPolicy, Decision, EventSlicer, split_expired
 from inference.eventflow import EventFlow
 from inference.serving.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
@@ -374,7 +374,7 @@ def test_covisit_feature_in_training_is_what_the_live_counts_give_serving():
     """``covisit_scores`` of a log against the live path: the streams app's ``UserWindows``
     and ``CoVisitCounts`` fed the clicks of the slates before each one (undecayed), its
     P(b | a) lists, and the channel's ``recency_weighted`` over the user's last clicks."""
-    from freshrec.neighbours import UserWindows, recency_weighted
+    from freshcore.neighbours import UserWindows, recency_weighted
     from inference.training.logfeatures import TrainingLog, covisit_scores, recent_context
     from streams.covisit import CoVisitConfig, CoVisitCounts
 
@@ -434,7 +434,7 @@ class Fn:
 def test_recall_runner_drops_late_channels_and_opens_their_breaker():
     import threading
 
-    from freshrec import metrics as m
+    from freshcore import metrics as m
     from inference.serving.channels import parse_delays
     from inference.serving.recall import ChannelConfig, RecallQuery, RecallRunner
 
@@ -774,7 +774,7 @@ def test_the_index_build_thread_lowers_its_own_priority_only():
     import os
     import threading
 
-    from freshrec.lifecycle import lower_thread_priority
+    from freshcore.lifecycle import lower_thread_priority
 
     seen = {}
 

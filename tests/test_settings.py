@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from freshrec.settings import SettingsError, env_float
+from freshcore.settings import SettingsError, env_float
 from inference.clients import events_consumer_config
 from inference.settings import WorkerSettings
 from param_server.settings import ParamServerSettings

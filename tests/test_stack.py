@@ -10,8 +10,8 @@ import pytest
 import redis
 from confluent_kafka.admin import AdminClient
 
+from freshcore.settings import read_env_file
 from freshrec.app.stack import EmbeddedStack, StackError, external_services, pid_alive
-from freshrec.settings import read_env_file
 
 
 def test_up_status_down_leaves_no_process(tmp_path):

@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
+from freshcore.settings import SettingsError, stop_grace_s
 from freshrec.app.stack import EmbeddedStack
-from freshrec.settings import SettingsError, stop_grace_s
 
 from .streams_harness import wait_for
 
@@ -29,7 +29,7 @@ def test_a_service_that_does_not_stop_within_its_grace_exits_saying_where_it_was
     child = textwrap.dedent(
         """
         import logging, signal, threading
-        from freshrec.lifecycle import set_from_signal
+        from freshcore.lifecycle import set_from_signal
 
         logging.basicConfig()
         stop = threading.Event()

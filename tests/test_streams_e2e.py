@@ -16,10 +16,10 @@ import time
 import pytest
 import redis as redis_lib
 
-from freshrec.hotscore import HotWeights, merge_hot_lists
-from freshrec.redisconn import connect, connect_async
-from freshrec.rediskeys import RedisKeys
-from freshrec.topics import TopicNames
+from freshcore.hotscore import HotWeights, merge_hot_lists
+from freshcore.redisconn import connect, connect_async
+from freshcore.rediskeys import RedisKeys
+from freshcore.topics import TopicNames
 from schemas.records import Event, Item
 from streams.sink import read_hot_lists
 
@@ -290,10 +290,10 @@ def test_the_validate_process_reports_through_the_parent_and_dies_with_it(conn, 
 
 
 def test_pipelined_writes_land_in_order_and_an_error_reply_raises_on_drain(redis_client):
-    """``freshrec.resp.Pipelined`` (the validate stage's recent clicks) against the real
+    """``freshcore.resp.Pipelined`` (the validate stage's recent clicks) against the real
     server: a send does not wait for its replies, a later send reads those that arrived, a
     drain reads them all, and an error reply raises without losing the writes around it."""
-    from freshrec.resp import Pipelined, pack
+    from freshcore.resp import Pipelined, pack
 
     key = f"pipelined:{time.time_ns()}"
     writer = Pipelined(redis_client)
@@ -326,7 +326,7 @@ def test_pipelined_sends_do_not_wait_for_a_busy_redis(conn):
     """With the server frozen (SIGSTOP: what a long transaction of another client looks like
     to this one) sends return at once and the replies wait; a drain after it resumes reads
     them all and every write is there."""
-    from freshrec.resp import Pipelined, pack
+    from freshcore.resp import Pipelined, pack
 
     with private_redis(conn) as (pconn, rproc):
         client = redis_lib.Redis.from_url(pconn.redis_url)
@@ -357,7 +357,7 @@ def test_a_tombstone_on_items_deletes_the_item_and_one_without_a_key_is_a_dead_l
 
     from confluent_kafka import Producer
 
-    from freshrec.kafka import producer_config
+    from freshcore.kafka import producer_config
     from schemas.codec import encode_item
     from streams.catalogue import CatalogueStage
     from streams.settings import StreamsSettings
@@ -401,7 +401,7 @@ async def test_a_command_that_fails_inside_exec_fails_the_persist_instead_of_pas
     retriable error, so the batch is not acknowledged as persisted, and the same snapshot
     goes through once the key is writable: the failed write gave back all it took (the
     touched rows were once taken for good, and a retry wrote the offsets without them)."""
-    from freshrec.redisconn import TransactionFailed
+    from freshcore.redisconn import TransactionFailed
     from streams.item_state import ItemPartitionState, StateConfig
     from streams.sink import StreamsSink
 
@@ -512,7 +512,7 @@ async def test_an_evicted_item_leaves_redis_with_the_flush_that_evicts_it(any_co
 def test_a_users_recent_clicks_expire_after_the_row_ttl(any_conn):
     """user:recent:* lists left Redis never: one per user ever seen. They expire like the
     user's row (FRESHREC_ROW_TTL_S after the last click)."""
-    from freshrec.redisconn import run_packed
+    from freshcore.redisconn import run_packed
     from streams.validate import pack_recent
 
     keys = RedisKeys(any_conn.topic_prefix)
@@ -532,7 +532,7 @@ def test_a_validate_batch_that_fails_half_way_commits_nothing_past_the_last_whol
     reads again."""
     from confluent_kafka import Consumer, Producer, TopicPartition
 
-    from freshrec.kafka import consumer_config, partition_count, producer_config
+    from freshcore.kafka import consumer_config, partition_count, producer_config
     from streams.settings import StreamsSettings
     from streams.validate import ValidateStage
 

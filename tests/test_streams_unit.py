@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from freshrec.dedupe import DedupeWindow
-from freshrec.hotscore import (
+from freshcore.dedupe import DedupeWindow
+from freshcore.hotscore import (
     HotEntry,
     HotList,
     HotWeights,
@@ -19,7 +19,7 @@ from freshrec.hotscore import (
     price_norm,
     top_k_indices,
 )
-from freshrec.partitioner import kafka_partition, key_partitions
+from freshcore.partitioner import kafka_partition, key_partitions
 from streams.decay import HOUR_MS, ForwardDecay
 from streams.item_state import CLICK, CONVERSION, IMPRESSION, ItemPartitionState, StateConfig
 
@@ -284,7 +284,7 @@ def test_child_metrics_merge_sums_counters_and_histograms_and_keeps_parent_gauge
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
     from prometheus_client.exposition import generate_latest
 
-    from freshrec.childmetrics import MergedRegistry, merge_families, snapshot
+    from freshcore.childmetrics import MergedRegistry, merge_families, snapshot
 
     def registry():
         reg = CollectorRegistry()
@@ -368,7 +368,7 @@ def test_features_are_due_once_persisted_and_all_of_them_after_a_restore():
 def test_ragged_packing_equals_redis_py_packing_for_ids_of_any_length():
     from redis.connection import PythonRespSerializer
 
-    from freshrec.resp import Fields, pack_ragged
+    from freshcore.resp import Fields, pack_ragged
 
     rng = random.Random(5)
     ids = [
@@ -390,7 +390,7 @@ def test_ragged_packing_equals_redis_py_packing_for_ids_of_any_length():
 
 
 def test_fixed_width_float_text_reads_back_within_float64_precision():
-    from freshrec.resp import FLOAT_TEXT_WIDTH, float_text
+    from freshcore.resp import FLOAT_TEXT_WIDTH, float_text
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal(20_000) * 10.0 ** rng.integers(-290, 290, 20_000)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from freshrec.kafka import admin_config
-from freshrec.topics import (
+from freshcore.kafka import admin_config
+from freshcore.topics import (
     CATALOGUE,
     TopicMismatchError,
     TopicNames,
@@ -53,8 +53,8 @@ def test_consume_available_returns_with_the_first_message_and_what_queued_behind
 
     from confluent_kafka import Consumer, Producer, TopicPartition
 
-    from freshrec.kafka import consume_available, consumer_config, producer_config
-    from freshrec.topics import TopicNames
+    from freshcore.kafka import consume_available, consumer_config, producer_config
+    from freshcore.topics import TopicNames
 
     topic = TopicNames(conn.topic_prefix).events
     c = Consumer(consumer_config(conn, None))

@@ -50,14 +50,14 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.drift import Recovery, level_before, recovery_s
+from freshcore.kafka import gradients_partitions
+from freshcore.redisconn import connect
+from freshcore.rediskeys import RedisKeys
+from freshcore.rowstore import fetch_rows
 from freshrec.app.runstatus import wait_until_assigned
 from freshrec.app.stack import free_port
 from freshrec.app.training import train_on_world
-from freshrec.kafka import gradients_partitions
 from freshrec.progress import ProgressLine
-from freshrec.redisconn import connect
-from freshrec.rediskeys import RedisKeys
-from freshrec.rowstore import fetch_rows
 from freshrec.sim.closedloop import ClosedLoop, LoopStats
 from freshrec.sim.world import World, WorldConfig
 from inference.models.modelfile import read_manifest

@@ -27,10 +27,11 @@ import time
 
 import numpy as np
 
+from freshcore.kafka import close_producer
+from freshcore.lifecycle import settle_heap
+from freshcore.metrics import PS_ROWS_APPLIED, WORKER_EVENTS
+from freshcore.topics import TopicNames
 from freshrec.app.stack import free_port
-from freshrec.kafka import close_producer
-from freshrec.lifecycle import settle_heap
-from freshrec.metrics import PS_ROWS_APPLIED, WORKER_EVENTS
 from freshrec.progress import ProgressLine
 from freshrec.promtext import (
     histogram_quantile,
@@ -41,7 +42,6 @@ from freshrec.promtext import (
     total,
 )
 from freshrec.sim.produce import events_producer, prepare_events, produce_events, produce_prepared
-from freshrec.topics import TopicNames
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import LOOP_PHASES, Worker
 from param_server.server import ParameterServer

@@ -48,21 +48,21 @@ import torch
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from freshrec import metrics as m
+from freshcore import metrics as m
+from freshcore.kafka import admin_config, gradients_partitions, producer_config
+from freshcore.partitioner import row_partitions
+from freshcore.redisconn import Packed, connect, is_cluster, run_packed
+from freshcore.rediskeys import RedisKeys
+from freshcore.resp import pack_fixed
+from freshcore.rowstore import row_shards
+from freshcore.topics import TopicNames, ensure_topics
 from freshrec.app.stack import free_port
 from freshrec.app.training import ensure_models
 from freshrec.client import RecommendClient
-from freshrec.kafka import admin_config, gradients_partitions, producer_config
-from freshrec.partitioner import row_partitions
 from freshrec.progress import ProgressLine
 from freshrec.promtext import scrape_port, total
-from freshrec.redisconn import Packed, connect, is_cluster, run_packed
-from freshrec.rediskeys import RedisKeys
-from freshrec.resp import pack_fixed
-from freshrec.rowstore import row_shards
 from freshrec.sim.traffic import catalogue
 from freshrec.sim.world import World, WorldConfig
-from freshrec.topics import TopicNames, ensure_topics
 from inference.serving.recall import RecallQuery
 from inference.settings import LearningSettings, WorkerSettings
 from inference.tables.cache import EmbeddingCache

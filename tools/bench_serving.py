@@ -37,14 +37,14 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from freshcore.kafka import admin_config, consumer_config, gradients_partitions, producer_config
+from freshcore.settings import ConnectionSettings
+from freshcore.topics import TopicNames, ensure_topics
 from freshrec.app.stack import free_port
 from freshrec.app.training import ensure_models
 from freshrec.client import RecommendClient, RecommendTimeout
-from freshrec.kafka import admin_config, consumer_config, gradients_partitions, producer_config
 from freshrec.progress import ProgressLine
-from freshrec.settings import ConnectionSettings
 from freshrec.sim.world import World, WorldConfig
-from freshrec.topics import TopicNames, ensure_topics
 from inference.models.features import FeatureEncoder
 from inference.models.modelfile import ModelWatcher
 from inference.models.ranking import score
@@ -344,7 +344,7 @@ def bench_batching(
         w.start()
         served = 0
         first = last = None
-        from freshrec import metrics as m
+        from freshcore import metrics as m
 
         base = m.REQUESTS.labels("served")._value.get()
         full = m.REPLIES.labels("full", w.recommender.mode)._value.get()

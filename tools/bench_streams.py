@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import time
 
+from freshcore.kafka import close_producer
+from freshcore.topics import TopicNames
 from freshrec.app.stack import free_port
-from freshrec.kafka import close_producer
 from freshrec.progress import ProgressLine
 from freshrec.promtext import histogram_quantile, scrape, subtract, total
 from freshrec.sim.produce import events_producer, prepare_events, produce_prepared
 from freshrec.sim.world import World, WorldConfig
-from freshrec.topics import TopicNames
 from tools.benchlib import (
     bench_connection,
     events_on_own_topics,

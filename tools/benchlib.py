@@ -18,8 +18,7 @@ from pathlib import Path
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
-from freshrec.app.stack import EmbeddedStack, external_services
-from freshrec.kafka import (
+from freshcore.kafka import (
     admin_config,
     consume_available,
     consumer_config,
@@ -27,10 +26,11 @@ from freshrec.kafka import (
     producer_config,
     profile,
 )
-from freshrec.lifecycle import settle_heap
-from freshrec.settings import ConnectionSettings
+from freshcore.lifecycle import settle_heap
+from freshcore.settings import ConnectionSettings
+from freshcore.topics import TopicNames, ensure_topics
+from freshrec.app.stack import EmbeddedStack, external_services
 from freshrec.sim.world import World, WorldConfig
-from freshrec.topics import TopicNames, ensure_topics
 
 
 def learning_world() -> World:
@@ -214,7 +214,7 @@ class LagReader:
     def __init__(self, conn: ConnectionSettings, measured_from_ms: float = float("inf")) -> None:
         from confluent_kafka import TopicPartition
 
-        from freshrec.topics import TopicNames
+        from freshcore.topics import TopicNames
 
         topic = TopicNames(conn.topic_prefix).events
         self.consumer = Consumer(consumer_config(conn, None))

@@ -1,5 +1,5 @@
 """Drill: a Redis Cluster master dies and its replica takes over; how long until FreshRec's
-packed commands (``freshrec.redisconn.run_packed``) read everything again.
+packed commands (``freshcore.redisconn.run_packed``) read everything again.
 
 Starts four cluster-mode servers of the embedded binary on loopback (three masters with the
 slots split, and a replica of the first), writes 2,000 keys spread over every slot range,
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import redis
 
+from freshcore.redisconn import Packed, connect, run_packed
+from freshcore.resp import pack
 from freshrec.app.stack import form_cluster, free_cluster_port, redis_argv, redis_binary
-from freshrec.redisconn import Packed, connect, run_packed
-from freshrec.resp import pack
 from tools.benchlib import save, wait_until
 
 KEYS = 2000

@@ -61,6 +61,11 @@ import redis as redis_lib
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from freshcore.kafka import admin_config, consumer_config, producer_config
+from freshcore.redisconn import connect
+from freshcore.rediskeys import RedisKeys
+from freshcore.settings import ConnectionSettings
+from freshcore.topics import TopicNames, catalogue_with, ensure_topics
 from freshrec.app.stack import (
     EmbeddedStack,
     free_port,
@@ -68,14 +73,9 @@ from freshrec.app.stack import (
 )
 from freshrec.app.training import train_on_world
 from freshrec.client import RecommendClient, RecommendTimeout
-from freshrec.kafka import admin_config, consumer_config, producer_config
 from freshrec.promtext import scrape_port, total
-from freshrec.redisconn import connect
-from freshrec.rediskeys import RedisKeys
-from freshrec.settings import ConnectionSettings
 from freshrec.sim.produce import produce_events
 from freshrec.sim.world import World, WorldConfig
-from freshrec.topics import TopicNames, catalogue_with, ensure_topics
 from inference.training.train import TrainConfig
 from param_server.store import applied_offsets
 from schemas.rowbatch import TABLE_NAMES

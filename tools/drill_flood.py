@@ -47,13 +47,13 @@ from pathlib import Path
 import orjson
 import redis as redis_lib
 
+from freshcore.kafka import produce
+from freshcore.rediskeys import RedisKeys
+from freshcore.topics import TopicNames
 from freshrec.app.proctime import cpu_seconds, own_cpu_seconds, rss_bytes
-from freshrec.kafka import produce
 from freshrec.promtext import scrape_port, total
-from freshrec.rediskeys import RedisKeys
 from freshrec.sim.pacing import Pacer
 from freshrec.sim.produce import DeliveryCounter, events_producer
-from freshrec.topics import TopicNames
 from tools.benchlib import save
 from tools.drill_faults import Pipeline, train_models
 
@@ -177,7 +177,7 @@ def share(samples: list[tuple[float, float]]) -> float:
 
 _KEYS = RedisKeys("")  # the drill's pipeline writes without a prefix
 ID_FAMILIES = (_KEYS.user_recent(""), _KEYS.answered(""), _KEYS.request_variant(""))
-"""Key families with one key per id (``freshrec/rediskeys.py``): counted together."""
+"""Key families with one key per id (``freshcore/rediskeys.py``): counted together."""
 TAG = re.compile(r"\{[sg]\d+\}")
 
 

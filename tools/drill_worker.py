@@ -29,11 +29,11 @@ from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+from freshcore.kafka import consumer_config
+from freshcore.topics import TopicNames
 from freshrec.app.stack import free_port
-from freshrec.kafka import consumer_config
 from freshrec.promtext import scrape_port_now, total
 from freshrec.sim.produce import produce_events
-from freshrec.topics import TopicNames
 from tools.benchlib import bench_connection, learning_world, save, service_process
 
 LEARNT = "freshrec_worker_events_total"

@@ -18,9 +18,9 @@ import time
 
 from confluent_kafka import Consumer, Producer
 
-from freshrec.kafka import consume_available, consumer_config, producer_config
-from freshrec.settings import ConnectionSettings
-from freshrec.topics import TopicNames
+from freshcore.kafka import consume_available, consumer_config, producer_config
+from freshcore.settings import ConnectionSettings
+from freshcore.topics import TopicNames
 
 
 def main() -> None:

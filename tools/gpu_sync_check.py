@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freshcore.kafka import gradients_partitions
 from freshrec.app.training import train_on_world
-from freshrec.kafka import gradients_partitions
 from freshrec.sim.world import World, WorldConfig
 from inference.device import HOST_COPIES
 from inference.learning.steps import Examples

@@ -24,7 +24,7 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from freshrec.kafka import admin_config, consumer_config, producer_config
+from freshcore.kafka import admin_config, consumer_config, producer_config
 from freshrec.progress import ProgressLine
 from tools.benchlib import bench_connection, save
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from freshrec.hotscore import HotEntry, HotList
-from freshrec.redisconn import connect
-from freshrec.rediskeys import RedisKeys
-from freshrec.rowstore import row_shards, seed_rows
+from freshcore.hotscore import HotEntry, HotList
+from freshcore.redisconn import connect
+from freshcore.rediskeys import RedisKeys
+from freshcore.rowstore import row_shards, seed_rows
 from freshrec.sim.traffic import catalogue
 from freshrec.sim.world import World
 from inference.models.modelfile import load_tensors, read_manifest

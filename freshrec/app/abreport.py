@@ -1,7 +1,7 @@
 """``freshrec experiments report``: per variant of each A/B experiment, requests,
 impressions, clicks, conversions, CTR and CVR with 95% intervals at the user level, the
 serving time per 1,000 requests, and the guard's comparison with the control — superiority
-and non-inferiority of the CTR, and a verdict (``freshrec.abstats``) — from what the workers
+and non-inferiority of the CTR, and a verdict (``freshcore.abstats``) — from what the workers
 and the streams app counted in Redis."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 
-from freshrec.abstats import (
+from freshcore.abstats import (
     ANALYSIS_BUCKETS,
     MIN_SAVING,
     NON_INFERIORITY_MARGIN,
@@ -17,7 +17,7 @@ from freshrec.abstats import (
     compare,
     ratio,
 )
-from freshrec.rediskeys import RedisKeys
+from freshcore.rediskeys import RedisKeys
 
 KINDS = ("requests", "impression", "click", "conversion")
 
@@ -146,7 +146,7 @@ def read_from(
     conn, names: list[str] | None = None, margin: float = NON_INFERIORITY_MARGIN
 ) -> dict[str, dict]:
     """``read`` on the Redis of ``conn`` (its own connection, closed after)."""
-    from freshrec.redisconn import connect
+    from freshcore.redisconn import connect
 
     r = connect(conn.redis_url)
     try:

@@ -12,10 +12,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from freshcore.settings import LOG_FORMAT
 from freshrec.app.options import EnvDefault, add_log_options, add_world_options
 from freshrec.cost import CORE_HOUR_PRICE, GPU_HOUR_PRICE
-from freshrec.errors import FreshRecError
-from freshrec.settings import LOG_FORMAT
+from schemas.errors import FreshRecError
 
 Command = Callable[[argparse.Namespace], int]
 

@@ -10,16 +10,16 @@ import sys
 import threading
 import time
 
-from freshrec.app.stack import EmbeddedStack, StackError, external_services
-from freshrec.progress import ProgressLine
-from freshrec.redisconn import redacted
-from freshrec.settings import (
+from freshcore.redisconn import redacted
+from freshcore.settings import (
     STACK_ENV_FILE,
     ConnectionSettings,
     load_environment,
     read_env_file,
     state_dir,
 )
+from freshrec.app.stack import EmbeddedStack, StackError, external_services
+from freshrec.progress import ProgressLine
 
 log = logging.getLogger("freshrec")
 
@@ -41,8 +41,8 @@ def connection(during_run: bool = False) -> ConnectionSettings:
 def provision_topics(conn: ConnectionSettings) -> None:
     from confluent_kafka.admin import AdminClient
 
-    from freshrec.kafka import admin_config
-    from freshrec.topics import catalogue_with, ensure_topics, partitions_from_env
+    from freshcore.kafka import admin_config
+    from freshcore.topics import catalogue_with, ensure_topics, partitions_from_env
 
     specs = catalogue_with(partitions_from_env(os.environ))
     report = ensure_topics(AdminClient(admin_config(conn)), conn.topic_prefix, specs)
@@ -135,8 +135,8 @@ def set_mode(conn: ConnectionSettings, name: str, by: str | None = None) -> bool
 
     from confluent_kafka import Producer
 
-    from freshrec.kafka import produce, producer_config
-    from freshrec.topics import TopicNames
+    from freshcore.kafka import produce, producer_config
+    from freshcore.topics import TopicNames
     from schemas.codec import encode_control
     from schemas.records import ControlRecord
 
@@ -183,8 +183,8 @@ def latest_control(conn: ConnectionSettings, quiet_s: float = 1.0):
     broker: docs/operations.md)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    from freshrec.kafka import consumer_config
-    from freshrec.topics import TopicNames
+    from freshcore.kafka import consumer_config
+    from freshcore.topics import TopicNames
     from schemas.codec import decode_control
 
     consumer = Consumer(consumer_config(conn, None, background=True))
@@ -239,8 +239,8 @@ def cmd_topics_create(args: argparse.Namespace) -> int:
     if args.acls:
         from confluent_kafka.admin import AdminClient
 
+        from freshcore.kafka import admin_config
         from freshrec.acls import apply_acls
-        from freshrec.kafka import admin_config
 
         n = apply_acls(AdminClient(admin_config(conn)), conn.topic_prefix)
         log.info("ACLs: %d grants for the streams, worker, param-server and client users", n)
@@ -248,7 +248,7 @@ def cmd_topics_create(args: argparse.Namespace) -> int:
 
 
 def cmd_topics_list(args: argparse.Namespace) -> int:
-    from freshrec.topics import CATALOGUE, partitions_from_env
+    from freshcore.topics import CATALOGUE, partitions_from_env
 
     prefix = load_environment().get("FRESHREC_TOPIC_PREFIX", "")
     overrides = partitions_from_env(os.environ)

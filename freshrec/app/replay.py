@@ -25,8 +25,8 @@ from pathlib import Path
 
 from evaluation.baselines import BASELINES as SPECS
 from evaluation.metrics import by_history
+from freshcore.settings import state_dir
 from freshrec.progress import ProgressLine
-from freshrec.settings import state_dir
 
 log = logging.getLogger("freshrec.replay")
 BASELINES = tuple(SPECS)

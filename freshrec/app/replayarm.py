@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from freshcore.settings import ConnectionSettings, load_environment
 from freshrec.app.stack import EmbeddedStack, external_services, free_port
-from freshrec.settings import ConnectionSettings, load_environment
 
 log = logging.getLogger("freshrec.replay")
 
@@ -171,7 +171,7 @@ def arm_stack(name: str, workdir: Path, run_id: str) -> Iterator[ConnectionSetti
 
 
 def _produce_catalogue(producer, topic: str, data: ReplayData, names, created_ms: int) -> None:
-    from freshrec.kafka import produce
+    from freshcore.kafka import produce
     from schemas.codec import encode_item
     from schemas.records import Item
 
@@ -282,8 +282,8 @@ def _history(conn, data: ReplayData, wall0: int, streams_port: int, group, progr
     them, so the worker does not learn again what its starting rows were trained on."""
     from confluent_kafka import Consumer, Producer, TopicPartition
 
-    from freshrec.kafka import consumer_config, produce, producer_config
-    from freshrec.topics import TopicNames
+    from freshcore.kafka import consumer_config, produce, producer_config
+    from freshcore.topics import TopicNames
     from schemas.codec import encode_event
     from schemas.records import Event
 
@@ -352,9 +352,9 @@ async def _replay(
 ) -> None:
     from confluent_kafka import Producer
 
+    from freshcore.kafka import produce, producer_config
+    from freshcore.topics import TopicNames
     from freshrec.client import RecommendClient, RecommendTimeout
-    from freshrec.kafka import produce, producer_config
-    from freshrec.topics import TopicNames
     from schemas.codec import encode_event
     from schemas.records import Event
 

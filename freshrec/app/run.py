@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from freshcore.lifecycle import set_from_signal
+from freshcore.settings import ConnectionSettings, SettingsError, load_environment, state_dir
 from freshrec.app.commands import provision_topics, start_dashboard
 from freshrec.app.stack import EmbeddedStack, StackError, external_services
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
@@ -22,9 +24,7 @@ from freshrec.app.training import (
     model_dir,
     served_rankers,
 )
-from freshrec.lifecycle import set_from_signal
 from freshrec.progress import ProgressLine
-from freshrec.settings import ConnectionSettings, SettingsError, load_environment, state_dir
 
 log = logging.getLogger("freshrec")
 

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from freshrec.errors import FreshRecError
-from freshrec.settings import STACK_ENV_FILE
+from freshcore.settings import STACK_ENV_FILE
+from schemas.errors import FreshRecError
 
 STATE_FILE = "stack.json"
 

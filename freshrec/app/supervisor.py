@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from freshrec.app.stack import _die_with_parent
-from freshrec.errors import FreshRecError
+from schemas.errors import FreshRecError
 
 log = logging.getLogger("freshrec.run")
 

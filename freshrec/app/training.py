@@ -7,10 +7,10 @@ import logging
 import time
 from pathlib import Path
 
+from freshcore.settings import ConnectionSettings, load_environment
 from freshrec.app.commands import connection
 from freshrec.app.stack import external_services
 from freshrec.progress import ProgressLine
-from freshrec.settings import ConnectionSettings, load_environment
 
 log = logging.getLogger("freshrec")
 
@@ -38,7 +38,7 @@ def train_on_world(world, cfg, out_dir, progress, users=None) -> dict:
 
 
 def model_dir(args_out: str | None = None) -> Path:
-    from freshrec.settings import model_dir as configured
+    from freshcore.settings import model_dir as configured
 
     env = load_environment()
     return Path(args_out) if args_out else configured(env)
@@ -78,10 +78,10 @@ def ensure_models(world, directory: Path, config, progress: ProgressLine) -> dic
 
 def load_starting_embeddings(conn: ConnectionSettings, directory: Path, manifest: dict) -> int:
     """Write the trained two-tower rows to Redis where no row exists yet."""
-    from freshrec.kafka import gradients_partitions
-    from freshrec.redisconn import connect
-    from freshrec.rediskeys import RedisKeys
-    from freshrec.rowstore import row_shards, seed_rows
+    from freshcore.kafka import gradients_partitions
+    from freshcore.redisconn import connect
+    from freshcore.rediskeys import RedisKeys
+    from freshcore.rowstore import row_shards, seed_rows
     from inference.models.modelfile import load_tensors
     from schemas.rows import TABLE_ITEM, TABLE_USER
 

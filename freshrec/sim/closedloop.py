@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from confluent_kafka import Producer
 
+from freshcore.kafka import produce, producer_config
+from freshcore.settings import ConnectionSettings
+from freshcore.topics import TopicNames
 from freshrec.client import RecommendClient, RecommendError, RecommendTimeout
-from freshrec.kafka import produce, producer_config
-from freshrec.settings import ConnectionSettings
 from freshrec.sim.world import World
-from freshrec.topics import TopicNames
 from schemas.codec import encode_event
 from schemas.records import DEVICE_CLASSES, Event
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaException, Producer
 
-from freshrec.kafka import produce, producer_config
+from freshcore.kafka import produce, producer_config
+from freshcore.settings import ConnectionSettings
+from freshcore.topics import TopicNames, metadata
 from freshrec.progress import ProgressLine
-from freshrec.settings import ConnectionSettings
 from freshrec.sim.pacing import Pacer
 from freshrec.sim.traffic import EventSynthesizer, catalogue
 from freshrec.sim.world import World
-from freshrec.topics import TopicNames, metadata
 from schemas.codec import encode_event, encode_item
 
 log = logging.getLogger(__name__)

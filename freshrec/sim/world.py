@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from freshrec.hashing import hash_normal, hash_uniform
+from schemas.hashing import hash_normal, hash_uniform
 from schemas.records import DEVICE_CLASSES
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from freshrec import clock
-from freshrec import metrics as m
-from freshrec.settings import LEARNING_RATE
+from freshcore import clock
+from freshcore import metrics as m
+from freshcore.settings import LEARNING_RATE
 from inference.learning.outbox import GradientOutbox
 from inference.learning.pending import PendingSteps
 from inference.learning.steps import (
@@ -40,7 +40,7 @@ log = logging.getLogger("freshrec.worker")
 class LearningSettings:
     dim: int = 64
     lr: float = LEARNING_RATE
-    """Local step size of item rows, v ← v − lr·g (``freshrec.settings.LEARNING_RATE``)."""
+    """Local step size of item rows, v ← v − lr·g (``freshcore.settings.LEARNING_RATE``)."""
     user_lr: float = LEARNING_RATE
     """Local step size of user rows. A user's row is touched only by that user's events, an
     item's by everyone's: on positive-only logs users want the larger step (0.5 for models

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from freshrec.partitioner import row_partitions
+from freshcore.partitioner import row_partitions
 from inference.learning.admission import AdmissionFilter
 from inference.learning.steps import aggregate, oldest_per_group
 

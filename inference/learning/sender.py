@@ -23,14 +23,14 @@ import time
 import numpy as np
 from confluent_kafka import KafkaError
 
-from freshrec import metrics as m
-from freshrec.errors import FreshRecError
-from freshrec.kafka import produce
-from freshrec.retry import RetryPolicy, RetryQueue
+from freshcore import metrics as m
+from freshcore.kafka import produce
+from freshcore.retry import RetryPolicy, RetryQueue
 from inference.learning.outbox import GradientBatch
 from inference.learning.pending import PendingSteps
 from inference.offsets import OffsetGate
 from inference.tables.cache import EmbeddingCache
+from schemas.errors import FreshRecError
 from schemas.rowbatch import KIND_GRADIENTS, TABLE_NAMES, RowBatch
 from schemas.rows import row_key
 

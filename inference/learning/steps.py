@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from freshrec.gradients import clip_rows_torch
+from freshcore.gradients import clip_rows_torch
 from inference.device import to_host
 from schemas.records import Event
 

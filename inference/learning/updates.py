@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from freshrec import metrics as m
+from freshcore import metrics as m
 from inference.learning.pending import PendingSteps
 from inference.tables.cache import EmbeddingCache
 from schemas.rowbatch import KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch

@@ -9,7 +9,7 @@ item's log price, its smoothed CTR and CVR, log1p of its hot score, and two real
 features from the user's last clicks (up to ``RECENT``): the share of them in the item's
 category, and the item's similarity to them — the dot product of its row with their rows'
 mean, the newest weighing most (``recent_query``) — and its co-visitation score from them
-(``freshrec.neighbours.recency_weighted``: how often users who clicked those items clicked it
+(``freshcore.neighbours.recency_weighted``: how often users who clicked those items clicked it
 close by; the ``covisit`` channel's score, counted by the streams app live and by
 ``logfeatures.covisit_scores`` from a training log). They let a click change the very next
 ranking before any embedding has moved far; on the interaction logs of the replay, the
@@ -175,7 +175,7 @@ class FeatureEncoder:
         ``recent_share`` (n,) from ``recent_category_share``; ``recent_similarity`` (n,) each
         item's row against its user's ``recent_query`` (an array, or a tensor on the rows'
         device); ``covisit`` (n,) each item's
-        ``freshrec.neighbours.recency_weighted`` score (0: none). With ``owner`` (n,), ``user``
+        ``freshcore.neighbours.recency_weighted`` score (0: none). With ``owner`` (n,), ``user``
         is one row per request and the result is in the grouped form."""
         rest = np.empty((len(item_dense), len(DENSE) - 1), np.float32)
         rest[:, 0] = np.log1p(np.maximum(item_dense[:, 0], 0.0))

@@ -38,9 +38,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from freshrec.errors import FreshRecError
 from inference.models.kinds import OPTIONAL, build
 from inference.models.ranking import store_half
+from schemas.errors import FreshRecError
 
 log = logging.getLogger("freshrec.models")
 MANIFEST = "manifest.json"

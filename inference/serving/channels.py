@@ -38,9 +38,9 @@ import numpy as np
 import redis
 import torch
 
-from freshrec.neighbours import ANCHORS, read_serving_list, recency_weighted
-from freshrec.partitioner import str_partitions
-from freshrec.rediskeys import RedisKeys
+from freshcore.neighbours import ANCHORS, read_serving_list, recency_weighted
+from freshcore.partitioner import str_partitions
+from freshcore.rediskeys import RedisKeys
 from inference.device import to_device
 from inference.serving.ann import IVFIndex, auto_nprobe, exact_search, top_k_rows
 from inference.serving.recall import ChannelConfig, Recalled, RecallQuery
@@ -207,7 +207,7 @@ class CoVisitChannel(RecallChannel):
     """Co-visitation (item-to-item collaborative filtering learnt from the stream): the
     neighbour lists the streams app keeps for the user's last clicked items (``covisit:{sN}``,
     P(b | a) of the items clicked after a by the same users), scored by
-    ``freshrec.neighbours.recency_weighted`` (each anchor weighted 0.9^age, newest first,
+    ``freshcore.neighbours.recency_weighted`` (each anchor weighted 0.9^age, newest first,
     summed per candidate; the anchors themselves left out). Every neighbour's score, not
     only the quota's, goes to ranking as the ``covisit`` feature (``Recalled.scores``)."""
 

@@ -24,10 +24,10 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
-from freshrec.errors import FreshRecError
-from freshrec.hashing import salted_bucket
 from inference.models.kinds import experiment_rankings
 from inference.serving.channels import CHANNELS as REGISTERED_CHANNELS
+from schemas.errors import FreshRecError
+from schemas.hashing import salted_bucket
 
 BUCKETS = 1000
 """Hash buckets a share is counted in: shares are multiples of 0.1%."""

@@ -6,8 +6,8 @@ Redis holds, per experiment, ``exp:{name}`` (the variants in table order, their 
 control, the salt and the allocation table) and ``exp:{name}:counts`` (per variant,
 ``requests`` and ``cost_us`` (serving time) counted by the workers and
 ``impression``/``click``/``conversion`` by the streams app, each also per analysis bucket of
-the users, ``{variant}:{kind}:{bucket}``: ``freshrec.abstats``); each served request's variant,
-user and items are kept under ``req:variant:{request_id}`` (``freshrec.served``) for the
+the users, ``{variant}:{kind}:{bucket}``: ``freshcore.abstats``); each served request's variant,
+user and items are kept under ``req:variant:{request_id}`` (``freshcore.served``) for the
 streams app to attribute the events that name the request. A worker whose file's shares
 differ from the stored ones writes the table anew from the stored one (``allocate``: the
 fewest users move); workers reading the same file compute the same table.
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import redis
 
-from freshrec import metrics as m
-from freshrec.abstats import bucket_of
-from freshrec.rediskeys import RedisKeys
-from freshrec.served import encode
+from freshcore import metrics as m
+from freshcore.abstats import bucket_of
+from freshcore.rediskeys import RedisKeys
+from freshcore.served import encode
 from inference.serving.arms import Arm
 from inference.serving.experiments import Experiment, ExperimentError, allocate, load
 
@@ -124,7 +124,7 @@ class LiveExperiment:
 
     def record(self, replies) -> None:
         """Before the replies leave: each one's variant, user and items under its request id
-        (``freshrec.served``), and per variant the requests (in total and per analysis bucket
+        (``freshcore.served``), and per variant the requests (in total and per analysis bucket
         of their users) and their serving time. A Redis error loses these counts (logged), not
         the replies."""
         served = [r for r in replies if r.variant]

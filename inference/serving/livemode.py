@@ -16,8 +16,8 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
-from freshrec import metrics as m
-from freshrec.topics import metadata
+from freshcore import metrics as m
+from freshcore.topics import metadata
 from schemas.codec import decode_control
 
 log = logging.getLogger("freshrec.worker")

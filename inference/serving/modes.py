@@ -25,7 +25,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from freshrec.errors import FreshRecError
+from schemas.errors import FreshRecError
 
 DAILY = "daily"
 

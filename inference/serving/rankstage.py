@@ -19,9 +19,9 @@ import numpy as np
 import redis
 import torch
 
-from freshrec import metrics as m
-from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR
-from freshrec.rediskeys import RedisKeys
+from freshcore import metrics as m
+from freshcore.hotscore import PRIOR_CTR, PRIOR_CVR
+from freshcore.rediskeys import RedisKeys
 from inference.models.attention import gather_sequences, sequence_index
 from inference.models.features import (
     RECENT,
@@ -62,7 +62,7 @@ class RankBatch:
     sequences: list[list[str]]
     covisit: list[dict[int, float]] | None = None
     """Per request, the co-visitation score of the items the ``covisit`` channel found (slot →
-    score; ``freshrec.neighbours.recency_weighted``); None when it did not run or missed its
+    score; ``freshcore.neighbours.recency_weighted``); None when it did not run or missed its
     deadline: every candidate's ``covisit`` feature is then 0."""
 
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from freshrec import metrics as m
+from freshcore import metrics as m
 from inference.serving.breaker import BreakerConfig, CircuitBreaker
 
 log = logging.getLogger("freshrec.recall")

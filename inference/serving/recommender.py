@@ -21,9 +21,9 @@ import numpy as np
 import redis
 import torch
 
-from freshrec import metrics as m
-from freshrec.lifecycle import lower_thread_priority
-from freshrec.rediskeys import RedisKeys
+from freshcore import metrics as m
+from freshcore.lifecycle import lower_thread_priority
+from freshcore.rediskeys import RedisKeys
 from inference.models.coldstart import category_starts, known_category
 from inference.models.features import CATEGORY_BUCKETS
 from inference.models.modelfile import ModelWatcher

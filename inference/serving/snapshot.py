@@ -6,7 +6,7 @@
 - item features (smoothed CTR/CVR, hot score) every ``features_refresh_s`` — the "cached
   features" that ``pc`` devices rank with and everyone falls back to when Redis is down;
 - the merged global and per-region hot lists every ``hot_refresh_s`` (the streams app
-  publishes per-partition lists; ``freshrec.hotscore.merge_published`` gives the exact top-K);
+  publishes per-partition lists; ``freshcore.hotscore.merge_published`` gives the exact top-K);
 - the newest items every ``hot_refresh_s``.
 
 A failed refresh keeps the previous snapshot (serving goes on from it) and is retried; the
@@ -25,10 +25,10 @@ import numpy as np
 import orjson
 import redis
 
-from freshrec import metrics as m
-from freshrec.hotscore import PRIOR_CTR, PRIOR_CVR, HotWeights, merge_published
-from freshrec.partitioner import str_partitions
-from freshrec.rediskeys import RedisKeys
+from freshcore import metrics as m
+from freshcore.hotscore import PRIOR_CTR, PRIOR_CVR, HotWeights, merge_published
+from freshcore.partitioner import str_partitions
+from freshcore.rediskeys import RedisKeys
 from inference.models.features import CATEGORY_BUCKETS, bucket
 from schemas.ids import row_ids
 

@@ -33,8 +33,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from freshrec import metrics as m
-from freshrec.idindex import IdIndex
+from freshcore import metrics as m
+from freshcore.idindex import IdIndex
 from inference.device import to_device, to_host
 from inference.tables.host import (
     EVENT,

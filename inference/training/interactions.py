@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from freshrec.errors import FreshRecError
+from schemas.errors import FreshRecError
 
 MAX_ID_CHARS = 64
 """The events schema's bound on user and item ids."""

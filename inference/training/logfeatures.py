@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from freshrec.hotscore import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
-from freshrec.neighbours import (
+from freshcore.hotscore import HotWeights, Smoothing, hot_scores, price_norm, smoothed_rate
+from freshcore.neighbours import (
     ANCHORS,
     MAX_PAIRS,
     PAIR_WINDOW,
@@ -144,7 +144,7 @@ def covisit_scores(logs: TrainingLog, recent_items: np.ndarray) -> np.ndarray:
     co-visitation counts of the clicks before it (in time order; the clicks of one slate are
     counted after it), paired as the streams app pairs them (``UserWindows`` with its
     defaults; both ways), P(b | a) = c(a, b) / n(a) with n(a) a's clicks, scored by
-    ``freshrec.neighbours.score_of`` over the user's newest ``ANCHORS`` earlier clicks
+    ``freshcore.neighbours.score_of`` over the user's newest ``ANCHORS`` earlier clicks
     (``recent_items``, from ``recent_context``). Live counts decay and keep each anchor's best
     50: the feature is the same quantity, counted without those bounds."""
     out = np.zeros(len(logs.users), np.float32)

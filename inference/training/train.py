@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from freshrec.settings import LEARNING_RATE
+from freshcore.settings import LEARNING_RATE
 from inference.models.attention import SEQUENCE
 from inference.models.coldstart import category_starts, known_category
 from inference.models.features import CATEGORY_BUCKETS, DENSE
