@@ -6,11 +6,11 @@ broadcast offsets a worker starts following ``embeddings.updates`` from."""
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import redis
 
+from freshcore import clock
 from freshcore.partitioner import FEW, row_partitions
 from freshcore.redisconn import Packed, run_packed
 from freshcore.rediskeys import RedisKeys
@@ -162,7 +162,7 @@ def seed_starts(
     alone (logged; the parameter server then starts those rows from their ids, and its
     broadcast replaces them). Returns how many were written."""
     try:
-        written = seed_rows(r, keys, TABLE_ITEM, ids, rows, 1, int(time.time() * 1000), shards)
+        written = seed_rows(r, keys, TABLE_ITEM, ids, rows, 1, clock.now_ms(), shards)
     except redis.RedisError as exc:
         log.warning("starting rows of %d new items not written to Redis: %s", len(ids), exc)
         return 0

@@ -33,6 +33,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaConnectionError
 from aiokafka.partitioner import DefaultPartitioner
 
+from freshcore import clock
 from freshcore.kafka import PROFILES, TopicMissing
 from freshcore.settings import KafkaSecurity
 from freshcore.topics import BrokerUnreachable, TopicNames
@@ -235,7 +236,7 @@ class RecommendClient:
         (the request's deadline defaults to the same moment, so the worker does not work on
         a request nobody waits for)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.now_ms()
         if isinstance(context, Mapping):
             context = RequestContext(**context)
         self._seq += 1
@@ -294,7 +295,7 @@ class RecommendClient:
         assert self._consumer is not None
         while True:
             batches = await self._consumer.getmany(timeout_ms=100, max_records=1000)
-            now_ms = int(time.time() * 1000)
+            now_ms = clock.now_ms()
             for records in batches.values():
                 for rec in records:
                     try:

@@ -498,10 +498,10 @@ class Worker(Service):
 
     # ----------------------------------------------------------------------------- events
     def on_events(self, msgs) -> None:
-        now_ms = int(time.time() * 1000)
+        now = now_ms()
         events, partitions = [], []
         replays = 0
-        for msg, e in zip(msgs, decode_events([msg.value() for msg in msgs], now_ms), strict=True):
+        for msg, e in zip(msgs, decode_events([msg.value() for msg in msgs], now), strict=True):
             if type(e) is Rejected:
                 log.debug("skipping invalid event: %s", e)
             elif self._first_time(msg.partition(), e.event_id):

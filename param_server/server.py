@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Producer
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.kafka import (
     background_consumer,
@@ -492,7 +493,7 @@ class ParameterServer(Service):
             return
         self._evicted_at = time.monotonic()
         ttl = self.settings.row_ttl_s
-        cutoff = int(time.time() * 1000) - ttl * 1000
+        cutoff = clock.now_ms() - ttl * 1000
         for t, table in self.tables.items():
             gone = table.evict_older_than(cutoff)
             if gone:
@@ -505,7 +506,7 @@ class ParameterServer(Service):
         offsets: dict[int, int],
         oldest: dict[int, dict[int, np.ndarray]],
     ) -> None:
-        created = int(time.time() * 1000)
+        created = clock.now_ms()
         for p, tables in snapshot.items():
             for t, (ids, rows, _, versions, event_ms) in tables.items():
                 # chunks stay far below Kafka's default 1 MB message limit

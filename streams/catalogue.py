@@ -15,11 +15,11 @@ held the count stage still for tens of seconds. Offsets are committed after the 
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Sequence
 
 from confluent_kafka import Producer
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.kafka import background_consumer, consume_batch, produce, producer_config
 from freshcore.redisconn import connect
@@ -100,7 +100,7 @@ class CatalogueStage(Service):
         self.consumer.close()
 
     def process(self, msgs) -> None:
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         ops: list[tuple[str, Item | None]] = []
         for msg in msgs:
             value = msg.value()

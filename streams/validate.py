@@ -29,6 +29,7 @@ import orjson
 import redis
 from confluent_kafka import Producer, TopicPartition
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.childmetrics import send_snapshots
 from freshcore.dedupe import DedupeWindow
@@ -212,7 +213,7 @@ class ValidateStage(Service):
     def process(self, msgs) -> None:
         """Validate, dedupe and repartition one batch, column by column: each step is a
         comprehension or a numpy pass over the batch, not a Python loop body per event."""
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         events = decode_events([x.value() for x in msgs], now, self.settings.limits)
         n_read = len(events)
         if Rejected in set(map(type, events)):

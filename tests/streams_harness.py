@@ -15,6 +15,7 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
+from freshcore import clock
 from freshcore.hotscore import HotWeights, Smoothing, price_norm
 from freshcore.kafka import producer_config
 from freshcore.topics import TopicNames
@@ -141,7 +142,7 @@ def dead_letters(conn, topic: str, n: int, timeout_s: float = 30.0) -> list:
         while len(letters) < n and time.monotonic() < deadline:
             msg = consumer.poll(0.2)
             if msg is not None and not msg.error():
-                letters.append(decode_dead_letter(msg.value(), int(time.time() * 1000)))
+                letters.append(decode_dead_letter(msg.value(), clock.now_ms()))
     finally:
         consumer.close()
     return letters

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from freshcore import clock
 from freshcore.abstats import VERDICTS
 from freshrec.app.stack import pid_alive
 
@@ -164,7 +165,7 @@ def send_hostile(stack_dir: Path, experiment: Path) -> None:
     conn = ConnectionSettings.from_env(read_env_file(stack_dir / STACK_ENV_FILE))
     names = TopicNames(conn.topic_prefix)
     producer = Producer(producer_config(conn))
-    now_ms = int(time.time() * 1000)
+    now_ms = clock.now_ms()
     item = "\N{GRINNING FACE}" * 64
     for n in range(5000):
         event = Event(f"emoji-{n}", "click", f"emoji-user-{n % 7}", item, now_ms)

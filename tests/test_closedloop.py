@@ -7,12 +7,12 @@ import math
 import os
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from freshcore import clock
 from freshcore.settings import ConnectionSettings
 from freshrec.sim.closedloop import ClosedLoop, LoopStats
 from freshrec.sim.world import World, WorldConfig
@@ -51,7 +51,7 @@ def test_a_reply_becomes_impressions_clicks_and_ctr_windows_per_group():
     items = list(range(10))
     for n, user in enumerate([drifted, steady, steady]):
         loop._behave(producer, user, World.user_id(user), "north", "pc", reply(f"r{n}", items))
-    events = [decode_event(v, int(time.time() * 1000)) for _, _, v in producer.sent]
+    events = [decode_event(v, clock.now_ms()) for _, _, v in producer.sent]
     impressions = [e for e in events if e.event_type == "impression"]
     clicks = [e for e in events if e.event_type == "click"]
     assert len(impressions) == 30 and [e.position for e in impressions[:10]] == items

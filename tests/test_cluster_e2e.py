@@ -7,7 +7,6 @@ in test_learning_e2e.py and test_streams_e2e.py)."""
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 
 import numpy as np
@@ -16,6 +15,7 @@ import redis as redis_lib
 from confluent_kafka import OFFSET_BEGINNING
 from redis.crc import key_slot
 
+from freshcore import clock
 from freshcore.kafka import admin_config, consumer_config, producer_config
 from freshcore.partitioner import row_partitions
 from freshcore.redisconn import Packed, connect, is_cluster, run_packed
@@ -222,7 +222,7 @@ def test_two_workers_parameter_servers_and_streams_apps_under_load_on_a_cluster(
             got = [scrape_port_now(p) for p in ports.values()]
             return sum(total(g, "freshrec_worker_events_total", outcome="valid") for g in got if g)
 
-        t0 = int(time.time() * 1000) - 300_000
+        t0 = clock.now_ms() - 300_000
         events = world_events(7, 3000, t0, "load")
         prices = {i.item_id: i.price for i in catalogue()}
         with client_for(conn) as client:

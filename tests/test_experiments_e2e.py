@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import torch
 
+from freshcore import clock
 from freshcore.abstats import bucket_of
 from freshcore.redisconn import connect
 from freshcore.rediskeys import RedisKeys
@@ -64,7 +64,7 @@ def test_variants_are_served_counted_and_attributed_and_shares_move_few_users(
 
         # feedback naming the replies: two impressions and a click each, a conversion for
         # the first; and a click naming a request nobody answered (not any variant's)
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         events = []
         for n, reply in enumerate(replies):
             rid, user = reply.request_id, reply.user_id
@@ -209,7 +209,7 @@ def test_variants_rank_with_the_attention_models_and_the_heat_tiers(seeded, mode
         # a user's clicks become their sequence, newest first
         user = users[0]
         clicked = ["i3", "i7", "i11"]
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         produce(
             conn,
             [

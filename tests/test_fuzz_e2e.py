@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import time
 import uuid
 
 import pytest
@@ -33,6 +32,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.kafka import close_producer, consumer_config, producer_config
 from freshcore.topics import TopicNames
@@ -42,7 +42,7 @@ from freshrec.promtext import scrape_port_now, total
 from .serving_harness import client_for, counter, running_worker, worker_settings
 from .streams_harness import service, wait_for
 
-NOW_MS = int(time.time() * 1000)
+NOW_MS = clock.now_ms()
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=40)
 HEADER_NAMES = st.sampled_from(["reply-to", "correlation-id", "x-other", "REPLY-TO", ""])
 HEADER_VALUES = st.one_of(
@@ -192,7 +192,7 @@ class TopicCounter:
                 for msg in self.consumer.consume(500, 0.2):
                     if msg.error() is None:
                         self.counts[msg.topic()] += 1
-                        letter = self._decode(msg.value(), int(time.time() * 1000))
+                        letter = self._decode(msg.value(), clock.now_ms())
                         self.reasons[msg.topic()].append(letter.reason)
 
         self.thread = threading.Thread(target=read, daemon=True, name="dlq-counter")

@@ -17,6 +17,7 @@ import pytest
 import redis as redis_lib
 from confluent_kafka import Producer, TopicPartition
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.kafka import consumer_config, producer_config
 from freshcore.rediskeys import RedisKeys
@@ -316,7 +317,7 @@ def test_an_event_or_item_of_any_size_gets_a_bounded_dead_letter_from_the_stream
 
     names = TopicNames(conn.topic_prefix)
     huge = b'{"event_id": "' + b"e" * 900_000 + b'"}'
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     good = [Event(f"hg{j}", "click", "u1", "i7", now - 1000 + j, "north", "pc") for j in range(6)]
     p = Producer(producer_config(conn))
     p.produce(names.items, value=huge, key=b"i1")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer
 
+from freshcore import clock
 from freshcore.kafka import consumer_config, producer_config
 from freshcore.partitioner import kafka_partition
 from freshcore.topics import TopicNames
@@ -50,7 +51,7 @@ def ensure_kafkajs() -> None:
 def test_kafkajs_produces_and_consumes_events_with_the_same_partitioning(conn):
     ensure_kafkajs()
     topic = TopicNames(conn.topic_prefix).events
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     from_python = Event("py-1", "click", "u-python", "i1", now, "north", "pc")
     producer = Producer(producer_config(conn))
     producer.produce(topic, key=b"u-python", value=encode_event(from_python))

@@ -11,6 +11,7 @@ import pytest
 import redis as redis_lib
 from confluent_kafka import Producer
 
+from freshcore import clock
 from freshcore.kafka import close_producer, partition_count, producer_config
 from freshcore.partitioner import kafka_partition, row_partitions
 from freshcore.redisconn import connect
@@ -93,7 +94,7 @@ def pump(workers, until, timeout_s=40.0, what="condition"):
 
 
 def clicks(user, item, n, t0=None, prefix="c"):
-    t0 = t0 or int(time.time() * 1000)
+    t0 = t0 or clock.now_ms()
     return [Event(f"{prefix}{user}{item}{j}", "click", user, item, t0 + j) for j in range(n)]
 
 
@@ -186,7 +187,7 @@ def _learn_clicks(w: Worker, pairs) -> None:
             [i for _, i in pairs],
             np.ones(n, np.float32),
             np.ones(n, np.float32),
-            np.full(n, int(time.time() * 1000)),
+            np.full(n, clock.now_ms()),
         )
     )
 
@@ -219,7 +220,7 @@ def test_a_row_forgotten_by_admission_leaves_no_steps_behind(conn):
     local steps, which will never reach the parameter server, are let go too (they would
     stay in the pool for good)."""
     w = learner(conn, admission_touches=3, admission_window_s=1)
-    t0 = int(time.time() * 1000)
+    t0 = clock.now_ms()
     w.forget_unadmitted(t0)  # the filter's first generation starts
     _learn_clicks(w, [("fA", "fi")])
     assert len(steps_of(w, TABLE_USER, row_id("fA"))) == 1
@@ -301,7 +302,7 @@ def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, m
                 items,
                 rng.integers(0, 2, n).astype(np.float32),
                 np.ones(n, np.float32),
-                np.full(n, int(time.time() * 1000)),
+                np.full(n, clock.now_ms()),
             )
         )
     steps_before = len(w.pending)
@@ -448,7 +449,7 @@ def test_read_your_writes_local_steps_survive_slow_broadcasts_and_converge(conn,
         conn, "param-server", tmp_path / "ps.log", **{**ENV, "FRESHREC_FLUSH_INTERVAL_MS": "1500"}
     ):
         best = -np.inf
-        t0 = int(time.time() * 1000)
+        t0 = clock.now_ms()
         for round_ in range(4):
             learnt = w.stats["events"]
             produce(conn, clicks("u3", "i3", 2, t0 + 10 * round_, prefix=f"r{round_}"))
@@ -507,7 +508,7 @@ def test_the_newest_event_time_of_each_stage_is_exposed(conn):
 
     newest = {s: m.FRESHNESS_EVENT_TIME.labels(s) for s in ("local", "global_applied", "served")}
     w = learner(conn)
-    t0 = int(time.time() * 1000)
+    t0 = clock.now_ms()
     produce(conn, clicks("nt-u", "nt-i", 3, t0))
     want = (t0 + 2) / 1000  # the third click's
 
@@ -884,7 +885,7 @@ def test_non_finite_and_exploding_gradients_never_reach_a_table(conn, tmp_path):
 def test_rows_not_updated_for_the_ttl_expire_and_come_back_at_a_newer_version(conn, tmp_path):
     r = redis_lib.Redis.from_url(conn.redis_url)
     keys = RedisKeys(conn.topic_prefix)
-    t0 = int(time.time() * 1000)
+    t0 = clock.now_ms()
     row = 7
     part = kafka_partition(row_key(row), 4)
 
@@ -1112,7 +1113,7 @@ def test_items_untouched_for_the_row_ttl_leave_the_table_catalogue_items_stay(co
     queue_catalogue(pipe, keys, [Item("xk", "c1", 1.0, 1_700_000_000_000)], 0)
     pipe.execute()
     w = learner(conn)  # the catalogue adopted at start: xk is listed
-    now = [int(time.time() * 1000)]
+    now = [clock.now_ms()]
     w.cache.clock = lambda: now[0]
     _learn_clicks(w, [("xu", "xk"), ("xu", "xg")])
     now[0] += 10_000

@@ -6,6 +6,7 @@ import time
 
 from confluent_kafka import Consumer
 
+from freshcore import clock
 from freshcore.kafka import consumer_config
 from freshcore.partitioner import kafka_partition
 from freshcore.topics import TopicNames
@@ -37,7 +38,7 @@ def test_generated_events_round_trip_through_the_broker_with_the_codecs(conn):
     assert stats.failed == 0 and stats.delivered == stats.produced > 3000
 
     names = TopicNames(conn.topic_prefix)
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     item_msgs = consume_all(conn, names.items, 300)
     assert {decode_item(m.value(), now).item_id for m in item_msgs} == {f"i{i}" for i in range(300)}
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from freshcore import clock
 from freshrec.slo import SloSettings
 from tools.prometheus_rules import build, render
 
@@ -496,7 +497,7 @@ def test_a_real_prometheus_records_the_pipeline_and_alerts_when_the_parameter_se
         def recorded() -> dict[str, float] | None:
             """The p99 per stage once every stage has one (a stage with no observation in
             the rule's 30 s window records NaN): steady clicks meanwhile."""
-            now = int(time.time() * 1000)
+            now = clock.now_ms()
             clicks = [Event(f"p{now}-{u}", "click", u, f"i{n}", now) for n, u in enumerate(users)]
             produce(seeded, clicks)
             p99 = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from freshcore import clock
 from schemas.records import Event
 
 from .serving_harness import client_for, running_worker, worker_settings
@@ -12,7 +13,7 @@ from .streams_harness import produce, wait_for
 
 
 def _clicks(user: str, items: list[str], tag: str) -> list[Event]:
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     return [
         Event(f"{tag}-{user}-{i}", "click", user, item, now + i, None, "pc")
         for i, item in enumerate(items)
@@ -93,7 +94,7 @@ def test_impressions_and_clicks_naming_a_reply_are_counted_by_its_tier(seeded, m
         clicks = m.FEEDBACK.labels("click", reply.tier)
         shown = m.FEEDBACK.labels("impression", reply.tier)
         before = (shown._value.get(), clicks._value.get())
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         learnt = w.stats["events"]
         produce(
             seeded,

@@ -18,6 +18,7 @@ import pytest
 import redis as redis_lib
 from confluent_kafka import Producer
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.kafka import partition_count, producer_config
 from freshcore.rediskeys import RedisKeys
@@ -88,7 +89,7 @@ def test_request_reply_through_the_broker(seeded, model_dir):
         assert counter(m.REQUESTS, "duplicate") == before + 1
         # a reply that arrives after its call gave up is dropped and counted as late
         with pytest.raises(RecommendTimeout):
-            client.recommend("u4", 5, timeout_s=0.001, deadline_ms=int(time.time() * 1000) + 10_000)
+            client.recommend("u4", 5, timeout_s=0.001, deadline_ms=clock.now_ms() + 10_000)
         wait_for(lambda: client.stats.late == 1, 10, "the late reply")
         # a reply nobody asked for is dropped and counted as unknown
         p = Producer(producer_config(conn))
@@ -130,7 +131,7 @@ def test_a_request_that_waited_in_the_topic_past_its_budget_is_answered_by_a_che
         fresh = client.recommend("u7", 5, timeout_s=10)  # warm: the group has joined
         assert fresh.timings_ms["topic"] < 1_000
         corr = uuid.uuid4().hex
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         request = RecommendRequest("late-1", "u8", 5, deadline_ms=now + 60_000)
         fut = client._call(_expect(client.client, corr), 5)
         # produced 5 s ago, as if it had waited in a backlog
@@ -225,7 +226,7 @@ def test_an_expired_request_is_not_worked_on(seeded, model_dir):
         client.recommend("u1", 5, timeout_s=10)  # warm: the group has joined
         before = counter(m.REQUESTS, "expired")
         with pytest.raises(RecommendTimeout):
-            client.recommend("u5", 5, timeout_s=2, deadline_ms=int(time.time() * 1000) - 1)
+            client.recommend("u5", 5, timeout_s=2, deadline_ms=clock.now_ms() - 1)
         assert counter(m.REQUESTS, "expired") == before + 1
 
 
@@ -263,7 +264,7 @@ def test_a_users_clicks_move_their_next_recommendations_within_a_second(seeded, 
         )
         target = int(np.argmin(counts))
         clicked = world.category_items[target][:12]
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         learnt = w.stats["events"]  # before producing: the worker may learn them at once
         produce(
             conn,
@@ -296,9 +297,7 @@ def test_a_slow_channel_is_dropped_its_breaker_opens_and_closes_after_recovery(s
         runner.delays_ms["vector"] = 300  # the vector channel's deadline is 40 ms
         timed_out_before = counter(m.RECALL_CALLS, "vector", "timeout")
         for j in range(6):
-            reply = client.recommend(
-                f"u{10 + j}", 5, timeout_s=5, deadline_ms=int(time.time() * 1000) + 250
-            )
+            reply = client.recommend(f"u{10 + j}", 5, timeout_s=5, deadline_ms=clock.now_ms() + 250)
             assert reply.items, "the other channels still fill the reply"
             assert ("vector" in reply.tier_reason and reply.degraded) or j > 0
         assert counter(m.RECALL_CALLS, "vector", "timeout") >= timed_out_before + 4
@@ -511,7 +510,7 @@ def test_live_events_stamped_long_ago_are_not_paused_for(seeded, model_dir):
     settings = replace(worker_settings(conn, model_dir), prefetch_purge_ms=100.0)
     with running_worker(settings):
         before, pauses_before = learnt._value.get(), pauses._value.get()
-        stamp_ms = int(time.time() * 1000) - 60_000
+        stamp_ms = clock.now_ms() - 60_000
         start = time.monotonic()
         # 1,000 events/s for three seconds, paced: a consume comes back full (2,000 events
         # waiting) only if the worker stalls for two seconds
@@ -713,7 +712,7 @@ def test_the_catalogue_reloads_when_the_streams_app_writes_it_not_only_when_it_g
     from streams.catalogue import queue_catalogue, queue_deletions
 
     keys = RedisKeys(prefix)
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
 
     def write(sets=(), deletes=(), bump=True):  # what the catalogue stage does with a batch
         pipe = redis_client.pipeline(transaction=False)

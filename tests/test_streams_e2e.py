@@ -16,6 +16,7 @@ import time
 import pytest
 import redis as redis_lib
 
+from freshcore import clock
 from freshcore.hotscore import HotWeights, merge_hot_lists
 from freshcore.redisconn import connect, connect_async
 from freshcore.rediskeys import RedisKeys
@@ -118,7 +119,7 @@ def matches_brute_force(conn, events, prices) -> bool | str:
 
 @pytest.mark.parametrize("validate", ["process", "thread"])
 def test_hot_lists_features_and_recent_clicks_match_brute_force(conn, tmp_path, validate):
-    t0 = int(time.time() * 1000) - 300_000
+    t0 = clock.now_ms() - 300_000
     events = world_events(1, 3000, t0, "a")
     prices = {i.item_id: i.price for i in catalogue()}
     produce(conn, items=catalogue())
@@ -138,7 +139,7 @@ def test_hot_lists_features_and_recent_clicks_match_brute_force(conn, tmp_path, 
 
 
 def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn, tmp_path):
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     good = [Event(f"g{j}", "click", "u1", "i1", now - 1000 + j, "north", "pc") for j in range(20)]
     poison = [
         (b"u1", b"{not json", "malformed_json"),
@@ -201,7 +202,7 @@ def test_poison_events_go_to_the_dlq_with_reasons_and_duplicates_count_once(conn
 
 def test_sigkill_and_restart_continue_the_counts_without_double_counting(any_conn, tmp_path):
     conn = any_conn
-    t0 = int(time.time() * 1000) - 300_000
+    t0 = clock.now_ms() - 300_000
     first, second = world_events(3, 2000, t0, "c"), world_events(4, 2000, t0 + 130_000, "d")
     prices = {i.item_id: i.price for i in catalogue()}
     produce(conn, items=catalogue())
@@ -247,7 +248,7 @@ def test_the_validate_process_reports_through_the_parent_and_dies_with_it(conn, 
     from freshrec.app.stack import free_port
     from freshrec.promtext import scrape, total
 
-    t0 = int(time.time() * 1000) - 300_000
+    t0 = clock.now_ms() - 300_000
     events = world_events(5, 500, t0, "v")
     produce(conn, items=catalogue())
     port = free_port()
@@ -364,7 +365,7 @@ def test_a_tombstone_on_items_deletes_the_item_and_one_without_a_key_is_a_dead_l
 
     names, keys = TopicNames(conn.topic_prefix), RedisKeys(conn.topic_prefix)
     r = redis_lib.Redis.from_url(conn.redis_url)
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     produce(conn, items=[Item(f"i{j}", "c1", 10.0 + j, now) for j in range(4)])  # all new
     p = Producer(producer_config(conn))
     p.produce(names.items, key=b"i1", value=None)  # deleted
@@ -536,7 +537,7 @@ def test_a_validate_batch_that_fails_half_way_commits_nothing_past_the_last_whol
     from streams.settings import StreamsSettings
     from streams.validate import ValidateStage
 
-    events = world_events(3, 600, int(time.time() * 1000) - 60_000, "half")
+    events = world_events(3, 600, clock.now_ms() - 60_000, "half")
     produce(conn, events)
     names = TopicNames(conn.topic_prefix)
     client = Producer(producer_config(conn))

@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.drift import Recovery, level_before, recovery_s
+from freshcore import clock
 from freshcore.kafka import gradients_partitions
 from freshcore.redisconn import connect
 from freshcore.rediskeys import RedisKeys
@@ -270,7 +271,7 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
     prefix = f"fresh{time.time_ns() % 10**12}."
     with bench_connection(prefix) as conn, contextlib.ExitStack() as services:
         seed_world(conn.redis_url, conn.topic_prefix, world, models, gradients_partitions(conn))
-        quality = {"start": rows_quality(conn, world, cohort, int(time.time() * 1000))}
+        quality = {"start": rows_quality(conn, world, cohort, clock.now_ms())}
         ports = {name: free_port() for name in ("streams", "param-server", "worker")}
         procs = {
             name: services.enter_context(
@@ -323,9 +324,7 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
             thread.join(args.window + 15)
         if loop.stats.replied == 0:
             raise RuntimeError(f"{arm}: no request was answered (logs in {logs})")
-        quality["end"] = rows_quality(
-            conn, loop.world, cohort, int(time.time() * 1000), loop.stats.shown
-        )
+        quality["end"] = rows_quality(conn, loop.world, cohort, clock.now_ms(), loop.stats.shown)
         return loop.stats, quality
 
 

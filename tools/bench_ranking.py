@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freshcore import clock
 from freshrec.app.options import add_log_options
 from freshrec.app.training import train_on_world
 from freshrec.progress import ProgressLine
@@ -64,7 +65,7 @@ def batch_inputs(directory: Path, manifest: dict, device: torch.device, seed: in
     cand = rng.choice(len(items), min(BATCH, len(items)), replace=False)
     n = len(cand)
     enc = FeatureEncoder()
-    ctx = enc.context(["pc"], ["north"], [int(time.time() * 1000)])
+    ctx = enc.context(["pc"], ["north"], [clock.now_ms()])
     dense = np.column_stack(
         [rng.uniform(1, 100, n), rng.uniform(0.01, 0.3, n), rng.uniform(0, 0.2, n), rng.random(n)]
     ).astype(np.float32)

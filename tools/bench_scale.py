@@ -48,6 +48,7 @@ import torch
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.kafka import admin_config, gradients_partitions, producer_config
 from freshcore.partitioner import row_partitions
@@ -351,7 +352,7 @@ def param_server_rate(conn, user_ids, item_ids, rows: int, progress) -> int:
     partitions = gradients_partitions(conn)
     topic = TopicNames(conn.topic_prefix).gradients
     p = Producer(producer_config(conn))
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     sent = 0
     for table, ids in picks.items():
         part = row_partitions(ids, partitions)

@@ -37,6 +37,7 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from freshcore import clock
 from freshcore.kafka import admin_config, consumer_config, gradients_partitions, producer_config
 from freshcore.settings import ConnectionSettings
 from freshcore.topics import TopicNames, ensure_topics
@@ -142,7 +143,7 @@ def _worker(conn, models, device: torch.device, **overrides) -> Worker:
 
 def _inbound(world: World, n: int, seed: int = 0) -> list[Inbound]:
     rng = np.random.default_rng(seed)
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     users = world.sample_users(rng, n)
     ctx = RequestContext("pc", "north", now)
     return [
@@ -182,7 +183,7 @@ def bench_ranking(
             rng.standard_normal((rows, dim + 1)).astype(np.float32) * 0.1,
             rng.random((rows, 4)).astype(np.float32),
             rng.integers(0, 128, rows),
-            enc.context(["pc"] * rows, ["north"] * rows, [int(time.time() * 1000)] * rows),
+            enc.context(["pc"] * rows, ["north"] * rows, [clock.now_ms()] * rows),
             rng.random(rows).astype(np.float32),
             owner=owner,
         )
@@ -384,7 +385,7 @@ def _reply_timings(conn, topic: str, n: int) -> list[dict]:
     while len(out) < n and time.monotonic() < deadline:
         for msg in c.consume(1000, 0.5):
             if not msg.error():
-                out.append(decode_reply(msg.value(), int(time.time() * 1000)).timings_ms)
+                out.append(decode_reply(msg.value(), clock.now_ms()).timings_ms)
     c.close()
     return out
 

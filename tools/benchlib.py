@@ -18,6 +18,7 @@ from pathlib import Path
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
+from freshcore import clock
 from freshcore.kafka import (
     admin_config,
     consume_available,
@@ -103,7 +104,7 @@ def synthetic_records(world, seed: int, n: int) -> list[tuple[bytes, bytes]]:
     from schemas.codec import encode_event
 
     synth = EventSynthesizer(world, seed=seed)
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     records: list[tuple[bytes, bytes]] = []
     while len(records) < n:
         records += [(e.user_id.encode(), encode_event(e)) for e in synth.batch(500, now)]
@@ -287,7 +288,7 @@ def raw_lag(
         produce_prepared(conn, list(ramp), rate_per_s=rate_per_s, producer=producer)
     # whole milliseconds, as events are stamped: a float mark could exclude the first event
     # stamped in the same millisecond (a run failed reading 149,999 of 150,000)
-    reader.measured_from_ms = int(time.time() * 1000)
+    reader.measured_from_ms = clock.now_ms()
     produce_prepared(conn, records, rate_per_s=rate_per_s, producer=producer)
     give_up[0] = time.monotonic() + 10
     done.set()

@@ -47,6 +47,7 @@ from pathlib import Path
 import orjson
 import redis as redis_lib
 
+from freshcore import clock
 from freshcore.kafka import produce
 from freshcore.rediskeys import RedisKeys
 from freshcore.topics import TopicNames
@@ -125,7 +126,7 @@ class Flood:
         pacer = Pacer(self.rate, time.monotonic())
         while not self.stop.is_set():
             want = pacer.to_send(time.monotonic(), self.sent)
-            now_ms = int(time.time() * 1000)
+            now_ms = clock.now_ms()
             for _ in range(want):
                 user = pick(users, self.new_users)
                 event = {

@@ -14,10 +14,10 @@ import json
 import os
 import signal
 import threading
-import time
 
 from confluent_kafka import Consumer, Producer
 
+from freshcore import clock
 from freshcore.kafka import consume_available, consumer_config, producer_config
 from freshcore.settings import ConnectionSettings
 from freshcore.topics import TopicNames
@@ -44,7 +44,7 @@ def main() -> None:
                 "items": [],
                 "tier": "hot",
                 "tier_reason": "echo",
-                "served_at_ms": int(time.time() * 1000),
+                "served_at_ms": clock.now_ms(),
             }
             producer.produce(
                 headers.get("reply-to", names.recommend_replies.encode()).decode(),

@@ -22,12 +22,12 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from freshcore import clock
 from freshcore.kafka import gradients_partitions
 from freshrec.app.training import train_on_world
 from freshrec.sim.world import World, WorldConfig
@@ -48,7 +48,7 @@ def examples(world: World, n: int, seed: int) -> Examples:
     rng = np.random.default_rng(seed)
     users = [World.user_id(int(u)) for u in world.sample_users(rng, n)]
     items = [World.item_id(int(i)) for i in world.sample_popular_items(rng, n)]
-    now = int(time.time() * 1000)
+    now = clock.now_ms()
     return Examples(
         users,
         items,

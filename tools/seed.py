@@ -6,11 +6,11 @@ from the topics."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
+from freshcore import clock
 from freshcore.hotscore import HotEntry, HotList
 from freshcore.redisconn import connect
 from freshcore.rediskeys import RedisKeys
@@ -39,7 +39,7 @@ def seed_world(
             pipe.hset(k.item_region, mapping=regional)
         popular = world.sample_popular_items(np.random.default_rng(1), 20 * hot)
         top = list(dict.fromkeys(World.item_id(int(i)) for i in popular))[:hot]
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         entries = [HotEntry(i, float(hot - n), 0.05, 0.5) for n, i in enumerate(top)]
         pipe.hset(k.hot("global"), "0", json.dumps(HotList(now, entries, 0, now).to_json()))
         pipe.sadd(k.hot_scopes(), "global")

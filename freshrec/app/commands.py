@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from freshcore import clock
 from freshcore.redisconn import redacted
 from freshcore.settings import (
     STACK_ENV_FILE,
@@ -141,7 +142,7 @@ def set_mode(conn: ConnectionSettings, name: str, by: str | None = None) -> bool
     from schemas.records import ControlRecord
 
     by = by if by is not None else f"{getpass.getuser()}@{socket.gethostname()}"
-    record = ControlRecord(name, int(time.time() * 1000), by)
+    record = ControlRecord(name, clock.now_ms(), by)
     producer = Producer(producer_config(conn))
     produce(producer, TopicNames(conn.topic_prefix).control, encode_control(record), b"mode")
     return producer.flush(30) == 0

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from freshcore import clock
 from freshcore.settings import ConnectionSettings, load_environment
 from freshrec.app.stack import EmbeddedStack, external_services, free_port
 
@@ -251,7 +252,7 @@ def run_arm(
             others = {s: p for s, p in ports.items() if s != "worker"}
             progress(f"{name}: waiting for {', '.join(others)} to join")
             wait_until_assigned(others, 120, lambda waiting: group.check())
-            wall0 = int(time.time() * 1000)
+            wall0 = clock.now_ms()
             _history(conn, data, wall0, ports["streams"], group, progress, name)
             group.start("worker", "worker", FRESHREC_METRICS_PORT=str(ports["worker"]))
             wait_until_assigned({"worker": ports["worker"]}, 120, lambda waiting: group.check())
@@ -385,7 +386,7 @@ async def _replay(
     ) as client:
         for step in plan.steps:
             stamp = [_stamp(data, wall0, p) for p in range(step.start, step.end)]
-            ahead_ms = stamp[-1] - int(time.time() * 1000)  # no event stamped in the future
+            ahead_ms = stamp[-1] - clock.now_ms()  # no event stamped in the future
             if ahead_ms > 0:
                 await asyncio.sleep(ahead_ms / 1000)
             bare_users = [u for u in step.users if zlib.crc32(str(u).encode()) % BARE_SAMPLE == 0]

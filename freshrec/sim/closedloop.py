@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from confluent_kafka import Producer
 
+from freshcore import clock
 from freshcore.kafka import produce, producer_config
 from freshcore.settings import ConnectionSettings
 from freshcore.topics import TopicNames
@@ -260,7 +261,7 @@ class ClosedLoop:
                 reply = await client.recommend(
                     uid,
                     self.k,
-                    context={"device": device, "region": region, "ts_ms": int(time.time() * 1000)},
+                    context={"device": device, "region": region, "ts_ms": clock.now_ms()},
                 )
             except RecommendTimeout:
                 self.stats.timeouts += 1
@@ -287,7 +288,7 @@ class ClosedLoop:
                 continue
         if not items:
             return
-        now = int(time.time() * 1000)
+        now = clock.now_ms()
         idx = np.asarray(items)
         users = np.full(len(idx), user)
         clicked = self.rng.random(len(idx)) < w.click_probability(users, idx, now)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaException, Producer
 
+from freshcore import clock
 from freshcore.kafka import produce, producer_config
 from freshcore.settings import ConnectionSettings
 from freshcore.topics import TopicNames, metadata
@@ -99,7 +100,7 @@ def prepare_events(world: World, n: int, seed: int = 0) -> list[tuple[bytes, byt
     cost of a concatenation (generating and encoding 5,000 events/s takes a quarter of this
     machine; a benchmark should measure the system, not its load generator)."""
     synth = EventSynthesizer(world, seed=seed)
-    stamp_ms = int(time.time() * 1000)
+    stamp_ms = clock.now_ms()
     marker = b'"ts_ms":' + str(stamp_ms).encode()
     out: list[tuple[bytes, bytes, bytes]] = []
     while len(out) < n:
@@ -145,7 +146,7 @@ def produce_prepared(
         now = time.monotonic()
         want = min(pacer.to_send(now, sent), n - sent)
         if want:
-            stamp = str(int(time.time() * 1000)).encode()
+            stamp = str(clock.now_ms()).encode()
             for key, head, tail in records[sent : sent + want]:
                 produce(producer, topic, head + stamp + tail, key, on_delivery=counter)
             sent += want
@@ -188,7 +189,7 @@ def produce_events(
             break
         want = pacer.to_send(now, sent)
         while len(buffered) < want:
-            now_ms = int(time.time() * 1000)
+            now_ms = clock.now_ms()
             for e in synth.batch(slates_per_tick, now_ms):
                 buffered.append((e.user_id.encode(), encode_event(e)))
         for _ in range(want):

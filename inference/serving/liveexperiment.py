@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections import Counter
 from pathlib import Path
 
 import redis
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.abstats import bucket_of
 from freshcore.rediskeys import RedisKeys
@@ -58,7 +58,7 @@ def sync_table(r: redis.Redis, keys: RedisKeys, exp: Experiment) -> bytes:
     if stored.get(b"salt", exp.salt.encode()) != exp.salt.encode():
         table, old_names = None, []  # another salt: another assignment altogether
     new = allocate(table, old_names, exp)
-    r.hset(key, mapping={**layout, "table": new, "changed_ms": int(time.time() * 1000)})
+    r.hset(key, mapping={**layout, "table": new, "changed_ms": clock.now_ms()})
     r.sadd(keys.experiments, exp.name)
     log.info(
         "experiment %s: %s",

@@ -19,6 +19,7 @@ import numpy as np
 import redis
 import torch
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.hotscore import PRIOR_CTR, PRIOR_CVR
 from freshcore.rediskeys import RedisKeys
@@ -232,7 +233,7 @@ class RankingStage:
             note = self._realtime_features(b, group, lens, realtime, dense)
         categories = np.zeros(n, np.int64)
         categories[known] = cat.category[cat_idx[known]]
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.now_ms()
         ctx = self.encoder.context(
             [r.context.device if r.context else None for r in reqs],
             [r.context.region if r.context else None for r in reqs],

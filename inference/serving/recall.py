@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from freshcore import clock
 from freshcore import metrics as m
 from inference.serving.breaker import BreakerConfig, CircuitBreaker
 
@@ -153,7 +154,7 @@ class RecallRunner:
         """All allowed channels at once; waits at most each channel's deadline (capped by
         ``budget_ms``, the batch's remaining deadline budget)."""
         start = self.clock()
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.now_ms()
         futures: dict[str, cf.Future] = {}
         result = RecallResult([{} for _ in queries])
         for name in self.configs:
@@ -208,10 +209,10 @@ class RecallRunner:
         return result
 
     def _record(self, name: str, ok: bool, outcome: str) -> None:
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.now_ms()
         self.breakers[name].record(ok, now_ms)
         m.RECALL_CALLS.labels(name, outcome).inc()
 
     def breaker_states(self) -> dict[str, str]:
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.now_ms()
         return {name: b.state(now_ms) for name, b in self.breakers.items()}

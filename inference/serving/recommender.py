@@ -21,6 +21,7 @@ import numpy as np
 import redis
 import torch
 
+from freshcore import clock
 from freshcore import metrics as m
 from freshcore.lifecycle import lower_thread_priority
 from freshcore.rediskeys import RedisKeys
@@ -282,7 +283,7 @@ class Recommender:
         starts = rows[self.cache.to_device(started)]
         items.rows.index_copy_(0, self.cache.to_device(at), self.cache.stored(starts))
         items.set_version(at, 1)  # a starting row, as offline training's: any learnt row is newer
-        items.event_ms[at] = int(time.time() * 1000)
+        items.event_ms[at] = clock.now_ms()
         m.COLD_ITEMS_STARTED.inc(len(started))
         self.start_items(cat.row_ids[subset[started]], starts.cpu().numpy())
 
@@ -356,7 +357,7 @@ class Recommender:
     # --------------------------------------------------------------------------- serve
     def serve(self, batch: list[Inbound], queue_depth: int = 0) -> list[RecommendReply]:
         start = time.monotonic()
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.now_ms()
         s = self.settings
         self.adopt_snapshot()
         degraded: list[str] = []
@@ -463,7 +464,7 @@ class Recommender:
                     tier=tier,
                     tier_reason=reason_text[:256],
                     degraded=bool(degraded),
-                    served_at_ms=int(time.time() * 1000),
+                    served_at_ms=clock.now_ms(),
                     model_version=models.version if models else None,
                     user_embedding_version=int(versions[j]),
                     user_embedding_age_ms=ages[j],

@@ -27,13 +27,13 @@ oldest event the row includes that no reply has used yet.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from freshcore import metrics as m
+from freshcore.clock import now_ms
 from freshcore.idindex import IdIndex
 from inference.device import to_device, to_host
 from inference.tables.host import (
@@ -95,7 +95,7 @@ class EmbeddingCache:
         user_capacity: int,
         fetch: Fetch,
         device: torch.device,
-        clock: Callable[[], int] = lambda: int(time.time() * 1000),
+        clock: Callable[[], int] = now_ms,
         host_users: int = 0,
         host_items: int = 0,
         dtype: torch.dtype = torch.float32,

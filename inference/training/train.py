@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from freshcore import clock
 from freshcore.settings import LEARNING_RATE
 from inference.models.attention import SEQUENCE
 from inference.models.coldstart import category_starts, known_category
@@ -466,7 +467,7 @@ def train(
     manifest = {
         "version": version,
         "dim": cfg.dim,
-        "created_ms": int(time.time() * 1000),
+        "created_ms": clock.now_ms(),
         "source": logs.source,
         "files": files,
         **({"online": ONLINE_SOFTMAX} if cfg.tower_loss == "softmax" else {}),
