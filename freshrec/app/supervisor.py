@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from freshrec.app.stack import _die_with_parent
+from freshrec.app.stack.processes import die_with_parent
 from schemas.errors import FreshRecError
 
 log = logging.getLogger("freshrec.run")
@@ -45,7 +45,7 @@ class ServiceGroup:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.children.append((name, proc))
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
