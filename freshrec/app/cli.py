@@ -30,6 +30,7 @@ def _sigterm_as_interrupt() -> None:
 def build_parser() -> argparse.ArgumentParser:
     from freshrec.app import commands, replay, training
     from freshrec.app import run as run_command
+    from freshrec.app.stack import commands as stack_commands
 
     parser = argparse.ArgumentParser(
         prog="freshrec",
@@ -112,26 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_options(run, items=20_000)
     run.set_defaults(func=run_command.cmd_run)
 
-    stack = sub.add_parser("stack", help="the embedded Kafka broker and Redis server")
-    stack_sub = stack.add_subparsers(dest="action", required=True, metavar="ACTION")
-    up = stack_sub.add_parser("up", help="start both on free loopback ports")
-    up.add_argument("--kafka-port", type=int, default=None)
-    up.add_argument("--redis-port", type=int, default=None, help="the (first) Redis port")
-    up.add_argument(
-        "--redis-cluster",
-        type=int,
-        default=0,
-        metavar="N",
-        help="a Redis Cluster of N masters (2 to 64) instead of one Redis server",
-    )
-    up.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for readiness")
-    up.set_defaults(func=commands.cmd_stack_up)
-    stack_sub.add_parser("down", help="stop what `up` started").set_defaults(
-        func=commands.cmd_stack_down
-    )
-    stack_sub.add_parser("status", help="what runs where").set_defaults(
-        func=commands.cmd_stack_status
-    )
+    stack_commands.add_parser(sub)
 
     exps = sub.add_parser("experiments", help="A/B experiments (docs/experiments.md)")
     exps_sub = exps.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -11,7 +11,6 @@ import threading
 import time
 
 from freshcore import clock
-from freshcore.redisconn import redacted
 from freshcore.settings import (
     STACK_ENV_FILE,
     ConnectionSettings,
@@ -19,7 +18,7 @@ from freshcore.settings import (
     read_env_file,
     state_dir,
 )
-from freshrec.app.stack import EmbeddedStack, StackError, external_services
+from freshrec.app.stack import StackError, external_services
 from freshrec.progress import ProgressLine
 
 log = logging.getLogger("freshrec")
@@ -51,41 +50,6 @@ def provision_topics(conn: ConnectionSettings) -> None:
         log.info("topics created: %s", ", ".join(report.created))
     if report.existing:
         log.info("topics already present: %d", len(report.existing))
-
-
-# --------------------------------------------------------------------------------- stack
-
-
-def cmd_stack_up(args: argparse.Namespace) -> int:
-    if external_services():
-        print("KAFKA_BOOTSTRAP_SERVERS and REDIS_URL are set: using them, starting nothing")
-        return 0
-    stack = EmbeddedStack(state_dir())
-    stack.up(
-        kafka_port=args.kafka_port,
-        redis_port=args.redis_port,
-        timeout_s=args.timeout,
-        redis_cluster=args.redis_cluster,
-    )
-    print(stack.status())
-    print(f"settings written to {stack.env_path}")
-    return 0
-
-
-def cmd_stack_down(args: argparse.Namespace) -> int:
-    stopped = EmbeddedStack(state_dir()).down()
-    print("stopped: " + ", ".join(stopped) if stopped else "nothing was running")
-    return 0
-
-
-def cmd_stack_status(args: argparse.Namespace) -> int:
-    if external_services():
-        conn = ConnectionSettings.from_env(os.environ)
-        print(f"external: KAFKA_BOOTSTRAP_SERVERS={conn.kafka_bootstrap_servers}")
-        print(f"external: REDIS_URL={redacted(conn.redis_url)}")
-        return 0
-    print(EmbeddedStack(state_dir()).status())
-    return 0
 
 
 # -------------------------------------------------------------------------------- topics

@@ -9,8 +9,9 @@ and the connection settings in ``.freshrec/stack.env``; ``down`` stops exactly t
 
 The parts: ``broker.py`` (the broker process), ``redisserver.py`` (the Redis process, one
 server or a cluster), ``processes.py`` (spawn, wait until ready, stop), ``ports.py``,
-``state.py`` (``stack.json`` and ``stack.env``) and ``embedded.py`` (``EmbeddedStack``: up,
-down, status). What the rest of FreshRec, the tools and the tests use is imported here.
+``state.py`` (``stack.json`` and ``stack.env``), ``embedded.py`` (``EmbeddedStack``: up, down,
+status) and ``commands.py`` (``freshrec stack up|down|status``). What the rest of FreshRec,
+the tools and the tests use is imported here.
 """
 
 from freshrec.app.stack.broker import broker_binary
