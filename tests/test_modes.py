@@ -91,7 +91,7 @@ def test_a_control_record_switches_every_worker_under_traffic_and_replies_name_t
     """Two workers serve a steady trickle of requests; `set_mode` (what `freshrec mode set`
     does) moves both to promo, and a worker that starts after the switch starts in it. Each
     adopts the mode's batching and ladder, and every reply names the mode it was served in."""
-    from freshrec.app.commands import latest_control, set_mode
+    from freshrec.app.modes import latest_control, set_mode
 
     conn = seeded
     modes = WorkerSettings.from_env({}).modes

@@ -28,7 +28,7 @@ def _sigterm_as_interrupt() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from freshrec.app import commands, replay, training
+    from freshrec.app import commands, experiments, modes, replay, training
     from freshrec.app import run as run_command
     from freshrec.app.stack import commands as stack_commands
 
@@ -115,35 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     stack_commands.add_parser(sub)
 
-    exps = sub.add_parser("experiments", help="A/B experiments (docs/experiments.md)")
-    exps_sub = exps.add_subparsers(dest="action", required=True, metavar="ACTION")
-    report = exps_sub.add_parser(
-        "report",
-        help="per variant: requests, CTR and CVR with user-level 95%% intervals, serving "
-        "time, and a verdict against the control",
-    )
-    report.add_argument("--name", action="append", help="this experiment (default: all)")
-    report.add_argument("--json", action="store_true", help="JSON instead of a table")
-    report.add_argument(
-        "--margin",
-        type=float,
-        default=0.03,
-        help="non-inferiority margin: the relative CTR a variant may lose and still be "
-        "'not worse' (0.03)",
-    )
-    report.set_defaults(func=commands.cmd_experiments_report)
-    check = exps_sub.add_parser("check", help="parse an experiments file and show its split")
-    check.add_argument("file", type=Path)
-    check.set_defaults(func=commands.cmd_experiments_check)
-
-    mode = sub.add_parser("mode", help="serving modes: daily, promo, acquisition (docs/serving.md)")
-    mode_sub = mode.add_subparsers(dest="action", required=True, metavar="ACTION")
-    mode_set = mode_sub.add_parser("set", help="switch every worker to a mode")
-    mode_set.add_argument("name", help="daily, promo, acquisition, or one of FRESHREC_MODES_FILE")
-    mode_set.set_defaults(func=commands.cmd_mode_set)
-    mode_sub.add_parser("show", help="the modes, the current one, the workers'").set_defaults(
-        func=commands.cmd_mode_show
-    )
+    experiments.add_parser(sub)
+    modes.add_parser(sub)
 
     topics = sub.add_parser("topics", help="the topic catalogue")
     topics_sub = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
