@@ -1,4 +1,6 @@
-"""What each ``freshrec`` subcommand does; argument parsing lives in ``cli.py``."""
+"""The ``freshrec`` commands that need little more than a connection: topics, producing the
+synthetic world, the services, the dashboard and ``top``, ``recommend``; each with its
+parser. The connection settings every command uses (``connection``) live here too."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from freshcore.settings import (
     read_env_file,
     state_dir,
 )
+from freshrec.app.options import add_world_options
 from freshrec.app.stack import StackError, external_services
 from freshrec.progress import ProgressLine
 
@@ -50,6 +53,21 @@ def provision_topics(conn: ConnectionSettings) -> None:
         log.info("topics already present: %d", len(report.existing))
 
 
+def add_topics_parser(sub) -> None:
+    """``freshrec topics`` and its actions."""
+    topics = sub.add_parser("topics", help="the topic catalogue")
+    topics_sub = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = topics_sub.add_parser("create", help="create missing topics (idempotent)")
+    create.add_argument(
+        "--acls",
+        action="store_true",
+        help="also grant each service's Kafka user what it needs (freshrec/acls.py; run as a "
+        "user that may alter ACLs)",
+    )
+    create.set_defaults(func=cmd_topics_create)
+    topics_sub.add_parser("list", help="print the catalogue").set_defaults(func=cmd_topics_list)
+
+
 def cmd_topics_create(args: argparse.Namespace) -> int:
     conn = connection()
     provision_topics(conn)
@@ -76,6 +94,16 @@ def cmd_topics_list(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------ services
+
+
+def add_service_parsers(sub) -> None:
+    """``freshrec streams``, ``worker`` and ``param-server``: the services, set by the environment."""
+    streams = sub.add_parser("streams", help="the faust app: validation, hot scores, features")
+    streams.set_defaults(func=cmd_streams)
+    worker = sub.add_parser("worker", help="the inference worker: embedding cache, online learning")
+    worker.set_defaults(func=cmd_worker)
+    ps = sub.add_parser("param-server", help="aggregate gradients, Adagrad, persist, broadcast")
+    ps.set_defaults(func=cmd_param_server)
 
 
 def cmd_streams(args: argparse.Namespace) -> int:
@@ -108,6 +136,20 @@ def cmd_param_server(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- produce
 
 
+def add_produce_parser(sub) -> None:
+    """``freshrec produce items|events``: the synthetic world to the topics."""
+    produce = sub.add_parser("produce", help="produce the synthetic world")
+    produce_sub = produce.add_subparsers(dest="what", required=True, metavar="WHAT")
+    p_items = produce_sub.add_parser("items", help="load the item catalogue")
+    add_world_options(p_items)
+    p_items.set_defaults(func=cmd_produce_items)
+    p_events = produce_sub.add_parser("events", help="produce events at a steady rate")
+    p_events.add_argument("--rate", type=float, default=1000.0, help="events per second")
+    p_events.add_argument("--duration", type=float, default=None, help="seconds (default: forever)")
+    add_world_options(p_events)
+    p_events.set_defaults(func=cmd_produce_events)
+
+
 def cmd_produce_items(args: argparse.Namespace) -> int:
     from freshrec.app.options import world_from_args
     from freshrec.sim.produce import produce_items
@@ -131,6 +173,31 @@ def cmd_produce_events(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- dashboard, top
+
+
+def add_dashboard_parsers(sub) -> None:
+    """``freshrec dashboard`` and ``freshrec top``: the headline figures, on a web page or in the
+    terminal."""
+    for name, helptext in (
+        ("dashboard", "a live web page of freshness, lag, throughput, latency and tiers"),
+        ("top", "the same headline figures as a live table in the terminal"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument(
+            "--targets",
+            default=None,
+            help="name=host:port,... of /metrics endpoints "
+            "(default: the services of the running `freshrec run`)",
+        )
+        if name == "dashboard":
+            p.add_argument("--host", default="127.0.0.1")
+            p.add_argument("--port", type=int, default=8050)
+            p.add_argument("--duration", type=float, default=None, help="seconds to serve")
+            p.set_defaults(func=cmd_dashboard)
+        else:
+            p.add_argument("--interval", type=float, default=1.0)
+            p.add_argument("--once", action="store_true", help="print one table (after 2 samples)")
+            p.set_defaults(func=cmd_top)
 
 
 def _observer_targets(spec: str | None) -> dict[str, str]:
@@ -185,6 +252,19 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------- train, recommend
+
+
+def add_recommend_parser(sub) -> None:
+    """``freshrec recommend`` and its options."""
+    rec = sub.add_parser("recommend", help="ask the workers for recommendations over Kafka")
+    rec.add_argument("--user", required=True, help="user id, e.g. u42")
+    rec.add_argument("-k", type=int, default=20, help="how many items")
+    rec.add_argument("--device", choices=("high_end", "pc", "low_end"), default=None)
+    rec.add_argument("--region", default=None)
+    rec.add_argument("--exclude", default="", help="comma-separated item ids never to return")
+    rec.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
+    rec.add_argument("--json", action="store_true", help="print the reply as JSON")
+    rec.set_defaults(func=cmd_recommend)
 
 
 def cmd_recommend(args: argparse.Namespace) -> int:

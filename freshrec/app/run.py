@@ -12,10 +12,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from freshcore.lifecycle import set_from_signal
 from freshcore.settings import ConnectionSettings, SettingsError, load_environment, state_dir
 from freshrec.app.commands import provision_topics, start_dashboard
+from freshrec.app.options import EnvDefault, add_world_options
 from freshrec.app.stack import EmbeddedStack, StackError, external_services
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
 from freshrec.app.training import (
@@ -24,9 +26,102 @@ from freshrec.app.training import (
     model_dir,
     served_rankers,
 )
+from freshrec.cost import CORE_HOUR_PRICE, GPU_HOUR_PRICE
 from freshrec.progress import ProgressLine
 
 log = logging.getLogger("freshrec")
+
+
+def add_parser(sub) -> None:
+    """``freshrec run`` and its options."""
+    run = sub.add_parser("run", help="the whole pipeline on the embedded stack, with traffic")
+    _add_traffic_options(run)
+    _add_service_options(run)
+    _add_cost_options(run)
+    run.add_argument(
+        "--train-impressions",
+        type=int,
+        default=None,
+        help="impressions for offline training when no models are cached "
+        "(default: 10 per item, 50k to 1M)",
+    )
+    # 20k items: with 100k everything still runs on two cores, but most replies come from
+    # the hot tier (see docs/benchmarks.md); `--items 100000` runs the larger world
+    add_world_options(run, items=20_000)
+    run.set_defaults(func=cmd_run)
+
+
+def _add_traffic_options(run: argparse.ArgumentParser) -> None:
+    """How long the run lasts and how much traffic the synthetic world sends."""
+    run.add_argument(
+        "--duration", type=float, default=None, help="seconds to run (default: until Ctrl-C)"
+    )
+    run.add_argument(
+        "--rate",
+        type=float,
+        action=EnvDefault,
+        envvar="FRESHREC_EVENT_RATE",
+        default=100.0,
+        help="background synthetic events per second",
+    )
+    run.add_argument(
+        "--requests",
+        type=float,
+        action=EnvDefault,
+        envvar="FRESHREC_REQUEST_RATE",
+        default=20.0,
+        help="closed-loop recommendation requests per second",
+    )
+
+
+def _add_service_options(run: argparse.ArgumentParser) -> None:
+    """How many workers, serving what, on which Redis, with the dashboard where."""
+    run.add_argument("--workers", type=int, default=1, help="inference workers to start")
+    run.add_argument(
+        "--experiment",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run the workers with this A/B experiment (examples/experiments.toml) and print "
+        "its report at the end",
+    )
+    run.add_argument(
+        "--mode",
+        default=None,
+        help="the serving mode the workers start in (daily, promo, acquisition; default "
+        "FRESHREC_MODE or daily); `freshrec mode set NAME` switches it while running",
+    )
+    run.add_argument(
+        "--redis-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run on an embedded Redis Cluster of N masters instead of one Redis server",
+    )
+    run.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=8050,
+        help="port of the built-in dashboard (0: any free port)",
+    )
+
+
+def _add_cost_options(run: argparse.ArgumentParser) -> None:
+    """The prices the summary's cost per 1,000 requests is reckoned at."""
+    run.add_argument(
+        "--core-hour-price",
+        type=float,
+        default=CORE_HOUR_PRICE,
+        help="USD per core-hour, for the summary's cost per 1,000 requests "
+        f"(default {CORE_HOUR_PRICE}: an assumption, replace it with yours)",
+    )
+    run.add_argument(
+        "--gpu-hour-price",
+        type=float,
+        default=GPU_HOUR_PRICE,
+        help="USD per GPU-hour, for the workers that hold a GPU "
+        f"(default {GPU_HOUR_PRICE}: an assumption, replace it with yours)",
+    )
 
 
 @dataclass

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from freshcore.settings import ConnectionSettings, load_environment
 from freshrec.app.commands import connection
+from freshrec.app.options import add_log_options, add_world_options
 from freshrec.app.stack import external_services
 from freshrec.progress import ProgressLine
 
@@ -174,6 +175,93 @@ def served_rankers(rankings=()) -> str:
 def rankers_option(args: argparse.Namespace) -> dict:
     """``--rankers`` as a ``TrainConfig`` field (absent: the default, all of them)."""
     return {} if args.rankers is None else {"rankers": args.rankers}
+
+
+def add_parser(sub) -> None:
+    """``freshrec train`` and its options."""
+    train = sub.add_parser(
+        "train",
+        help="offline training: starting embeddings and both ranking models, on the "
+        "synthetic world or an interaction log (--log)",
+    )
+    add_world_options(train, items_option=False)
+    train.add_argument(
+        "--log",
+        default=None,
+        help="train on this interaction log (CSV, TSV or JSON Lines, gzipped or not) "
+        "instead of the synthetic world; see docs/replay.md",
+    )
+    add_log_options(
+        train,
+        items_help="with --log: the item file (id, category or genres, price); without: "
+        "the synthetic world's item count [env FRESHREC_WORLD_ITEMS; default 100000]",
+    )
+    train.add_argument(
+        "--negatives",
+        type=int,
+        default=4,
+        help="with --log: negatives drawn uniformly from the catalogue per interaction, "
+        "for the ranking models (default 4)",
+    )
+    train.add_argument(
+        "--holdout",
+        type=float,
+        default=0.1,
+        help="with --log: the last share of the log, by time, held out and reported on "
+        "(default 0.1)",
+    )
+    _add_model_options(train)
+    train.add_argument(
+        "--out",
+        default=None,
+        help="model directory [env FRESHREC_MODEL_DIR; default .freshrec/models]",
+    )
+    train.add_argument(
+        "--load",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="write the starting embeddings to Redis (auto: if a stack is set)",
+    )
+    train.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when the directory already holds models of this world "
+        "trained with this configuration",
+    )
+    train.set_defaults(func=cmd_train)
+
+
+def _add_model_options(train: argparse.ArgumentParser) -> None:
+    """What the models learn from and how: the impressions logged, the two-tower model's
+    penalty, share of the logs and epochs, and the further ranking models."""
+    train.add_argument(
+        "--impressions", type=int, default=1_000_000, help="logged impressions to train on"
+    )
+    train.add_argument(
+        "--l2",
+        type=float,
+        default=2.0,
+        help="two-tower L2 penalty (default 2.0; see docs/serving.md)",
+    )
+    train.add_argument(
+        "--tower-share",
+        type=float,
+        default=1.0,
+        help="share of the training logs for the two-tower model; the ranking "
+        "models learn from the rest (1.0: both from all)",
+    )
+    train.add_argument(
+        "--tower-epochs",
+        type=int,
+        default=None,
+        help="two-tower epochs (default 3; with --log 10)",
+    )
+    train.add_argument(
+        "--rankers",
+        default=None,
+        help="the further ranking models, comma-separated, '' for none (default: "
+        "pruned,attention,attention_window,attention_lowrank; docs/serving.md)",
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
