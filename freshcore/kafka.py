@@ -324,6 +324,12 @@ def delivery_retriable(err) -> bool:
     return code in _TRANSIENT_DELIVERY or bool(getattr(err, "retriable", lambda: False)())
 
 
+class ProducerFailed(FreshRecError, RuntimeError):
+    """A producer reported a fatal error (e.g. an idempotent producer fenced by the broker):
+    it can deliver nothing more. The worker exits; restarted, it resumes from its committed
+    offsets, so the events behind the undelivered messages are learnt again."""
+
+
 class TopicMissing(FreshRecError, RuntimeError):
     """A topic a service needs does not exist (``freshrec topics create`` makes them)."""
 

@@ -20,13 +20,12 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 
 from freshcore import metrics as m
 from freshcore.clock import now_ms
-from freshcore.kafka import delivery_retriable, produce
+from freshcore.kafka import ProducerFailed, delivery_retriable, produce
 from freshcore.rediskeys import RedisKeys
 from freshcore.retry import RetryPolicy, RetryQueue
 from freshcore.topics import TopicNames
 from inference.batching import BatchPolicy, split_expired
 from inference.feedback import Feedback
-from inference.learning.sender import ProducerFailed
 from inference.offsets import RequestOffsets
 from inference.route import reply_topic_pattern, route
 from inference.serving.liveexperiment import LiveExperiment

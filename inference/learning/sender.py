@@ -24,13 +24,12 @@ import numpy as np
 from confluent_kafka import KafkaError
 
 from freshcore import metrics as m
-from freshcore.kafka import produce
+from freshcore.kafka import ProducerFailed, produce
 from freshcore.retry import RetryPolicy, RetryQueue
 from inference.learning.outbox import GradientBatch
 from inference.learning.pending import PendingSteps
 from inference.offsets import OffsetGate
 from inference.tables.cache import EmbeddingCache
-from schemas.errors import FreshRecError
 from schemas.rowbatch import KIND_GRADIENTS, TABLE_NAMES, RowBatch
 from schemas.rows import row_key
 
@@ -38,12 +37,6 @@ GRADIENT_RETRY = RetryPolicy(attempts=None, first_wait_s=2.0, max_wait_s=30.0)
 """A gradient message is produced until the broker takes it or its partition is revoked
 (its events are not committed meanwhile), waiting 2, 4, 8 … 30 s between attempts."""
 log = logging.getLogger("freshrec.worker")
-
-
-class ProducerFailed(FreshRecError, RuntimeError):
-    """The worker's producer reported a fatal error (e.g. an idempotent producer fenced by the
-    broker): it can deliver nothing more. The worker exits; restarted, it resumes from its
-    committed offsets, so the events behind the undelivered messages are learnt again."""
 
 
 class GradientSender:
