@@ -14,6 +14,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import redis
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
@@ -44,6 +45,22 @@ MAX_ATTEMPTS = 3
 
 REPLY_RETRY = RetryPolicy(attempts=MAX_ATTEMPTS, first_wait_s=0.0)
 """A reply or dead letter is produced again at the loop's next round: its client waits."""
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    """A reply or dead letter as produced: what a failed delivery needs to produce it again."""
+
+    topic: str
+    value: bytes
+    key: bytes | None
+    """The reply's correlation id (None for a dead letter)."""
+    headers: list | None
+    """The reply's ``correlation-id`` header (None or empty: no headers)."""
+    report: Callable[[bool, object], None]
+    """Called once with ``(delivered, error)``: delivered, or given up on."""
+    what: str
+    """``reply`` or ``dead letter``: in the fatal error and ``freshrec_produce_retries_total``."""
 
 
 class _Countdown:
@@ -96,7 +113,7 @@ class RequestIntake:
         self.reply_topics = reply_topic_pattern(
             settings.conn.topic_prefix, settings.reply_topic_pattern
         )
-        self._retries: RetryQueue[tuple] = RetryQueue(REPLY_RETRY)
+        self._retries: RetryQueue[OutgoingMessage] = RetryQueue(REPLY_RETRY)
         self.feedback = Feedback()
         """The tiers of recent replies: events naming them are counted by tier."""
         self.experiment = experiment
@@ -179,12 +196,14 @@ class RequestIntake:
         )
         m.DEAD_LETTERS.labels(str(rej.reason)).inc()
         self._send(
-            self.names.recommend_requests_dlq,
-            encode_dead_letter(letter),
-            None,
-            None,
-            lambda ok, err: done(),
-            "dead letter",
+            OutgoingMessage(
+                self.names.recommend_requests_dlq,
+                encode_dead_letter(letter),
+                None,
+                None,
+                lambda ok, err: done(),
+                "dead letter",
+            )
         )
 
     # -------------------------------------------------------------------------- serving
@@ -285,13 +304,14 @@ class RequestIntake:
                 finish,
             )
 
-        self._send(topic, value, corr, headers, delivered, "reply")
+        self._send(OutgoingMessage(topic, value, corr, headers, delivered, "reply"))
 
-    def _send(self, topic, value, key, headers, report, what: str, attempt: int = 1) -> None:
-        """Produce and call ``report(ok, error)`` once: a delivery that failed for a reason
-        that may pass (a timeout, a broker away) is tried again (``MAX_ATTEMPTS`` in all,
-        from the loop: ``retry_failed``); a produce the client refuses at once (a topic name
-        it will not take) is a failure."""
+    def _send(self, message: OutgoingMessage, attempt: int = 1) -> None:
+        """Produce and call ``message.report(ok, error)`` once: a delivery that failed for a
+        reason that may pass (a timeout, a broker away) is tried again (``MAX_ATTEMPTS`` in
+        all, from the loop: ``retry_failed``); a produce the client refuses at once (a topic
+        name it will not take) is a failure."""
+        report, what = message.report, message.what
 
         def delivered(err, msg) -> None:
             if err is None:
@@ -300,25 +320,28 @@ class RequestIntake:
                 raise ProducerFailed(f"producer failed for good delivering a {what}: {err}")
             elif err.code() == KafkaError._PURGE_QUEUE:
                 pass  # taken back on a rebalance: the partition's next owner answers it
-            elif delivery_retriable(err) and self._retries.add(
-                (topic, value, key, headers, report, what), attempt, time.monotonic()
-            ):
+            elif delivery_retriable(err) and self._retries.add(message, attempt, time.monotonic()):
                 m.PRODUCE_RETRIES.labels(what).inc()
             else:
                 report(False, err)
 
         try:
-            produce(self.producer, topic, value, key, headers=headers, on_delivery=delivered)
+            produce(
+                self.producer,
+                message.topic,
+                message.value,
+                message.key,
+                headers=message.headers,
+                on_delivery=delivered,
+            )
         except KafkaException as exc:
             report(False, exc.args[0] if exc.args else exc)
 
     def retry_failed(self) -> None:
         """Produce again what failed for a reason that may pass (called from the loop, not
         from a delivery callback)."""
-        for (topic, value, key, headers, report, what), attempt in self._retries.due(
-            time.monotonic()
-        ):
-            self._send(topic, value, key, headers, report, what, attempt)
+        for message, attempt in self._retries.due(time.monotonic()):
+            self._send(message, attempt)
 
     # ---------------------------------------------------------------------- answer once
     def _remember_answered(self, rid: str) -> None:

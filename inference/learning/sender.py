@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from confluent_kafka import KafkaError
@@ -39,6 +40,26 @@ GRADIENT_RETRY = RetryPolicy(attempts=None, first_wait_s=2.0, max_wait_s=30.0)
 log = logging.getLogger("freshrec.worker")
 
 
+@dataclass(frozen=True)
+class GradientMessage:
+    """One gradient message as produced: what a failed delivery needs to produce it again,
+    and what a withdrawal needs to take its steps back and count it."""
+
+    token: int
+    """The message's token: its local steps (``PendingSteps.assign``) and its place in the
+    offset gate."""
+    value: bytes
+    """The encoded ``RowBatch``."""
+    key: bytes
+    """The key of its first row."""
+    partition: int
+    """The ``gradients`` partition it goes to (the outbox's)."""
+    table: str
+    """The name of the table its rows belong to (``TABLE_NAMES``), for the metrics."""
+    rows: int
+    """How many rows it carries."""
+
+
 class GradientSender:
     def __init__(
         self,
@@ -54,11 +75,8 @@ class GradientSender:
         self.gate = gate
         self.cache = cache
         self.tokens = itertools.count(1)
-        self._retries: RetryQueue[tuple[int, bytes, bytes, int, str, int]] = RetryQueue(
-            GRADIENT_RETRY
-        )
-        """Messages whose delivery failed, to produce again: (token, value, key, partition,
-        table name, rows)."""
+        self._retries: RetryQueue[GradientMessage] = RetryQueue(GRADIENT_RETRY)
+        """Messages whose delivery failed, to produce again."""
 
     @property
     def retrying(self) -> int:
@@ -82,38 +100,37 @@ class GradientSender:
             name = TABLE_NAMES[b.table]
             self.gate.produced(token)
             self._produce(
-                token, message.encode(), row_key(int(b.ids[0])), b.partition, name, len(b.ids), 1
+                GradientMessage(
+                    token, message.encode(), row_key(int(b.ids[0])), b.partition, name, len(b.ids)
+                ),
+                1,
             )
             m.GRADIENT_ROWS.labels(name, "sent").inc(len(b.ids))
             m.GRADIENT_MESSAGES.labels("sent").inc()
 
-    def _produce(self, token, value, key, partition, name, rows, attempt) -> None:
+    def _produce(self, message: GradientMessage, attempt: int) -> None:
         produce(
             self.producer,
             self.topic,
-            value,
-            key,
-            partition=partition,
-            on_delivery=self._delivered(token, value, key, partition, name, rows, attempt),
+            message.value,
+            message.key,
+            partition=message.partition,
+            on_delivery=self._delivered(message, attempt),
         )
 
-    def _delivered(self, token, value, key, partition, name, rows, attempt):
+    def _delivered(self, message: GradientMessage, attempt: int):
         def callback(err, msg) -> None:
             if err is None:
-                self.gate.reported(token)
+                self.gate.reported(message.token)
                 for table, slots, deltas in self.pending.delivered(
-                    token, msg.partition(), msg.offset()
+                    message.token, msg.partition(), msg.offset()
                 ):
                     self.cache.add(table, slots, (-deltas).astype(np.float32))
                 return
             if err.fatal():  # the producer can send nothing more: the worker must restart
                 raise ProducerFailed(f"gradients producer failed for good: {err}")
             if err.code() == KafkaError._PURGE_QUEUE:  # taken back on a rebalance
-                self.gate.withdraw(token)  # its events are the next owner's to learn
-                for table, slots, deltas in self.pending.withdrawn(token):
-                    self.cache.add(table, slots, (-deltas).astype(np.float32))
-                m.GRADIENT_MESSAGES.labels("withdrawn").inc()
-                m.GRADIENT_ROWS.labels(name, "withdrawn").inc(rows)
+                self._withdraw(message)  # its events are the next owner's to learn
                 return
             # Not delivered (librdkafka gave up: the broker away longer than
             # message.timeout.ms). Produced again, and until then the events it was learnt
@@ -121,16 +138,15 @@ class GradientSender:
             wait = GRADIENT_RETRY.wait_s(attempt)
             log.warning(
                 "gradient message not delivered (%d %s rows, attempt %d): %s; again in %.0f s",
-                rows,
-                name,
+                message.rows,
+                message.table,
                 attempt,
                 err,
                 wait,
             )
             m.GRADIENT_MESSAGES.labels("retried").inc()
             m.PRODUCE_RETRIES.labels("gradients").inc()
-            item = (token, value, key, partition, name, rows)
-            self._retries.add(item, attempt, time.monotonic())
+            self._retries.add(message, attempt, time.monotonic())
 
         return callback
 
@@ -138,15 +154,20 @@ class GradientSender:
         """Partitions were revoked: the messages waiting to be produced again are withdrawn
         (their steps leave the rows; the next owner learns their events). How many."""
         retries = self._retries.drain()
-        for (token, _, _, _, name, rows), _ in retries:
-            self.gate.withdraw(token)
-            for table, slots, deltas in self.pending.withdrawn(token):
-                self.cache.add(table, slots, (-deltas).astype(np.float32))
-            m.GRADIENT_MESSAGES.labels("withdrawn").inc()
-            m.GRADIENT_ROWS.labels(name, "withdrawn").inc(rows)
+        for message, _ in retries:
+            self._withdraw(message)
         return len(retries)
+
+    def _withdraw(self, message: GradientMessage) -> None:
+        """A message the broker will not get from this worker: the gate lets its events go
+        uncommitted, its steps leave the rows."""
+        self.gate.withdraw(message.token)
+        for table, slots, deltas in self.pending.withdrawn(message.token):
+            self.cache.add(table, slots, (-deltas).astype(np.float32))
+        m.GRADIENT_MESSAGES.labels("withdrawn").inc()
+        m.GRADIENT_ROWS.labels(message.table, "withdrawn").inc(message.rows)
 
     def retry_due(self, now: float) -> None:
         """Produce again the failed messages whose wait is over (from the loop)."""
-        for (token, value, key, partition, name, rows), attempt in self._retries.due(now):
-            self._produce(token, value, key, partition, name, rows, attempt)
+        for message, attempt in self._retries.due(now):
+            self._produce(message, attempt)
