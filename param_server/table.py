@@ -117,56 +117,45 @@ class ParamTable:
         kept per row until ``take_oldest``. Returns (distinct slots applied at least once,
         (message, row) pairs applied, pairs rejected as non-finite)."""
         oldest_ms = event_ms if oldest_ms is None else oldest_ms
-        slots = np.asarray(slots, np.int64)
-        message = np.asarray(message, np.int64)
-        order = np.lexsort((message, slots))  # by row, then log order
-        s, msg = slots[order], message[order]
-        head = np.ones(len(s), bool)
-        head[1:] = (s[1:] != s[:-1]) | (msg[1:] != msg[:-1])
-        if head.all():
-            g = np.asarray(grads, np.float32)[order]
-            newest = np.asarray(event_ms, np.int64)[order]
-            oldest = np.asarray(oldest_ms, np.int64)[order]
-        else:  # one message repeats a row: sum its gradients as ``apply`` does
-            group = np.cumsum(head) - 1
-            g = np.zeros((int(head.sum()), grads.shape[1]), np.float64)
-            np.add.at(g, group, np.asarray(grads, np.float64)[order])
-            g = g.astype(np.float32)
-            newest = np.full(len(g), np.iinfo(np.int64).min, np.int64)
-            np.maximum.at(newest, group, np.asarray(event_ms, np.int64)[order])
-            oldest = np.full(len(g), np.iinfo(np.int64).max, np.int64)
-            np.minimum.at(oldest, group, np.asarray(oldest_ms, np.int64)[order])
-            s = s[head]
-        first = np.ones(len(s), bool)
-        first[1:] = s[1:] != s[:-1]
-        position = np.arange(len(s))
-        rank = position - np.maximum.accumulate(np.where(first, position, 0))
-        # entries by round: each round is one contiguous slice (rows ascending within it)
-        by_round = np.argsort(rank, kind="stable")
+        s, g, newest, oldest = _summed_per_message(slots, grads, event_ms, message, oldest_ms)
+        by_round, bounds = _rounds(s)
         s, g, newest, oldest = s[by_round], g[by_round], newest[by_round], oldest[by_round]
-        bounds = np.searchsorted(rank[by_round], np.arange(int(rank.max(initial=-1)) + 2))
         applied, pairs, rejected = [], 0, 0
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-            sl = s[lo:hi]
-            rows, accum = self.rows[sl], self.accum[sl]
-            ok = adagrad_step(rows, accum, g[lo:hi], cfg)
-            if ok.all():
-                done = sl
-                self.rows[done], self.accum[done] = rows, accum
-                self.event_ms[done] = np.maximum(self.event_ms[done], newest[lo:hi])
-                self._keep_oldest(done, oldest[lo:hi])
-            else:
-                done = sl[ok]
-                self.rows[done] = rows[ok]
-                self.accum[done] = accum[ok]
-                self.event_ms[done] = np.maximum(self.event_ms[done], newest[lo:hi][ok])
-                self._keep_oldest(done, oldest[lo:hi][ok])
-                rejected += int((~ok).sum())
-            self.version[done] += np.uint64(1)
+            done, dropped = self._apply_round(s[lo:hi], g[lo:hi], newest[lo:hi], oldest[lo:hi], cfg)
             applied.append(done)
             pairs += len(done)
+            rejected += dropped
         done = np.unique(np.concatenate(applied)) if applied else np.empty(0, np.int64)
         return done, pairs, rejected
+
+    def _apply_round(
+        self,
+        slots: np.ndarray,
+        grads: np.ndarray,
+        newest: np.ndarray,
+        oldest: np.ndarray,
+        cfg: AdagradConfig,
+    ) -> tuple[np.ndarray, int]:
+        """One round of ``apply_log``: distinct ``slots``, one gradient each. Returns the
+        slots applied and how many were rejected as non-finite."""
+        rows, accum = self.rows[slots], self.accum[slots]
+        ok = adagrad_step(rows, accum, grads, cfg)
+        if ok.all():
+            done = slots
+            self.rows[done], self.accum[done] = rows, accum
+            self.event_ms[done] = np.maximum(self.event_ms[done], newest)
+            self._keep_oldest(done, oldest)
+            rejected = 0
+        else:
+            done = slots[ok]
+            self.rows[done] = rows[ok]
+            self.accum[done] = accum[ok]
+            self.event_ms[done] = np.maximum(self.event_ms[done], newest[ok])
+            self._keep_oldest(done, oldest[ok])
+            rejected = int((~ok).sum())
+        self.version[done] += np.uint64(1)
+        return done, rejected
 
     def _keep_oldest(self, slots: np.ndarray, oldest: np.ndarray) -> None:
         held = self.oldest_ms[slots]
@@ -214,3 +203,61 @@ class ParamTable:
             new = np.zeros((capacity, *old.shape[1:]), old.dtype)
             new[: self.size] = old[: self.size]
             setattr(self, name, new)
+
+
+def _summed_per_message(
+    slots: np.ndarray,
+    grads: np.ndarray,
+    event_ms: np.ndarray,
+    message: np.ndarray,
+    oldest_ms: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A log's entries by row, then log order, one per (message, row): where one message
+    repeats a row its gradients are summed as ``ParamTable.apply`` sums them, with the newest
+    and the oldest of their event times. Returns (slots, gradients, newest, oldest).
+
+    >>> s, g, newest, oldest = _summed_per_message(
+    ...     np.array([4, 2, 4]), np.ones((3, 1), np.float32), np.array([7, 8, 9]),
+    ...     np.array([0, 0, 0]), np.array([7, 8, 9]))
+    >>> s.tolist(), g[:, 0].tolist(), newest.tolist(), oldest.tolist()
+    ([2, 4], [1.0, 2.0], [8, 9], [8, 7])
+    """
+    slots = np.asarray(slots, np.int64)
+    message = np.asarray(message, np.int64)
+    order = np.lexsort((message, slots))  # by row, then log order
+    s, msg = slots[order], message[order]
+    head = np.ones(len(s), bool)
+    head[1:] = (s[1:] != s[:-1]) | (msg[1:] != msg[:-1])
+    if head.all():
+        g = np.asarray(grads, np.float32)[order]
+        newest = np.asarray(event_ms, np.int64)[order]
+        oldest = np.asarray(oldest_ms, np.int64)[order]
+        return s, g, newest, oldest
+    # one message repeats a row: sum its gradients as ``apply`` does
+    group = np.cumsum(head) - 1
+    g = np.zeros((int(head.sum()), grads.shape[1]), np.float64)
+    np.add.at(g, group, np.asarray(grads, np.float64)[order])
+    g = g.astype(np.float32)
+    newest = np.full(len(g), np.iinfo(np.int64).min, np.int64)
+    np.maximum.at(newest, group, np.asarray(event_ms, np.int64)[order])
+    oldest = np.full(len(g), np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(oldest, group, np.asarray(oldest_ms, np.int64)[order])
+    return s[head], g, newest, oldest
+
+
+def _rounds(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Entries sorted by row (``slots`` ascending, a row's entries in log order) regrouped
+    by round: the k-th entry of every row is in round k. Returns the order that lays the
+    rounds end to end (rows ascending within each) and the bounds of each round in it.
+
+    >>> order, bounds = _rounds(np.array([2, 4, 4, 4, 5]))
+    >>> order.tolist(), bounds.tolist()
+    ([0, 1, 4, 2, 3], [0, 3, 4, 5])
+    """
+    first = np.ones(len(slots), bool)
+    first[1:] = slots[1:] != slots[:-1]
+    position = np.arange(len(slots))
+    rank = position - np.maximum.accumulate(np.where(first, position, 0))
+    by_round = np.argsort(rank, kind="stable")
+    bounds = np.searchsorted(rank[by_round], np.arange(int(rank.max(initial=-1)) + 2))
+    return by_round, bounds
