@@ -13,8 +13,12 @@ offset in Redis, so after a crash nothing is lost and nothing is applied twice. 
 unreachable the server pauses its partitions, keeps what it has in memory, commits nothing,
 and resumes when Redis answers.
 
-Rows are held in dense per-table slabs (``table.py``), applied a message at a time with
-vectorised operations, and persisted with commands packed by numpy (``freshcore/resp.py``).
+A message is decoded, or skipped with its reason, at the edge (``intake.py``). Rows are held
+in dense per-table slabs (``table.py``); a poll's messages are laid end to end per table and
+applied with vectorised operations (``gradlog.py``); the rows applied since the last flush
+are kept apart (``dirty.py``) until the persister thread sends their snapshot
+(``persister.py``), packed by numpy (``store.py``, ``freshcore/resp.py``); the update
+broadcast and the start positions it gives new workers are in ``broadcast.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,6 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Producer
@@ -36,20 +38,22 @@ from freshcore.kafka import (
     close_producer,
     consume_batch,
     partition_count,
-    produce,
     producer_config,
 )
 from freshcore.lifecycle import run_until_signalled, settle_heap
-from freshcore.outage import is_outage, until_redis_answers
-from freshcore.partitioner import row_partitions
+from freshcore.outage import until_redis_answers
 from freshcore.redisconn import connect
 from freshcore.rediskeys import RedisKeys
 from freshcore.rowstore import row_shards
 from freshcore.service import Service
 from freshcore.topics import TopicNames
+from param_server.broadcast import UpdateBroadcast, record_delivery, save_positions
+from param_server.dirty import DirtyRows
+from param_server.gradlog import Entry, GradientLog
+from param_server.intake import decode_gradients
+from param_server.persister import Persister, observe_freshness
 from param_server.settings import ParamServerSettings
 from param_server.store import (
-    PersistUnit,
     applied_offsets,
     claim_partitions,
     fetch_rows_and_accumulators,
@@ -59,30 +63,10 @@ from param_server.store import (
 )
 from param_server.table import ParamTable
 from schemas.errors import FreshRecError
-from schemas.rowbatch import KIND_GRADIENTS, KIND_UPDATES, TABLE_NAMES, CorruptBatch, RowBatch
-from schemas.rows import initial_rows, version_floor
+from schemas.rowbatch import TABLE_NAMES, RowBatch
 
 log = logging.getLogger("freshrec.param_server")
-MAX_ROWS_PER_MESSAGE = 1000
 EVICT_EVERY_S = 60.0
-
-
-@dataclass
-class _Persist:
-    """A transaction handed to the persister thread, and what to broadcast once it is in."""
-
-    future: Future
-    units: list[PersistUnit]
-    snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]]
-    """partition -> table -> (ids, rows, accumulators, versions, event times), copies."""
-    offsets: dict[int, int]
-    owners: dict[int, str]
-    rows: int
-    started: float
-    oldest: dict[int, dict[int, np.ndarray]]
-    """partition -> table -> the oldest event time each snapshot row's new gradients hold."""
-    acked: dict[int, int]
-    """``ParamServer.acked`` when it was sent: Redis behind it lost a transaction."""
 
 
 class FencedOff(FreshRecError, RuntimeError):
@@ -102,16 +86,19 @@ class ParameterServer(Service):
         self.w = settings.dim + 1
         self.consumer = background_consumer(conn, "freshrec-param-server", "param-server")
         self.producer = Producer(producer_config(conn))
+        self.broadcast = UpdateBroadcast(
+            self.producer,
+            self.names.embeddings_updates,
+            settings.updates_half,
+            self._record_broadcast,
+        )
         self.tables = {t: ParamTable(self.w) for t in TABLE_NAMES}
         self.applied: dict[int, int] = {}
         self.acked: dict[int, int] = {}
         """partition -> the applied offset of the last transaction Redis acknowledged (or
         the one read at assignment): a persist finds Redis behind it after a failover."""
-        self.dirty: dict[int, dict[int, list[np.ndarray]]] = {}
-        """partition -> table -> slots applied since the last flush (arrays, may repeat)."""
-        self.dirty_rows = 0
+        self.dirty = DirtyRows()
         self.owned: set[int] = set()
-        self.update_partitions = 1
         self.shards = 1
         """``gradients`` partitions: a row's partition (its hash tag in Redis) by its id."""
         self._last_flush = time.monotonic()
@@ -121,8 +108,8 @@ class ParameterServer(Service):
         self._field_expiry: str | None = None
         """HSETEX or HPEXPIRE where this Redis expires hash fields (probed at start)."""
         self._broadcast_positions: dict[int, int] = {}  # delivered, not yet recorded
-        self._persister = ThreadPoolExecutor(1, thread_name_prefix="ps-persist")
-        self._inflight: _Persist | None = None
+        # ``store.persist_fenced`` as this module names it (a test slows it down here)
+        self._persister = Persister(self.redis, self.keys, persist_fenced)
         self.instance = uuid.uuid4().hex[:12]
         self._claims = 0
         self.owner: dict[int, str] = {}
@@ -172,7 +159,7 @@ class ParameterServer(Service):
     # ------------------------------------------------------------------------------ loop
     def start(self) -> None:
         topic = self.names.gradients
-        self.update_partitions = partition_count(self.producer, self.names.embeddings_updates)
+        self.broadcast.start()
         gradients = partition_count(self.producer, topic)
         self.shards = self._redis_retry(lambda: row_shards(self.redis, self.keys, gradients))
         if self.settings.row_ttl_s > 0:
@@ -205,51 +192,48 @@ class ParameterServer(Service):
     def poll_once(self) -> None:
         decoded = []
         for msg in consume_batch(self.consumer, 500, 0.02, "gradients"):
-            batch = self._decode(msg.partition(), msg.offset(), msg.value())
+            partition, offset = msg.partition(), msg.offset()
+            applied = self.applied.get(partition, -1)
+            batch = decode_gradients(partition, offset, msg.value(), applied, self.w, self.shards)
             if batch is not False:
-                decoded.append((msg.partition(), msg.offset(), batch))
+                decoded.append((partition, offset, batch))
         self.apply_messages(decoded)
         self._finish_persist(wait=False)  # broadcast as soon as Redis has the rows
         due = (time.monotonic() - self._last_flush) * 1000 >= self.settings.flush_interval_ms
-        if self.dirty_rows and (due or self.dirty_rows >= self.settings.max_dirty_rows):
+        if self.dirty.rows and (due or self.dirty.rows >= self.settings.max_dirty_rows):
             self.flush()
         self.producer.poll(0)
         self._save_broadcast_positions()
 
     # ----------------------------------------------------------------------------- apply
-    def _decode(self, partition: int, offset: int, value: bytes) -> RowBatch | bool:
-        """The message's batch; ``False`` if it was applied before (skipped); ``True`` if it
-        is corrupt or foreign: skipped, and its offset counts as applied in its turn."""
-        if offset <= self.applied.get(partition, -1):
-            m.PS_SKIPPED.labels("already_applied").inc()
-            return False
-        try:
-            batch = RowBatch.decode(value)
-        except CorruptBatch as exc:
-            m.PS_SKIPPED.labels("corrupt").inc()
-            log.warning("gradients %d@%d corrupt, skipped: %s", partition, offset, exc)
-            return True
-        if batch.kind != KIND_GRADIENTS or batch.dim != self.w:
-            m.PS_SKIPPED.labels("wrong_layout").inc()
-            return True
-        if self.shards > 1 and len(batch.ids):
-            routed = row_partitions(np.asarray(batch.ids, np.int64), self.shards)
-            if (routed != partition).any():  # its rows live under another partition's tag
-                m.PS_SKIPPED.labels("misrouted").inc()
-                log.warning(
-                    "gradients %d@%d has rows of other partitions (keyed by row id, murmur2), "
-                    "skipped",
-                    partition,
-                    offset,
-                )
-                return True
-        return batch
-
     def apply_messages(self, decoded: list[tuple[int, int, RowBatch | bool]]) -> None:
         """Apply decoded gradient messages (in log order per partition; ``True`` for one that
-        is skipped but counts as applied), all of one poll together: one Redis round trip loads the rows not held, then each table applies its
-        messages with ``ParamTable.apply_log`` — the result of applying them one by one."""
-        per_table: dict[int, list[tuple[int, int, RowBatch]]] = defaultdict(list)
+        is skipped but counts as applied), all of one poll together: one Redis round trip
+        loads the rows not held, then each table applies its messages with
+        ``ParamTable.apply_log`` — the result of applying them one by one."""
+        advanced, per_table = self._in_turn(decoded)
+        if not per_table:
+            self.applied.update(advanced)
+            return
+        logs = {t: GradientLog.locate(self.tables[t], items) for t, items in per_table.items()}
+        rebalances = self._rebalances
+        loaded = self._ensure_loaded_many({t: g.missing for t, g in logs.items()})
+        if self._rebalances != rebalances:
+            # Redis was down and the retry's poll served a rebalance: the tables were cleared
+            # and partitions may have moved (their offsets re-read from Redis). Apply again
+            # what this instance still owns; the new owners apply the rest.
+            self.apply_messages([d for d in decoded if d[0] in self.owned])
+            return
+        for t, gradients in logs.items():
+            self._apply_log(t, gradients, loaded.get(t))
+        self.applied.update(advanced)
+
+    def _in_turn(
+        self, decoded: list[tuple[int, int, RowBatch | bool]]
+    ) -> tuple[dict[int, int], dict[int, list[Entry]]]:
+        """The offset each partition advances to, and per table the messages to apply (those
+        past the partition's applied offset, in log order; skipped ones only advance it)."""
+        per_table: dict[int, list[Entry]] = defaultdict(list)
         # offsets advance once their rows are applied: a flush served meanwhile (a revoke
         # while the load below waits for Redis) persists only what the tables hold
         advanced: dict[int, int] = {}
@@ -259,54 +243,17 @@ class ParameterServer(Service):
             advanced[partition] = offset
             if batch is not True:
                 per_table[batch.table].append((seq, partition, batch))
-        if not per_table:
-            self.applied.update(advanced)
-            return
-        log_of: dict[int, tuple[np.ndarray, ...]] = {}
-        missing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for t, items in per_table.items():
-            ids = np.concatenate([np.asarray(b.ids, np.int64) for _, _, b in items])
-            event_ms = np.concatenate([np.asarray(b.event_ms, np.int64) for _, _, b in items])
-            oldest = np.concatenate([np.asarray(b.oldest_ms, np.int64) for _, _, b in items])
-            distinct, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-            at = self.tables[t].lookup(distinct)
-            held = at >= 0
-            # a row Redis lacks is created by the first of these entries (log order)
-            missing[t] = (distinct[~held], event_ms[first[~held]])
-            log_of[t] = (at, held, inverse, event_ms, oldest)
-        rebalances = self._rebalances
-        loaded = self._ensure_loaded_many(missing)
-        if self._rebalances != rebalances:
-            # Redis was down and the retry's poll served a rebalance: the tables were cleared
-            # and partitions may have moved (their offsets re-read from Redis). Apply again
-            # what this instance still owns; the new owners apply the rest.
-            self.apply_messages([d for d in decoded if d[0] in self.owned])
-            return
-        for t, items in per_table.items():
-            table, name = self.tables[t], TABLE_NAMES[t]
-            at, held, inverse, event_ms, oldest = log_of[t]
-            if t in loaded:
-                at[~held] = loaded[t]
-            slots = at[inverse]
-            grads = np.concatenate([b.rows for _, _, b in items])
-            sizes = [len(b) for _, _, b in items]
-            message = np.repeat([seq for seq, _, _ in items], sizes)
-            part = np.repeat([p for _, p, _ in items], sizes)
-            applied, pairs, rejected = table.apply_log(
-                slots, grads, event_ms, message, self.settings.adagrad_for(t), oldest
-            )
-            # a row lives in one partition: the update carries that partition's offset
-            held, first = np.unique(slots, return_index=True)
-            owner = part[first][np.searchsorted(held, applied)]  # applied ⊆ held, both sorted
-            table.partition[applied] = owner
-            for p in np.unique(owner).tolist():
-                self.dirty.setdefault(p, {}).setdefault(t, []).append(applied[owner == p])
-            self.dirty_rows += len(applied)
-            if rejected:
-                m.GRADIENT_ROWS.labels(name, "rejected_non_finite").inc(rejected)
-            m.PS_ROWS_APPLIED.labels(name).inc(pairs)
-            m.GRADIENT_MESSAGES.labels("applied").inc(len(items))
-        self.applied.update(advanced)
+        return advanced, per_table
+
+    def _apply_log(self, t: int, gradients: GradientLog, loaded: np.ndarray | None) -> None:
+        """Apply one table's log (``loaded``: the slots its missing rows were loaded into)."""
+        name = TABLE_NAMES[t]
+        done = gradients.apply(self.tables[t], self.settings.adagrad_for(t), loaded)
+        self.dirty.add_by_partition(t, done.slots, done.partitions)
+        if done.rejected:
+            m.GRADIENT_ROWS.labels(name, "rejected_non_finite").inc(done.rejected)
+        m.PS_ROWS_APPLIED.labels(name).inc(done.pairs)
+        m.GRADIENT_MESSAGES.labels("applied").inc(len(gradients.entries))
 
     def _ensure_loaded_many(
         self, missing: dict[int, tuple[np.ndarray, np.ndarray]]
@@ -322,27 +269,11 @@ class ParameterServer(Service):
         found = self._redis_retry(
             lambda: fetch_rows_and_accumulators(self.redis, self.keys, wanted, self.w, self.shards)
         )
-        init_acc = self.settings.adagrad.initial_accumulator
-        slots: dict[int, np.ndarray] = {}
-        for table, ids in wanted.items():
-            got = found[table]
-            n = len(ids)
-            rows = np.empty((n, self.w), np.float32)
-            versions = np.zeros(n, np.uint64)
-            event_ms = np.zeros(n, np.int64)
-            rows[got.found], versions[got.found], event_ms[got.found] = (
-                got.rows,
-                got.versions,
-                got.event_ms,
-            )
-            if not got.found.all():
-                absent = ~got.found
-                rows[absent] = initial_rows(ids[absent], table, self.settings.dim)
-                versions[absent] = version_floor(created[table][absent])
-            accum = np.full((n, self.w), init_acc, np.float32)
-            accum[got.has_accum] = got.accum
-            slots[table] = self.tables[table].add(ids, rows, accum, versions, event_ms)
-        return slots
+        init_acc, dim = self.settings.adagrad.initial_accumulator, self.settings.dim
+        return {
+            t: self.tables[t].add(ids, *found[t].completed(ids, t, dim, created[t], init_acc))
+            for t, ids in wanted.items()
+        }
 
     # ----------------------------------------------------------------------------- flush
     def flush(self, sync: bool = False) -> None:
@@ -355,7 +286,7 @@ class ParameterServer(Service):
             return
         self._finish_persist()
         sync = sync or self._evict_due()
-        if self.dirty_rows:
+        if self.dirty.rows:
             self._start_persist()
         if sync:
             self._finish_persist()
@@ -364,25 +295,17 @@ class ParameterServer(Service):
     @property
     def unpersisted_rows(self) -> int:
         """Rows applied that Redis may not have yet (dirty, or in the transaction in flight)."""
-        return self.dirty_rows + (self._inflight.rows if self._inflight else 0)
+        return self.dirty.rows + self._persister.rows
+
+    @property
+    def dirty_rows(self) -> int:
+        """Rows applied since the last flush (``DirtyRows.rows``)."""
+        return self.dirty.rows
 
     def _start_persist(self) -> None:
-        snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]] = {}
-        oldest: dict[int, dict[int, np.ndarray]] = {}
-        for p, tables in self.dirty.items():
-            for t, parts in tables.items():
-                slots, tab = np.unique(np.concatenate(parts)), self.tables[t]
-                rows = (
-                    tab.ids[slots],
-                    tab.rows[slots],
-                    tab.accum[slots],
-                    tab.version[slots],
-                    tab.event_ms[slots],
-                )
-                snapshot.setdefault(p, {})[t] = rows
-                oldest.setdefault(p, {})[t] = tab.take_oldest(slots)
-        offsets = {p: self.applied[p] for p in self.dirty}
-        owners = {p: self.owner[p] for p in self.dirty}
+        snapshot, oldest = self.dirty.snapshot(self.tables)
+        offsets = {p: self.applied[p] for p in snapshot}
+        owners = {p: self.owner[p] for p in snapshot}
         units = pack_persist(
             self.keys,
             snapshot,
@@ -390,64 +313,22 @@ class ParameterServer(Service):
             ttl_ms=self.settings.row_ttl_s * 1000,
             expiry=self._field_expiry,
         )
-        self._inflight = _Persist(
-            self._persister.submit(
-                persist_fenced, self.redis, self.keys, units, owners, acked=dict(self.acked)
-            ),
-            units,
-            snapshot,
-            offsets,
-            owners,
-            self.dirty_rows,
-            time.perf_counter(),
-            oldest,
-            dict(self.acked),
-        )
+        self._persister.send(units, snapshot, offsets, owners, self.dirty.rows, oldest, self.acked)
         self.dirty.clear()
-        self.dirty_rows = 0
 
     def _finish_persist(self, wait: bool = True) -> None:
         """Once the transaction in flight is in Redis (sent again while Redis is down: it is
         a snapshot, so sending it twice writes the same), broadcast its rows."""
-        done = self._inflight
-        if done is None or (not wait and not done.future.done()):
+        finished = self._persister.finish(wait, self._redis_retry)
+        if finished is None:
             return
-        try:
-            owned = done.future.result()
-        except Exception as exc:
-            if not is_outage(exc):
-                raise
-            # the retry serves rebalance callbacks: a revoke's flush may finish this one
-            owned = self._redis_retry(
-                lambda: (
-                    self._inflight is not done
-                    or persist_fenced(
-                        self.redis, self.keys, done.units, done.owners, acked=done.acked
-                    )
-                )
-            )
-            if self._inflight is not done:  # finished (and broadcast) inside the retry
-                return
-        self._inflight = None
+        done, owned = finished
         if not owned:
             self._fence_off(done.owners)
         self.acked.update({p: o for p, o in done.offsets.items() if p in self.owned})
         self._rewrite_lost(owned.behind)
-        persisted_ms = time.time() * 1000
-        times = np.concatenate(
-            [rows[4] for tables in done.snapshot.values() for rows in tables.values()]
-        )
-        times = times[times > 0]
-        oldest = np.concatenate([o for tables in done.oldest.values() for o in tables.values()])
-        oldest = oldest[oldest > 0]  # each row from the oldest event its new gradients hold
-        m.observe_many(
-            m.FRESHNESS_LAG.labels("global_applied"),
-            np.maximum(persisted_ms - oldest, 0.0) / 1000,
-        )
-        if len(times):
-            self._newest_applied_ms = max(self._newest_applied_ms, int(times.max()))
-            m.FRESHNESS_EVENT_TIME.labels("global_applied").set(self._newest_applied_ms / 1000)
-        self._broadcast(done.snapshot, done.offsets, done.oldest)
+        self._newest_applied_ms = observe_freshness(done, self._newest_applied_ms)
+        self.broadcast.send(done.snapshot, done.offsets, done.oldest)
         m.PS_FLUSHES.labels("ok").inc()
         m.PS_FLUSH_SECONDS.observe(time.perf_counter() - done.started)
 
@@ -466,15 +347,13 @@ class ParameterServer(Service):
             for t, table in self.tables.items():
                 slots = table.slots_of(p)
                 if len(slots):
-                    self.dirty.setdefault(p, {}).setdefault(t, []).append(slots)
-                    self.dirty_rows += len(slots)
+                    self.dirty.add(p, t, slots)
 
     def _fence_off(self, owners: dict[int, str]) -> None:
         """Another instance claimed one of these partitions: drop everything unpersisted,
         write nothing more, and stop (``run`` re-raises; a restart resumes from Redis)."""
         self.fenced = True
         self.dirty.clear()
-        self.dirty_rows = 0
         for table in self.tables.values():
             table.clear()
         m.PS_FLUSHES.labels("fenced_off").inc()
@@ -500,68 +379,15 @@ class ParameterServer(Service):
                 m.PS_ROWS_EVICTED.labels(TABLE_NAMES[t]).inc(gone)
                 log.info("%d %s rows not updated for %d s left memory", gone, TABLE_NAMES[t], ttl)
 
-    def _broadcast(
-        self,
-        snapshot: dict[int, dict[int, tuple[np.ndarray, ...]]],
-        offsets: dict[int, int],
-        oldest: dict[int, dict[int, np.ndarray]],
-    ) -> None:
-        created = clock.now_ms()
-        for p, tables in snapshot.items():
-            for t, (ids, rows, _, versions, event_ms) in tables.items():
-                # chunks stay far below Kafka's default 1 MB message limit
-                for lo in range(0, len(ids), MAX_ROWS_PER_MESSAGE):
-                    chunk = slice(lo, lo + MAX_ROWS_PER_MESSAGE)
-                    batch = RowBatch(
-                        KIND_UPDATES,
-                        t,
-                        ids[chunk],
-                        rows[chunk],
-                        versions[chunk],
-                        event_ms[chunk],
-                        partition=p,
-                        offset=offsets[p],
-                        created_ms=created,
-                        oldest_ms=oldest[p][t][chunk],
-                    )
-                    self._produce(
-                        self.names.embeddings_updates,
-                        batch.encode(half=self.settings.updates_half),
-                        p % self.update_partitions,
-                        self._record_broadcast,
-                    )
-        self.producer.poll(0)
-
-    def _produce(self, topic: str, value: bytes, partition: int, cb) -> None:
-        produce(self.producer, topic, value, partition=partition, on_delivery=cb)
-
     def _record_broadcast(self, err, msg) -> None:
-        if err is not None:
-            # the rows are persisted; workers see them at their next update, or load them
-            # from Redis when they start
-            log.warning("update broadcast failed: %s", err)
-            m.PS_BROADCASTS.labels("failed").inc()
-            return
-        m.PS_BROADCASTS.labels("delivered").inc()
-        p = msg.partition()
-        self._broadcast_positions[p] = max(self._broadcast_positions.get(p, -1), msg.offset())
+        """A delivery report of the update broadcast (``broadcast.record_delivery``)."""
+        record_delivery(self._broadcast_positions, err, msg)
 
     def _save_broadcast_positions(self) -> None:
-        """Where a starting worker may begin to follow the broadcast: the offset of an update
-        already delivered (so persisted), per partition, in one write per loop round. Only
-        a start position: one written late or lost makes a new worker replay more updates,
-        which it installs only where they are newer."""
-        if not self._broadcast_positions:
-            return
-        positions, self._broadcast_positions = self._broadcast_positions, {}
-        try:
-            self.redis.hset(self.keys.ps_broadcast, mapping=positions)
-        except Exception as exc:  # down, or refusing (at maxmemory): the next round writes them
-            if not is_outage(exc):
-                raise
-            for p, offset in positions.items():
-                mine = self._broadcast_positions.get(p, -1)
-                self._broadcast_positions[p] = max(mine, offset)
+        """Where a starting worker may begin to follow the broadcast, in one write per loop
+        round (``broadcast.save_positions``: while Redis is down or refusing, the positions
+        wait for the next round, merged with newer ones)."""
+        self._broadcast_positions = save_positions(self.redis, self.keys, self._broadcast_positions)
 
     # ----------------------------------------------------------------------------- redis
     def _redis_retry(self, op):

@@ -22,7 +22,9 @@ from schemas.rowbatch import TABLE_NAMES
 from schemas.rows import (
     decode_rows,
     encode_rows_matrix,
+    initial_rows,
     key_matrix,
+    version_floor,
 )
 
 Row = tuple[np.ndarray, int, int]
@@ -40,6 +42,30 @@ class StoredRows:
     event_ms: np.ndarray
     has_accum: np.ndarray
     accum: np.ndarray
+
+    def completed(
+        self, ids: np.ndarray, table: int, dim: int, created_ms: np.ndarray, initial_accum: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Rows, accumulators, versions and event times of every one of ``ids`` (the ids
+        these were fetched for): what Redis holds, and for a row it does not have its
+        deterministic initial row, at ``version_floor`` of the event time that creates it
+        (``created_ms``, per id), with accumulators at ``initial_accum`` where none is held."""
+        n, w = len(ids), dim + 1
+        rows = np.empty((n, w), np.float32)
+        versions = np.zeros(n, np.uint64)
+        event_ms = np.zeros(n, np.int64)
+        rows[self.found], versions[self.found], event_ms[self.found] = (
+            self.rows,
+            self.versions,
+            self.event_ms,
+        )
+        if not self.found.all():
+            absent = ~self.found
+            rows[absent] = initial_rows(ids[absent], table, dim)
+            versions[absent] = version_floor(created_ms[absent])
+        accum = np.full((n, w), initial_accum, np.float32)
+        accum[self.has_accum] = self.accum
+        return rows, accum, versions, event_ms
 
 
 def fetch_rows_and_accumulators(
