@@ -40,8 +40,38 @@ def deployment(name: str, replicas: int, requests: tuple[str, str], limit: str):
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "freshrec"}
     command = "worker" if name.startswith("worker") else name
     gpu = name == "worker-gpu"
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"freshrec-{name}", "labels": labels},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(PORT),
+                    },
+                },
+                "spec": {
+                    # leaving a consumer group cleanly (SIGTERM) takes a commit and a flush
+                    "terminationGracePeriodSeconds": 60,
+                    "securityContext": {"runAsUser": 1000, "fsGroup": 1000},
+                    "containers": [container(name, command, gpu, requests, limit)],
+                    "volumes": volumes(command),
+                    **(gpu_placement() if gpu else {}),
+                },
+            },
+        },
+    }
+
+
+def container(name: str, command: str, gpu: bool, requests: tuple[str, str], limit: str):
+    """The one container of a service's pods: its settings, probes, resources and mounts."""
     probe = {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10}
-    container = {
+    out = {
         "name": name,
         "image": IMAGE,
         "args": [command],
@@ -83,52 +113,30 @@ def deployment(name: str, replicas: int, requests: tuple[str, str], limit: str):
         },
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
-    volumes = [{"name": "tmp", "emptyDir": {}}]
     if command == "worker":
-        container["volumeMounts"].append(
-            {"name": "models", "mountPath": "/models", "readOnly": True}
-        )
-        volumes.append(
-            {"name": "models", "persistentVolumeClaim": {"claimName": "freshrec-models"}}
-        )
+        out["volumeMounts"].append({"name": "models", "mountPath": "/models", "readOnly": True})
+    return out
+
+
+def volumes(command: str) -> list[dict]:
+    """Scratch space for every service; the trained models, read-only, for workers."""
+    out = [{"name": "tmp", "emptyDir": {}}]
+    if command == "worker":
+        out.append({"name": "models", "persistentVolumeClaim": {"claimName": "freshrec-models"}})
+    return out
+
+
+def gpu_placement() -> dict:
+    """A GPU worker's pods go to the GPU node pool, and tolerate its taint."""
     return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": f"freshrec-{name}", "labels": labels},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {
-                    "labels": labels,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(PORT),
-                    },
-                },
-                "spec": {
-                    # leaving a consumer group cleanly (SIGTERM) takes a commit and a flush
-                    "terminationGracePeriodSeconds": 60,
-                    "securityContext": {"runAsUser": 1000, "fsGroup": 1000},
-                    "containers": [container],
-                    "volumes": volumes,
-                    **(
-                        {
-                            "nodeSelector": {GPU_POOL_LABEL: "true"},
-                            "tolerations": [
-                                {
-                                    "key": "nvidia.com/gpu",
-                                    "operator": "Exists",
-                                    "effect": "NoSchedule",
-                                }
-                            ],
-                        }
-                        if gpu
-                        else {}
-                    ),
-                },
-            },
-        },
+        "nodeSelector": {GPU_POOL_LABEL: "true"},
+        "tolerations": [
+            {
+                "key": "nvidia.com/gpu",
+                "operator": "Exists",
+                "effect": "NoSchedule",
+            }
+        ],
     }
 
 
