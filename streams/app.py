@@ -57,9 +57,10 @@ from freshcore.redisconn import connect_async
 from freshcore.rediskeys import RedisKeys
 from freshcore.settings import state_dir, stop_grace_s
 from freshcore.topics import TopicNames
+from streams.byitem import by_item_columns
 from streams.catalogue import CatalogueStage
 from streams.covisit import PAIR_COLUMNS
-from streams.item_state import ItemPartitionState, by_item_columns
+from streams.item_state import ItemPartitionState
 from streams.settings import StreamsSettings
 from streams.sink import StreamsSink
 from streams.transport import FetchTunedApp

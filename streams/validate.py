@@ -46,8 +46,8 @@ from freshcore.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
 from streams.attribution import Attribution
+from streams.byitem import BY_ITEM_COLUMNS, EVENT_CODES
 from streams.covisit import PAIR_COLUMNS, UserWindows
-from streams.item_state import BY_ITEM_COLUMNS, EVENT_CODES
 from streams.settings import StreamsSettings
 
 log = logging.getLogger("freshrec.streams")
