@@ -11,24 +11,27 @@ Two stages (several instances split the partitions):
    target partition.
 2. ``count``, a faust agent on ``events.by_item``: each partition owns a disjoint set of items
    and their forward-decayed counters (``item_state.py``). After every batch it persists the
-   touched rows, the applied source offsets and the serving features in one Redis transaction
-   *before* faust acknowledges the batch, so a SIGKILL loses nothing and counts nothing twice.
-   A timer publishes each partition's top-K hot lists to Redis; readers merge them
-   (``hotlist.merge_hot_lists``).
+   touched rows and the applied source offsets in one Redis transaction *before* faust
+   acknowledges the batch, so a SIGKILL loses nothing and counts nothing twice. A timer
+   publishes each partition's top-K hot lists to Redis, and once per features interval the
+   serving features of the items persisted since (``StreamsSink.write_features``); readers
+   merge the lists
+   (``freshcore/hotscore.py``: ``merge_hot_lists``, or ``merge_published`` on the published
+   JSON, as the workers do).
 
 The catalogue (``items``) is written to Redis by a third stage (``streams/catalogue.py``,
 confluent-kafka batches on another thread: as a faust agent it stalled counting while a large
 catalogue loaded); items created within the new-item window go into a sorted set for the
 new-items recall channel, and prices reach the count stage's hot scores through a queue.
+``run_streams`` starts the stages beside the faust app, each taking the process down if it
+fails, and faust's worker with a deadline on its stop (``streams/process.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
-import multiprocessing
 import os
 import queue
 import threading
@@ -49,7 +52,7 @@ from freshcore.clock import now_ms
 from freshcore.endpoints import serve_metrics
 from freshcore.health import HEALTH
 from freshcore.kafka import admin_config, partition_count, profile
-from freshcore.lifecycle import exit_if_not_stopped, settle_heap, stop_on_signals
+from freshcore.lifecycle import settle_heap, stop_on_signals
 from freshcore.logrepeat import hold_repeats
 from freshcore.outage import StopRequested, is_outage
 from freshcore.outage import until_redis_answers_async as until_redis_answers
@@ -61,10 +64,11 @@ from streams.byitem import by_item_columns
 from streams.catalogue import CatalogueStage
 from streams.covisit import PAIR_COLUMNS
 from streams.item_state import ItemPartitionState
+from streams.process import AIOKAFKA_LOGGERS, crash_on_error, faust_worker, start_validate_process
 from streams.settings import StreamsSettings
 from streams.sink import StreamsSink
 from streams.transport import FetchTunedApp
-from streams.validate import ValidateStage, run_validate_process
+from streams.validate import ValidateStage
 
 log = logging.getLogger("freshrec.streams")
 SERVICE = "streams"
@@ -374,103 +378,14 @@ class StreamsApp:
         if time.monotonic() < self._features_not_before:
             return
         self._features_not_before = time.monotonic() + self.settings.features_interval_ms / 1000
-        features: list = []
-        newest: list[int] = []  # the newest pair's event time of each neighbour list written
-        taken = []
-        for q, state in self.states.items():
-            due, anchors = state.take_features_due(), state.covisit.take_published()
-            taken.append((state, [state.item_ids[i] for i in due], anchors))
-            features += sink.feature_commands(q, state, due)
-            commands, times = sink.covisit_commands(
-                q, state, anchors, self.settings.covisit.neighbours
-            )
-            features += commands
-            newest += times
         try:
-            if features:
-                await sink.write(features)
-        except BaseException:  # due again (by id: a sweep may renumber meanwhile)
-            for state, ids, anchors in taken:
-                state.features_due.update(state.slots[i] for i in ids if i in state.slots)
-                state.covisit.published.update(a for a in anchors if a in state.covisit.counts)
+            newest = await sink.write_features(self.states, self.settings.covisit.neighbours)
+        except BaseException:  # due again, and written at the next round
             self._features_not_before = 0.0
             raise
         if newest:
             lag = time.time() - np.asarray(newest, np.float64) / 1000
             m.observe_many(m.STREAMS_STAGE_LAG.labels("covisit"), np.maximum(lag, 0.0))
-
-
-def _crash_on_error(loop, stop: threading.Event, name: str) -> None:
-    """A stage that fails must take the process down, not leave faust running without
-    input: state is in Redis and a restart resumes from committed offsets."""
-    try:
-        loop(stop)
-    except StopRequested:  # asked to stop while Redis was not answering: nothing committed
-        log.info("the %s stage stopped while waiting for Redis", name)
-    except BaseException:
-        log.exception("the %s stage failed; exiting", name)
-        logging.shutdown()
-        os._exit(1)
-
-
-def _start_validate_process(
-    settings: StreamsSettings, by_item_partitions: int, metrics: MergedRegistry
-) -> None:
-    """The validate stage as a child process (spawned: this process already runs librdkafka
-    threads, which a fork would copy half-way). It stops with this process (SIGTERM at exit,
-    or the kernel's parent-death signal after a SIGKILL); if it dies first, this process
-    exits non-zero, as a failed stage thread would make it."""
-    ctx = multiprocessing.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=run_validate_process,
-        name="freshrec-streams-validate",
-        daemon=True,
-        args=(settings, by_item_partitions, os.getpid(), writer, logging.getLogger().level),
-    )
-    proc.start()
-    writer.close()
-    threading.Thread(
-        target=metrics.receive, args=("validate", reader), daemon=True, name="validate-metrics"
-    ).start()
-    exiting = threading.Event()
-    # runs before multiprocessing's own exit hook (registered earlier), which terminates
-    # and joins daemonic children
-    atexit.register(exiting.set)
-
-    def watch() -> None:
-        proc.join()
-        if not exiting.is_set():
-            log.error("the validate process exited with code %s; exiting", proc.exitcode)
-            logging.shutdown()
-            os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="validate-watch").start()
-    log.info("validate stage: process %d", proc.pid)
-
-
-#: the aiokafka loggers that log per attempt (``aiokafka`` is its client module's)
-AIOKAFKA_LOGGERS = (
-    "aiokafka",
-    "aiokafka.conn",
-    "aiokafka.cluster",
-    "aiokafka.consumer.fetcher",
-    "aiokafka.consumer.group_coordinator",
-)
-
-
-def _faust_worker(app, grace_s: float):
-    """faust's worker for ``app``, with a deadline on its stop (``exit_if_not_stopped``):
-    asked to stop while the broker is gone, its consumers' shutdown can wait on fetches
-    that never come back."""
-    from faust.worker import Worker
-
-    class StreamsWorker(Worker):
-        def _schedule_shutdown(self, signal) -> None:  # on the event loop, not in a handler
-            exit_if_not_stopped(grace_s, "the streams app")
-            super()._schedule_shutdown(signal)
-
-    return StreamsWorker(app, loglevel="INFO", quiet=True, redirect_stdouts=False)
 
 
 def run_streams(settings: StreamsSettings) -> int:
@@ -504,14 +419,14 @@ def run_streams(settings: StreamsSettings) -> int:
     stop = threading.Event()
     stages = [("catalogue", CatalogueStage(settings, streams.price_updates))]
     if settings.validate_process:
-        _start_validate_process(settings, streams.by_item_partitions, metrics)
+        start_validate_process(settings, streams.by_item_partitions, metrics)
     else:
         stages.append(("validate", ValidateStage(settings, streams.by_item_partitions)))
     for name, stage in stages:
         threading.Thread(
-            target=_crash_on_error, args=(stage.run, stop, name), daemon=True, name=name
+            target=crash_on_error, args=(stage.run, stop, name), daemon=True, name=name
         ).start()
-    worker = _faust_worker(streams.app, grace_s)
+    worker = faust_worker(streams.app, grace_s)
     log.info("%d objects settled", settle_heap())
     if stopped.is_set():  # asked while the stages started: the validate child stops with us
         log.info("the streams app stopped before it started")

@@ -177,6 +177,34 @@ class StreamsSink:
         out.append(Packed(key, pack_ragged(b"HSET", key, ids, values), 1))
         return out
 
+    async def write_features(
+        self, states: dict[int, ItemPartitionState], neighbours: int
+    ) -> list[int]:
+        """Every partition's serving features of the items persisted since the last call
+        (``feature_commands``) and neighbour lists of the anchors counted since
+        (``covisit_commands``), in one round trip; returns the newest pair's event time of
+        each neighbour list written. Not written, everything taken is due again (by id: a
+        sweep may renumber meanwhile)."""
+        commands: list[Packed] = []
+        newest: list[int] = []
+        taken = []
+        for q, state in states.items():
+            due, anchors = state.take_features_due(), state.covisit.take_published()
+            taken.append((state, [state.item_ids[i] for i in due], anchors))
+            commands += self.feature_commands(q, state, due)
+            lists, times = self.covisit_commands(q, state, anchors, neighbours)
+            commands += lists
+            newest += times
+        try:
+            if commands:
+                await self.write(commands)
+        except BaseException:  # due again
+            for state, ids, anchors in taken:
+                state.features_due.update(state.slots[i] for i in ids if i in state.slots)
+                state.covisit.published.update(a for a in anchors if a in state.covisit.counts)
+            raise
+        return newest
+
     async def restore(self, partition: int, config) -> ItemPartitionState:
         meta_key = self.keys.streams_meta(partition).encode()
         read = b"".join(
