@@ -13,12 +13,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from freshcore.lifecycle import set_from_signal
 from freshcore.settings import ConnectionSettings, SettingsError, load_environment, state_dir
 from freshrec.app.commands import provision_topics, start_dashboard
 from freshrec.app.options import EnvDefault, add_world_options
-from freshrec.app.stack import EmbeddedStack, StackError, external_services
+from freshrec.app.stack import EmbeddedStack, StackError, external_services, free_port
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
 from freshrec.app.training import (
     ensure_models,
@@ -28,6 +29,10 @@ from freshrec.app.training import (
 )
 from freshrec.cost import CORE_HOUR_PRICE, GPU_HOUR_PRICE
 from freshrec.progress import ProgressLine
+
+if TYPE_CHECKING:
+    from freshrec.sim.closedloop import LoopStats
+    from freshrec.sim.produce import ProduceStats
 
 log = logging.getLogger("freshrec")
 
@@ -175,41 +180,36 @@ def running_stack(redis_cluster: int = 0) -> Iterator[RunContext]:
         log.info("embedded stack stopped (%s)", ", ".join(stopped) or "already gone")
 
 
+@dataclass(frozen=True)
+class LoadStart:
+    """Where the load began: the services' CPU and counts, the services that hold a GPU, and
+    when. The cost per 1,000 requests is of what the services used from here on."""
+
+    used: tuple[dict[str, float], tuple[float, float]]
+    held_gpu: list[str]
+    at: float
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What the run's traffic came to: the background events' and the closed loop's figures,
+    the services' summary, and the signals that stopped it (none: ``--duration`` did)."""
+
+    events: ProduceStats
+    loop: LoopStats
+    summary: str
+    interrupted: list[int]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from freshrec.app.options import world_from_args
-    from freshrec.app.runstatus import (
-        StatusPoller,
-        cost_line,
-        counts,
-        gpu_services,
-        ranking_line,
-        service_cpu,
-        summary,
-        wait_until_assigned,
-    )
-    from freshrec.app.stack import free_port
-    from freshrec.sim.closedloop import ClosedLoop
-    from freshrec.sim.produce import produce_events, produce_items
+    from freshrec.app.runstatus import wait_until_assigned
+    from freshrec.sim.produce import produce_items
     from inference.training.train import TrainConfig
 
     world = world_from_args(args)
     progress = ProgressLine()
-    experiment_env = {}
-    rankings = []
-    if args.experiment:
-        from freshrec.app.abreport import read_from, render
-        from inference.serving.experiments import load
-
-        # a bad file stops the run here, naming the line
-        rankings = [v.ranking for v in load(args.experiment).variants]
-        experiment_env["FRESHREC_EXPERIMENTS_FILE"] = str(args.experiment.resolve())
-    if args.mode:
-        from inference.serving.modes import declared_modes
-
-        modes = declared_modes(os.environ)
-        if args.mode not in modes:  # an unknown mode stops the run here, naming them
-            raise SettingsError(f"--mode {args.mode!r}: one of {', '.join(sorted(modes))}")
-        experiment_env["FRESHREC_MODE"] = args.mode
+    run_env, rankings = _experiment_and_mode(args)
     models = model_dir()
     impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
     config = TrainConfig(impressions=impressions, rankers=served_rankers(rankings))
@@ -223,28 +223,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             manifest["version"],
         )
         services = ServiceGroup(
-            {
-                **os.environ,
-                **ctx.conn_env,
-                "FRESHREC_MODEL_DIR": str(models),
-                "FRESHREC_EMBEDDING_DIM": str(manifest["dim"]),
-                # the synthetic world's users click the same items again (its click model
-                # ignores what they clicked before): a repeat-consumption domain, unless the
-                # environment says otherwise
-                "FRESHREC_EXCLUDE_SEEN": os.environ.get("FRESHREC_EXCLUDE_SEEN", "false"),
-                **experiment_env,
-            },
-            state_dir() / "run" / "logs",
+            _service_env(ctx, models, manifest, run_env), state_dir() / "run" / "logs"
         )
         try:
-            ports = {"streams": free_port(), "param-server": free_port()}
-            for n in range(args.workers):
-                ports[f"worker-{n}" if args.workers > 1 else "worker"] = free_port()
-            for name, port in ports.items():
-                command = "worker" if name.startswith("worker") else name
-                services.start(
-                    name, command, FRESHREC_METRICS_PORT=str(port), FRESHREC_WORKER_ID=name
-                )
+            ports = _start_services(services, args.workers)
             produce_items(ctx.conn, world, progress)
 
             def waiting(names: list[str]) -> None:
@@ -252,72 +234,143 @@ def cmd_run(args: argparse.Namespace) -> int:
                 progress.update(f"waiting for {', '.join(names)} to join")
 
             wait_until_assigned(ports, 120, waiting)
-            from freshrec.app.observe import targets_file, write_targets
-
-            targets = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
-            write_targets(state_dir(), targets)
-            dashboard = start_dashboard(targets, "127.0.0.1", args.dashboard_port)
-            progress.done(f"dashboard: {dashboard.url}  (terminal: freshrec top)")
-            stop = threading.Event()
-            interrupted = _stop_on_signals(stop)
-            watcher = threading.Thread(
-                target=_watch_services, args=(services, stop), daemon=True, name="watch"
-            )
-            watcher.start()
-            # the services' CPU from here on is the load's: the cost per 1,000 requests
-            used_before = (service_cpu(services.children), counts(ports))
-            held_gpu, started_at = gpu_services(ports), time.monotonic()
-            loop = ClosedLoop(ctx.conn, world, args.requests, seed=args.seed)
-            loop_thread = loop.run_in_thread(stop) if args.requests > 0 else None
-            try:
-                with StatusPoller(ports) as status:
-                    stats = produce_events(
-                        ctx.conn,
-                        world,
-                        rate_per_s=args.rate,
-                        duration_s=args.duration,
-                        stop=stop,
-                        progress=progress,
-                        seed=args.seed,
-                        suffix=lambda: f"{loop.stats.line()} | {status.text}",
-                        label="background events",
-                    )
-                    stop.set()
-                    if loop_thread:
-                        loop_thread.join(15)
-                    time.sleep(2.5)  # let the services drain the last events
-                    final = summary(ports)
-                    span = time.monotonic() - started_at
-                    cost = cost_line(
-                        used_before,
-                        (service_cpu(services.children), counts(ports)),
-                        args.core_hour_price,
-                        dict.fromkeys(held_gpu, span),
-                        args.gpu_hour_price,
-                    )
-                    if cost:
-                        final += "\n" + cost
-                    ranking = ranking_line(ports)
-                    if ranking:
-                        final += "\n" + ranking
-                    if args.experiment:
-                        final += "\n" + render(read_from(ctx.conn))
-            finally:
-                stop.set()
-                dashboard.stop()
-                targets_file(state_dir()).unlink(missing_ok=True)
+            outcome = _run_traffic(ctx, world, services, ports, args, progress)
             if services.failure:
                 raise services.failure
         finally:
             services.stop_all()
+    stats = outcome.events
     print(
         f"run finished: {stats.delivered:,} background events delivered in {stats.elapsed_s:.1f}s "
         f"({stats.rate_per_s:,.0f}/s), {stats.failed} failed\n"
-        f"closed loop: {loop.stats.final()}\n{final}"
+        f"closed loop: {outcome.loop.final()}\n{outcome.summary}"
     )
-    if interrupted:
+    if outcome.interrupted:
         return 130
-    return 0 if stats.failed == 0 and (args.requests == 0 or loop.stats.replied > 0) else 1
+    return 0 if stats.failed == 0 and (args.requests == 0 or outcome.loop.replied > 0) else 1
+
+
+def _experiment_and_mode(args: argparse.Namespace) -> tuple[dict[str, str], list]:
+    """The settings ``--experiment`` and ``--mode`` give the services, and the rankings the
+    experiment's variants serve (the models to train); checked before anything starts."""
+    run_env = {}
+    rankings = []
+    if args.experiment:
+        from inference.serving.experiments import load
+
+        # a bad file stops the run here, naming the line
+        rankings = [v.ranking for v in load(args.experiment).variants]
+        run_env["FRESHREC_EXPERIMENTS_FILE"] = str(args.experiment.resolve())
+    if args.mode:
+        from inference.serving.modes import declared_modes
+
+        modes = declared_modes(os.environ)
+        if args.mode not in modes:  # an unknown mode stops the run here, naming them
+            raise SettingsError(f"--mode {args.mode!r}: one of {', '.join(sorted(modes))}")
+        run_env["FRESHREC_MODE"] = args.mode
+    return run_env, rankings
+
+
+def _service_env(ctx: RunContext, models: Path, manifest: dict, run_env: dict[str, str]) -> dict:
+    """The environment of the run's services: this one, the run's stack, its models."""
+    return {
+        **os.environ,
+        **ctx.conn_env,
+        "FRESHREC_MODEL_DIR": str(models),
+        "FRESHREC_EMBEDDING_DIM": str(manifest["dim"]),
+        # the synthetic world's users click the same items again (its click model
+        # ignores what they clicked before): a repeat-consumption domain, unless the
+        # environment says otherwise
+        "FRESHREC_EXCLUDE_SEEN": os.environ.get("FRESHREC_EXCLUDE_SEEN", "false"),
+        **run_env,
+    }
+
+
+def _start_services(services: ServiceGroup, workers: int) -> dict[str, int]:
+    """The streams app, the parameter server and ``workers`` workers started, each with a
+    metrics port of its own; returns the ports by service name."""
+    ports = {"streams": free_port(), "param-server": free_port()}
+    for n in range(workers):
+        ports[f"worker-{n}" if workers > 1 else "worker"] = free_port()
+    for name, port in ports.items():
+        command = "worker" if name.startswith("worker") else name
+        services.start(name, command, FRESHREC_METRICS_PORT=str(port), FRESHREC_WORKER_ID=name)
+    return ports
+
+
+def _run_traffic(ctx, world, services, ports, args, progress: ProgressLine) -> RunOutcome:
+    """The run proper: the dashboard, the closed loop and the background events until
+    ``--duration`` ends or Ctrl-C, then the services' summary."""
+    from freshrec.app.observe import targets_file, write_targets
+    from freshrec.app.runstatus import StatusPoller, counts, gpu_services, service_cpu
+    from freshrec.sim.closedloop import ClosedLoop
+    from freshrec.sim.produce import produce_events
+
+    targets = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
+    write_targets(state_dir(), targets)
+    dashboard = start_dashboard(targets, "127.0.0.1", args.dashboard_port)
+    progress.done(f"dashboard: {dashboard.url}  (terminal: freshrec top)")
+    stop = threading.Event()
+    interrupted = _stop_on_signals(stop)
+    watcher = threading.Thread(
+        target=_watch_services, args=(services, stop), daemon=True, name="watch"
+    )
+    watcher.start()
+    # the services' CPU from here on is the load's: the cost per 1,000 requests
+    start = LoadStart(
+        (service_cpu(services.children), counts(ports)), gpu_services(ports), time.monotonic()
+    )
+    loop = ClosedLoop(ctx.conn, world, args.requests, seed=args.seed)
+    loop_thread = loop.run_in_thread(stop) if args.requests > 0 else None
+    try:
+        with StatusPoller(ports) as status:
+            stats = produce_events(
+                ctx.conn,
+                world,
+                rate_per_s=args.rate,
+                duration_s=args.duration,
+                stop=stop,
+                progress=progress,
+                seed=args.seed,
+                suffix=lambda: f"{loop.stats.line()} | {status.text}",
+                label="background events",
+            )
+            stop.set()
+            if loop_thread:
+                loop_thread.join(15)
+            time.sleep(2.5)  # let the services drain the last events
+            final = _summary(ctx.conn, services, ports, start, args)
+    finally:
+        stop.set()
+        dashboard.stop()
+        targets_file(state_dir()).unlink(missing_ok=True)
+    return RunOutcome(stats, loop.stats, final, interrupted)
+
+
+def _summary(conn, services: ServiceGroup, ports, start: LoadStart, args) -> str:
+    """The services' figures at the end of the run, the cost of the load since ``start``
+    and, with ``--experiment``, the experiment's report."""
+    from freshrec.app.runstatus import cost_line, counts, ranking_line, service_cpu, summary
+
+    final = summary(ports)
+    span = time.monotonic() - start.at
+    cost = cost_line(
+        start.used,
+        (service_cpu(services.children), counts(ports)),
+        args.core_hour_price,
+        dict.fromkeys(start.held_gpu, span),
+        args.gpu_hour_price,
+    )
+    if cost:
+        final += "\n" + cost
+    ranking = ranking_line(ports)
+    if ranking:
+        final += "\n" + ranking
+    if args.experiment:
+        from freshrec.app.abreport import read_from, render
+
+        final += "\n" + render(read_from(conn))
+    return final
 
 
 def _stop_on_signals(stop: threading.Event) -> list[int]:
