@@ -93,114 +93,28 @@ def compile_schema(schema: dict[str, Any], path: str = "$") -> Checker:
     """Compile ``schema`` into a checker; ``path`` names the location in messages."""
     checks: list[Checker] = []
     kind = schema.get("type")
-    is_id = schema.get("x-freshrec-id", False)
-    is_ts = schema.get("x-freshrec-timestamp", False)
-
     if "const" in schema:
-        const = schema["const"]
-        reason = (
-            Reason.UNSUPPORTED_SCHEMA_VERSION
-            if path.endswith(".schema_version")
-            else Reason.INVALID_VALUE
-        )
-
-        def check_const(v: Any, _: int) -> None:
-            if v != const or isinstance(v, bool) != isinstance(const, bool):
-                raise Rejected(reason, f"{path} must be {const!r}, got {v!r}")
-
-        checks.append(check_const)
+        checks.append(_const_check(schema["const"], path))
     if "enum" in schema:
-        allowed = frozenset(schema["enum"])
-        enum_reason = Reason(schema.get("x-freshrec-reason", Reason.INVALID_VALUE))
-
-        def check_enum(v: Any, _: int) -> None:
-            if not isinstance(v, str | int) or isinstance(v, bool) or v not in allowed:
-                raise Rejected(enum_reason, f"{path} must be one of {sorted(allowed)}, got {v!r}")
-
-        checks.append(check_enum)
+        checks.append(_enum_check(schema, path))
     if kind is not None and kind not in _JSON_TYPES:
         raise ValueError(f"unsupported type {kind!r}")
-    allowed_types = _JSON_TYPES.get(kind, ())
-
-    def wrong_type(v: Any) -> Rejected:
-        return Rejected(Reason.WRONG_TYPE, f"{path} must be {kind}, got {type(v).__name__}")
-
     # The type check is fused with the kind's own checks: one call per value on the hot path.
     if kind == "string":
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-
-        def check_string(v: Any, _: int) -> None:
-            if type(v) is not str:
-                raise wrong_type(v)
-            n = len(v)
-            if n < lo:
-                r = Reason.EMPTY_ID if is_id else Reason.INVALID_VALUE
-                raise Rejected(r, f"{path} must have at least {lo} characters")
-            if hi is not None and n > hi:
-                r = Reason.ID_TOO_LONG if is_id else Reason.INVALID_VALUE
-                raise Rejected(r, f"{path} has {n} characters, at most {hi} allowed")
-
-        checks.append(check_string)
+        checks.append(_string_check(schema, path))
     elif kind in ("integer", "number"):
-        lo, hi = schema.get("minimum"), schema.get("maximum")
-
-        def check_number(v: Any, max_ts_ms: int) -> None:
-            if type(v) not in allowed_types:
-                raise wrong_type(v)
-            if lo is not None and v < lo:
-                r = Reason.TIMESTAMP_TOO_OLD if is_ts else Reason.INVALID_VALUE
-                raise Rejected(r, f"{path}={v} is below {lo}")
-            if hi is not None and v > hi:
-                raise Rejected(Reason.INVALID_VALUE, f"{path}={v} is above {hi}")
-            if is_ts and v > max_ts_ms:
-                raise Rejected(
-                    Reason.TIMESTAMP_IN_FUTURE, f"{path}={v} is after the allowed {max_ts_ms}"
-                )
-
-        checks.append(check_number)
+        checks.append(_number_check(schema, kind, path))
     elif kind is not None:
-
-        def check_type(v: Any, _: int) -> None:
-            if type(v) not in allowed_types:
-                raise wrong_type(v)
-
-        checks.append(check_type)
+        checks.append(_type_check(kind, path))
     if kind == "array":
-        max_items = schema.get("maxItems")
-        item_check = compile_schema(schema["items"], path + "[]") if "items" in schema else None
-
-        def check_items(v: list, max_ts_ms: int) -> None:
-            if max_items is not None and len(v) > max_items:
-                raise Rejected(Reason.INVALID_VALUE, f"{path} has {len(v)} items, max {max_items}")
-            if item_check is not None:
-                for element in v:
-                    item_check(element, max_ts_ms)
-
-        checks.append(check_items)
+        checks.append(_items_check(schema, path))
     if kind == "object":
-        props = {
-            name: compile_schema(sub, f"{path}.{name}")
-            for name, sub in schema.get("properties", {}).items()
-        }
-        required = tuple(schema.get("required", ()))
-        extra = schema.get("additionalProperties", True)
-        extra_check = compile_schema(extra, path + ".*") if isinstance(extra, dict) else None
+        checks.append(_object_check(schema, path))
+    return _all_of(checks)
 
-        def check_object(v: dict, max_ts_ms: int) -> None:
-            for name in required:
-                if name not in v:
-                    raise Rejected(Reason.MISSING_FIELD, f"{path}.{name} is required")
-            for name, value in v.items():
-                sub = props.get(name)
-                if sub is not None:
-                    sub(value, max_ts_ms)
-                elif extra_check is not None:
-                    extra_check(value, max_ts_ms)
-                elif extra is False:
-                    raise Rejected(Reason.UNKNOWN_FIELD, f"{path}.{name} is not in the schema")
 
-        checks.append(check_object)
-
+def _all_of(checks: list[Checker]) -> Checker:
+    """One checker running ``checks`` in order (the one itself when there is one)."""
     if len(checks) == 1:
         return checks[0]
 
@@ -209,6 +123,133 @@ def compile_schema(schema: dict[str, Any], path: str = "$") -> Checker:
             c(v, max_ts_ms)
 
     return check
+
+
+def _wrong_type(path: str, kind: str, v: Any) -> Rejected:
+    return Rejected(Reason.WRONG_TYPE, f"{path} must be {kind}, got {type(v).__name__}")
+
+
+def _const_check(const: Any, path: str) -> Checker:
+    """``const``: a schema version's miss has its own reason."""
+    reason = (
+        Reason.UNSUPPORTED_SCHEMA_VERSION
+        if path.endswith(".schema_version")
+        else Reason.INVALID_VALUE
+    )
+
+    def check_const(v: Any, _: int) -> None:
+        if v != const or isinstance(v, bool) != isinstance(const, bool):
+            raise Rejected(reason, f"{path} must be {const!r}, got {v!r}")
+
+    return check_const
+
+
+def _enum_check(schema: dict[str, Any], path: str) -> Checker:
+    """``enum``, a miss reported with ``x-freshrec-reason`` (``invalid_value`` by default)."""
+    allowed = frozenset(schema["enum"])
+    enum_reason = Reason(schema.get("x-freshrec-reason", Reason.INVALID_VALUE))
+
+    def check_enum(v: Any, _: int) -> None:
+        if not isinstance(v, str | int) or isinstance(v, bool) or v not in allowed:
+            raise Rejected(enum_reason, f"{path} must be one of {sorted(allowed)}, got {v!r}")
+
+    return check_enum
+
+
+def _string_check(schema: dict[str, Any], path: str) -> Checker:
+    """The string type with ``minLength`` and ``maxLength`` (an ``x-freshrec-id``'s misses
+    are ``empty_id`` and ``id_too_long``)."""
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    is_id = schema.get("x-freshrec-id", False)
+
+    def check_string(v: Any, _: int) -> None:
+        if type(v) is not str:
+            raise _wrong_type(path, "string", v)
+        n = len(v)
+        if n < lo:
+            r = Reason.EMPTY_ID if is_id else Reason.INVALID_VALUE
+            raise Rejected(r, f"{path} must have at least {lo} characters")
+        if hi is not None and n > hi:
+            r = Reason.ID_TOO_LONG if is_id else Reason.INVALID_VALUE
+            raise Rejected(r, f"{path} has {n} characters, at most {hi} allowed")
+
+    return check_string
+
+
+def _number_check(schema: dict[str, Any], kind: str, path: str) -> Checker:
+    """An integer or number with ``minimum`` and ``maximum``; an ``x-freshrec-timestamp``
+    is also bounded by the checker's ``max_ts_ms``, and its misses have their own reasons."""
+    lo, hi = schema.get("minimum"), schema.get("maximum")
+    is_ts = schema.get("x-freshrec-timestamp", False)
+    allowed_types = _JSON_TYPES[kind]
+
+    def check_number(v: Any, max_ts_ms: int) -> None:
+        if type(v) not in allowed_types:
+            raise _wrong_type(path, kind, v)
+        if lo is not None and v < lo:
+            r = Reason.TIMESTAMP_TOO_OLD if is_ts else Reason.INVALID_VALUE
+            raise Rejected(r, f"{path}={v} is below {lo}")
+        if hi is not None and v > hi:
+            raise Rejected(Reason.INVALID_VALUE, f"{path}={v} is above {hi}")
+        if is_ts and v > max_ts_ms:
+            raise Rejected(
+                Reason.TIMESTAMP_IN_FUTURE, f"{path}={v} is after the allowed {max_ts_ms}"
+            )
+
+    return check_number
+
+
+def _type_check(kind: str, path: str) -> Checker:
+    """The type alone (object, array, boolean: their other keywords are checked apart)."""
+    allowed_types = _JSON_TYPES[kind]
+
+    def check_type(v: Any, _: int) -> None:
+        if type(v) not in allowed_types:
+            raise _wrong_type(path, kind, v)
+
+    return check_type
+
+
+def _items_check(schema: dict[str, Any], path: str) -> Checker:
+    """An array's ``maxItems`` and ``items`` (after its type check)."""
+    max_items = schema.get("maxItems")
+    item_check = compile_schema(schema["items"], path + "[]") if "items" in schema else None
+
+    def check_items(v: list, max_ts_ms: int) -> None:
+        if max_items is not None and len(v) > max_items:
+            raise Rejected(Reason.INVALID_VALUE, f"{path} has {len(v)} items, max {max_items}")
+        if item_check is not None:
+            for element in v:
+                item_check(element, max_ts_ms)
+
+    return check_items
+
+
+def _object_check(schema: dict[str, Any], path: str) -> Checker:
+    """An object's ``required``, ``properties`` and ``additionalProperties`` (after its type
+    check)."""
+    props = {
+        name: compile_schema(sub, f"{path}.{name}")
+        for name, sub in schema.get("properties", {}).items()
+    }
+    required = tuple(schema.get("required", ()))
+    extra = schema.get("additionalProperties", True)
+    extra_check = compile_schema(extra, path + ".*") if isinstance(extra, dict) else None
+
+    def check_object(v: dict, max_ts_ms: int) -> None:
+        for name in required:
+            if name not in v:
+                raise Rejected(Reason.MISSING_FIELD, f"{path}.{name} is required")
+        for name, value in v.items():
+            sub = props.get(name)
+            if sub is not None:
+                sub(value, max_ts_ms)
+            elif extra_check is not None:
+                extra_check(value, max_ts_ms)
+            elif extra is False:
+                raise Rejected(Reason.UNKNOWN_FIELD, f"{path}.{name} is not in the schema")
+
+    return check_object
 
 
 Acceptor = Callable[[Any, int], bool]
