@@ -1,6 +1,6 @@
 """Benchmark: what each serving mode does in the closed loop, under a load ramp.
 
-For each mode (``inference/serving/modes.py``) a pipeline of its own (``tools/drill_faults.py``'s:
+For each mode (``inference/serving/modes.py``) a pipeline of its own (``tools/pipeline.py``:
 a private broker and Redis, the streams app, the parameter server and one worker as
 processes, its ``FRESHREC_MODE`` set) serves simulated users who click (``ClosedLoop``) in
 three phases: ``--phase`` seconds at the normal rate ``--requests``, as long at ``--spike``
@@ -34,10 +34,9 @@ from freshrec.app.proctime import cpu_seconds
 from freshrec.cost import CORE_HOUR_PRICE, costs
 from freshrec.promtext import histogram_quantile, scrape_port_now, subtract
 from freshrec.sim.closedloop import ClosedLoop
-from freshrec.sim.produce import produce_events
 from freshrec.sim.world import World
 from tools.benchlib import save
-from tools.drill_faults import WORLD, Pipeline, train_models
+from tools.pipeline import WORLD, BackgroundEvents, Pipeline, train_models
 
 PHASES = ("normal", "spike", "after")
 
@@ -99,36 +98,12 @@ def run_mode(
         for name in ("streams", "param-server", "worker"):
             pipe.start(name, name)
         pipe.wait_assigned(["streams", "param-server", "worker"])
-        stop_events = threading.Event()
-        producer = threading.Thread(
-            target=lambda: produce_events(
-                pipe.conn, World(WORLD), rate_per_s=rate, duration_s=None, stop=stop_events
-            ),
-            daemon=True,
-        )
-        producer.start()
-        worker_pid = pipe.procs["worker"].pid
+        events = BackgroundEvents(pipe.conn, rate)
+        events.start()
         phases = {}
         for j, phase in enumerate(PHASES):
-            loop = ClosedLoop(
-                pipe.conn,
-                World(WORLD),
-                requests * (spike if phase == "spike" else 1.0),
-                seed=11 + j,
-                timeout_s=5.0,
-            )
-            stop = threading.Event()
-            metrics0 = scrape_port_now(pipe.ports["worker"])
-            cpu0, t0 = cpu_seconds(worker_pid) or 0.0, time.monotonic()
-            thread = loop.run_in_thread(stop)
-            time.sleep(phase_s)
-            stop.set()
-            thread.join(30)
-            seconds = time.monotonic() - t0
-            cpu = (cpu_seconds(worker_pid) or 0.0) - cpu0
-            phases[phase] = phase_figures(loop, seconds, cpu, core_hour)
-            f = phases[phase]
-            f["worker_stage_p99_ms"] = stage_p99_ms(metrics0, scrape_port_now(pipe.ports["worker"]))
+            rate_per_s = requests * (spike if phase == "spike" else 1.0)
+            phases[phase] = f = run_phase(pipe, rate_per_s, 11 + j, phase_s, core_hour)
             print(
                 f"   {mode:<12} {phase:<7} {f['requests_per_s']:>6}/s p99 {f['p99_ms']} ms, "
                 f"CTR {f['ctr']:.2%}, coverage {f['coverage']:.1%}, diversity "
@@ -137,11 +112,29 @@ def run_mode(
                 f"{f['worker_stage_p99_ms']}",
                 flush=True,
             )
-        stop_events.set()
-        producer.join(30)
+        events.stop(30)
         return {"mode": mode, "phases": phases, "alive": pipe.alive()}
     finally:
         pipe.close()
+
+
+def run_phase(pipe: Pipeline, rate: float, seed: int, seconds: float, core_hour: float) -> dict:
+    """A closed loop of simulated users at ``rate`` requests per second for ``seconds``; the
+    phase's figures, the worker's CPU and its p99 per stage among them."""
+    worker_pid = pipe.procs["worker"].pid
+    loop = ClosedLoop(pipe.conn, World(WORLD), rate, seed=seed, timeout_s=5.0)
+    stop = threading.Event()
+    metrics0 = scrape_port_now(pipe.ports["worker"])
+    cpu0, t0 = cpu_seconds(worker_pid) or 0.0, time.monotonic()
+    thread = loop.run_in_thread(stop)
+    time.sleep(seconds)
+    stop.set()
+    thread.join(30)
+    took = time.monotonic() - t0
+    cpu = (cpu_seconds(worker_pid) or 0.0) - cpu0
+    figures = phase_figures(loop, took, cpu, core_hour)
+    figures["worker_stage_p99_ms"] = stage_p99_ms(metrics0, scrape_port_now(pipe.ports["worker"]))
+    return figures
 
 
 def main() -> None:

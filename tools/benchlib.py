@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from freshcore import clock
@@ -207,16 +207,39 @@ def raw_consume_best(
     return max(rates), [round(r) for r in rates]
 
 
+def partition_ends(conn: ConnectionSettings, topic: str) -> dict[int, int]:
+    """One past the last offset of each partition of ``topic``, read back from the topic (the
+    embedded broker does not answer offset queries reliably)."""
+    c = Consumer(consumer_config(conn, None))
+    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+    ends = {p: 0 for p in parts}
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 3.0:
+        msgs = c.consume(10_000, 0.2)
+        for msg in msgs:
+            if msg.error() is None:
+                ends[msg.partition()] = max(ends[msg.partition()], msg.offset() + 1)
+        if msgs:
+            quiet_since = time.monotonic()
+    c.close()
+    return ends
+
+
+def committed(conn: ConnectionSettings, group: str, topic: str, partitions) -> dict[int, int]:
+    """The group's committed offsets (a consumer that names the group but never joins it)."""
+    c = Consumer(consumer_config(conn, group))
+    got = c.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
+    c.close()
+    return {tp.partition: tp.offset for tp in got}
+
+
 class LagReader:
     """A plain confluent-kafka consumer (group-less, every partition of ``events`` from the
     beginning, polling with the profile's fetch wait like the worker) that records, for each
     event stamped at or after ``measured_from_ms``, event time -> read."""
 
     def __init__(self, conn: ConnectionSettings, measured_from_ms: float = float("inf")) -> None:
-        from confluent_kafka import TopicPartition
-
-        from freshcore.topics import TopicNames
-
         topic = TopicNames(conn.topic_prefix).events
         self.consumer = Consumer(consumer_config(conn, None))
         parts = self.consumer.list_topics(topic, timeout=10).topics[topic].partitions

@@ -1,8 +1,8 @@
 """Drill: a flood of ids never seen before, and whether memory stops growing.
 
 Runs the streams app, the parameter server and a worker as their own processes on a private
-broker and Redis (``tools/drill_faults.py``'s pipeline), then produces valid click events at
-``--rate`` per second for ``--duration`` seconds, each naming a new item id with probability
+broker and Redis (``tools/pipeline.py``), then produces valid click events at ``--rate`` per
+second for ``--duration`` seconds, each naming a new item id with probability
 ``--new-items`` (else one of the last thousand named) and a new user id with probability
 ``--new-users`` (else a recent one, so users click several items and make co-visitation
 pairs). Every ``--every`` seconds it samples each service's resident memory (the process and
@@ -56,7 +56,7 @@ from freshrec.promtext import scrape_port, total
 from freshrec.sim.pacing import Pacer
 from freshrec.sim.produce import DeliveryCounter, events_producer
 from tools.benchlib import save
-from tools.drill_faults import Pipeline, train_models
+from tools.pipeline import Pipeline, train_models
 
 BOUNDS = {
     "FRESHREC_STREAMS_MAX_ITEMS": "5000",

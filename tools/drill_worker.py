@@ -25,45 +25,23 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-from freshcore.kafka import consumer_config
 from freshcore.topics import TopicNames
 from freshrec.app.stack import free_port
 from freshrec.promtext import scrape_port_now, total
 from freshrec.sim.produce import produce_events
-from tools.benchlib import bench_connection, learning_world, save, service_process
+from tools.benchlib import (
+    bench_connection,
+    committed,
+    learning_world,
+    partition_ends,
+    save,
+    service_process,
+)
 
 LEARNT = "freshrec_worker_events_total"
-
-
-def partition_ends(conn, topic: str) -> dict[int, int]:
-    """One past the last offset of each partition of ``topic``, read back from the topic (the
-    embedded broker does not answer offset queries reliably)."""
-    c = Consumer(consumer_config(conn, None))
-    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
-    ends = {p: 0 for p in parts}
-    quiet_since = time.monotonic()
-    while time.monotonic() - quiet_since < 3.0:
-        msgs = c.consume(10_000, 0.2)
-        for msg in msgs:
-            if msg.error() is None:
-                ends[msg.partition()] = max(ends[msg.partition()], msg.offset() + 1)
-        if msgs:
-            quiet_since = time.monotonic()
-    c.close()
-    return ends
-
-
-def committed(conn, group: str, topic: str, partitions) -> dict[int, int]:
-    """The group's committed offsets (a consumer that names the group but never joins it)."""
-    c = Consumer(consumer_config(conn, group))
-    got = c.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
-    c.close()
-    return {tp.partition: tp.offset for tp in got}
 
 
 def main() -> None:
@@ -79,7 +57,6 @@ def main() -> None:
     world = learning_world()
     logs = Path(tempfile.mkdtemp(prefix="freshrec-drill-"))
     ports = {"a": free_port(), "b": free_port()}
-    samples: list[dict] = []
     with bench_connection(f"dw{int(time.time())}.") as conn:
         names = TopicNames(conn.topic_prefix)
         group = f"{conn.topic_prefix}freshrec-workers"
@@ -92,87 +69,110 @@ def main() -> None:
                 conn, "worker", ports["b"], {"FRESHREC_WORKER_ID": "b"}, log=logs / "worker-b.log"
             ),
         ):
-            deadline = time.monotonic() + 60
-            while not all(
-                total(scrape_port_now(port), "freshrec_assigned_partitions") > 0
-                for port in ports.values()
-            ):  # both in the group, each with its share
-                if time.monotonic() > deadline:
-                    raise SystemExit("the two workers did not both get partitions within 60 s")
-                time.sleep(0.5)
-            stats: list = []
-            feed = threading.Thread(
-                target=lambda: stats.append(
-                    produce_events(
-                        conn, world, rate_per_s=args.rate, duration_s=args.duration, seed=2
-                    )
-                )
-            )
-            t0 = time.monotonic()
-            feed.start()
-            a_last = None
-            while True:
-                time.sleep(args.every)
-                now = time.monotonic() - t0
-                if a_last is None and now >= args.kill_at:
-                    a_last = total(scrape_port_now(ports["a"]), LEARNT, outcome="valid")
-                    os.kill(worker_a.pid, signal.SIGKILL)
-                    killed_at = now
-                    print(
-                        f"{now:5.1f} s  worker A SIGKILLed after learning {a_last:,.0f}", flush=True
-                    )
-                s = scrape_port_now(ports["b"])
-                sample = {
-                    "t_s": round(now, 1),
-                    "b_learnt": total(s, LEARNT, outcome="valid"),
-                    "b_partitions": total(s, "freshrec_assigned_partitions"),
-                }
-                samples.append(sample)
-                print(
-                    f"{now:5.1f} s  worker B: learnt {sample['b_learnt']:>8,.0f}  partitions "
-                    f"{sample['b_partitions']:.0f}",
-                    flush=True,
-                )
-                if (
-                    not feed.is_alive()
-                    and len(samples) > 3
-                    and all(x["b_learnt"] == sample["b_learnt"] for x in samples[-3:])
-                ):
-                    break
-                if now > args.duration + 120:
-                    raise SystemExit("worker B did not finish within two minutes of the feed")
-            feed.join()
-            produced = stats[0].delivered
+            wait_both_assigned(ports)
+            run = kill_and_watch(conn, world, worker_a, ports, args)
             ends = partition_ends(conn, names.events)
             offsets = committed(conn, group, names.events, ends)
-    b_final = samples[-1]["b_learnt"]
-    partitions = int(max(s["b_partitions"] for s in samples))
+    save("drill_worker", report(run, ends, offsets, args.rate, logs), args.out)
+
+
+def wait_both_assigned(ports: dict[str, int]) -> None:
+    """Until both workers are in the group, each with its share of the partitions."""
+    deadline = time.monotonic() + 60
+    while not all(
+        total(scrape_port_now(port), "freshrec_assigned_partitions") > 0 for port in ports.values()
+    ):
+        if time.monotonic() > deadline:
+            raise SystemExit("the two workers did not both get partitions within 60 s")
+        time.sleep(0.5)
+
+
+@dataclass
+class KillRun:
+    """What the drill saw: the events produced, worker A's count at its last read and when
+    it was killed, and worker B's samples."""
+
+    produced: int
+    a_last: float
+    killed_at: float
+    samples: list[dict]
+
+
+def kill_and_watch(conn, world, worker_a, ports: dict[str, int], args) -> KillRun:
+    """Events at ``--rate`` for ``--duration``; worker A SIGKILLed ``--kill-at`` seconds in;
+    worker B sampled every ``--every`` seconds until it has learnt everything."""
+    samples: list[dict] = []
+    stats: list = []
+    feed = threading.Thread(
+        target=lambda: stats.append(
+            produce_events(conn, world, rate_per_s=args.rate, duration_s=args.duration, seed=2)
+        )
+    )
+    t0 = time.monotonic()
+    feed.start()
+    a_last = None
+    while True:
+        time.sleep(args.every)
+        now = time.monotonic() - t0
+        if a_last is None and now >= args.kill_at:
+            a_last = total(scrape_port_now(ports["a"]), LEARNT, outcome="valid")
+            os.kill(worker_a.pid, signal.SIGKILL)
+            killed_at = now
+            print(f"{now:5.1f} s  worker A SIGKILLed after learning {a_last:,.0f}", flush=True)
+        s = scrape_port_now(ports["b"])
+        sample = {
+            "t_s": round(now, 1),
+            "b_learnt": total(s, LEARNT, outcome="valid"),
+            "b_partitions": total(s, "freshrec_assigned_partitions"),
+        }
+        samples.append(sample)
+        print(
+            f"{now:5.1f} s  worker B: learnt {sample['b_learnt']:>8,.0f}  partitions "
+            f"{sample['b_partitions']:.0f}",
+            flush=True,
+        )
+        if (
+            not feed.is_alive()
+            and len(samples) > 3
+            and all(x["b_learnt"] == sample["b_learnt"] for x in samples[-3:])
+        ):
+            break
+        if now > args.duration + 120:
+            raise SystemExit("worker B did not finish within two minutes of the feed")
+    feed.join()
+    return KillRun(stats[0].delivered, a_last, killed_at, samples)
+
+
+def report(run: KillRun, ends: dict, offsets: dict, rate: float, logs: Path) -> dict:
+    """The drill's results (the module's docstring)."""
+    b_final = run.samples[-1]["b_learnt"]
+    partitions = int(max(s["b_partitions"] for s in run.samples))
     resumed = next(
-        (s["t_s"] for s in samples if s["t_s"] > killed_at and s["b_partitions"] == partitions),
+        (
+            s["t_s"]
+            for s in run.samples
+            if s["t_s"] > run.killed_at and s["b_partitions"] == partitions
+        ),
         None,
     )
-    save(
-        "drill_worker",
-        {
-            "rate_events_per_s": args.rate,
-            "killed_at_s": round(killed_at, 1),
-            "events_produced": produced,
-            "learnt_by_a_at_its_last_read": a_last,
-            "learnt_by_b": b_final,
-            "learnt_twice_at_least": a_last + b_final - produced,
-            "b_owns_every_partition_after_s": (
-                None if resumed is None else round(resumed - killed_at, 1)
-            ),
-            "partition_ends": ends,
-            "committed_offsets": offsets,
-            "every_event_committed": all(offsets.get(p) == end for p, end in ends.items()),
-            "note": "learnt_twice_at_least: A's count is read just before the kill, so the "
-            "events it learnt in between count as once here; every_event_committed: the "
-            f"group's committed offsets equal each partition's end. Logs in {logs}",
-            "samples": samples,
-        },
-        args.out,
-    )
+    return {
+        "rate_events_per_s": rate,
+        "killed_at_s": round(run.killed_at, 1),
+        "events_produced": run.produced,
+        "learnt_by_a_at_its_last_read": run.a_last,
+        "learnt_by_b": b_final,
+        "learnt_twice_at_least": run.a_last + b_final - run.produced,
+        "b_owns_every_partition_after_s": (
+            None if resumed is None else round(resumed - run.killed_at, 1)
+        ),
+        "partition_ends": ends,
+        "committed_offsets": offsets,
+        "every_event_committed": all(offsets.get(p) == end for p, end in ends.items()),
+        "note": "learnt_twice_at_least: A's count is read just before the kill, so the "
+        "events it learnt in between count as once here; every_event_committed: the "
+        f"group's committed offsets equal each partition's end. Logs in {logs}",
+        "samples": run.samples,
+    }
 
 
 if __name__ == "__main__":
