@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import tempfile
 import threading
 import time
@@ -49,7 +48,6 @@ import redis as redis_lib
 
 from freshcore import clock
 from freshcore.kafka import produce
-from freshcore.rediskeys import RedisKeys
 from freshcore.topics import TopicNames
 from freshrec.app.proctime import cpu_seconds, own_cpu_seconds, rss_bytes
 from freshrec.promtext import scrape_port, total
@@ -57,6 +55,7 @@ from freshrec.sim.pacing import Pacer
 from freshrec.sim.produce import DeliveryCounter, events_producer
 from tools.benchlib import save
 from tools.pipeline import Pipeline, train_models
+from tools.redis_families import redis_families
 
 BOUNDS = {
     "FRESHREC_STREAMS_MAX_ITEMS": "5000",
@@ -176,64 +175,6 @@ def share(samples: list[tuple[float, float]]) -> float:
     return (samples[-1][1] - samples[-2][1]) / (samples[-1][0] - samples[-2][0])
 
 
-_KEYS = RedisKeys("")  # the drill's pipeline writes without a prefix
-ID_FAMILIES = (_KEYS.user_recent(""), _KEYS.answered(""), _KEYS.request_variant(""))
-"""Key families with one key per id (``freshcore/rediskeys.py``): counted together."""
-TAG = re.compile(r"\{[sg]\d+\}")
-
-
-def family(key: str) -> str:
-    """The family of a FreshRec key: its partition's hash tag and any trailing id as ``*``.
-
-    >>> family("emb:item:{g3}"), family("streams:{s5}:rows"), family("user:recent:u42")
-    ('emb:item:{*}', 'streams:{*}:rows', 'user:recent:*')
-    """
-    for head in ID_FAMILIES:
-        if key.startswith(head):
-            return head + "*"
-    return TAG.sub("{*}", key)
-
-
-LENGTH = {b"hash": "HLEN", b"list": "LLEN", b"set": "SCARD", b"zset": "ZCARD"}
-
-
-def redis_families(store) -> dict:
-    """What Redis holds, by key family: keys, elements (fields, list entries, members) and
-    bytes (``MEMORY USAGE``, exact); with ``INFO``'s split of used memory into dataset and
-    overhead and its counts of keys, keys with a TTL and expired keys."""
-    keys = list(store.scan_iter(count=1000))
-    pipe = store.pipeline(transaction=False)
-    for key in keys:
-        pipe.type(key)
-        pipe.memory_usage(key, samples=0)
-    answers = pipe.execute()
-    pipe = store.pipeline(transaction=False)
-    for key, kind in zip(keys, answers[0::2], strict=True):
-        # a key gone since the scan is of type none: STRLEN answers 0
-        pipe.execute_command(LENGTH.get(kind, "STRLEN"), key)
-    lengths = pipe.execute()
-    out: dict[str, dict] = {}
-    for key, size, length in zip(keys, answers[1::2], lengths, strict=True):
-        f = out.setdefault(family(key.decode(errors="replace")), [0, 0, 0])
-        f[0] += 1
-        f[1] += length or 0
-        f[2] += size or 0
-    memory, stats, space = store.info("memory"), store.info("stats"), store.info("keyspace")
-    db = space.get("db0", {})
-    return {
-        "families": {
-            k: {"keys": v[0], "elements": v[1], "bytes": v[2]} for k, v in sorted(out.items())
-        },
-        "used_memory": memory["used_memory"],
-        "dataset": memory["used_memory_dataset"],
-        "overhead": memory["used_memory_overhead"],
-        "keys": db.get("keys", 0),
-        "keys_with_ttl": db.get("expires", 0),
-        "expired_keys": stats.get("expired_keys", 0),
-        **{k: v for k, v in stats.items() if "expired" in k and "field" in k},
-    }
-
-
 def plateau(samples: list[tuple[float, float]]) -> dict:
     """A series' level at a third, two thirds and the end, and its growth over the last
     third as a share of its level there."""
@@ -246,6 +187,95 @@ def plateau(samples: list[tuple[float, float]]) -> dict:
         "end": at[2],
         "last_third_growth": None if growth is None else round(growth, 4),
     }
+
+
+class FloodSamples:
+    """What the drill samples, each a series of (seconds into the flood, value)."""
+
+    def __init__(self) -> None:
+        # each service's resident memory, the streams app's counting process alone too (the
+        # rest of it is its validate process), and Redis's used_memory
+        self.series: dict[str, list[tuple[float, float]]] = {
+            s: [] for s in (*SERVICES, "streams-counting", "redis")
+        }
+        # what each stage has read: delivered to the broker (the flood's acks), validated
+        # and counted by the streams app, read by the worker
+        self.read: dict[str, list[tuple[float, float]]] = {k: [] for k in READ_SERIES}
+        self.busy: dict[str, list[tuple[float, float]]] = {stage: [] for stage in STAGES}
+        # CPU seconds of each service's processes, and of the streams app's counting
+        # process alone (its validate stage is a child process)
+        self.cpu: dict[str, list[tuple[float, float]]] = {
+            k: [] for k in (*SERVICES, "counting", "broker")
+        }
+        # the embedded broker's RSS: it keeps every record
+        self.broker: list[tuple[float, float]] = []
+        self.held: list[tuple[float, dict]] = []  # what Redis holds by key family, now and then
+        # what the streams app holds: items and co-visitation neighbours (all partitions)
+        self.entries: dict[str, list[tuple[float, float]]] = {"items": [], "neighbours": []}
+
+    def take(self, t: float, pipe: Pipeline, store, delivered: int) -> None:
+        """One sample of every series at ``t``; ``delivered``: the flood's acks so far."""
+        for name in SERVICES:
+            self.series[name].append((t, rss_bytes(pipe.procs[name].pid)))
+        self.series["streams-counting"].append((t, rss_bytes(pipe.procs["streams"].pid, own=True)))
+        self.series["redis"].append((t, float(store.info("memory")["used_memory"])))
+        streams = scrape_port(pipe.ports["streams"])  # once a sample: the metrics below
+        worker = scrape_port(pipe.ports["worker"])
+        for key, value in (
+            ("delivered", delivered),
+            ("validated", total(streams, "freshrec_streams_events_total", outcome="valid")),
+            ("counted", total(streams, "freshrec_streams_counted_events_total")),
+            ("learnt", total(worker, "freshrec_worker_events_total", outcome="valid")),
+        ):
+            self.read[key].append((t, value))
+        self.entries["items"].append((t, total(streams, "freshrec_streams_items")))
+        neighbours = total(streams, "freshrec_streams_covisit_neighbours")
+        self.entries["neighbours"].append((t, neighbours))
+        for name in SERVICES:
+            self.cpu[name].append((t, cpu_seconds(pipe.procs[name].pid) or 0.0))
+        self.cpu["counting"].append((t, own_cpu_seconds(pipe.procs["streams"].pid) or 0.0))
+        self.cpu["broker"].append((t, own_cpu_seconds(pipe.kafka_pid) or 0.0))
+        self.broker.append((t, rss_bytes(pipe.kafka_pid)))
+        for stage in STAGES:
+            seconds = total(streams, "freshrec_streams_batch_seconds_sum", stage=stage)
+            self.busy[stage].append((t, seconds))
+
+    def line(self, t: float, sent: int) -> str:
+        """The last sample, as the drill prints it."""
+        return (
+            f"  {t:5.0f} s  events {sent:,} "
+            + " ".join(f"{k} {v[-1][1]:,.0f}" for k, v in self.read.items())
+            + "  "
+            + "  ".join(f"{k} {v[-1][1] / 2**20:,.0f} MiB" for k, v in self.series.items())
+            + f"  broker {self.broker[-1][1] / 2**20:,.0f} MiB"
+            + " held "
+            + " ".join(f"{k} {v[-1][1]:,.0f}" for k, v in self.entries.items())
+            + "  busy "
+            + " ".join(f"{k} {share(v):.0%}" for k, v in self.busy.items())
+            + "  cpu "
+            + " ".join(f"{k} {share(v):.0%}" for k, v in self.cpu.items())
+        )
+
+    def held_line(self) -> str:
+        """The six largest key families of the last look at what Redis holds."""
+        top = sorted(self.held[-1][1]["families"].items(), key=lambda kv: -kv[1]["bytes"])
+        return "  redis " + "  ".join(
+            f"{k} {v['bytes'] / 2**20:.1f} MiB ({v['keys']:,} keys, {v['elements']:,} elements)"
+            for k, v in top[:6]
+        )
+
+    def saved(self) -> dict:
+        """The series as the results hold them, with each memory series' plateau."""
+        return {
+            "plateau": {k: plateau(v) for k, v in self.series.items()},
+            "series": {k: points(s) for k, s in self.series.items()},
+            "broker_rss_series": points(self.broker),
+            "streams_held_series": {k: points(s) for k, s in self.entries.items()},
+            "redis_families_series": [[round(t, 1), h] for t, h in self.held],
+            **{f"{k}_series": points(s) for k, s in self.read.items()},
+            "stage_seconds_series": {k: points(s, 3) for k, s in self.busy.items()},
+            "cpu_seconds_series": {k: points(s, 2) for k, s in self.cpu.items()},
+        }
 
 
 def run(
@@ -268,103 +298,36 @@ def run(
         pipe.wait_assigned(list(SERVICES))
         store = redis_lib.Redis.from_url(pipe.redis.url)
         flood = Flood(pipe, rate, new_items, new_users)
-        # each service's resident memory, the streams app's counting process alone too (the
-        # rest of it is its validate process), and Redis's used_memory
-        series: dict[str, list[tuple[float, float]]] = {
-            s: [] for s in (*SERVICES, "streams-counting", "redis")
-        }
-        # what each stage has read: delivered to the broker (the flood's acks), validated
-        # and counted by the streams app, read by the worker
-        read: dict[str, list[tuple[float, float]]] = {k: [] for k in READ_SERIES}
-        busy: dict[str, list[tuple[float, float]]] = {stage: [] for stage in STAGES}
-        # CPU seconds of each service's processes, and of the streams app's counting
-        # process alone (its validate stage is a child process)
-        cpu: dict[str, list[tuple[float, float]]] = {
-            k: [] for k in (*SERVICES, "counting", "broker")
-        }
-        broker: list[tuple[float, float]] = []  # the embedded broker's RSS: it keeps every record
-        held: list[tuple[float, dict]] = []  # what Redis holds by key family, now and then
-        # what the streams app holds: items and co-visitation neighbours (all partitions)
-        entries: dict[str, list[tuple[float, float]]] = {"items": [], "neighbours": []}
+        samples = FloodSamples()
         start = time.monotonic()
         flood.thread.start()
         while (t := time.monotonic() - start) < duration_s:
-            for name in SERVICES:
-                series[name].append((t, rss_bytes(pipe.procs[name].pid)))
-            series["streams-counting"].append((t, rss_bytes(pipe.procs["streams"].pid, own=True)))
-            series["redis"].append((t, float(store.info("memory")["used_memory"])))
-            streams = scrape_port(pipe.ports["streams"])  # once a sample: the metrics below
-            worker = scrape_port(pipe.ports["worker"])
-            for key, value in (
-                ("delivered", flood.counter.delivered),
-                ("validated", total(streams, "freshrec_streams_events_total", outcome="valid")),
-                ("counted", total(streams, "freshrec_streams_counted_events_total")),
-                ("learnt", total(worker, "freshrec_worker_events_total", outcome="valid")),
-            ):
-                read[key].append((t, value))
-            entries["items"].append((t, total(streams, "freshrec_streams_items")))
-            neighbours = total(streams, "freshrec_streams_covisit_neighbours")
-            entries["neighbours"].append((t, neighbours))
-            for name in SERVICES:
-                cpu[name].append((t, cpu_seconds(pipe.procs[name].pid) or 0.0))
-            cpu["counting"].append((t, own_cpu_seconds(pipe.procs["streams"].pid) or 0.0))
-            cpu["broker"].append((t, own_cpu_seconds(pipe.kafka_pid) or 0.0))
-            broker.append((t, rss_bytes(pipe.kafka_pid)))
-            for stage in STAGES:
-                seconds = total(streams, "freshrec_streams_batch_seconds_sum", stage=stage)
-                busy[stage].append((t, seconds))
-            print(
-                f"  {t:5.0f} s  events {flood.sent:,} "
-                + " ".join(f"{k} {v[-1][1]:,.0f}" for k, v in read.items())
-                + "  "
-                + "  ".join(f"{k} {v[-1][1] / 2**20:,.0f} MiB" for k, v in series.items())
-                + f"  broker {broker[-1][1] / 2**20:,.0f} MiB"
-                + " held "
-                + " ".join(f"{k} {v[-1][1]:,.0f}" for k, v in entries.items())
-                + "  busy "
-                + " ".join(f"{k} {share(v):.0%}" for k, v in busy.items())
-                + "  cpu "
-                + " ".join(f"{k} {share(v):.0%}" for k, v in cpu.items()),
-                flush=True,
-            )
-            if redis_every_s and t >= len(held) * redis_every_s:
-                held.append((t, redis_families(store)))
-                top = sorted(held[-1][1]["families"].items(), key=lambda kv: -kv[1]["bytes"])
-                print(
-                    "  redis "
-                    + "  ".join(
-                        f"{k} {v['bytes'] / 2**20:.1f} MiB ({v['keys']:,} keys, {v['elements']:,} elements)"
-                        for k, v in top[:6]
-                    ),
-                    flush=True,
-                )
+            samples.take(t, pipe, store, flood.counter.delivered)
+            print(samples.line(t, flood.sent), flush=True)
+            if redis_every_s and t >= len(samples.held) * redis_every_s:
+                samples.held.append((t, redis_families(store)))
+                print(samples.held_line(), flush=True)
             time.sleep(every_s)
-        held.append((time.monotonic() - start, redis_families(store)))
+        samples.held.append((time.monotonic() - start, redis_families(store)))
         flood.stop.set()
         flood.thread.join(60)
         evicted = {
             reason: pipe.metric("streams", "freshrec_streams_items_evicted_total", reason=reason)
             for reason in ("idle", "cap")
         }
+        counted = samples.read["counted"]
         return {
             "events": {
                 "sent": flood.sent,
                 "delivered": flood.counter.delivered,
                 "failed": flood.counter.failed,
-                "counted": read["counted"][-1][1] if read["counted"] else 0,
+                "counted": counted[-1][1] if counted else 0,
             },
             "streams_items_held": pipe.metric("streams", "freshrec_streams_items"),
             "streams_items_evicted": evicted,
             "worker_rows_evicted": pipe.metric("worker", "freshrec_cache_rows_evicted_total"),
             "alive": pipe.alive(),
-            "plateau": {k: plateau(v) for k, v in series.items()},
-            "series": {k: points(s) for k, s in series.items()},
-            "broker_rss_series": points(broker),
-            "streams_held_series": {k: points(s) for k, s in entries.items()},
-            "redis_families_series": [[round(t, 1), h] for t, h in held],
-            **{f"{k}_series": points(s) for k, s in read.items()},
-            "stage_seconds_series": {k: points(s, 3) for k, s in busy.items()},
-            "cpu_seconds_series": {k: points(s, 2) for k, s in cpu.items()},
+            **samples.saved(),
         }
     finally:
         pipe.close()
