@@ -120,7 +120,7 @@ def test_tuning_chooses_on_exact_hits_then_ndcg_not_on_rounded_scores():
         def __init__(self, lists: dict[str, list[str]], default: list[str]) -> None:
             self.lists, self.default = lists, default
 
-        def learn(self, users, items) -> None:
+        def learn(self, users, items, t_ms=None) -> None:
             pass
 
         def recommend(self, user, k, exclude):
@@ -174,18 +174,18 @@ def test_item_knn_scores_equal_hand_computed_co_occurrence():
         assert knn.recommend("c", 2, {"x"}) == ["y", "z"]
     knn = ItemKNN(window=10, alpha=0.5)
     knn.learn(users, items)
-    c = knn._c().to_dense().numpy()
-    ix = knn.items.index
+    c = knn.matrix().to_dense().numpy()
+    ix = knn.users.items.index
     assert c[ix["x"], ix["y"]] == c[ix["y"], ix["x"]] == 2
     assert c[ix["x"], ix["z"]] == c[ix["y"], ix["z"]] == 1 and c[ix["x"], ix["x"]] == 0
-    assert knn.counts[[ix["x"], ix["y"], ix["z"]]].tolist() == [3, 2, 1]
+    assert knn.users.n[[ix["x"], ix["y"], ix["z"]]].tolist() == [3, 2, 1]
     # the window: with window 1 only the newest item pairs; a repeat adds no pair or user
     short = ItemKNN(window=1)
     short.learn(["a", "a", "a", "a"], ["x", "y", "z", "x"])
-    c = short._c().to_dense().numpy()
-    ix = short.items.index
+    c = short.matrix().to_dense().numpy()
+    ix = short.users.items.index
     assert c[ix["x"], ix["y"]] == 1 and c[ix["y"], ix["z"]] == 1 and c[ix["x"], ix["z"]] == 0
-    assert short.counts[ix["x"]] == 1
+    assert short.users.n[ix["x"]] == 1
 
 
 def test_item_knn_breaks_equal_scores_by_popularity_not_by_first_seen():
@@ -260,7 +260,7 @@ def test_no_scored_interaction_reaches_tuning():
     class Recorder:
         name = "recorder"
 
-        def learn(self, us, its):
+        def learn(self, us, its, t_ms=None):
             seen.extend(its)
 
         def recommend(self, user, k, exclude):
@@ -286,7 +286,7 @@ def test_two_replays_are_paired_on_their_kept_interactions(tmp_path, capsys):
     """``replay_interactions.csv.gz`` keeps each arm's scores as the run made them, and
     ``tools/replay_diff.py`` pairs two runs' as one run pairs its arms."""
     from evaluation.metrics import paired_difference
-    from freshrec.app.replayreport import INTERACTIONS, read_interactions, write_interactions
+    from freshrec.app.replay.report import INTERACTIONS, read_interactions, write_interactions
     from tools.replay_diff import main
 
     users = [("u", 1), ("u", 1), ("v", 0), ("w", 1)]
