@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from evaluation.metrics import paired_difference
-from freshrec.app.replayreport import INTERACTIONS, read_interactions
+from freshrec.app.replay.report import INTERACTIONS, read_interactions
 from tools.benchlib import save
 
 
