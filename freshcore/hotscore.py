@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from freshcore.declare import declared
+
 HOUR_MS = 3_600_000
 
 
@@ -47,9 +49,15 @@ def decay_factor(rate_per_hour: float, dt_ms):
 class HotWeights:
     """The seeds' weights: 0.6 clicks, 0.3 conversion rate, 0.1 price."""
 
-    click: float = 0.6
-    cvr: float = 0.3
-    price: float = 0.1
+    click: float = declared(
+        "FRESHREC_HOT_WEIGHT_CLICK", 0.6, "The hot score's weight of an item's decayed clicks."
+    )
+    cvr: float = declared(
+        "FRESHREC_HOT_WEIGHT_CVR", 0.3, "The hot score's weight of an item's conversion rate."
+    )
+    price: float = declared(
+        "FRESHREC_HOT_WEIGHT_PRICE", 0.1, "The hot score's weight of an item's (capped) price."
+    )
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from freshcore.declare import Setting, SettingsError, declared, declared_as, read_settings
 from freshcore.hotscore import HotWeights
 from schemas.codec import DeadLetterLimits
-from schemas.errors import FreshRecError
 
 STACK_ENV_FILE = "stack.env"
 
@@ -29,14 +29,29 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """Every process's log lines (the CLI's and the children services start)."""
 
 
-class SettingsError(FreshRecError, ValueError):
-    """A setting is missing or malformed; the message names the variable."""
+__all__ = ["SettingsError"]  # raised here for every service; declared in freshcore.declare
+
+HOME = Setting(
+    "FRESHREC_HOME",
+    None,
+    "Where the embedded stack keeps PIDs, logs and `stack.env`, and the streams app its faust "
+    "data directory (`faust/`).",
+    kind=Path,
+    shown="`./.freshrec`",
+)
+MODEL_DIR = Setting(
+    "FRESHREC_MODEL_DIR",
+    None,
+    "Trained models and starting embeddings (`freshrec train`), read by every service.",
+    kind=Path,
+    shown="`models` in `FRESHREC_HOME`",
+)
 
 
 def state_dir(env: Mapping[str, str] | None = None) -> Path:
     """Where the embedded stack keeps its state (``$FRESHREC_HOME`` or ``./.freshrec``)."""
     env = os.environ if env is None else env
-    return Path(env.get("FRESHREC_HOME") or Path.cwd() / ".freshrec")
+    return HOME.read(env) or Path.cwd() / ".freshrec"
 
 
 LEARNING_RATE = 0.05
@@ -51,7 +66,7 @@ def model_dir(env: Mapping[str, str] | None = None) -> Path:
     """Where the ranking models and their manifest live: ``FRESHREC_MODEL_DIR``, else
     ``models`` in the state directory. Every service finds them the same way."""
     env = os.environ if env is None else env
-    return Path(env.get("FRESHREC_MODEL_DIR") or state_dir(env) / "models")
+    return MODEL_DIR.read(env) or state_dir(env) / "models"
 
 
 def online_defaults(env: Mapping[str, str] | None = None) -> dict:
@@ -166,13 +181,20 @@ SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
+def _upper_choice(choices: tuple[str, ...]):
+    def parse(raw: str) -> str:
+        value = raw.strip().upper()
+        if value not in choices:
+            raise ValueError(f"one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
 @dataclass(frozen=True)
 class KafkaSecurity:
-    """How clients authenticate to Kafka and encrypt the connection: ``KAFKA_SECURITY_PROTOCOL``
-    (``PLAINTEXT``, ``SSL``, ``SASL_PLAINTEXT``, ``SASL_SSL``), ``KAFKA_SASL_MECHANISM``
-    (``PLAIN``, ``SCRAM-SHA-256``, ``SCRAM-SHA-512``), ``KAFKA_SASL_USERNAME``,
-    ``KAFKA_SASL_PASSWORD``, ``KAFKA_SSL_CA_LOCATION`` (a CA file; else the system's). Every
-    client FreshRec makes — librdkafka, aiokafka, faust — takes them from here.
+    """How clients authenticate to Kafka and encrypt the connection. Every client FreshRec
+    makes — librdkafka, aiokafka, faust — takes them from here.
 
     >>> KafkaSecurity.from_env({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
     ...     "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "KAFKA_SASL_USERNAME": "worker",
@@ -180,11 +202,36 @@ class KafkaSecurity:
     'SCRAM-SHA-512'
     """
 
-    protocol: str = "PLAINTEXT"
-    sasl_mechanism: str | None = None
-    sasl_username: str | None = None
-    sasl_password: str | None = field(default=None, repr=False)
-    ssl_ca_location: str | None = None
+    protocol: str = declared(
+        "KAFKA_SECURITY_PROTOCOL",
+        "PLAINTEXT",
+        "`PLAINTEXT`, `SSL`, `SASL_PLAINTEXT` or `SASL_SSL`: every Kafka client FreshRec makes "
+        "([security](security.md)).",
+        parse=_upper_choice(SECURITY_PROTOCOLS),
+    )
+    sasl_mechanism: str | None = declared(
+        "KAFKA_SASL_MECHANISM",
+        None,
+        "`PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`.",
+        parse=_upper_choice(SASL_MECHANISMS),
+        shown="`SCRAM-SHA-512` with SASL",
+    )
+    sasl_username: str | None = declared(
+        "KAFKA_SASL_USERNAME", None, "The SASL user; required with `SASL_*`.", kind=str
+    )
+    sasl_password: str | None = declared(
+        "KAFKA_SASL_PASSWORD",
+        None,
+        "The SASL password; required with `SASL_*`; never logged.",
+        repr=False,
+    )
+    ssl_ca_location: str | None = declared(
+        "KAFKA_SSL_CA_LOCATION",
+        None,
+        "A CA file for `SSL` and `SASL_SSL` (else the system's CAs).",
+        kind=str,
+        shown="the system's CAs",
+    )
 
     @property
     def sasl(self) -> bool:
@@ -196,31 +243,21 @@ class KafkaSecurity:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KafkaSecurity:
-        protocol = (env.get("KAFKA_SECURITY_PROTOCOL") or "PLAINTEXT").upper()
-        if protocol not in SECURITY_PROTOCOLS:
-            raise SettingsError(
-                f"KAFKA_SECURITY_PROTOCOL={protocol!r}: one of {', '.join(SECURITY_PROTOCOLS)}"
-            )
-        mechanism = (env.get("KAFKA_SASL_MECHANISM") or "").upper() or None
-        user, password = (
-            env.get("KAFKA_SASL_USERNAME") or None,
-            env.get("KAFKA_SASL_PASSWORD") or None,
-        )
-        if protocol.startswith("SASL_"):
-            mechanism = mechanism or "SCRAM-SHA-512"
-            if mechanism not in SASL_MECHANISMS:
+        security = read_settings(cls, env)
+        if not security.sasl:
+            mechanism = None if not env.get("KAFKA_SASL_MECHANISM") else security.sasl_mechanism
+            security = replace(security, sasl_mechanism=mechanism)
+        else:
+            security = replace(security, sasl_mechanism=security.sasl_mechanism or "SCRAM-SHA-512")
+            if not security.sasl_username or not security.sasl_password:
                 raise SettingsError(
-                    f"KAFKA_SASL_MECHANISM={mechanism!r}: one of {', '.join(SASL_MECHANISMS)}"
-                )
-            if not user or not password:
-                raise SettingsError(
-                    f"KAFKA_SECURITY_PROTOCOL={protocol} needs KAFKA_SASL_USERNAME and "
+                    f"KAFKA_SECURITY_PROTOCOL={security.protocol} needs KAFKA_SASL_USERNAME and "
                     "KAFKA_SASL_PASSWORD"
                 )
-        ca = env.get("KAFKA_SSL_CA_LOCATION") or None
+        ca = security.ssl_ca_location
         if ca is not None and not Path(ca).is_file():
             raise SettingsError(f"KAFKA_SSL_CA_LOCATION={ca!r} is not a file")
-        return cls(protocol, mechanism, user, password, ca)
+        return security
 
     def librdkafka(self) -> dict[str, str]:
         """The settings for a confluent-kafka (librdkafka) client."""
@@ -275,51 +312,107 @@ class KafkaSecurity:
 class ConnectionSettings:
     """Where Kafka and Redis are, and how this deployment names its topics."""
 
-    kafka_bootstrap_servers: str
-    """Comma-separated host:port list (``KAFKA_BOOTSTRAP_SERVERS``)."""
-    redis_url: str
-    """``redis://[:password@]host:port/db`` (``REDIS_URL``)."""
-    topic_prefix: str = ""
-    """Prepended to every topic name, so several deployments or test runs share one broker."""
-    kafka_profile: str = "local"
-    """Client tuning: ``local`` suits the embedded broker, ``production`` Apache Kafka."""
+    kafka_bootstrap_servers: str = declared(
+        "KAFKA_BOOTSTRAP_SERVERS",
+        "127.0.0.1:9092",
+        "Comma-separated `host:port` list of the Kafka brokers; with `REDIS_URL`, set to use "
+        "existing services (nothing is started).",
+        shown="from `stack.env`",
+    )
+    redis_url: str = declared(
+        "REDIS_URL",
+        "redis://127.0.0.1:6379/0",
+        "`redis://[user:password@]host:port/db`; `rediss://` for TLS "
+        "(`?ssl_ca_certs=/path/ca.pem` for a private CA); any node of a Redis Cluster as "
+        "`redis+cluster://host:port`.",
+        shown="from `stack.env`",
+    )
+    topic_prefix: str = declared(
+        "FRESHREC_TOPIC_PREFIX",
+        "",
+        "Prepended to every topic name and Redis key, so several deployments or test runs "
+        "share one broker and one Redis.",
+    )
+    kafka_profile: str = declared(
+        "FRESHREC_KAFKA_PROFILE",
+        "local",
+        "Client timings (`freshcore/kafka.py` `PROFILES`): `local` suits the embedded "
+        "broker, `production` Apache Kafka.",
+    )
     kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
-    """Authentication and encryption of the Kafka connections (``KAFKA_SECURITY_PROTOCOL``
-    and the rest). Redis's are in ``redis_url``: ``rediss://`` for TLS, the password in it."""
-    message_timeout_ms: int | None = None
-    """How long a producer tries to deliver a message before reporting it undelivered
-    (``FRESHREC_MESSAGE_TIMEOUT_MS``; None: librdkafka's 300,000). Replies, dead letters and
-    gradients that fail are produced again; drills shorten it to make failures happen."""
-    kafka_session_timeout_ms: int | None = None
-    """The consumer groups' session timeout, over the profile's
-    (``FRESHREC_KAFKA_SESSION_TIMEOUT_MS``; None: 6,000 ``local``, 45,000 ``production``). On
-    the embedded broker a group join takes about half of it; a member silent this long is
-    dropped from its group."""
+    """Authentication and encryption of the Kafka connections. Redis's are in ``redis_url``:
+    ``rediss://`` for TLS, the password in it."""
+    message_timeout_ms: int | None = declared(
+        "FRESHREC_MESSAGE_TIMEOUT_MS",
+        None,
+        "How long a producer tries to deliver a message before reporting it undelivered "
+        "(FreshRec then produces it again: replies, dead letters, gradients).",
+        kind=int,
+        minimum=1,
+        shown="librdkafka's 300,000",
+    )
+    kafka_session_timeout_ms: int | None = declared(
+        "FRESHREC_KAFKA_SESSION_TIMEOUT_MS",
+        None,
+        "The consumer groups' session timeout, over the profile's: a member silent this long "
+        "is dropped from its group.",
+        kind=int,
+        minimum=1500,
+        shown="the profile's (6,000 `local`, 45,000 `production`)",
+    )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ConnectionSettings:
-        return cls(
-            kafka_bootstrap_servers=env_str(env, "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
-            redis_url=env_str(env, "REDIS_URL", "redis://127.0.0.1:6379/0"),
-            topic_prefix=env.get("FRESHREC_TOPIC_PREFIX", ""),
-            kafka_profile=env_str(env, "FRESHREC_KAFKA_PROFILE", "local"),
-            kafka_security=KafkaSecurity.from_env(env),
-            message_timeout_ms=env_optional_int(env, "FRESHREC_MESSAGE_TIMEOUT_MS", minimum=1),
-            kafka_session_timeout_ms=env_optional_int(
-                env, "FRESHREC_KAFKA_SESSION_TIMEOUT_MS", minimum=1500
-            ),
-        )
+        return read_settings(cls, env, kafka_security=KafkaSecurity.from_env(env))
 
     def with_prefix(self, prefix: str) -> ConnectionSettings:
         return replace(self, topic_prefix=prefix)
 
 
+DLQ_MAX_VALUE_BYTES = Setting(
+    "FRESHREC_DLQ_MAX_VALUE_BYTES",
+    DeadLetterLimits.max_value_bytes,
+    "How much of a rejected value its dead letter keeps (with its length and SHA-256): the "
+    "envelope of any record then fits the broker's 1 MB messages.",
+    kind=int,
+    minimum=0,
+)
+
+
 def dead_letter_limits(env: Mapping[str, str]) -> DeadLetterLimits:
-    """How much of a rejected record its dead letter keeps (``FRESHREC_DLQ_MAX_VALUE_BYTES``,
-    64 KiB: the envelope of any record then fits the broker's 1 MB messages)."""
-    return DeadLetterLimits(
-        max_value_bytes=env_int(env, "FRESHREC_DLQ_MAX_VALUE_BYTES", 65_536, minimum=0)
-    )
+    """How much of a rejected record its dead letter keeps."""
+    return DeadLetterLimits(max_value_bytes=DLQ_MAX_VALUE_BYTES.read(env))
+
+
+ROW_TTL_S = Setting(
+    "FRESHREC_ROW_TTL_S",
+    30 * 86_400,
+    "Rows untouched this long leave memory and Redis, and a user's recent clicks with them "
+    "(0: never).",
+    kind=int,
+    minimum=0,
+)
+METRICS_PORT = Setting(
+    "FRESHREC_METRICS_PORT",
+    0,
+    "Prometheus `/metrics`, liveness `/healthz` and readiness `/readyz` of a service (0: off).",
+    kind=int,
+    minimum=0,
+)
+HOT_K = Setting(
+    "FRESHREC_HOT_K",
+    500,
+    "Length of each published hot list (global and per region), and what a worker keeps.",
+    kind=int,
+    minimum=1,
+)
+DEDUPE_WINDOW = Setting(
+    "FRESHREC_DEDUPE_WINDOW",
+    200_000,
+    "Event ids remembered per partition: a duplicate within them is counted and learnt once.",
+    kind=int,
+    minimum=1,
+)
 
 
 @dataclass(frozen=True)
@@ -327,21 +420,20 @@ class RowSettings:
     """What every service that touches embedding rows must agree on, read once here: the
     workers and the parameter servers of one deployment use the same values."""
 
-    dim: int = 64
-    """Embedding dimension (``FRESHREC_EMBEDDING_DIM``); a row has ``dim + 1`` columns."""
-    max_grad_norm: float = 1.0
-    """A row's aggregated gradient is scaled down to this L2 norm, locally and globally
-    (``FRESHREC_MAX_GRAD_NORM``)."""
-    row_ttl_s: int = 30 * 86_400
-    """Rows untouched this long leave memory and Redis (``FRESHREC_ROW_TTL_S``; 0: never)."""
+    dim: int = declared(
+        "FRESHREC_EMBEDDING_DIM", 64, "Embedding dimension; a row has `dim + 1` columns.", minimum=1
+    )
+    max_grad_norm: float = declared(
+        "FRESHREC_MAX_GRAD_NORM",
+        1.0,
+        "A row's aggregated gradient is scaled down to this L2 norm, locally and globally.",
+        positive=True,
+    )
+    row_ttl_s: int = declared_as(ROW_TTL_S)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> RowSettings:
-        return cls(
-            dim=env_int(env, "FRESHREC_EMBEDDING_DIM", 64, minimum=1),
-            max_grad_norm=env_float(env, "FRESHREC_MAX_GRAD_NORM", 1.0, positive=True),
-            row_ttl_s=env_int(env, "FRESHREC_ROW_TTL_S", 30 * 86_400, minimum=0),
-        )
+        return read_settings(cls, env)
 
 
 @dataclass(frozen=True)
@@ -350,31 +442,46 @@ class HotScoreSettings:
     it, the worker merges the published lists with it, so both read it here."""
 
     weights: HotWeights = field(default_factory=HotWeights)
-    decay_per_hour: float = 0.95
+    decay_per_hour: float = declared(
+        "FRESHREC_HOT_DECAY_PER_HOUR",
+        0.95,
+        "What an hour leaves of an item's hot counts (0.95: a 13.5-hour half-life).",
+        positive=True,
+        maximum=1,
+    )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HotScoreSettings:
-        return cls(
-            weights=HotWeights(
-                click=env_float(env, "FRESHREC_HOT_WEIGHT_CLICK", 0.6),
-                cvr=env_float(env, "FRESHREC_HOT_WEIGHT_CVR", 0.3),
-                price=env_float(env, "FRESHREC_HOT_WEIGHT_PRICE", 0.1),
-            ),
-            decay_per_hour=env_float(
-                env, "FRESHREC_HOT_DECAY_PER_HOUR", 0.95, positive=True, maximum=1
-            ),
-        )
+        return read_settings(cls, env)
+
+
+STOP_GRACE_S = Setting(
+    "FRESHREC_STOP_GRACE_S",
+    20.0,
+    "How long a service asked to stop (SIGTERM, SIGINT) may take before it logs where it was "
+    "stuck, dumps every thread's stack and exits with 1 (0: as long as it takes).",
+    kind=float,
+    minimum=0,
+)
 
 
 def stop_grace_s(env: Mapping[str, str]) -> float:
     """How long a service asked to stop (SIGTERM, SIGINT) may take before it exits anyway
-    (``FRESHREC_STOP_GRACE_S``; 0: as long as it takes). Below Kubernetes' default 30 s grace,
-    so the service's own account of where it was stuck reaches the log before a SIGKILL."""
-    return env_float(env, "FRESHREC_STOP_GRACE_S", 20.0, minimum=0)
+    (0: as long as it takes). Below Kubernetes' default 30 s grace, so the service's own
+    account of where it was stuck reaches the log before a SIGKILL."""
+    return STOP_GRACE_S.read(env)
+
+
+METRICS_HOST = Setting(
+    "FRESHREC_METRICS_HOST",
+    "127.0.0.1",
+    "Where a service's metrics and health port listens: loopback unless configured "
+    "(`0.0.0.0` in a container that Prometheus or a kubelet reaches).",
+)
 
 
 def metrics_host(env: Mapping[str, str]) -> str:
-    """Where a service's ``/metrics``, ``/healthz`` and ``/readyz`` listen
-    (``FRESHREC_METRICS_HOST``): loopback unless configured (``0.0.0.0`` in a container that
-    Prometheus or a kubelet reaches from outside)."""
-    return env_str(env, "FRESHREC_METRICS_HOST", "127.0.0.1")
+    """Where a service's ``/metrics``, ``/healthz`` and ``/readyz`` listen: loopback unless
+    configured (``0.0.0.0`` in a container that Prometheus or a kubelet reaches from
+    outside)."""
+    return METRICS_HOST.read(env)
