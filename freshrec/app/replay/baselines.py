@@ -26,7 +26,7 @@ def run_baseline(name: str, data, k: int, windows: int, progress: ProgressLine):
     chosen, validation = next(iter(settings)), {}
     if len(settings) > 1:
         factories = [(label, lambda s=s: spec.cls(**s)) for label, s in settings.items()]
-        chosen, validation = tune(factories, data.users, data.items, p.train_end, k)
+        chosen, validation = tune(factories, data.users, data.items, p.train_end, k, t_ms=data.t_ms)
 
     def make():
         return spec.cls(**settings[chosen])
