@@ -33,14 +33,7 @@ from freshcore.metrics import PS_ROWS_APPLIED, WORKER_EVENTS
 from freshcore.topics import TopicNames
 from freshrec.app.stack import free_port
 from freshrec.progress import ProgressLine
-from freshrec.promtext import (
-    histogram_quantile,
-    merge,
-    scrape_port,
-    scrape_port_now,
-    subtract,
-    total,
-)
+from freshrec.promtext import merge, scrape_port, scrape_port_now, total
 from freshrec.sim.produce import events_producer, prepare_events, produce_events, produce_prepared
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import LOOP_PHASES, Worker
@@ -52,6 +45,7 @@ from tools.benchlib import (
     lag_alongside,
     lag_summary,
     learning_world,
+    p50_p99,
     produce_values,
     raw_consume_rate,
     raw_lag,
@@ -66,15 +60,6 @@ def counter(name: str, **labels: str) -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-def p50_p99(base, after, name: str, digits: int = 1, **labels: str) -> dict[str, float]:
-    """p50 and p99 (ms) of histogram ``name`` over what it observed between two scrapes."""
-    delta = subtract(after, base, name + "_bucket")
-    return {
-        f"p{q}_ms": round(1000 * histogram_quantile(delta, name, q / 100, **labels), digits)
-        for q in (50, 99)
-    }
 
 
 def gradient_counts() -> tuple[float, float]:
@@ -110,6 +95,18 @@ def worker_pass(conn, events: int) -> float:
 
 
 def main() -> None:
+    args = parser().parse_args()
+    progress = ProgressLine()
+    world = learning_world()
+    results: dict = {}
+    if args.only in (None, "throughput"):
+        results["throughput"] = throughput(world, args, progress)
+    if args.only in (None, "lag"):
+        results["freshness_lag"] = freshness_lag(world, args, progress)
+    save("bench_learning", results)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--rate", type=float, default=5000.0)
@@ -141,184 +138,209 @@ def main() -> None:
         default=None,
         help="linger.ms of the lag phase's event producer (default: the profile's)",
     )
-    args = ap.parse_args()
-    progress = ProgressLine()
-    world = learning_world()
-    results: dict = {}
+    return ap
 
-    if args.only in (None, "throughput"):
-        stamp = int(time.time())
-        with bench_connection(f"bw{stamp}.") as conn:
-            # each worker pass needs a topic its group has not read: the same events on one
-            # topic set per pass (a worker's group follows from its topic prefix)
-            records = synthetic_records(world, 5, args.events)
-            produce_values(conn, TopicNames(conn.topic_prefix).events, records)
-            passes = [conn] + [
-                events_on_own_topics(conn, f"bw{stamp}{p}.", records)
-                for p in "bcdefgh"[: args.passes - 1]
-            ]
-            topic = TopicNames(conn.topic_prefix).events
-            settle_heap()  # what the worker's start does; the raw reads must not pay for it
-            # raw reads and worker passes alternate, so both sides sample the same minutes
-            raw_reads, worker_rates = [], []
-            for i, c in enumerate(passes):
-                raw_reads.append(raw_consume_rate(conn, topic, args.events))
-                if i == 0:
-                    msgs0, rows0 = gradient_counts()
-                worker_rates.append(worker_pass(c, args.events))
-                if i == 0:
-                    # the parameter server below applies the first pass's gradients
-                    msgs1, rows1 = gradient_counts()
-                    grad_msgs, grad_rows = msgs1 - msgs0, rows1 - rows0
-                progress.done(
-                    f"pass {i + 1}: raw consume {raw_reads[-1]:,.0f} events/s, "
-                    f"worker event path {worker_rates[-1]:,.0f} events/s"
-                )
-            raw, worker_rate = max(raw_reads), max(worker_rates)
-            progress.done(
-                f"fastest of {len(passes)}: raw {raw:,.0f}, worker {worker_rate:,.0f} events/s "
-                f"({worker_rate / raw:.1%} of raw; the first worker pass {worker_rates[0] / raw:.1%})"
-            )
 
-            # parameter server: apply + persist all gradient messages just produced
-            ps = ParameterServer(ParamServerSettings(conn, dim=64))
-            stop = threading.Event()
-            t = threading.Thread(target=ps.run, args=(stop,), daemon=True)
-            # the counters' own values, as above: a registry collect every 20 ms took the GIL
-            # from the server thread being measured
-            users, items = PS_ROWS_APPLIED.labels("user"), PS_ROWS_APPLIED.labels("item")
-            before = users._value.get() + items._value.get()
-            t.start()
-            start = None
-            while True:
-                applied = users._value.get() + items._value.get() - before
-                if applied and start is None:
-                    start = (time.perf_counter(), applied)
-                if applied >= grad_rows:
-                    break
-                time.sleep(0.02)
-            while ps.unpersisted_rows:
-                time.sleep(0.01)
-            ps_rate = (grad_rows - start[1]) / (time.perf_counter() - start[0])
-            stop.set()
-            t.join(30)
-            progress.done(f"parameter server: {ps_rate:,.0f} rows/s applied and persisted")
-            results["throughput"] = {
-                "events": args.events,
-                "raw_consume_events_per_s": round(raw),
-                "raw_consume_reads": [round(r) for r in raw_reads],
-                "worker_events_per_s": round(worker_rate),
-                "worker_passes": [round(r) for r in worker_rates],
-                "ratio": round(worker_rate / raw, 3),
-                "ratio_first_pass": round(worker_rates[0] / raw, 3),
-                "ratio_note": "fastest worker pass / fastest raw read, alternating, in one "
-                "process with its heap frozen; ratio_first_pass: the first worker pass / the "
-                "fastest raw read",
-                "gradient_messages": int(grad_msgs),
-                "gradient_rows": int(grad_rows),
-                "param_server_rows_per_s": round(ps_rate),
-                "dim": 64,
-            }
+# ------------------------------------------------------------------------------ throughput
+def throughput(world, args, progress: ProgressLine) -> dict:
+    """The worker's event path against raw consume (the fastest of ``--passes`` each), and
+    the parameter server's rows/s over the first pass's gradients."""
+    stamp = int(time.time())
+    with bench_connection(f"bw{stamp}.") as conn:
+        # each worker pass needs a topic its group has not read: the same events on one
+        # topic set per pass (a worker's group follows from its topic prefix)
+        records = synthetic_records(world, 5, args.events)
+        produce_values(conn, TopicNames(conn.topic_prefix).events, records)
+        passes = [conn] + [
+            events_on_own_topics(conn, f"bw{stamp}{p}.", records)
+            for p in "bcdefgh"[: args.passes - 1]
+        ]
+        settle_heap()  # what the worker's start does; the raw reads must not pay for it
+        raw_reads, worker_rates, (grad_msgs, grad_rows) = alternate(
+            conn, passes, args.events, progress
+        )
+        raw, worker_rate = max(raw_reads), max(worker_rates)
+        progress.done(
+            f"fastest of {len(passes)}: raw {raw:,.0f}, worker {worker_rate:,.0f} events/s "
+            f"({worker_rate / raw:.1%} of raw; the first worker pass {worker_rates[0] / raw:.1%})"
+        )
+        ps_rate = param_server_rate(conn, grad_rows)
+        progress.done(f"parameter server: {ps_rate:,.0f} rows/s applied and persisted")
+        return {
+            "events": args.events,
+            "raw_consume_events_per_s": round(raw),
+            "raw_consume_reads": [round(r) for r in raw_reads],
+            "worker_events_per_s": round(worker_rate),
+            "worker_passes": [round(r) for r in worker_rates],
+            "ratio": round(worker_rate / raw, 3),
+            "ratio_first_pass": round(worker_rates[0] / raw, 3),
+            "ratio_note": "fastest worker pass / fastest raw read, alternating, in one "
+            "process with its heap frozen; ratio_first_pass: the first worker pass / the "
+            "fastest raw read",
+            "gradient_messages": int(grad_msgs),
+            "gradient_rows": int(grad_rows),
+            "param_server_rows_per_s": round(ps_rate),
+            "dim": 64,
+        }
 
-    if args.only in (None, "lag"):
-        # the lag phase sends events encoded ahead of time, stamped as they are sent: generating
-        # them on the fly would take a quarter of the machine away from what is measured
-        steady = prepare_events(world, int(args.rate * (args.duration + args.ramp)), seed=2)
-        ramp, steady = steady[: int(args.rate * args.ramp)], steady[int(args.rate * args.ramp) :]
-        with bench_connection(f"br{int(time.time())}.") as conn:
-            floor = raw_lag(conn, steady, args.rate, ramp=ramp, linger_ms=args.producer_linger_ms)
-            progress.done(
-                f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, "
-                f"p99 {floor['p99_ms']} ms"
-            )
 
-        with bench_connection(f"bf{int(time.time())}.") as conn:
-            # worker and parameter server as their own processes, as in production
-            wport, pport = free_port(), free_port()
-            env = {"FRESHREC_EMBEDDING_DIM": "64"}
-            # --alongside: a plain consumer in its own process reads the same events beside
-            # the pipeline: the broker's share of the lag under the pipeline's load (raw_kafka
-            # is on a fresh, idle broker). It loads the machine itself (a consumer polling every
-            # 5 ms costs the embedded broker ~18% of a core), so it is off by default.
-            probe = None
-            if args.alongside:
-                spawn = multiprocessing.get_context("spawn")
-                probe_stop, probe_out = spawn.Event(), f"{tempfile.mkdtemp()}/alongside.npy"
-                probe = spawn.Process(target=lag_alongside, args=(conn, probe_stop, probe_out))
-            with (
-                service_process(conn, "worker", wport, env),
-                service_process(conn, "param-server", pport, env),
-            ):
-                if probe:
-                    probe.start()
-                produce_events(
-                    conn, world, rate_per_s=200, duration_s=2.0, seed=1
-                )  # warm-up (joins)
-                deadline = time.monotonic() + 60
-                while total(scrape_port(pport), "freshrec_ps_rows_applied_total") == 0:
-                    if time.monotonic() > deadline:
-                        raise SystemExit("the parameter server applied nothing within 60 s")
-                    time.sleep(0.2)
-                # the lag is measured at a steady rate: the jump from nothing to the full rate
-                # (new users' rows loaded or created at once, tables growing) comes first
-                # one producer for the ramp and the measured phase (see events_producer)
-                producer = events_producer(conn, args.producer_linger_ms)
-                produce_prepared(
-                    conn,
-                    ramp,
-                    rate_per_s=args.rate,
-                    label="ramp",
-                    progress=progress,
-                    producer=producer,
-                )
-                time.sleep(1)
-                base = merge(scrape_port_now(wport), scrape_port_now(pport))
-                measured_from = time.time() * 1000
-                stats = produce_prepared(
-                    conn, steady, rate_per_s=args.rate, progress=progress, producer=producer
-                )
-                close_producer(producer, 10)  # before its broker stops
-                time.sleep(3)
-                after = merge(scrape_port_now(wport), scrape_port_now(pport))
-                if probe:
-                    probe_stop.set()
-                    probe.join(30)
-            alongside = None
-            if probe:
-                sent, lags = np.load(probe_out)
-                alongside = lag_summary(lags[sent >= measured_from], sent[sent >= measured_from])
-                progress.done(
-                    f"plain consumer beside the pipeline: p50 {alongside['p50_ms']} "
-                    f"ms, p99 {alongside['p99_ms']} ms"
-                )
-            lag = {
-                stage: p50_p99(base, after, "freshrec_freshness_lag_seconds", stage=stage)
-                for stage in ("local", "global_applied", "served")
-            }
-            # where the local lag goes: the broker and the fetch (Kafka timestamp -> the
-            # worker's consume returns it) vs the worker's own loop, phase by phase
-            lag["worker_fetch"] = p50_p99(base, after, "freshrec_worker_fetch_lag_seconds")
-            loop = {
-                phase: p50_p99(base, after, "freshrec_worker_loop_seconds", 2, phase=phase)
-                for phase in LOOP_PHASES
-            }
-            results["freshness_lag"] = {
-                "rate_events_per_s": args.rate,
-                "duration_s": args.duration,
-                "events": stats.delivered,
-                "ramp_s": args.ramp,
-                "note": "worker and parameter server as separate processes; measured after a ramp "
-                "at the full rate; histogram buckets; "
-                "raw_kafka: the same events read by a plain consumer on a fresh broker; "
-                "raw_kafka_alongside: read by a plain consumer in its own process beside the "
-                "pipeline, on its broker; worker_fetch: Kafka timestamp -> the worker's consume "
-                "returns the event; worker_loop_phases: time of each phase of a loop round",
-                "raw_kafka": floor,
-                "raw_kafka_alongside": alongside,
-                **lag,
-                "worker_loop_phases": loop,
-            }
-    save("bench_learning", results)
+def alternate(conn, passes: list, events: int, progress: ProgressLine):
+    """Raw reads of ``conn``'s events and worker passes over each of ``passes``, alternating
+    so that both sides sample the same minutes: the raw rates, the worker rates, and the
+    gradient messages and rows the first pass sent."""
+    topic = TopicNames(conn.topic_prefix).events
+    raw_reads, worker_rates = [], []
+    for i, c in enumerate(passes):
+        raw_reads.append(raw_consume_rate(conn, topic, events))
+        if i == 0:
+            msgs0, rows0 = gradient_counts()
+        worker_rates.append(worker_pass(c, events))
+        if i == 0:
+            # param_server_rate applies the first pass's gradients
+            msgs1, rows1 = gradient_counts()
+            first = (msgs1 - msgs0, rows1 - rows0)
+        progress.done(
+            f"pass {i + 1}: raw consume {raw_reads[-1]:,.0f} events/s, "
+            f"worker event path {worker_rates[-1]:,.0f} events/s"
+        )
+    return raw_reads, worker_rates, first
+
+
+def param_server_rate(conn, grad_rows: float) -> float:
+    """Rows/s a parameter server in this process applies and persists over the gradient
+    messages just produced (``grad_rows`` rows), from the first rows it applied."""
+    ps = ParameterServer(ParamServerSettings(conn, dim=64))
+    stop = threading.Event()
+    t = threading.Thread(target=ps.run, args=(stop,), daemon=True)
+    # the counters' own values, as in worker_pass: a registry collect every 20 ms took the
+    # GIL from the server thread being measured
+    users, items = PS_ROWS_APPLIED.labels("user"), PS_ROWS_APPLIED.labels("item")
+    before = users._value.get() + items._value.get()
+    t.start()
+    start = None
+    while True:
+        applied = users._value.get() + items._value.get() - before
+        if applied and start is None:
+            start = (time.perf_counter(), applied)
+        if applied >= grad_rows:
+            break
+        time.sleep(0.02)
+    while ps.unpersisted_rows:
+        time.sleep(0.01)
+    ps_rate = (grad_rows - start[1]) / (time.perf_counter() - start[0])
+    stop.set()
+    t.join(30)
+    return ps_rate
+
+
+# ------------------------------------------------------------------------------------- lag
+def freshness_lag(world, args, progress: ProgressLine) -> dict:
+    """Freshness lag per stage at ``--rate`` after a ramp, with the worker and the parameter
+    server as their own processes, beside the floor a plain consumer sees."""
+    # the lag phase sends events encoded ahead of time, stamped as they are sent: generating
+    # them on the fly would take a quarter of the machine away from what is measured
+    steady = prepare_events(world, int(args.rate * (args.duration + args.ramp)), seed=2)
+    ramp, steady = steady[: int(args.rate * args.ramp)], steady[int(args.rate * args.ramp) :]
+    with bench_connection(f"br{int(time.time())}.") as conn:
+        floor = raw_lag(conn, steady, args.rate, ramp=ramp, linger_ms=args.producer_linger_ms)
+        progress.done(
+            f"raw Kafka lag (plain consumer): p50 {floor['p50_ms']} ms, p99 {floor['p99_ms']} ms"
+        )
+    with bench_connection(f"bf{int(time.time())}.") as conn:
+        base, after, stats, alongside = pipeline_lag(conn, world, ramp, steady, args, progress)
+    lag = {
+        stage: p50_p99(base, after, "freshrec_freshness_lag_seconds", stage=stage)
+        for stage in ("local", "global_applied", "served")
+    }
+    # where the local lag goes: the broker and the fetch (Kafka timestamp -> the
+    # worker's consume returns it) vs the worker's own loop, phase by phase
+    lag["worker_fetch"] = p50_p99(base, after, "freshrec_worker_fetch_lag_seconds")
+    loop = {
+        phase: p50_p99(base, after, "freshrec_worker_loop_seconds", 2, phase=phase)
+        for phase in LOOP_PHASES
+    }
+    return {
+        "rate_events_per_s": args.rate,
+        "duration_s": args.duration,
+        "events": stats.delivered,
+        "ramp_s": args.ramp,
+        "note": "worker and parameter server as separate processes; measured after a ramp "
+        "at the full rate; histogram buckets; "
+        "raw_kafka: the same events read by a plain consumer on a fresh broker; "
+        "raw_kafka_alongside: read by a plain consumer in its own process beside the "
+        "pipeline, on its broker; worker_fetch: Kafka timestamp -> the worker's consume "
+        "returns the event; worker_loop_phases: time of each phase of a loop round",
+        "raw_kafka": floor,
+        "raw_kafka_alongside": alongside,
+        **lag,
+        "worker_loop_phases": loop,
+    }
+
+
+def pipeline_lag(conn, world, ramp: list, steady: list, args, progress: ProgressLine):
+    """The ramp, then the measured events, through a worker and a parameter server as their
+    own processes: both services' metrics before and after the measured phase, the phase's
+    delivery figures, and (``--alongside``) what a plain consumer beside them waited."""
+    # worker and parameter server as their own processes, as in production
+    wport, pport = free_port(), free_port()
+    env = {"FRESHREC_EMBEDDING_DIM": "64"}
+    probe = AlongsideProbe(conn) if args.alongside else None
+    with (
+        service_process(conn, "worker", wport, env),
+        service_process(conn, "param-server", pport, env),
+    ):
+        if probe:
+            probe.process.start()
+        produce_events(conn, world, rate_per_s=200, duration_s=2.0, seed=1)  # warm-up (joins)
+        deadline = time.monotonic() + 60
+        while total(scrape_port(pport), "freshrec_ps_rows_applied_total") == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit("the parameter server applied nothing within 60 s")
+            time.sleep(0.2)
+        # the lag is measured at a steady rate: the jump from nothing to the full rate
+        # (new users' rows loaded or created at once, tables growing) comes first
+        # one producer for the ramp and the measured phase (see events_producer)
+        producer = events_producer(conn, args.producer_linger_ms)
+        produce_prepared(
+            conn, ramp, rate_per_s=args.rate, label="ramp", progress=progress, producer=producer
+        )
+        time.sleep(1)
+        base = merge(scrape_port_now(wport), scrape_port_now(pport))
+        measured_from = time.time() * 1000
+        stats = produce_prepared(
+            conn, steady, rate_per_s=args.rate, progress=progress, producer=producer
+        )
+        close_producer(producer, 10)  # before its broker stops
+        time.sleep(3)
+        after = merge(scrape_port_now(wport), scrape_port_now(pport))
+        if probe:
+            probe.stop.set()
+            probe.process.join(30)
+    alongside = None
+    if probe:
+        alongside = probe.summary(measured_from)
+        progress.done(
+            f"plain consumer beside the pipeline: p50 {alongside['p50_ms']} "
+            f"ms, p99 {alongside['p99_ms']} ms"
+        )
+    return base, after, stats, alongside
+
+
+class AlongsideProbe:
+    """``--alongside``: a plain consumer in its own process reads the same events beside the
+    pipeline: the broker's share of the lag under the pipeline's load (raw_kafka is on a
+    fresh, idle broker). It loads the machine itself (a consumer polling every 5 ms costs
+    the embedded broker ~18% of a core), so it is off by default."""
+
+    def __init__(self, conn) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self.stop, self.out = spawn.Event(), f"{tempfile.mkdtemp()}/alongside.npy"
+        self.process = spawn.Process(target=lag_alongside, args=(conn, self.stop, self.out))
+
+    def summary(self, measured_from: float) -> dict:
+        """The lag of the events stamped from ``measured_from`` (ms) on."""
+        sent, lags = np.load(self.out)
+        return lag_summary(lags[sent >= measured_from], sent[sent >= measured_from])
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from freshcore.lifecycle import settle_heap
 from freshcore.settings import ConnectionSettings
 from freshcore.topics import TopicNames, ensure_topics
 from freshrec.app.stack import EmbeddedStack, external_services
+from freshrec.promtext import histogram_quantile, subtract
 from freshrec.sim.world import World, WorldConfig
 
 
@@ -332,6 +333,15 @@ def lag_alongside(conn: ConnectionSettings, stop, out: str) -> None:
     reader.read(stop.is_set, lambda: float("inf"))
     reader.consumer.close()
     np.save(out, np.array([reader.sent, reader.lags], np.float64))
+
+
+def p50_p99(base, after, name: str, digits: int = 1, **labels: str) -> dict[str, float]:
+    """p50 and p99 (ms) of histogram ``name`` over what it observed between two scrapes."""
+    delta = subtract(after, base, name + "_bucket")
+    return {
+        f"p{q}_ms": round(1000 * histogram_quantile(delta, name, q / 100, **labels), digits)
+        for q in (50, 99)
+    }
 
 
 def median_ms(fn, repeats: int, warmup: int = 1) -> float:
