@@ -15,12 +15,13 @@ from freshcore.kafka import close_producer
 from freshcore.topics import TopicNames
 from freshrec.app.stack import free_port
 from freshrec.progress import ProgressLine
-from freshrec.promtext import histogram_quantile, scrape, subtract, total
+from freshrec.promtext import scrape, subtract, total
 from freshrec.sim.produce import events_producer, prepare_events, produce_prepared
 from freshrec.sim.world import World, WorldConfig
 from tools.benchlib import (
     bench_connection,
     events_on_own_topics,
+    p50_p99,
     paused,
     produce_values,
     raw_consume_best,
@@ -67,6 +68,35 @@ def main() -> None:
 
     records = synthetic_records(world, 3, args.events)
     warm = prepare_events(world, 200, seed=99)
+    rate, raw, raw_reads = warm_rate(records, warm, progress)
+    progress.done(
+        f"raw confluent-kafka batch consume: {raw:,.0f} events/s (fastest of {raw_reads})"
+    )
+    progress.done(f"freshrec streams: {rate:,.0f} events/s ({100 * rate / raw:.1f}% of raw)")
+    cold = cold_rate(records, progress)
+    if cold is None:
+        progress.done(
+            "freshrec streams from a cold start: not timed, every event was validated "
+            "by the first look (use more --events)"
+        )
+    else:
+        progress.done(f"freshrec streams from a cold start: {cold:,.0f} events/s")
+    results["throughput"] = {
+        "events": len(records),
+        "raw_consume_events_per_s": round(raw),
+        "raw_consume_reads": raw_reads,
+        "streams_events_per_s": round(rate),
+        "ratio": round(rate / raw, 3),
+        "cold_start_events_per_s": None if cold is None else round(cold),
+        "cold_start_ratio": None if cold is None else round(cold / raw, 3),
+    }
+    results["hot_list_lag"] = hot_list_lag(world, warm, args, progress)
+    save("bench_streams", results)
+
+
+def warm_rate(records: list, warm: list, progress) -> tuple[float, float, list[float]]:
+    """Events/s of a warmed-up instance over ``records``, and the raw consume rates of the
+    same events (the fastest, and every read)."""
     # the streams rate on a warmed-up instance (both stages' consumer groups joined, as the
     # raw consumer's clock also starts after its join): it is paused while the events are
     # produced, so it finds the whole backlog on resuming, like the raw consumer does
@@ -90,11 +120,12 @@ def main() -> None:
         raw, raw_reads = raw_consume_best(
             plain, TopicNames(plain.topic_prefix).events, len(records)
         )
-    progress.done(
-        f"raw confluent-kafka batch consume: {raw:,.0f} events/s (fastest of {raw_reads})"
-    )
-    progress.done(f"freshrec streams: {rate:,.0f} events/s ({100 * rate / raw:.1f}% of raw)")
+    return rate, raw, raw_reads
 
+
+def cold_rate(records: list, progress) -> float | None:
+    """Events/s of an instance started on the backlog of ``records``, from the first event
+    its validate stage took (None when it had taken them all by the first look)."""
     # and from a cold start on the backlog: the count stage's consumer group joins (seconds
     # on the embedded broker) after the validate stage has begun, inside the timed span
     with bench_connection(f"bc{int(time.time())}.") as conn:
@@ -110,23 +141,12 @@ def main() -> None:
             cold = None
             if validated < len(records):
                 cold = (len(records) - validated) / (time.perf_counter() - start)
-    if cold is None:
-        progress.done(
-            "freshrec streams from a cold start: not timed, every event was validated "
-            "by the first look (use more --events)"
-        )
-    else:
-        progress.done(f"freshrec streams from a cold start: {cold:,.0f} events/s")
-    results["throughput"] = {
-        "events": len(records),
-        "raw_consume_events_per_s": round(raw),
-        "raw_consume_reads": raw_reads,
-        "streams_events_per_s": round(rate),
-        "ratio": round(rate / raw, 3),
-        "cold_start_events_per_s": None if cold is None else round(cold),
-        "cold_start_ratio": None if cold is None else round(cold / raw, 3),
-    }
+    return cold
 
+
+def hot_list_lag(world, warm: list, args, progress) -> dict:
+    """Event time -> hot list at ``--rate`` after a warm-up, each stage's batch time and
+    lag, and the floor a plain consumer sees."""
     # events encoded ahead of time and stamped as they are sent (see freshrec.sim.produce)
     steady = prepare_events(world, int(args.rate * args.duration), seed=4)
     with bench_connection(f"br{int(time.time())}.") as conn:
@@ -153,57 +173,25 @@ def main() -> None:
             time.sleep(2)
             after = scrape(f"http://127.0.0.1:{port}/metrics")
         delta = subtract(after, before, name + "_bucket")
-        stages = subtract(after, before, "freshrec_streams_batch_seconds_bucket")
         stage_ms = {
-            stage: {
-                "p50_ms": round(
-                    1000
-                    * histogram_quantile(
-                        stages, "freshrec_streams_batch_seconds", 0.50, stage=stage
-                    ),
-                    1,
-                ),
-                "p99_ms": round(
-                    1000
-                    * histogram_quantile(
-                        stages, "freshrec_streams_batch_seconds", 0.99, stage=stage
-                    ),
-                    1,
-                ),
-            }
+            stage: p50_p99(before, after, "freshrec_streams_batch_seconds", stage=stage)
             for stage in ("validate", "validate_commit", "count", "publish")
         }
-        lags = subtract(after, before, "freshrec_streams_stage_lag_seconds_bucket")
         for stage in ("repartitioned", "counted"):
-            stage_ms[f"event_to_{stage}"] = {
-                "p50_ms": round(
-                    1000
-                    * histogram_quantile(
-                        lags, "freshrec_streams_stage_lag_seconds", 0.50, stage=stage
-                    ),
-                    1,
-                ),
-                "p99_ms": round(
-                    1000
-                    * histogram_quantile(
-                        lags, "freshrec_streams_stage_lag_seconds", 0.99, stage=stage
-                    ),
-                    1,
-                ),
-            }
-        results["hot_list_lag"] = {
+            stage_ms[f"event_to_{stage}"] = p50_p99(
+                before, after, "freshrec_streams_stage_lag_seconds", stage=stage
+            )
+        return {
             "rate_events_per_s": args.rate,
             "duration_s": args.duration,
             "events": stats.delivered,
             "observations": total(delta, name + "_bucket", le="+Inf"),
-            "p50_ms": round(1000 * histogram_quantile(delta, name, 0.50), 1),
-            "p99_ms": round(1000 * histogram_quantile(delta, name, 0.99), 1),
+            **p50_p99(before, after, name),
             "stage_seconds": stage_ms,
             "raw_kafka": floor,
             "note": "after warm-up; quantiles interpolated in Prometheus histogram buckets; "
             "raw_kafka: the same events read by a plain consumer on a fresh broker",
         }
-    save("bench_streams", results)
 
 
 if __name__ == "__main__":
