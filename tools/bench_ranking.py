@@ -115,30 +115,7 @@ def main() -> None:
             manifest = train_models(args, directory, progress)
         trained_s = round(time.monotonic() - started, 1)
         progress.done(f"models {manifest['version']} ({trained_s}s)")
-        models = ModelWatcher(directory, device, int(manifest["dim"])).load_now()
-        x, cand = batch_inputs(directory, manifest, device)
         t = manifest["training"]
-        rows = {}
-        for kind in MODEL_KINDS:
-            model = models.get(kind)
-            if model is None:
-                continue
-            ms = round(median_ms(lambda m=model: score(m, x, device), args.repeats, 5), 3)
-            rows[kind] = {"auc": t.get(f"auc_{kind}"), "batch_500_ms": ms}
-            progress.done(f"{kind}: AUC {t.get(f'auc_{kind}')}, {ms} ms")
-        if "pruned" in models.others:
-            rng = np.random.default_rng(11)
-            heat = rng.random(len(cand))  # the catalogue's heat ranks, uniform candidates
-            tiers = route(heat + 1e-9, thresholds(heat + 1e-9, HeatSplit()))
-            ms = round(
-                median_ms(lambda: score_by_tiers(models, x, tiers, device), args.repeats, 5), 3
-            )
-            rows["tiered"] = {
-                "auc": t.get("auc_tiered"),
-                "batch_500_ms": ms,
-                "test_impressions_by_tier": t.get("tiered_shares"),
-            }
-            progress.done(f"tiered: AUC {t.get('auc_tiered')}, {ms} ms")
         save(
             "bench_ranking",
             {
@@ -148,10 +125,38 @@ def main() -> None:
                 "training_seconds": trained_s,
                 "pruned_sparsity": t.get("pruned_sparsity"),
                 "impressions": t.get("impressions"),
-                "models": rows,
+                "models": rank_times(directory, manifest, device, args.repeats, progress),
             },
             args.out,
         )
+
+
+def rank_times(directory: Path, manifest: dict, device, repeats: int, progress) -> dict:
+    """Each trained model's held-out AUC and its median time over one batch; the tiered
+    ranking's too where a pruned tier was trained."""
+    models = ModelWatcher(directory, device, int(manifest["dim"])).load_now()
+    x, cand = batch_inputs(directory, manifest, device)
+    t = manifest["training"]
+    rows = {}
+    for kind in MODEL_KINDS:
+        model = models.get(kind)
+        if model is None:
+            continue
+        ms = round(median_ms(lambda m=model: score(m, x, device), repeats, 5), 3)
+        rows[kind] = {"auc": t.get(f"auc_{kind}"), "batch_500_ms": ms}
+        progress.done(f"{kind}: AUC {t.get(f'auc_{kind}')}, {ms} ms")
+    if "pruned" in models.others:
+        rng = np.random.default_rng(11)
+        heat = rng.random(len(cand))  # the catalogue's heat ranks, uniform candidates
+        tiers = route(heat + 1e-9, thresholds(heat + 1e-9, HeatSplit()))
+        ms = round(median_ms(lambda: score_by_tiers(models, x, tiers, device), repeats, 5), 3)
+        rows["tiered"] = {
+            "auc": t.get("auc_tiered"),
+            "batch_500_ms": ms,
+            "test_impressions_by_tier": t.get("tiered_shares"),
+        }
+        progress.done(f"tiered: AUC {t.get('auc_tiered')}, {ms} ms")
+    return rows
 
 
 if __name__ == "__main__":
