@@ -12,7 +12,9 @@ same interactions (``docs/replay.md``).
 5. The table, CSV files, a JSON report and the HR@k plot (``report.py``).
 
 The command line is ``options.py``, the steps above ``command.py``; ``--tune`` is
-``tuning.py``.
+``tuning.py``. A live arm's parts: what every arm replays (``data.py``), what it produces
+(``feed.py``), the training part before its worker starts (``history.py``) and the replayed
+steps (``steps.py``).
 """
 
 from freshrec.app.replay.baselines import BASELINES

@@ -49,7 +49,7 @@ class ReplayResults:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from freshrec.app.options import read_log_from_args
-    from freshrec.app.replay.arms import prepare
+    from freshrec.app.replay.data import prepare
 
     arms = [a for a in args.arms.split(",") if a]
     baselines = [b for b in args.baselines.split(",") if b]

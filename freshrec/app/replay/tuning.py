@@ -36,7 +36,8 @@ def tune_live(arms, inter, items, p, out: Path, run_id, args, overrides, progres
     the training part's last tenth replayed through the live pipeline, with models trained on
     its first 90%. Only the training part is read (``validation_cut``)."""
     from evaluation.protocol import validation_cut
-    from freshrec.app.replay.arms import prepare, run_arm
+    from freshrec.app.replay.arms import run_arm
+    from freshrec.app.replay.data import prepare
 
     grid = tuning_grid(args.tuning)
     if not grid:
