@@ -46,60 +46,73 @@ def variant_rows(
     control = meta.get("control", names[0])
     rows, rates = [], {}
     for name, share in zip(names, shares, strict=True):
-        per = {
-            k: [int(counts.get(f"{name}:{k}:{b}", 0)) for b in range(ANALYSIS_BUCKETS)]
-            for k in KINDS
-        }
-        c = {k: int(counts.get(f"{name}:{k}", 0)) for k in KINDS}
-        imp, clk, conv = c["impression"], c["click"], c["conversion"]
-        ctr = ratio(per["click"], per["impression"])
-        cvr = ratio(per["conversion"], per["click"])
-        cost_us = int(counts.get(f"{name}:cost_us", 0))
-        rates[name] = ctr
-        rows.append(
-            {
-                "variant": name,
-                "share": share,
-                "requests": c["requests"],
-                "impressions": imp,
-                "clicks": clk,
-                "conversions": conv,
-                "ctr": clk / imp if imp else None,
-                "ctr_ci95": _interval(ctr),
-                "cvr": conv / clk if clk else None,
-                "cvr_ci95": _interval(cvr),
-                "user_buckets": ctr.buckets,
-                # seconds of serving work per 1,000 requests: µs per request / 1,000
-                "serving_s_per_1k": cost_us / c["requests"] / 1000 if c["requests"] else None,
-                "inconsistent": _inconsistent(imp, clk, conv),
-            }
-        )
+        row, rates[name] = _variant_row(name, share, counts)
+        rows.append(row)
     base = next(r for r in rows if r["variant"] == control)
     for r in rows:
         if r is not base:
-            g = compare(
-                rates[r["variant"]],
-                rates[control],
-                r["serving_s_per_1k"],
-                base["serving_s_per_1k"],
-                margin=margin,
-                min_saving=min_saving,
+            r["vs_control"] = _vs_control(
+                rates[r["variant"]], rates[control], r, base, margin, min_saving
             )
-            r["vs_control"] = {
-                "ctr_diff": _num(g.diff),
-                "ctr_diff_ci95": _pair(g.diff_ci),
-                "ctr_relative": _num(g.relative),
-                "ctr_relative_ci95": _pair(g.relative_ci),
-                "non_inferior": g.non_inferior,
-                "cheaper": g.cheaper,
-                "verdict": g.verdict,
-            }
     return {
         "control": control,
         "margin": margin,
         "min_saving": min_saving,
         "analysis_buckets": ANALYSIS_BUCKETS,
         "variants": rows,
+    }
+
+
+def _variant_row(name: str, share: float | None, counts: dict[str, int]) -> tuple[dict, Ratio]:
+    """One variant's row of the report (its totals, CTR and CVR with their intervals, its
+    serving time), and its CTR over the analysis buckets, which the guard compares."""
+    per = {
+        k: [int(counts.get(f"{name}:{k}:{b}", 0)) for b in range(ANALYSIS_BUCKETS)] for k in KINDS
+    }
+    c = {k: int(counts.get(f"{name}:{k}", 0)) for k in KINDS}
+    imp, clk, conv = c["impression"], c["click"], c["conversion"]
+    ctr = ratio(per["click"], per["impression"])
+    cvr = ratio(per["conversion"], per["click"])
+    cost_us = int(counts.get(f"{name}:cost_us", 0))
+    row = {
+        "variant": name,
+        "share": share,
+        "requests": c["requests"],
+        "impressions": imp,
+        "clicks": clk,
+        "conversions": conv,
+        "ctr": clk / imp if imp else None,
+        "ctr_ci95": _interval(ctr),
+        "cvr": conv / clk if clk else None,
+        "cvr_ci95": _interval(cvr),
+        "user_buckets": ctr.buckets,
+        # seconds of serving work per 1,000 requests: µs per request / 1,000
+        "serving_s_per_1k": cost_us / c["requests"] / 1000 if c["requests"] else None,
+        "inconsistent": _inconsistent(imp, clk, conv),
+    }
+    return row, ctr
+
+
+def _vs_control(
+    ctr: Ratio, control_ctr: Ratio, row: dict, base: dict, margin: float, min_saving: float
+) -> dict:
+    """A variant's comparison with the control (``freshcore.abstats.compare``), as reported."""
+    g = compare(
+        ctr,
+        control_ctr,
+        row["serving_s_per_1k"],
+        base["serving_s_per_1k"],
+        margin=margin,
+        min_saving=min_saving,
+    )
+    return {
+        "ctr_diff": _num(g.diff),
+        "ctr_diff_ci95": _pair(g.diff_ci),
+        "ctr_relative": _num(g.relative),
+        "ctr_relative_ci95": _pair(g.relative_ci),
+        "non_inferior": g.non_inferior,
+        "cheaper": g.cheaper,
+        "verdict": g.verdict,
     }
 
 
