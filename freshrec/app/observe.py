@@ -154,31 +154,59 @@ def headline(
     t1, s1, up = after
     dt = max(t1 - t0, 1e-9)
     h = Headline(t=round(t1, 3), up=up)
-    window = (
-        subtract(s1, s0, LAG + "_bucket")
-        if t1 > t0
-        else {LAG + "_bucket": s1.get(LAG + "_bucket", [])}
-    )
-    hot_name = "freshrec_hot_list_lag_seconds_bucket"
-    hot = subtract(s1, s0, hot_name) if t1 > t0 else {hot_name: s1.get(hot_name, [])}
-    for stage in STAGES:
-        h.freshness_p50_ms[stage] = _ms(histogram_quantile(window, LAG, 0.5, stage=stage))
-        h.freshness_p99_ms[stage] = _ms(histogram_quantile(window, LAG, 0.99, stage=stage))
-    h.freshness_p50_ms["hot_list"] = _ms(
-        histogram_quantile(hot, "freshrec_hot_list_lag_seconds", 0.5)
-    )
-    h.freshness_p99_ms["hot_list"] = _ms(
-        histogram_quantile(hot, "freshrec_hot_list_lag_seconds", 0.99)
-    )
+    window = _window(s0, s1, t0, t1, LAG + "_bucket")
+    hot = _window(s0, s1, t0, t1, "freshrec_hot_list_lag_seconds_bucket")
+    h.freshness_p50_ms, h.freshness_p99_ms = _freshness(window, hot)
     h.behind_s = behind(s1)
+    h.consumer_lag = _consumer_lag(s1)
+    h.rates = _rates(s0, s1, dt)
+    h.latency_ms = _latency(_window(s0, s1, t0, t1, "freshrec_request_seconds_bucket"))
+    h.tiers = _tier_rates(s0, s1, dt)
+    h.breakers = _breakers(s1)
+    h.cache_hit, h.cache_host_hit = _cache_hits(s0, s1)
+    h.model = _model(s1)
+    h.quality = quality(s0, s1)
+    h.variants = variant_ctr(s0, s1)
+    h.slo = slo_figures(window, slo or SloSettings())
+    return h
+
+
+def _window(s0: Samples, s1: Samples, t0: float, t1: float, name: str) -> Samples:
+    """Series ``name`` over the window between two scrapes (the newest alone when they are
+    the same scrape)."""
+    return subtract(s1, s0, name) if t1 > t0 else {name: s1.get(name, [])}
+
+
+def _rate(s0: Samples, s1: Samples, dt: float, name: str, **match: str) -> float:
+    return round(max(total(s1, name, **match) - total(s0, name, **match), 0.0) / dt, 1)
+
+
+def _freshness(window: Samples, hot: Samples) -> tuple[dict, dict]:
+    """Freshness p50 and p99 per stage of the lag histograms, and of the hot list, in ms."""
+    p50: dict[str, float | None] = {}
+    p99: dict[str, float | None] = {}
+    for stage in STAGES:
+        p50[stage] = _ms(histogram_quantile(window, LAG, 0.5, stage=stage))
+        p99[stage] = _ms(histogram_quantile(window, LAG, 0.99, stage=stage))
+    p50["hot_list"] = _ms(histogram_quantile(hot, "freshrec_hot_list_lag_seconds", 0.5))
+    p99["hot_list"] = _ms(histogram_quantile(hot, "freshrec_hot_list_lag_seconds", 0.99))
+    return p50, p99
+
+
+def _consumer_lag(s1: Samples) -> dict[str, float]:
+    """Messages behind per ``group/topic``, over every partition and service."""
+    lag: dict[str, float] = {}
     for labels, v in s1.get("freshrec_consumer_lag_messages", []):
         key = f"{labels.get('group', '?')}/{labels.get('topic', '?')}"
-        h.consumer_lag[key] = h.consumer_lag.get(key, 0.0) + v
+        lag[key] = lag.get(key, 0.0) + v
+    return lag
 
+
+def _rates(s0: Samples, s1: Samples, dt: float) -> dict[str, float]:
     def rate(name: str, **match: str) -> float:
-        return round(max(total(s1, name, **match) - total(s0, name, **match), 0.0) / dt, 1)
+        return _rate(s0, s1, dt, name, **match)
 
-    h.rates = {
+    return {
         "events_counted": rate("freshrec_streams_counted_events_total"),
         "events_learnt": rate("freshrec_worker_events_total", outcome="valid"),
         "dead_letters": rate("freshrec_dead_letters_total"),
@@ -188,36 +216,56 @@ def headline(
         "rows_applied": rate("freshrec_ps_rows_applied_total"),
         "updates_installed": rate("freshrec_updates_installed_total", outcome="installed"),
     }
+
+
+def _latency(rw: Samples) -> dict[str, float | None]:
+    """p99 of each request stage and p50 of the whole request over the window, in ms."""
     req = "freshrec_request_seconds"
-    rw = (
-        subtract(s1, s0, req + "_bucket")
-        if t1 > t0
-        else {req + "_bucket": s1.get(req + "_bucket", [])}
-    )
-    for stage in REQUEST_STAGES:
-        h.latency_ms[f"{stage}_p99"] = _ms(histogram_quantile(rw, req, 0.99, stage=stage))
-    h.latency_ms["total_p50"] = _ms(histogram_quantile(rw, req, 0.5, stage="total"))
+    latency = {
+        f"{stage}_p99": _ms(histogram_quantile(rw, req, 0.99, stage=stage))
+        for stage in REQUEST_STAGES
+    }
+    latency["total_p50"] = _ms(histogram_quantile(rw, req, 0.5, stage="total"))
+    return latency
+
+
+def _tier_rates(s0: Samples, s1: Samples, dt: float) -> dict[str, float]:
+    tiers = {}
     for labels, _ in s1.get("freshrec_replies_total", []):
         tier = labels.get("tier", "?")
-        h.tiers[tier] = rate("freshrec_replies_total", tier=tier)
+        tiers[tier] = _rate(s0, s1, dt, "freshrec_replies_total", tier=tier)
+    return tiers
+
+
+def _breakers(s1: Samples) -> dict[str, str]:
     names = {0.0: "closed", 1.0: "half_open", 2.0: "open"}
-    for labels, v in s1.get("freshrec_breaker_state", []):
-        h.breakers[labels.get("channel", "?")] = names.get(v, str(v))
+    return {
+        labels.get("channel", "?"): names.get(v, str(v))
+        for labels, v in s1.get("freshrec_breaker_state", [])
+    }
+
+
+def _cache_hits(s0: Samples, s1: Samples) -> tuple[float | None, float | None]:
+    """The shares of the window's embedding lookups the device and host RAM held."""
     lookups = {
         tier: total(s1, "freshrec_cache_lookups_total", tier=tier)
         - total(s0, "freshrec_cache_lookups_total", tier=tier)
         for tier in ("device", "host", "redis", "new")
     }
     n = sum(lookups.values())
-    h.cache_hit = round(lookups["device"] / n, 4) if n > 0 else None
-    h.cache_host_hit = round(lookups["host"] / n, 4) if n > 0 else None
+    return (
+        round(lookups["device"] / n, 4) if n > 0 else None,
+        round(lookups["host"] / n, 4) if n > 0 else None,
+    )
+
+
+def _model(s1: Samples) -> str | None:
+    """The model version the services report serving (the last one listed)."""
+    model = None
     for labels, v in s1.get("freshrec_model_info", []):
         if v:
-            h.model = labels.get("version")
-    h.quality = quality(s0, s1)
-    h.variants = variant_ctr(s0, s1)
-    h.slo = slo_figures(window, slo or SloSettings())
-    return h
+            model = labels.get("version")
+    return model
 
 
 FEEDBACK = "freshrec_feedback_events_total"
