@@ -17,7 +17,9 @@ from freshcore.settings import ConnectionSettings
 from freshrec.sim.closedloop import ClosedLoop, LoopStats
 from freshrec.sim.world import World, WorldConfig
 from schemas.codec import decode_event
-from tools.bench_freshness import arm_env, choose_cohort, table, top_k_ctr, true_scores
+from tools.bench_freshness import arm_env, choose_cohort
+from tools.freshness_report import table
+from tools.rows_quality import top_k_ctr, true_scores
 
 WORLD = World(WorldConfig(seed=3, n_users=5_000, n_items=1_000))
 CONN = ConnectionSettings("127.0.0.1:1", "redis://127.0.0.1:1", "t.")

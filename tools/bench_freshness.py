@@ -49,12 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.drift import Recovery, level_before, recovery_s
 from freshcore import clock
 from freshcore.kafka import gradients_partitions
-from freshcore.redisconn import connect
-from freshcore.rediskeys import RedisKeys
-from freshcore.rowstore import fetch_rows
 from freshrec.app.runstatus import wait_until_assigned
 from freshrec.app.stack import free_port
 from freshrec.app.training import train_on_world
@@ -63,9 +59,16 @@ from freshrec.sim.closedloop import ClosedLoop, LoopStats
 from freshrec.sim.world import World, WorldConfig
 from inference.models.modelfile import read_manifest
 from inference.training.train import TOWER_LOSSES, TrainConfig
-from schemas.ids import row_ids
-from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 from tools.benchlib import bench_connection, save, service_process
+from tools.freshness_report import (
+    arm_result,
+    plot,
+    recoveries,
+    recovery_lines,
+    summary_line,
+    table,
+)
+from tools.rows_quality import rows_quality
 from tools.seed import seed_world
 
 DIM = 64
@@ -78,10 +81,52 @@ ARMS = {
         "FRESHREC_GLOBAL_USER_LR": "0",
     },
 }
-GROUPS = ("steady", "drifted")
 
 
 def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
+    arms = checked_arms(ap, args)
+    progress = ProgressLine()
+    world = World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items))
+    cohort = choose_cohort(world, args.cohort, args.seed)
+    results: dict = {
+        "world": {"seed": args.seed, "users": args.users, "items": args.items},
+        "cohort": len(cohort),
+        "rate_per_s": args.rate,
+        "before_s": args.before,
+        "after_s": args.after,
+        "window_s": args.window,
+        "drift_fraction": args.drift_fraction,
+        "arms": {},
+    }
+    trained_on = cohort if args.train_on == "cohort" else None
+    if args.train_impressions is None:
+        args.train_impressions = 400_000 if trained_on is not None else 200_000
+    results["trained_on"] = args.train_on
+    # the arms rank with Wide&Deep: the other ranking models are not trained
+    config = TrainConfig(impressions=args.train_impressions, dim=DIM, rankers="")
+    if trained_on is not None:  # rows that know the cohort
+        config = replace(config, tower_loss=args.tower_loss, tower_epochs=args.tower_epochs)
+    with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
+        models = args.models or Path(tmp)
+        ensure_arm_models(ap, world, models, config, trained_on, arms, progress)
+        for n in range(args.repeat):
+            for arm, env in arms.items():
+                name = arm if args.repeat == 1 else f"{arm} #{n + 1}"
+                stats, quality = run_arm(name, env, world, models, cohort, args, progress)
+                results["arms"][name] = arm_result(stats, args.before, args.before + args.after)
+                results["arms"][name]["rows"] = quality
+                progress.done(f"{name}: {summary_line(results['arms'][name])}")
+    results["table"] = table(results["arms"], args.window)
+    results["recovery"] = recoveries(results["arms"], args.before, args.window)
+    print(results["table"])
+    print(recovery_lines(results["recovery"]))
+    save("bench_freshness", results, args.out)
+    plot(args.out / "bench_freshness_drift.png", results["arms"], args.before, args.window)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cohort", type=int, default=200, help="users in the cohort")
     ap.add_argument("--rate", type=float, default=40.0, help="requests per second")
@@ -106,6 +151,12 @@ def main() -> None:
         default=1,
         help="run the arms this many times, alternating (A B A B ...)",
     )
+    add_world_and_model_options(ap)
+    return ap
+
+
+def add_world_and_model_options(ap: argparse.ArgumentParser) -> None:
+    """The world, how its models are trained, where they and the results go."""
     ap.add_argument("--items", type=int, default=20_000)
     ap.add_argument("--users", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=5)
@@ -145,7 +196,11 @@ def main() -> None:
         help="model directory: reused when it holds this world's models, else "
         "trained into and kept (default: trained into a temporary one)",
     )
-    args = ap.parse_args()
+
+
+def checked_arms(ap: argparse.ArgumentParser, args) -> dict[str, dict[str, str]]:
+    """Each arm's environment, by name; the parser's error for an arm or a figure it cannot
+    run."""
     try:
         arms = {a.strip(): arm_env(a.strip()) for a in args.arms.split(",") if a.strip()}
     except ValueError as exc:
@@ -159,56 +214,25 @@ def main() -> None:
         ap.error("--cohort, --rate, --window, --repeat and --train-impressions must be positive")
     if args.before < 0 or args.after < 0 or not 0 <= args.drift_fraction <= 1:
         ap.error("--before and --after must be >= 0, --drift-fraction in [0, 1]")
+    return arms
 
-    progress = ProgressLine()
-    world = World(WorldConfig(seed=args.seed, n_users=args.users, n_items=args.items))
-    cohort = choose_cohort(world, args.cohort, args.seed)
-    results: dict = {
-        "world": {"seed": args.seed, "users": args.users, "items": args.items},
-        "cohort": len(cohort),
-        "rate_per_s": args.rate,
-        "before_s": args.before,
-        "after_s": args.after,
-        "window_s": args.window,
-        "drift_fraction": args.drift_fraction,
-        "arms": {},
-    }
-    trained_on = cohort if args.train_on == "cohort" else None
-    if args.train_impressions is None:
-        args.train_impressions = 400_000 if trained_on is not None else 200_000
+
+def ensure_arm_models(ap, world, models: Path, config, trained_on, arms, progress) -> None:
+    """Models of this world (and cohort) in ``models``, trained there with ``config`` when
+    it holds none; the parser's error when it, or an arm's own directory, holds others."""
     source = world.source(trained_on)
-    results["trained_on"] = args.train_on
-    # the arms rank with Wide&Deep: the other ranking models are not trained
-    config = TrainConfig(impressions=args.train_impressions, dim=DIM, rankers="")
-    if trained_on is not None:  # rows that know the cohort
-        config = replace(config, tower_loss=args.tower_loss, tower_epochs=args.tower_epochs)
-    with tempfile.TemporaryDirectory(prefix="freshrec-bench-models-") as tmp:
-        models = args.models or Path(tmp)
-        if not (models / "manifest.json").exists():
-            progress.done(f"training models for the benchmark world into {models}")
-            models.mkdir(parents=True, exist_ok=True)
-            train_on_world(world, config, models, progress.update, users=trained_on)
-        elif not holds_models_of(models, source):
-            ap.error(f"--models {models} holds models of another world or cohort")
-        elif (held := trained_with(models, config)) is not None:
-            ap.error(f"--models {models} was trained with {held}: train into another directory")
-        for arm, env in arms.items():
-            own = env.get("FRESHREC_MODEL_DIR")
-            if own and not holds_models_of(Path(own), source):
-                ap.error(f"--arms {arm}: {own} holds no models of this world and cohort")
-        for n in range(args.repeat):
-            for arm, env in arms.items():
-                name = arm if args.repeat == 1 else f"{arm} #{n + 1}"
-                stats, quality = run_arm(name, env, world, models, cohort, args, progress)
-                results["arms"][name] = arm_result(stats, args.before, args.before + args.after)
-                results["arms"][name]["rows"] = quality
-                progress.done(f"{name}: {summary_line(results['arms'][name])}")
-    results["table"] = table(results["arms"], args.window)
-    results["recovery"] = recoveries(results["arms"], args.before, args.window)
-    print(results["table"])
-    print(recovery_lines(results["recovery"]))
-    save("bench_freshness", results, args.out)
-    plot(args.out / "bench_freshness_drift.png", results["arms"], args.before, args.window)
+    if not (models / "manifest.json").exists():
+        progress.done(f"training models for the benchmark world into {models}")
+        models.mkdir(parents=True, exist_ok=True)
+        train_on_world(world, config, models, progress.update, users=trained_on)
+    elif not holds_models_of(models, source):
+        ap.error(f"--models {models} holds models of another world or cohort")
+    elif (held := trained_with(models, config)) is not None:
+        ap.error(f"--models {models} was trained with {held}: train into another directory")
+    for arm, env in arms.items():
+        own = env.get("FRESHREC_MODEL_DIR")
+        if own and not holds_models_of(Path(own), source):
+            ap.error(f"--arms {arm}: {own} holds no models of this world and cohort")
 
 
 RATES = {
@@ -271,27 +295,8 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
     prefix = f"fresh{time.time_ns() % 10**12}."
     with bench_connection(prefix) as conn, contextlib.ExitStack() as services:
         seed_world(conn.redis_url, conn.topic_prefix, world, models, gradients_partitions(conn))
-        quality = {"start": rows_quality(conn, world, cohort, clock.now_ms())}
-        ports = {name: free_port() for name in ("streams", "param-server", "worker")}
-        procs = {
-            name: services.enter_context(
-                service_process(conn, name, port, env, log=logs / f"{name}.log")
-            )
-            for name, port in ports.items()
-        }
-
-        def check() -> None:
-            dead = [n for n, p in procs.items() if p.poll() is not None]
-            if dead:
-                raise RuntimeError(
-                    f"{arm}: {', '.join(dead)} stopped during the run (logs in {logs})"
-                )
-
-        def waiting(names) -> None:
-            check()
-            progress.update(f"{arm}: waiting for {names}")
-
-        wait_until_assigned(ports, 120, waiting)
+        quality = {"start": rows_quality(conn, world, cohort, clock.now_ms(), dim=DIM)}
+        check = start_services(conn, services, env, logs, arm, progress)
         loop = ClosedLoop(
             conn,
             world,
@@ -302,30 +307,62 @@ def run_arm(arm, arm_env, world, models, cohort, args, progress) -> tuple[LoopSt
             drift_fraction=args.drift_fraction,
             window_s=args.window,
         )
-        stop = threading.Event()
-        thread = loop.run_in_thread(stop)
-        try:
-            give_up = time.monotonic() + 60
-            while loop.stats.sent == 0:  # its client connects first
-                if not thread.is_alive() or time.monotonic() > give_up:
-                    raise RuntimeError(f"{arm}: the closed loop sent no request")
-                time.sleep(0.1)
-            end = loop.stats.started + args.before + args.after
-            while time.monotonic() < end:
-                time.sleep(min(1.0, max(end - time.monotonic(), 0.0)))
-                check()
-                if not thread.is_alive():
-                    raise RuntimeError(f"{arm}: the closed loop stopped early")
-                s = loop.stats
-                phase = "before" if time.monotonic() - s.started < args.before else "after"
-                progress.update(f"{arm}: {phase} the drift | {s.line()}")
-        finally:
-            stop.set()
-            thread.join(args.window + 15)
+        drive(loop, arm, args, check, progress)
         if loop.stats.replied == 0:
             raise RuntimeError(f"{arm}: no request was answered (logs in {logs})")
-        quality["end"] = rows_quality(conn, loop.world, cohort, clock.now_ms(), loop.stats.shown)
+        quality["end"] = rows_quality(
+            conn, loop.world, cohort, clock.now_ms(), loop.stats.shown, dim=DIM
+        )
         return loop.stats, quality
+
+
+def start_services(conn, services, env: dict, logs: Path, arm: str, progress):
+    """The streams app, the parameter server and a worker (on the exit stack ``services``),
+    once each owns partitions; a check that raises if any of them has stopped."""
+    ports = {name: free_port() for name in ("streams", "param-server", "worker")}
+    procs = {
+        name: services.enter_context(
+            service_process(conn, name, port, env, log=logs / f"{name}.log")
+        )
+        for name, port in ports.items()
+    }
+
+    def check() -> None:
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{arm}: {', '.join(dead)} stopped during the run (logs in {logs})")
+
+    def waiting(names) -> None:
+        check()
+        progress.update(f"{arm}: waiting for {names}")
+
+    wait_until_assigned(ports, 120, waiting)
+    return check
+
+
+def drive(loop: ClosedLoop, arm: str, args, check, progress) -> None:
+    """The closed loop through ``--before`` and ``--after`` seconds from its first request,
+    the services checked every second."""
+    stop = threading.Event()
+    thread = loop.run_in_thread(stop)
+    try:
+        give_up = time.monotonic() + 60
+        while loop.stats.sent == 0:  # its client connects first
+            if not thread.is_alive() or time.monotonic() > give_up:
+                raise RuntimeError(f"{arm}: the closed loop sent no request")
+            time.sleep(0.1)
+        end = loop.stats.started + args.before + args.after
+        while time.monotonic() < end:
+            time.sleep(min(1.0, max(end - time.monotonic(), 0.0)))
+            check()
+            if not thread.is_alive():
+                raise RuntimeError(f"{arm}: the closed loop stopped early")
+            s = loop.stats
+            phase = "before" if time.monotonic() - s.started < args.before else "after"
+            progress.update(f"{arm}: {phase} the drift | {s.line()}")
+    finally:
+        stop.set()
+        thread.join(args.window + 15)
 
 
 def trained_with(directory: Path, config: TrainConfig) -> str | None:
@@ -341,196 +378,6 @@ def holds_models_of(directory: Path, source: str) -> bool:
     if not (directory / "manifest.json").exists():
         return False
     return read_manifest(directory).get("source") == source
-
-
-def top_k_ctr(world: World, users: np.ndarray, scores: np.ndarray, t_ms: int, k: int = 10) -> float:
-    """Mean click probability, by the world's ground truth at ``t_ms``, of each user's ``k``
-    items of highest ``scores`` (users × items)."""
-    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-    return float(world.click_probability(np.repeat(users, k), top.ravel(), t_ms).mean())
-
-
-def true_scores(world: World, users: np.ndarray, t_ms: int, chunk: int = 25) -> np.ndarray:
-    """Click probabilities of every item for each user (users × items)."""
-    items = np.arange(world.config.n_items)
-    out = np.empty((len(users), len(items)), np.float32)
-    for lo in range(0, len(users), chunk):
-        part = users[lo : lo + chunk]
-        p = world.click_probability(np.repeat(part, len(items)), np.tile(items, len(part)), t_ms)
-        out[lo : lo + len(part)] = p.reshape(len(part), len(items))
-    return out
-
-
-def rows_in_redis(conn, world: World, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The cohort's user rows and every item's row as Redis holds them (the parameter
-    server's; the deterministic initial row where it holds none)."""
-    r = connect(conn.redis_url)
-    keys, w = RedisKeys(conn.topic_prefix), width(DIM)
-    shards = gradients_partitions(conn)
-    try:
-        out = []
-        for table, names in (
-            (TABLE_USER, [World.user_id(int(u)) for u in users]),
-            (TABLE_ITEM, [World.item_id(i) for i in range(world.config.n_items)]),
-        ):
-            ids = row_ids(names)
-            rows = initial_rows(ids, table, DIM)
-            found, held, _, _ = fetch_rows(r, keys, table, ids.tolist(), w, shards)
-            rows[found] = held
-            out.append(rows)
-        return out[0], out[1]
-    finally:
-        r.close()
-
-
-def rows_quality(
-    conn, world: World, users: np.ndarray, t_ms: int, shown: set[int] | None = None
-) -> dict:
-    """What the rows know, apart from recall and ranking: the CTR of each user's ten best
-    items by u·v over the whole catalogue, next to the CTR of their ten truly best; with
-    ``shown`` (items the loop showed), the same two among those items only — the items
-    online learning had feedback on."""
-    user_rows, item_rows = rows_in_redis(conn, world, users)
-    learned, truth = user_rows @ item_rows.T, true_scores(world, users, t_ms)
-    out = {
-        "rows_top10_ctr": round(top_k_ctr(world, users, learned, t_ms), 4),
-        "ideal_top10_ctr": round(top_k_ctr(world, users, truth, t_ms), 4),
-    }
-    if shown and len(shown) >= 10:
-        unseen = np.ones(world.config.n_items, bool)
-        unseen[np.fromiter(shown, np.int64)] = False
-        learned[:, unseen], truth[:, unseen] = -np.inf, -np.inf
-        out["shown_items"] = len(shown)
-        out["rows_top10_shown_ctr"] = round(top_k_ctr(world, users, learned, t_ms), 4)
-        out["ideal_top10_shown_ctr"] = round(top_k_ctr(world, users, truth, t_ms), 4)
-    return out
-
-
-def arm_result(stats: LoopStats, drift_s: float, end_s: float) -> dict:
-    """The arm's figures; windows that start at ``end_s`` or later (replies still in flight
-    when the loop stopped) are left out."""
-    w, span = stats.windows, stats.windows.window_s
-    return {
-        "requests": stats.sent,
-        "replied": stats.replied,
-        "timeouts": stats.timeouts,
-        "latency_p50_ms": round(stats.p(50, False), 1),
-        "latency_p99_ms": round(stats.p(99, False), 1),
-        "ctr": round(stats.ctr, 4),
-        "ctr_by_tier": stats.tier_ctr(),
-        "groups": {
-            g: {
-                "first_window": w.ctr(g, 0.0, span),
-                "last_window_before_drift": w.ctr(g, drift_s - span, drift_s),
-                "first_window_after_drift": w.ctr(g, drift_s, drift_s + span),
-                "last_window": w.ctr(g, end_s - span, end_s),
-                "curve": [c for c in w.curve(g) if c["from_s"] < end_s],
-            }
-            for g in GROUPS
-        },
-        "curve": [c for c in w.curve() if c["from_s"] < end_s],
-    }
-
-
-def summary_line(r: dict) -> str:
-    s, d = r["groups"]["steady"], r["groups"]["drifted"]
-    return (
-        f"CTR {100 * r['ctr']:.1f}% (steady users: first window {_pct(s['first_window'])},"
-        f" last {_pct(s['last_window'])}); around the drift, drifted users"
-        f" {_pct(d['last_window_before_drift'])} → {_pct(d['first_window_after_drift'])},"
-        f" steady {_pct(s['last_window_before_drift'])} → {_pct(s['first_window_after_drift'])};"
-        f" request p99 {r['latency_p99_ms']} ms"
-        + (
-            f"; the cohort's ten best items by u·v: {_pct(q['start']['rows_top10_ctr'])} at the"
-            f" start, {_pct(q['end']['rows_top10_ctr'])} at the end (truly best ten:"
-            f" {_pct(q['end']['ideal_top10_ctr'])}); among the"
-            f" {q['end'].get('shown_items', 0):,} items shown:"
-            f" {_pct(q['end'].get('rows_top10_shown_ctr'))}"
-            f" (truly best: {_pct(q['end'].get('ideal_top10_shown_ctr'))})"
-            if (q := r.get("rows"))
-            else ""
-        )
-    )
-
-
-def table(arms: dict, window_s: float) -> str:
-    """The cohort's CTR per window (rows) for each arm (columns), as Markdown."""
-    starts = sorted({c["from_s"] for a in arms for c in arms[a]["curve"]})
-    lines = ["| window (s) | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
-    for start in starts:
-        cells = []
-        for a in arms:
-            hit = [c for c in arms[a]["curve"] if c["from_s"] == start]
-            cells.append(_pct(hit[0]["ctr"]) if hit else "")
-        lines.append(f"| {start:.0f}–{start + window_s:.0f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def recoveries(arms: dict, drift_s: float, window_s: float) -> dict:
-    """Per arm, for the users who drift: the CTR level before the drift (the last three
-    windows), the time after it until a window is back to 80% of that, and how much sooner
-    than the frozen arm (when one ran) that was."""
-    out = {}
-    for name, r in arms.items():
-        curve = r["groups"]["drifted"]["curve"]
-        level = level_before(curve, drift_s, window_s)
-        out[name] = {
-            "ctr_before": None if level is None else round(level, 4),
-            "all_ctr_before": level_before(r["curve"], drift_s, window_s),
-            "recovery_s": recovery_s(curve, drift_s, window_s),
-        }
-    frozen = [n for n in arms if n.split(" #")[0] == "frozen"]
-    for name, r in out.items():
-        if frozen and name not in frozen:
-            reference = out[frozen[0]]["recovery_s"]
-            r["speedup_vs_frozen"] = Recovery(r["recovery_s"], reference).speedup
-    return out
-
-
-def recovery_lines(rec: dict) -> str:
-    lines = []
-    for name, r in rec.items():
-        back = "never" if r["recovery_s"] is None else f"after {r['recovery_s']:.0f} s"
-        speed = r.get("speedup_vs_frozen")
-        vs = "" if speed is None else f" ({speed:.1f}× as fast as frozen)"
-        lines.append(
-            f"{name}: drifted users' CTR before the drift {_pct(r['ctr_before'])}, back to"
-            f" 80% of it {back}{vs}"
-        )
-    return "\n".join(lines)
-
-
-def plot(path: Path, arms: dict, drift_s: float, window_s: float) -> Path:
-    """The drifted users' CTR per window, one line per arm, the drift marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for name, r in arms.items():
-        for group, style in (("drifted", "-"), ("steady", ":")):
-            pts = [
-                (c["from_s"] + window_s / 2, 100 * c["ctr"])
-                for c in r["groups"][group]["curve"]
-                if c["ctr"] is not None
-            ]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=f"{name} {group}")
-    ax.axvline(drift_s, color="grey", lw=1)
-    ax.set_xlabel("seconds since the first request (the drift at the grey line)")
-    ax.set_ylabel("CTR (%) per window")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{100 * x:.1f}%"
 
 
 if __name__ == "__main__":
