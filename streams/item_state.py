@@ -5,9 +5,12 @@ impressions, clicks and conversions are forward-decayed (``decay.py``), so an ev
 only its own item's row; the counters and what is read out of them (hot lists, rates,
 snapshot rows) are ``itemcounts.py``'s, and this module adds the rules of the log that decide
 what counts (a batch at a time: ``batchcount.py``), co-visitation pairs, what a flush takes,
-eviction, and the snapshot's offsets and restore. ``applied`` remembers, per source partition of ``events``, the highest
-source offset already counted: a replayed repartition batch is skipped event by event, which
-makes the effect exactly-once when the state and ``applied`` are persisted together.
+eviction, and the snapshot's offsets and restore. ``applied`` remembers, per source partition
+of ``events``, the highest source offset already counted: a replayed repartition batch is
+skipped event by event, which makes the effect exactly-once when the state and ``applied``
+are persisted together. Lateness is judged against the source partitions' watermarks
+(``sources``: ``watermarks.py``), so a catch-up that drains them unevenly loses nothing;
+processing time, which their idleness goes by, is passed in (``now_ms``).
 
 >>> s = ItemPartitionState(StateConfig())
 >>> s.apply([(0, 5, "i1", 1, 3_600_000, "north", 0.0)])
@@ -29,6 +32,7 @@ from streams.batchcount import add_counts, plan_batch
 from streams.byitem import CLICK, CONVERSION, IMPRESSION, ByItemEvent, by_item_columns
 from streams.covisit import CoVisitCounts
 from streams.itemcounts import ItemCounts, StateConfig, renumbered
+from streams.watermarks import NO_TIME, SourceWatermarks
 
 __all__ = [  # the event codes index the counters, so a reader of the state finds them here
     "CLICK",
@@ -67,6 +71,8 @@ class ItemPartitionState(ItemCounts):
         """Slots taken by ``take_touched`` whose serving features are not written yet."""
         self.late = 0
         self.skipped = 0
+        self.sources = SourceWatermarks(config.source_partitions, config.watermark_idle_ms)
+        """Per source partition of ``events``, its watermark: what lateness is judged by."""
         self.covisit = CoVisitCounts(config.covisit_candidates)
         """Co-visitation counts of this partition's anchors (``covisit.py``)."""
         self.covisit_applied: dict[int, int] = {}
@@ -83,9 +89,10 @@ class ItemPartitionState(ItemCounts):
         written: a flush reads them back first (``acked.lost_write``)."""
 
     # ------------------------------------------------------------------------------ apply
-    def apply(self, events: Iterable[ByItemEvent]) -> int:
-        """Count events; returns how many counted (skips replays and late events)."""
-        return self.apply_columns(*by_item_columns(list(events)))
+    def apply(self, events: Iterable[ByItemEvent], now_ms: int | None = None) -> int:
+        """Count events; returns how many counted (skips replays and late events).
+        ``now_ms``: processing time (source partitions' idleness); None: as last given."""
+        return self.apply_columns(*by_item_columns(list(events)), now_ms=now_ms)
 
     def apply_columns(
         self,
@@ -95,6 +102,7 @@ class ItemPartitionState(ItemCounts):
         codes: list[int],
         ts_ms: list[int],
         regions: list[str | None],
+        now_ms: int | None = None,
     ) -> int:
         """``apply`` for a batch given as columns (the ``events.by_item`` record's layout).
 
@@ -108,16 +116,20 @@ class ItemPartitionState(ItemCounts):
         plan = None
         if n >= 16 and self._landmark_set:
             grace = self.config.late_grace_ms
-            plan = plan_batch(parts, offsets, ts_ms, self.applied, self.watermark_ms, grace)
+            holding = self.sources.holding(now_ms, parts)
+            plan = plan_batch(
+                parts, offsets, ts_ms, self.applied, self.watermark_ms, grace, holding
+            )
         newest = self.watermark_ms if plan is None else plan.watermark_ms
         if plan is None or (newest > self.watermark_ms and self.decay.needs_renormalising(newest)):
             # offsets that do not rise, or the landmark moves mid-batch (once in weeks of
             # event time): event by event
             return self._apply_each(
-                list(zip(parts, offsets, item_ids, codes, ts_ms, regions, strict=True))
+                list(zip(parts, offsets, item_ids, codes, ts_ms, regions, strict=True)), now_ms
             )
         self.applied.update(plan.applied)
         self.watermark_ms = newest
+        self.sources.delivered(now_ms, plan.source_ms, plan.source_ms)
         n_skipped, n_late = plan.skipped, plan.late_count
         self.skipped += n_skipped
         self.late += n_late
@@ -152,10 +164,15 @@ class ItemPartitionState(ItemCounts):
         add_counts(self.counts, np.array(slots, np.int64), codes, w, scopes)
         self.touched.update(slots)
 
-    def _apply_each(self, events: list[ByItemEvent]) -> int:
-        """``apply``, event by event: the reference the vectorised path equals."""
+    def _apply_each(self, events: list[ByItemEvent], now_ms: int | None = None) -> int:
+        """``apply``, event by event: the reference the vectorised path equals. An event is
+        late when older, by more than the grace, than the floor: the least watermark of the
+        batch's source partitions (each rising as its events pass) and of the others that
+        hold it (``SourceWatermarks.holding``)."""
         counted = 0
         grace = self.config.late_grace_ms
+        held, others = self.sources.holding(now_ms, [e[0] for e in events])
+        floor = _least(held, others)
         for src_part, src_off, item_id, code, ts, region, *_value in events:
             if src_off <= self.applied.get(src_part, -1):
                 self.skipped += 1
@@ -164,9 +181,13 @@ class ItemPartitionState(ItemCounts):
             if not self._landmark_set:
                 self.decay.landmark_ms = ts
                 self._landmark_set = True
-            if ts < self.watermark_ms - grace:
+            if ts < floor - grace:
                 self.late += 1
                 continue
+            if ts > held[src_part]:
+                was, held[src_part] = held[src_part], ts
+                if was <= floor:  # it was the least: the floor may rise
+                    floor = _least(held, others)
             if ts > self.watermark_ms:
                 self.watermark_ms = ts
                 if self.decay.needs_renormalising(ts):
@@ -181,6 +202,7 @@ class ItemPartitionState(ItemCounts):
                 self.counts[slot, scope, code] += w
             self.touched.add(slot)
             counted += 1
+        self.sources.delivered(now_ms, held, held)
         return counted
 
     def apply_pairs(
@@ -190,13 +212,16 @@ class ItemPartitionState(ItemCounts):
         parts: list[int],
         offsets: list[int],
         ts_ms: list[int],
+        now_ms: int | None = None,
     ) -> int:
         """Count a co-visitation record's pairs (``covisit.PAIR_COLUMNS``); returns how many.
 
         A click's pairs travel in one record, so a pair is skipped when its source offset is
         at or below what this partition had counted before the record: a replayed record
-        counts nothing twice. Late pairs (older than the watermark's grace) are dropped as
-        late events are; pairs move neither the watermark nor the landmark once set."""
+        counts nothing twice. Late pairs (older than the floor minus the grace:
+        ``SourceWatermarks.floor_ms``) are dropped as late events are; pairs move neither
+        the watermarks nor the landmark once set, nor count as their source partition
+        delivering (the click's event is counted in its own item's partition)."""
         before = self.covisit_applied
         keep = [
             j for j, (p, o) in enumerate(zip(parts, offsets, strict=True)) if o > before.get(p, -1)
@@ -211,7 +236,7 @@ class ItemPartitionState(ItemCounts):
         if not self._landmark_set:
             self.decay.landmark_ms = ts_ms[keep[0]]
             self._landmark_set = True
-        floor = self.watermark_ms - self.config.late_grace_ms
+        floor = self.late_below_ms(now_ms)
         fresh = [j for j in keep if ts_ms[j] >= floor]
         self.late += len(keep) - len(fresh)
         if fresh:
@@ -223,6 +248,12 @@ class ItemPartitionState(ItemCounts):
                 ts,
             )
         return len(fresh)
+
+    def late_below_ms(self, now_ms: int | None = None) -> int:
+        """The event time below which a co-visitation pair is late now (and the metric):
+        the floor minus the grace; far below any event time while nothing is late."""
+        floor = self.sources.floor_ms(now_ms)
+        return (NO_TIME if floor is None else floor) - self.config.late_grace_ms
 
     # ------------------------------------------------------------------------------ flush
     def take_touched(self) -> list[int]:
@@ -312,6 +343,7 @@ class ItemPartitionState(ItemCounts):
             "applied": json.dumps({str(k): v for k, v in self.applied.items()}),
             "covisit_applied": json.dumps({str(k): v for k, v in self.covisit_applied.items()}),
             "late": str(self.late),
+            "source_watermarks": json.dumps({str(k): v for k, v in self.sources.newest_ms.items()}),
         }
 
     @classmethod
@@ -328,6 +360,10 @@ class ItemPartitionState(ItemCounts):
         covisit_applied = json.loads(meta.get("covisit_applied", "{}"))
         state.covisit_applied = {int(k): int(v) for k, v in covisit_applied.items()}
         state.late = int(meta.get("late", 0))
+        # a snapshot from before the source partitions' watermarks restores with none known:
+        # until each delivers or goes idle, nothing is late
+        source_watermarks = json.loads(meta.get("source_watermarks", "{}"))
+        state.sources.newest_ms = {int(k): int(v) for k, v in source_watermarks.items()}
         state.persisted = {f: meta.get(f) for f in state.persisted}
         n_scopes = len(state.scopes)
         for slot, blob in zip(state._slots(list(rows)), rows.values(), strict=True):
@@ -341,3 +377,10 @@ class ItemPartitionState(ItemCounts):
         # them behind, so a restored partition writes all of its items' features once
         state.features_due = set(range(state.n_items))
         return state
+
+
+def _least(held: dict[int, int], others: int | None) -> int:
+    """The floor: the least of the batch's source partitions' watermarks (``held``) and of
+    the others holding it."""
+    levels = [*held.values(), *(() if others is None else (others,))]
+    return min(levels, default=NO_TIME)

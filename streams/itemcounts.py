@@ -5,7 +5,7 @@ One row per item (its slot, numbered in order of first appearance, renumbered wh
 leave), one column per scope: 0 is global, then one per region as regions appear (up to
 ``max_regions``); per scope the impressions, clicks and conversions (``byitem.py``'s codes),
 forward-decayed (``decay.py``) from the partition's landmark. The rules that decide what
-counts — replays, lateness, the watermark — are ``item_state.py``'s, which builds on this.
+counts — replays, lateness, the watermarks — are ``item_state.py``'s, which builds on this.
 
 >>> c = ItemCounts(StateConfig(), landmark_ms=0)
 >>> slots = c._slots(["i1", "i2", "i1"])
@@ -43,7 +43,15 @@ GLOBAL = "global"
 class StateConfig:
     decay_rate_per_hour: float = 0.95
     late_grace_ms: int = 10 * 60 * 1000
-    """Events older than the partition's newest event time minus this are late and dropped."""
+    """Events older than the lateness floor minus this are late and dropped: the floor is
+    the least watermark of the source partitions of ``events`` (``watermarks.py``)."""
+    watermark_idle_ms: int = 60_000
+    """A source partition that has delivered nothing to the partition for this long
+    (processing time) stops holding its lateness floor back (Flink's ``withIdleness``)."""
+    source_partitions: int | None = None
+    """The partition count of ``events`` (the app reads it from the broker at start): each
+    of them holds the floor until idle, at −∞ while it has delivered nothing; None: only
+    the source partitions seen are known."""
     max_regions: int = 32
     weights: HotWeights = field(default_factory=HotWeights)
     smoothing: Smoothing = field(default_factory=Smoothing)
@@ -77,6 +85,9 @@ class ItemCounts:
         self.counts = np.zeros((0, 1, 3), np.float64)  # [item, scope, kind], forward-decayed
         self.price = np.zeros(0, np.float64)
         self.watermark_ms = 0
+        """The newest event time counted: the partition's "now" in event time, which its
+        read-outs are decayed to and eviction goes by (lateness goes by the source
+        partitions' floor: ``watermarks.py``)."""
         self.touched: set[int] = set()
         """Slots whose rows changed since the last ``take_touched`` (the persisted state)."""
         self.new_slots: list[int] = []

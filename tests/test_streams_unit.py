@@ -437,25 +437,33 @@ def _state_fields(s: ItemPartitionState):
         s.new_slots,
         s.decay.landmark_ms,
         s.counts[: s.n_items].tobytes(),
+        s.sources.newest_ms,
+        s.sources.delivered_ms,
     )
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_vectorised_apply_is_bit_for_bit_the_event_by_event_rule(seed):
-    """Batches with replays (whole and partial), late events, out-of-order times, new items,
-    new regions past ``max_regions``, falling offsets and a landmark move: ``apply`` leaves
-    exactly the state ``_apply_each`` leaves."""
+    """Batches with replays (whole and partial), late events, out-of-order times, source
+    partitions that lag, one that never delivers and goes idle, new items, new regions past
+    ``max_regions``, falling offsets and a landmark move: ``apply`` leaves exactly the state
+    ``_apply_each`` leaves."""
     rng = random.Random(seed)
-    fast = make_state(late_grace_ms=60_000, max_regions=3)
-    slow = make_state(late_grace_ms=60_000, max_regions=3)
+    config = dict(late_grace_ms=60_000, max_regions=3, source_partitions=5, watermark_idle_ms=9000)
+    fast, slow = make_state(**config), make_state(**config)
     offsets = dict.fromkeys(range(4), 0)
+    lag = dict.fromkeys(range(4), 0)  # how far behind in event time each source partition reads
     t = T0
+    now = 0  # processing time
     log: list = []
     each = fast._apply_each
     fallbacks = []
-    fast._apply_each = lambda events: fallbacks.append(len(events)) or each(events)
+    fast._apply_each = lambda events, now_ms: fallbacks.append(len(events)) or each(events, now_ms)
     for _ in range(40):
         batch = []
+        now += rng.choice([0, 100, 3000, 20_000])
+        if rng.random() < 0.2:
+            lag[rng.randrange(4)] = rng.choice([0, 0, 1800_000])
         for _ in range(rng.choice([1, 5, 40, 300])):
             part = rng.randrange(4)
             offsets[part] += rng.choice([1, 1, 2])
@@ -470,7 +478,7 @@ def test_vectorised_apply_is_bit_for_bit_the_event_by_event_rule(seed):
                     offsets[part],
                     f"i{rng.randrange(200)}",
                     rng.randrange(3),
-                    t,
+                    t - lag[part],
                     rng.choice([None, "global", "north", "south", "east", "west", "up"]),
                     0.0,
                 )
@@ -487,7 +495,7 @@ def test_vectorised_apply_is_bit_for_bit_the_event_by_event_rule(seed):
             batch.append((0, offsets[0] + 1, "i1", CLICK, t, "north", 0.0))
             offsets[0] += 1
         log.append(batch)
-        assert fast.apply(batch) == slow._apply_each(list(batch))
+        assert fast.apply(batch, now) == slow._apply_each(list(batch), now)
         assert _state_fields(fast) == _state_fields(slow)
     assert fast.n_items > 50 and fast.late > 0 and fast.skipped > 0 and len(fast.scopes) == 4
     big = sum(len(b) >= 16 for b in log)
