@@ -31,7 +31,7 @@ from inference.offsets import RequestOffsets
 from inference.route import reply_topic_pattern, route
 from inference.serving.liveexperiment import LiveExperiment
 from inference.serving.recommender import Inbound, Recommender
-from inference.settings import WorkerSettings
+from inference.settings import ModeSettings, WorkerSettings
 from schemas.codec import dead_letter, decode_request, encode_dead_letter, encode_reply
 from schemas.contract import Reason, Rejected
 from schemas.records import RecommendReply
@@ -121,6 +121,11 @@ class RequestIntake:
 
     def __len__(self) -> int:
         return len(self.queue)
+
+    def use(self, mode: ModeSettings) -> None:
+        """Batch the next requests as a serving mode says (``max_batch``, ``max_wait_ms``);
+        the requests queued stay queued."""
+        self.policy = BatchPolicy(mode.max_batch, mode.max_wait_ms)
 
     def wait_ms(self) -> float | None:
         """How long the oldest queued request may still wait for its batch (0: serve now;

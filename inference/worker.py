@@ -23,12 +23,13 @@ Requests go before events. Offsets are committed explicitly: an event's once the
 its gradients, a request's once its reply is delivered.
 
 The worker's connections (``WorkerClients``) are built at the edge and passed in, so a test
-about its logic can hand it doubles; the real-broker tests pass the real ones.
+about its logic can hand it doubles; the real-broker tests pass the real ones. Its parts are
+built in dependency order by ``inference/assembly.py``, each given what it needs then: none
+calls back into the worker, and a serving mode switches each part through its own ``use``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -54,35 +55,16 @@ from freshcore.kafka import (
     partition_count,
 )
 from freshcore.lifecycle import run_until_signalled, settle_heap
-from freshcore.rediskeys import RedisKeys
-from freshcore.rowstore import broadcast_offsets, fetch_rows, load_table, row_shards, seed_starts
+from freshcore.rowstore import broadcast_offsets, load_table, row_shards
 from freshcore.service import Service
-from freshcore.topics import TopicNames
-from inference.batching import BatchPolicy, EventSlicer
+from inference.assembly import build_parts
+from inference.batching import EventSlicer
 from inference.clients import WorkerClients
-from inference.commits import OffsetCommitter
-from inference.device import STORAGE_DTYPES, device_memory, pick_device
+from inference.device import device_memory
 from inference.eventflow import EventFlow
-from inference.intake import RequestIntake
-from inference.learning.admission import AdmissionFilter
-from inference.learning.learner import LocalLearner
-from inference.learning.outbox import GradientOutbox
-from inference.learning.pending import PendingSteps
-from inference.learning.sender import GradientSender
-from inference.learning.updates import UpdateInstaller
-from inference.models.modelfile import ModelWatcher
-from inference.offsets import OffsetGate
 from inference.serving.breaker import CLOSED, HALF_OPEN
-from inference.serving.channels import make_channels
-from inference.serving.liveexperiment import LiveExperiment
-from inference.serving.livemode import LiveMode
-from inference.serving.recall import RecallRunner
-from inference.serving.recommender import Recommender
-from inference.serving.snapshot import SnapshotRefresher
-from inference.settings import ModeSettings, WorkerSettings
+from inference.settings import WorkerSettings
 from inference.tables.bounds import evict_items, expire_items
-from inference.tables.cache import EmbeddingCache
-from inference.tables.recent import RecentClicks, with_seen
 from schemas.codec import decode_events
 from schemas.contract import Rejected
 from schemas.ids import row_id
@@ -91,8 +73,6 @@ from schemas.rowbatch import TABLE_ITEM, TABLE_USER
 log = logging.getLogger("freshrec.worker")
 LOOP_PHASES = ("consume", "serve", "learn", "updates", "other")
 """The phases of a loop round, in order (``freshrec_worker_loop_seconds{phase}``)."""
-MAX_ROWS_PER_MESSAGE = 1000
-OUTBOX_MAX_ROWS = 20_000  # sent before the linger runs out past this many waiting rows
 
 
 class Worker(Service):
@@ -100,53 +80,26 @@ class Worker(Service):
     """Learning and serving on one thread; ``run`` loops ``poll_once`` until stopped."""
 
     def __init__(self, settings: WorkerSettings, clients: WorkerClients | None = None) -> None:
+        """The worker over ``clients`` (connected from ``settings`` where none are given),
+        its parts built in dependency order (``inference/assembly.py``)."""
         self.settings = settings
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         clients = clients or WorkerClients.connect(settings)
         self.redis, self.producer = clients.redis, clients.producer
         self.events, self.updates = clients.events, clients.updates
-        self.names = TopicNames(settings.conn.topic_prefix)
-        self.keys = RedisKeys(settings.conn.topic_prefix)
+        parts = build_parts(settings, clients)
+        self.names, self.keys, self.stats = parts.names, parts.keys, parts.stats
+        self.pending, self.gate, self.outbox = parts.pending, parts.gate, parts.outbox
+        self.cache, self.sender, self.installer = parts.cache, parts.sender, parts.installer
+        self.recent, self.seen = parts.recent, parts.seen
+        self.snapshots, self.models = parts.snapshots, parts.models
+        self.experiment, self.recommender = parts.experiment, parts.recommender
+        self.learner, self.intake = parts.learner, parts.intake
+        self.mode, self.commits = parts.mode, parts.commits
         self.dim = settings.learning.dim
-        self.cache = EmbeddingCache(
-            self.dim,
-            settings.user_capacity_rows,
-            self._fetch,
-            pick_device(settings.device),
-            host_users=settings.host_user_rows,
-            host_items=settings.host_item_rows,
-            dtype=STORAGE_DTYPES[settings.table_dtype],
-        )
-        self.cache.on_evict = self._evicted
-        m.DEVICE_INFO.labels(str(self.cache.device)).set(1)  # a GPU held is a GPU paid for
-        # ~40 MB written now, not page by page inside the first slices
-        self.pending = PendingSteps(capacity=1 << 17, width=self.cache.w, touch=True)
-        learning = settings.learning
-        self.gate = OffsetGate()  # learnt events' offsets until their gradients are delivered
-        self.outbox = GradientOutbox(
-            partition_count(self.producer, self.names.gradients),
-            AdmissionFilter(learning.admission_touches, learning.admission_window_s * 1000),
-            learning.gradient_linger_ms,
-            OUTBOX_MAX_ROWS,
-            MAX_ROWS_PER_MESSAGE,
-        )
-        self.sender = GradientSender(
-            self.producer, self.names.gradients, self.pending, self.gate, self.cache
-        )
-        self.installer = UpdateInstaller(self.cache, self.pending, self.producer)
-        self.stats: dict[str, int] = {
-            "events": 0,
-            "invalid": 0,
-            "duplicates": 0,
-            "pending_let_go": 0,
-        }
-        """Events learnt, invalid and duplicate, local steps let go: what a test or a drill
-        can read."""
+        # the loop's own: the event backlog, its slices and flow control, its timers
         self.dedupe: dict[int, DedupeWindow] = {}  # per events partition
-        # what learning writes and serving reads: built before both
-        self.recent = RecentClicks(settings.recent_users)
-        self.seen = RecentClicks(settings.seen_users, settings.seen_per_user)
         self._loop_phases = [m.WORKER_LOOP_SECONDS.labels(phase) for phase in LOOP_PHASES]
         self._last_commit = time.monotonic()
         most = settings.event_slice
@@ -165,84 +118,8 @@ class Worker(Service):
         self._housekeeping_at = 0.0
         self._expired_at = time.monotonic()
         self.assigned = 0
-        self.snapshots = SnapshotRefresher(
-            self.redis,
-            self.keys,
-            settings.hot_k,
-            weights=settings.hot_weights,
-            rate_per_hour=settings.hot_decay_per_hour,
-        )
-        s = settings
-        self.models = ModelWatcher(s.model_dir, self.cache.device, self.dim, s.ranking_dtype)
-        self.experiment = (
-            LiveExperiment(
-                settings.experiments_file, self.redis, self.keys, settings.answered_ttl_s
-            )
-            if settings.experiments_file
-            else None
-        )
-        sv = settings.serving
-        self.recommender = Recommender(
-            sv,
-            self.cache,
-            self.redis,
-            self.keys,
-            self.snapshots,
-            self.models,
-            lambda state: RecallRunner(
-                make_channels(sv.channels, state),
-                sv.channels,
-                settings.breaker,
-                settings.recall_delays_ms,
-            ),
-            settings.worker_id,
-            recent_clicks=self.recent.get,
-            sequence=lambda user_id: self.seen.get(user_id) or self.recent.get(user_id),
-            seen=lambda r: with_seen(r, self.seen.get, settings.exclude_seen),
-            arm_of=self.experiment.arm if self.experiment else lambda user_id: None,
-            start_items=(
-                functools.partial(seed_starts, self.redis, self.keys, self.outbox.partitions)
-                if settings.cold_item_start
-                else None
-            ),
-        )
-        recommender = self.recommender
-        self.learner = LocalLearner(
-            learning,
-            self.cache,
-            self.pending,
-            self.outbox,
-            self.recent,
-            self.seen,
-            lambda: recommender.slot_of,  # the catalogue's slots: the softmax loss's negatives
-            self.stats,
-            seed=abs(hash(settings.worker_id)) % (2**32),
-        )
-        self.intake = RequestIntake(
-            settings,
-            self.names,
-            self.keys,
-            self.redis,
-            self.producer,
-            self.recommender,
-            self.experiment,
-        )
-        modes = settings.modes or {
-            settings.mode: ModeSettings(sv, settings.max_batch, settings.max_wait_ms)
-        }
-        self.mode = LiveMode(modes, settings.mode, self._use_mode)
-        self.commits = OffsetCommitter(
-            self.events,
-            self.names.events,
-            self.names.recommend_requests,
-            self.gate,
-            self.intake.offsets,
-        )
 
     # ------------------------------------------------------------------------------ setup
-    def _fetch(self, table: int, ids: list[int]):
-        return fetch_rows(self.redis, self.keys, table, ids, self.dim + 1, self.outbox.partitions)
-
     def _start_reads(self) -> tuple:  # the broadcast's positions before the table it follows
         shards = row_shards(self.redis, self.keys, self.outbox.partitions)
         positions = broadcast_offsets(self.redis, self.keys)
@@ -255,16 +132,12 @@ class Worker(Service):
             self.experiment.load()  # a bad file stops the worker here, with the line at fault
         positions, items = self.wait_for_redis(self._start_reads, "starting")
         self.cache.load_items(items)
-        if self.models.load_now() is None:
+        if self.models.load_now() is None:  # a set loaded is counted (``count_models``)
             log.warning(
                 "no ranking models (%s): serving from the hot list until `freshrec train` "
                 "writes them",
                 self.models.last_error,
             )
-        else:
-            m.MODEL_INFO.labels(self.models.version).set(1)
-            m.MODEL_RELOADS.labels("ok").inc()
-        self.models.on_change = self._model_changed
         self.snapshots.start()
         self.recommender.adopt_snapshot()
         n = partition_count(self.producer, self.names.embeddings_updates)
@@ -395,16 +268,6 @@ class Worker(Service):
         if self.backlog and time.monotonic() >= self._events_retry_at:
             return 0.0
         return self.settings.poll_timeout_ms / 1000
-
-    def _use_mode(self, name: str, mode: ModeSettings) -> None:
-        """Serve the next batches in a mode (``LiveMode``): its serving settings and batching."""
-        self.recommender.use(mode.serving, name)
-        self.intake.policy = BatchPolicy(mode.max_batch, mode.max_wait_ms)
-
-    def _model_changed(self, models) -> None:
-        m.MODEL_INFO.clear()
-        m.MODEL_INFO.labels(models.version).set(1)
-        m.MODEL_RELOADS.labels("ok").inc()
 
     # ------------------------------------------------------------------ events, offsets
     def _learn_slice(self) -> None:
@@ -547,13 +410,6 @@ class Worker(Service):
         """The local step for a batch of labelled examples (``LocalLearner.learn``)."""
         self.learner.learn(ex)
         self._send_if_due()
-
-    def _evicted(self, table: int, slots: np.ndarray, ids: list[int]) -> None:
-        """Rows left the user slab or the item table: their local steps go with them (the
-        pool reuses their entries). A row's gradients held back for admission stay, to be
-        sent on admission, but no longer name those steps."""
-        self.pending.forget(table, slots)
-        self.outbox.forget_steps(table, ids)
 
     def expire_items(self, now_ms: int) -> int:
         """``inference/tables/bounds.py``'s ``expire_items`` on this worker's item table."""

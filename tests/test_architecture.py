@@ -179,6 +179,7 @@ def test_every_inference_module_lives_in_a_wing_or_the_loop():
         n for n in MODULES if n.startswith("inference.") and wing(n) is None and n.count(".") == 1
     )
     assert set(loop) <= {
+        "inference.assembly",
         "inference.batching",
         "inference.clients",
         "inference.commits",

@@ -283,10 +283,10 @@ def test_each_outbox_message_carries_exactly_the_local_steps_of_its_rows(conn, m
     """Three slices whose rows overlap wait in the outbox and leave summed per row, split by
     partition and by the per-message row cap: every local step is named by the one message
     that carries its row, and no message names a step of a row it does not carry."""
-    import inference.worker as worker_module
+    import inference.assembly as assembly
     from inference.learning.steps import Examples
 
-    monkeypatch.setattr(worker_module, "MAX_ROWS_PER_MESSAGE", 3)  # several per partition
+    monkeypatch.setattr(assembly, "MAX_ROWS_PER_MESSAGE", 3)  # several per partition
     s = WorkerSettings(
         conn, LearningSettings(dim=DIM, gradient_linger_ms=60_000), user_capacity_rows=1000
     )

@@ -249,7 +249,7 @@ def worker_figures(conn, models: Path, world: World, users: int, args, progress)
             times.append((time.perf_counter() - t) * 1000)
         progress.update(f"requests: 0/{n_requests}")
         totals = asyncio.run(_requests(conn, users, n_requests, progress))
-        levels = cache_levels(w._fetch, users, args.lookups, args.zipf, progress)
+        levels = cache_levels(w.cache.fetch, users, args.lookups, args.zipf, progress)
     finally:
         stop.set()
         thread.join(60)

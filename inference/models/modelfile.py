@@ -158,8 +158,15 @@ class ModelWatcher:
     when the manifest changed, and the new set replaces the old one between batches."""
 
     def __init__(
-        self, directory: Path, device: torch.device, dim: int, dtype: str = "float32"
+        self,
+        directory: Path,
+        device: torch.device,
+        dim: int,
+        dtype: str = "float32",
+        on_change: Callable[[ModelSet], None] | None = None,
     ) -> None:
+        """``on_change(models)``: called with every set loaded (``load_now`` and ``poll``'s,
+        the latter on the loading thread)."""
         self.directory = directory
         self.device = device
         self.dtype = dtype
@@ -170,7 +177,7 @@ class ModelWatcher:
         self._seen: tuple[int, int] | None = None
         self._loading: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.on_change: Callable[[ModelSet], None] = lambda s: None
+        self.on_change: Callable[[ModelSet], None] = on_change or (lambda s: None)
 
     def load_now(self) -> ModelSet | None:
         """Load synchronously (worker start); None, with ``last_error`` set, if unavailable."""

@@ -83,6 +83,11 @@ class RankingStage:
         self.light_cost_ms: float | None = None
         self.full_failed_until = 0.0
 
+    def use(self, settings) -> None:
+        """Rank the next batches with these ``ServingSettings`` (a serving mode's ``ranker``
+        and ``heat_split``); the tiers' measured costs stay."""
+        self.settings = settings
+
     def rank(self, b: RankBatch, choices, ranked, models: ModelSet | None):
         """Fills ``ranked`` (request → probability per candidate); returns a features note
         (or None), each request's ranker (None where no model ranked it) and each request's

@@ -129,6 +129,12 @@ class RecallRunner:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    def use(self, configs: Mapping[str, ChannelConfig]) -> None:
+        """The quotas and deadlines of the channels from ``configs`` (a serving mode's): the
+        channels running stay those the runner was built with, and one ``configs`` does not
+        name keeps its own."""
+        self.configs = {name: configs.get(name, c) for name, c in self.configs.items()}
+
     def _call(self, name: str, queries: list[RecallQuery]) -> list[np.ndarray] | Recalled:
         delay = self.delays_ms.get(name)
         if delay:

@@ -185,12 +185,11 @@ class Recommender:
         channels' quotas and deadlines, candidates, the ranker, MMR and the shown-items hold
         (the channels running stay those the worker started with)."""
         self.settings = settings
-        self.ranking.settings = settings
+        self.ranking.use(settings)
         self.ladder = Ladder(settings.ladder)
-        self.shown.hold_ms = round(settings.hold_shown_s * 1000)
-        runner = self.runner
-        runner.configs = {n: settings.channels.get(n, c) for n, c in runner.configs.items()}
-        self.quotas = {name: c.quota for name, c in runner.configs.items()}
+        self.shown.hold_for(round(settings.hold_shown_s * 1000))
+        self.runner.use(settings.channels)
+        self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
         self.mode = mode
 
     @property

@@ -51,6 +51,8 @@ from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 Fetch = Callable[[int, list[int]], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 """fetch(table, ids) -> (mask over ids of the rows the store has, then their rows, versions
 and newest event times, in order)."""
+Evicted = Callable[[int, np.ndarray, list[int]], None]
+"""on_evict(table, slots, ids): rows left the device (``EmbeddingCache.on_evict``)."""
 
 
 class _Table:
@@ -99,6 +101,7 @@ class EmbeddingCache:
         host_users: int = 0,
         host_items: int = 0,
         dtype: torch.dtype = torch.float32,
+        on_evict: Evicted | None = None,
     ) -> None:
         self.dim, self.w = dim, width(dim)
         self.device = device
@@ -119,10 +122,10 @@ class EmbeddingCache:
         }
         """The second level, per table: rows the device let go (users evicted from the slab,
         items past the size bound), as fresh as the device's."""
-        self.on_evict: Callable[[int, np.ndarray, list[int]], None] = lambda t, slots, ids: None
-        self.newest_replied_ms = 0  # the newest event time a reply has included
+        self.on_evict: Evicted = on_evict or (lambda table, slots, ids: None)
         """Called with the slots whose rows were evicted and those rows' ids, once per
         lookup, before those slots take their new rows."""
+        self.newest_replied_ms = 0  # the newest event time a reply has included
 
     # ------------------------------------------------------------------------------ slots
     def slots(self, table: int, ids: np.ndarray) -> np.ndarray:

@@ -29,6 +29,13 @@ class ShownItems:
         self.per_user = per_user
         self._lists: OrderedDict[str, deque[tuple[int, str]]] = OrderedDict()
 
+    def hold_for(self, hold_ms: int) -> None:
+        """Hold shown items back for ``hold_ms`` from now on (a serving mode's); what was
+        shown is remembered across the change."""
+        if hold_ms < 0:
+            raise ValueError("hold_ms must be >= 0")
+        self.hold_ms = hold_ms
+
     def shown(self, user_id: str, items: Sequence[str], now_ms: int) -> None:
         if not self.hold_ms or not items:
             return
