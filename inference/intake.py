@@ -29,8 +29,9 @@ from inference.batching import BatchPolicy, split_expired
 from inference.feedback import Feedback
 from inference.offsets import RequestOffsets
 from inference.route import reply_topic_pattern, route
+from inference.serving.batch import Inbound
 from inference.serving.liveexperiment import LiveExperiment
-from inference.serving.recommender import Inbound, Recommender
+from inference.serving.recommender import Recommender
 from inference.settings import ModeSettings, WorkerSettings
 from schemas.codec import dead_letter, decode_request, encode_dead_letter, encode_reply
 from schemas.contract import Reason, Rejected

@@ -983,7 +983,7 @@ def test_the_serving_budget_runs_from_when_the_request_was_produced():
     from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_NOT_AVAILABLE
 
     from inference.intake import produced_ms
-    from inference.serving.recommender import Inbound
+    from inference.serving.batch import Inbound
     from schemas.records import RecommendRequest
 
     class Msg:

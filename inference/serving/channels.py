@@ -102,6 +102,36 @@ class ServingState:
     recents: BatchMemo = field(default_factory=BatchMemo)
     """The batch's recent clicks (``recent_clicks``), read once for the channels that use them."""
 
+    def adopt_catalogue(
+        self, names: Sequence[str], category: np.ndarray, slots: np.ndarray, n: int
+    ) -> None:
+        """A new catalogue: its items ``names`` (of categories ``category``) at ``slots`` of
+        an item table of ``n`` slots."""
+        device = self.cache.device
+        named = torch.zeros(n, dtype=torch.bool, device=device)
+        named[self.cache.to_device(slots)] = True
+        slot_category = np.full(n, -1, np.int64)
+        slot_category[slots] = category
+        self.slot_category = slot_category
+        self.category_slots = category_members(category, slots)
+        self.unnamed_bias = torch.zeros(n, device=device).masked_fill(~named, float("-inf"))
+        self.slot_of = dict(zip(names, slots.tolist(), strict=True))
+        self.named, self.named_count = named, len(names)
+
+    def adopt_lists(
+        self, hot: Mapping[str, Sequence[str]], new: Sequence[str], item_shards: int
+    ) -> None:
+        """A snapshot's hot lists (per scope) and new items, as the catalogue's slots (items
+        it does not list are left out), and its ``events.by_item`` partitions."""
+        self.item_shards = item_shards
+        lists = dict(hot)
+        lists[NEW_ITEMS] = new
+        get = self.slot_of.get
+        self.lists = {
+            scope: np.fromiter((s for s in (get(x) for x in names) if s is not None), np.int64)
+            for scope, names in lists.items()
+        }
+
 
 class RecallChannel(abc.ABC):
     """A recall channel (see the module's docstring for the contract)."""

@@ -10,9 +10,7 @@ online learning writes: a user's click is in their next recommendation.
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,30 +21,23 @@ import torch
 
 from freshcore import clock
 from freshcore import metrics as m
-from freshcore.lifecycle import lower_thread_priority
 from freshcore.rediskeys import RedisKeys
-from inference.models.coldstart import category_starts, known_category
-from inference.models.features import CATEGORY_BUCKETS
 from inference.models.modelfile import ModelWatcher
 from inference.models.tiers import HeatSplit
-from inference.serving.ann import IVFIndex, ivf_cells
+from inference.serving.ann import IVFIndex
+from inference.serving.annbuild import IndexBuilds
 from inference.serving.arms import Arm, lambdas, quotas, reply_fields, steer
 from inference.serving.arms import request as request_of
-from inference.serving.channels import NEW_ITEMS, ServingState, category_members, default_channels
-from inference.serving.degrade import (
-    CACHED,
-    FULL,
-    HOT,
-    Ladder,
-    LadderConfig,
-    Situation,
-    reason_label,
-)
+from inference.serving.batch import BatchUsers, Candidates, Inbound, RankedBatch, StageClock
+from inference.serving.channels import ServingState, default_channels
+from inference.serving.coldstarts import start_cold_items
+from inference.serving.degrade import CACHED, FULL, HOT, Choice, Ladder, LadderConfig, Situation
 from inference.serving.hotreply import HotReplies
 from inference.serving.merge import merge_slot_arrays
 from inference.serving.modes import DAILY
 from inference.serving.rankstage import RankBatch, RankingStage
 from inference.serving.recall import ChannelConfig, RecallQuery, RecallResult, RecallRunner
+from inference.serving.replycounts import ReplyCounts
 from inference.serving.rerankstage import RerankStage
 from inference.serving.resultcache import ResultCache
 from inference.serving.snapshot import Snapshot, SnapshotRefresher
@@ -90,40 +81,6 @@ class ServingSettings:
     overrides it for its users."""
     heat_split: HeatSplit = field(default_factory=HeatSplit)
     """The ``tiered`` ranker's head and middle shares of the warm catalogue by heat."""
-
-
-@dataclass
-class Candidates:
-    """One request's merged candidates (cache slots) and each channel's list."""
-
-    slots: np.ndarray
-    per_channel: dict[str, np.ndarray]
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-
-@dataclass
-class Inbound:
-    """A decoded request and where its reply goes."""
-
-    request: RecommendRequest
-    reply_to: str
-    correlation_id: bytes | None
-    enqueued_ms: int
-    """When the request was produced (``intake.produced_ms``): its wait in the topic is part
-    of its budget."""
-    partition: int = -1
-    offset: int = -1
-    read_ms: int | None = None
-    """When the worker read it (None: at ``enqueued_ms``)."""
-
-    def deadline_ms(self, budget_ms: int) -> int:
-        """What the ladder plans to: the serving budget from when the request was produced,
-        or its own ``deadline_ms`` if earlier (a later one is how long the client waits)."""
-        planned = self.enqueued_ms + budget_ms
-        d = self.request.deadline_ms
-        return planned if d is None else min(d, planned)
 
 
 class Recommender:
@@ -170,8 +127,7 @@ class Recommender:
         """What the recall channels read (catalogue slots, hot lists, the IVF index)."""
         self.name_of_slot = np.empty(0, object)
         self.cat_index = np.empty(0, np.int64)  # slot -> catalogue index (-1: unknown)
-        self._ann_built_at = 0.0
-        self._ann_building = False
+        self.index_builds = IndexBuilds()
         self.hot_replies = HotReplies()
         self.runner: RecallRunner = runner_factory(self.state)
         self.quotas = {name: c.quota for name, c in self.runner.configs.items()}
@@ -206,6 +162,8 @@ class Recommender:
 
     # ------------------------------------------------------------------------ snapshot
     def adopt_snapshot(self) -> None:
+        """The refresher's newest snapshot, if one came: its catalogue (where new) as cache
+        slots, its hot lists and new items for the channels."""
         snap = self.snapshots.take()
         if snap is None:
             return
@@ -215,119 +173,23 @@ class Recommender:
             cat = snap.catalogue
             slots = self.cache.slots(TABLE_ITEM, cat.row_ids)
             if self.start_items is not None:
-                self._start_cold_items(cat, slots)
+                start_cold_items(self.cache, cat, slots, self.start_items)
             n = len(self.cache.item_ids)
             names = np.empty(n, object)
             names[slots] = cat.names
             cat_index = np.full(n, -1, np.int64)
             cat_index[slots] = np.arange(len(cat.names))
-            named = torch.zeros(n, dtype=torch.bool, device=self.cache.device)
-            named[self.cache.to_device(slots)] = True
-            slot_category = np.full(n, -1, np.int64)
-            slot_category[slots] = cat.category
-            st = self.state
-            st.slot_category = slot_category
-            st.category_slots = category_members(cat.category, slots)
-            st.unnamed_bias = torch.zeros(n, device=self.cache.device).masked_fill(
-                ~named, float("-inf")
-            )
-            st.slot_of = dict(zip(cat.names, slots.tolist(), strict=True))
-            st.named, st.named_count = named, len(cat.names)
+            self.state.adopt_catalogue(cat.names, cat.category, slots, n)
             self.name_of_slot, self.cat_index = names, cat_index
             m.CATALOGUE_ITEMS.set(len(cat.names))
         self.snap = snap
-        self.state.item_shards = snap.feature_shards or 0
-        lists = dict(snap.hot)
-        lists[NEW_ITEMS] = snap.new
         self.new_names = frozenset(snap.new)
-        get = self.slot_of.get
-        self.state.lists = {
-            scope: np.fromiter((s for s in (get(x) for x in names) if s is not None), np.int64)
-            for scope, names in lists.items()
-        }
-
-    def _start_cold_items(self, cat, slots: np.ndarray) -> None:
-        """Catalogue items this worker holds no learnt row for (none in Redis, no local step)
-        start from their category's mean learnt row, here and in Redis (where no row exists
-        yet: another worker's start, or the parameter server's row, wins). Only the cold
-        items' categories are read: a new item in a large catalogue costs its category's
-        rows, not the catalogue's."""
-        items = self.cache.items
-        learnt = (items.version[slots] > 0) | (items.local_ms[slots] > 0)
-        if learnt.all() or not learnt.any():
-            return
-        cold = np.flatnonzero(~learnt)
-        names = cat.category_names
-        known = np.fromiter((known_category(names[j]) for j in cold), bool, len(cold))
-        cold = cold[known]
-        if not len(cold):
-            return
-        category = cat.category
-        subset = np.flatnonzero(np.isin(category, np.unique(category[cold])))
-        subset = subset[learnt[subset] | np.isin(subset, cold)]
-        jitter = np.zeros((len(subset), self.cache.w), np.float32)
-        is_cold = ~learnt[subset]
-        jitter[is_cold] = initial_rows(cat.row_ids[subset[is_cold]], TABLE_ITEM, self.cache.dim)
-        rows, changed = category_starts(
-            self.cache.rows(TABLE_ITEM, slots[subset]),
-            torch.from_numpy(category[subset]),
-            torch.from_numpy(learnt[subset]),
-            self.cache.to_device(jitter),
-            CATEGORY_BUCKETS,
-        )
-        started = np.flatnonzero(changed.cpu().numpy())
-        if not len(started):
-            return
-        at = slots[subset[started]]
-        starts = rows[self.cache.to_device(started)]
-        items.rows.index_copy_(0, self.cache.to_device(at), self.cache.stored(starts))
-        items.set_version(at, 1)  # a starting row, as offline training's: any learnt row is newer
-        items.event_ms[at] = clock.now_ms()
-        m.COLD_ITEMS_STARTED.inc(len(started))
-        self.start_items(cat.row_ids[subset[started]], starts.cpu().numpy())
+        self.state.adopt_lists(snap.hot, snap.new, snap.feature_shards or 0)
 
     def maybe_rebuild_index(self) -> None:
         """Start a background IVF build when the catalogue is large and the index is missing
-        or older than ``ann_refresh_s`` (called from the worker loop; cheap)."""
-        s = self.settings
-        if self.state.named_count < s.ann_min_items or self._ann_building:
-            return
-        if self.cache.device.type != "cpu":  # a device's exact search is the fast one
-            return
-        if self.ann is not None and time.monotonic() - self._ann_built_at < s.ann_refresh_s:
-            return
-        size = min(len(self.named), len(self.cache.items.rows))
-        # no copy here (256 MB at 1M items would stall this loop): the build copies the rows
-        # into cells on its own thread, and a row installed meanwhile may land half-updated
-        # in that copy, which only chooses candidates; the live rows rank them
-        rows = self.cache.items.rows[:size].detach()
-        eligible = self.named[:size].clone().cpu()
-        cells = ivf_cells(int(eligible.sum()))
-        self._ann_building = True
-
-        def build() -> None:
-            try:
-                lower_thread_priority()  # the build yields the core to serving (Linux: per thread)
-                started = time.monotonic()
-                index = IVFIndex.build(rows, eligible, cells)
-                self.state.ann = index
-                self._ann_built_at = time.monotonic()
-                took = self._ann_built_at - started
-                m.ANN_INDEX_ITEMS.set(len(index.order))
-                m.ANN_BUILD_SECONDS.set(took)
-                m.ANN_BUILT_AT.set(time.time())
-                log.info(
-                    "IVF index: %d items in %d cells, built in %.1fs",
-                    len(index.order),
-                    len(index.centroids),
-                    took,
-                )
-            except Exception as exc:  # exact search goes on
-                log.error("IVF index build failed: %s", exc)
-            finally:
-                self._ann_building = False
-
-        threading.Thread(target=build, daemon=True, name="ann-build").start()
+        or older than ``ann_refresh_s`` (called from the worker loop; cheap: ``annbuild.py``)."""
+        self.index_builds.maybe_rebuild(self.state, self.cache, self.settings)
 
     def rank_batch(self, reqs, user_rows, merged, arms, recall: RecallResult) -> RankBatch:
         """What ranking reads for these requests: the catalogue snapshot, and per request the
@@ -355,105 +217,125 @@ class Recommender:
 
     # --------------------------------------------------------------------------- serve
     def serve(self, batch: list[Inbound], queue_depth: int = 0) -> list[RecommendReply]:
+        """One reply per request of ``batch``, in order, through the stages: the requests
+        (their arms, seen and held-back items), their users' rows, recall, the merge, the
+        ladder's tier, ranking, re-ranking, the replies. ``queue_depth``: requests still
+        queued behind the batch (the ladder weighs them)."""
         start = time.monotonic()
         now_ms = clock.now_ms()
-        s = self.settings
         self.adopt_snapshot()
         degraded: list[str] = []
         if not self.snapshots.healthy:
             degraded.append("redis unavailable: cached features and lists")
+        arms, reqs = self._requests(batch, now_ms)
+        users = self._users(reqs, now_ms)
+        if users.note:
+            degraded.append(users.note)
+        budgets = [b.deadline_ms(self.settings.default_budget_ms) - now_ms for b in batch]
+        recall = self._recall(reqs, users.rows, budgets, degraded)
+        recalled_at = time.monotonic()
+        merged = self._merge(recall, reqs, arms)
+        models = self.models.current
+        spent_ms = (recalled_at - start) * 1000
+        left_ms = [budget - spent_ms for budget in budgets]
+        choices = self._tiers(reqs, arms, left_ms, users.versions, queue_depth, models, now_ms)
+        ranked: dict[int, torch.Tensor] = {}  # request -> probability per candidate
+        batch_in = self.rank_batch(reqs, users.rows, merged, arms, recall)
+        features_note, rankers, rank_ms = self.ranking.rank(batch_in, choices, ranked, models)
+        if features_note:
+            degraded.append(features_note)
+        times = StageClock(now_ms, start, recalled_at, time.monotonic())
+        lists = self._rerank(merged, ranked, reqs, arms)
+        outcome = RankedBatch(choices, ranked, lists, rankers, rank_ms)
+        return self._replies(batch, reqs, arms, users, outcome, degraded, models, times)
+
+    def _requests(self, batch: list[Inbound], now_ms: int):
+        """Each request's experiment arm, and the request as served: steered by its arm,
+        the user's consumed items excluded if it asks, the items just shown held back."""
         arms = [self.arm_of(b.request.user_id) for b in batch]
         reqs = [self.with_seen(request_of(b.request, a)) for b, a in zip(batch, arms, strict=True)]
         if self.shown.hold_ms:
             reqs = [with_held(r, self.shown.held(r.user_id, now_ms)) for r in reqs]
-        user_rows, versions, ages, user_note, user_slots = self._users(reqs, now_ms)
-        if user_note:
-            degraded.append(user_note)
-        budgets = [b.deadline_ms(s.default_budget_ms) - now_ms for b in batch]
+        return arms, reqs
+
+    def _recall(self, reqs, user_rows, budgets: list[int], degraded: list[str]) -> RecallResult:
+        """Every channel for every request at once, within a share of the tightest budget;
+        the channels that timed out or failed are noted in ``degraded``."""
         queries = [
             RecallQuery(r.user_id, user_rows[j], r.context.region if r.context else None)
             for j, r in enumerate(reqs)
         ]
         # a request whose budget is spent is not recalled for: the cache or the hot list
-        recall = self.runner.run_within(queries, budgets, s.recall_share)
-        t_recall = time.monotonic()
+        recall = self.runner.run_within(queries, budgets, self.settings.recall_share)
         if recall.timed_out or recall.failed:
             degraded.append(
                 "recall channels dropped: " + ", ".join(recall.timed_out + recall.failed)
             )
-        merged = [
+        return recall
+
+    def _merge(self, recall: RecallResult, reqs, arms) -> list[Candidates]:
+        """Each request's candidates: its channels' lists merged by their quotas (its arm's
+        where it has one), without the items it excludes."""
+        return [
             self._candidates(recall.per_query[j], r.exclude, quotas(self.quotas, arms[j]))
             for j, r in enumerate(reqs)
         ]
-        models = self.models.current
-        choices = []
+
+    def _tiers(self, reqs, arms, left_ms, versions, queue_depth: int, models, now_ms: int):
+        """Each request's tier (``degrade.Ladder``), steered by its arm: from its device, the
+        budget it has ``left_ms`` after recall, the queue behind the batch, whether a valid
+        cached reply exists, and what the models can do and cost."""
+        choices: list[Choice] = []
         for j, r in enumerate(reqs):
-            device = r.context.device if r.context else None
-            key = self._cache_key(r)
-            budget_left = budgets[j] - (t_recall - start) * 1000
-            choices.append(
-                steer(
-                    self.ladder.choose(
-                        Situation(
-                            device=device,
-                            budget_ms=budget_left,
-                            queue_depth=queue_depth,
-                            cached=self.results.peek_valid(key, versions[j], now_ms),
-                            full_ok=models is not None
-                            and time.monotonic() >= self.ranking.full_failed_until,
-                            light_ok=models is not None,
-                            full_cost_ms=self.ranking.full_cost_ms,
-                            light_cost_ms=self.ranking.light_cost_ms,
-                        )
-                    ),
-                    arms[j],
-                )
+            situation = Situation(
+                device=r.context.device if r.context else None,
+                budget_ms=left_ms[j],
+                queue_depth=queue_depth,
+                cached=self.results.peek_valid(self._cache_key(r), versions[j], now_ms),
+                full_ok=models is not None and time.monotonic() >= self.ranking.full_failed_until,
+                light_ok=models is not None,
+                full_cost_ms=self.ranking.full_cost_ms,
+                light_cost_ms=self.ranking.light_cost_ms,
             )
-        ranked: dict[int, np.ndarray] = {}  # request -> probability per candidate
-        batch_in = self.rank_batch(reqs, user_rows, merged, arms, recall)
-        features_note, rankers, rank_ms = self.ranking.rank(batch_in, choices, ranked, models)
-        if features_note:
-            degraded.append(features_note)
-        t_rank = time.monotonic()
-        item_table_version = self.cache.items.newest
-        reranked = self.reranking.rerank(
-            merged,
-            ranked,
-            [r.k for r in reqs],
-            lambdas(arms, s.mmr_lambda),
-            self.name_of_slot,
-            self._categories,
-            s,
+            choices.append(steer(self.ladder.choose(situation), arms[j]))
+        return choices
+
+    def _rerank(self, merged, ranked, reqs, arms):
+        """The ranked requests' lists: MMR (each arm's λ) and category spacing."""
+        s = self.settings
+        lams = lambdas(arms, s.mmr_lambda)
+        ks = [r.k for r in reqs]
+        return self.reranking.rerank(
+            merged, ranked, ks, lams, self.name_of_slot, self._categories, s
         )
+
+    # --------------------------------------------------------------------------- reply
+    def _replies(
+        self,
+        batch: list[Inbound],
+        reqs: list[RecommendRequest],
+        arms: list[Arm | None],
+        users: BatchUsers,
+        outcome: RankedBatch,
+        degraded: list[str],
+        models,
+        times: StageClock,
+    ) -> list[RecommendReply]:
+        """The batch's replies, counted; the rows the ranking used are marked replied (the
+        ``reply`` freshness stage)."""
+        now_ms = times.now_ms
+        item_table_version = self.cache.items.newest
         # each request's share of the batch's work: recall and re-ranking split evenly, and its
         # own ranker's time over the requests that ranker scored (an A/B variant's cost)
-        shared_ms = ((t_recall - start) + (time.monotonic() - t_rank)) * 1000 / len(batch)
+        shared_ms = times.shared_ms(time.monotonic(), len(batch))
+        counts = ReplyCounts(self.mode, self.new_names)
         replies = []
-        cost_ms, listed, fresh = 0.0, 0, 0  # the batch's serving cost and listed (new) items
         for j, (b, r) in enumerate(zip(batch, reqs, strict=True)):
-            tier, reason = choices[j].tier, choices[j].reason
-            if j in ranked:
-                items = reranked[j]
-                if tier == FULL:
-                    self.results.put(self._cache_key(r), versions[j], items, now_ms)
-            elif tier == CACHED:
-                items = self.results.get(self._cache_key(r), versions[j], now_ms) or []
-                excluded = set(r.exclude)
-                items = [i for i in items if i[0] not in excluded and self._listed(i[0])][: r.k]
-            else:
-                tier = HOT
-                items = self.hot_replies.items(self.snap, r, self._listed)
-            done = time.monotonic()
-            read = b.enqueued_ms if b.read_ms is None else b.read_ms
-            timings = {
-                "topic": float(max(0, read - b.enqueued_ms)),
-                "queue": float(max(0, now_ms - read)),
-                "recall": (t_recall - start) * 1000,
-                "rank": (t_rank - t_recall) * 1000 if j in ranked else 0.0,
-                "rerank": (done - t_rank) * 1000,
-            }
-            timings["total"] = timings["topic"] + timings["queue"] + (done - start) * 1000
-            timings["cost"] = shared_ms + rank_ms[j]
+            reason = outcome.choices[j].reason
+            tier, items = self._items(j, r, outcome, users.versions[j], now_ms)
+            ranked = j in outcome.probs
+            cost_ms = shared_ms + outcome.rank_ms[j]
+            timings = times.timings(b, ranked, time.monotonic(), cost_ms)
             reason_text = reason if not degraded else f"{reason}; degraded: {'; '.join(degraded)}"
             replies.append(
                 RecommendReply(
@@ -465,35 +347,44 @@ class Recommender:
                     degraded=bool(degraded),
                     served_at_ms=clock.now_ms(),
                     model_version=models.version if models else None,
-                    user_embedding_version=int(versions[j]),
-                    user_embedding_age_ms=ages[j],
+                    user_embedding_version=int(users.versions[j]),
+                    user_embedding_age_ms=users.ages_ms[j],
                     item_table_version=item_table_version,
                     timings_ms={k: round(v, 3) for k, v in timings.items()},
                     worker=self.worker_id,
-                    ranker=rankers[j] if j in ranked else None,
+                    ranker=outcome.rankers[j] if ranked else None,
                     mode=self.mode,
                     **reply_fields(arms[j]),
                 )
             )
-            m.REPLIES.labels(tier, self.mode).inc()
-            cost_ms += timings["cost"]
-            listed += len(items)
-            fresh += sum(1 for i in items if i[0] in self.new_names)
+            counts.reply(tier, reason, degraded, items, timings)
             self.shown.shown(r.user_id, [i[0] for i in items], now_ms)
-            for stage, value in timings.items():
-                _stage_histogram(stage, tier, self.mode).observe(value / 1000)
-            if tier != FULL or degraded:
-                m.DEGRADED.labels(tier, reason_label(reason, degraded)).inc()
-        # once a batch, not once a reply: each ``labels`` takes a lock and builds a key
-        m.SERVING_COST.labels(self.mode).inc(cost_ms / 1000)
-        m.REPLY_ITEMS.labels("true").inc(fresh)
-        m.REPLY_ITEMS.labels("false").inc(listed - fresh)
-        used = [self.slot_of.get(name, -1) for j in ranked for name, _, _ in reranked[j]]
-        slots = (user_slots[list(ranked)], np.asarray(used, np.int64))  # rows the ranking used
+        counts.close()
+        used = [
+            self.slot_of.get(name, -1) for j in outcome.probs for name, _, _ in outcome.lists[j]
+        ]
+        slots = (users.slots[list(outcome.probs)], np.asarray(used, np.int64))  # rows ranked
         self.cache.observe_reply(*(x[x >= 0] for x in slots))
         return replies
 
-    def _users(self, reqs: list[RecommendRequest], now_ms: int):
+    def _items(self, j: int, r: RecommendRequest, outcome: RankedBatch, version, now_ms: int):
+        """Request ``j``'s tier and items: its re-ranked list where a model ranked it (kept in
+        the result cache where the tier is full), else the cached reply, else the hot list."""
+        tier = outcome.choices[j].tier
+        if j in outcome.probs:
+            items = outcome.lists[j]
+            if tier == FULL:
+                self.results.put(self._cache_key(r), version, items, now_ms)
+            return tier, items
+        if tier == CACHED:
+            items = self.results.get(self._cache_key(r), version, now_ms) or []
+            excluded = set(r.exclude)
+            return tier, [i for i in items if i[0] not in excluded and self._listed(i[0])][: r.k]
+        return HOT, self.hot_replies.items(self.snap, r, self._listed)
+
+    def _users(self, reqs: list[RecommendRequest], now_ms: int) -> BatchUsers:
+        """The requests' users' rows from the cache; where Redis is away, those not resident
+        start from their initial rows (noted)."""
         ids = row_ids([r.user_id for r in reqs])
         note = None
         try:
@@ -516,7 +407,7 @@ class Recommender:
                     event_ms[j] = int(self.cache.users.event_ms[slot])
         ages = [int(now_ms - t) if t > 0 else None for t in event_ms.tolist()]
         ages = [max(a, 0) if a is not None else None for a in ages]
-        return rows, versions.tolist(), ages, note, slots
+        return BatchUsers(rows, versions.tolist(), ages, note, slots)
 
     def _candidates(self, per_channel: dict[str, np.ndarray], exclude: tuple[str, ...], quota):
         ex = None
@@ -545,10 +436,3 @@ class Recommender:
             return [-1] * len(slots)
         ci = np.where(inside, self.cat_index[np.where(inside, slots, 0)], -1)
         return np.where(ci >= 0, cat.category[np.maximum(ci, 0)], -1).tolist()
-
-
-@functools.cache
-def _stage_histogram(stage: str, tier: str, mode: str):
-    """The labelled child, looked up once (``labels`` takes a lock and builds a key each
-    call: five stages a request)."""
-    return m.REQUEST_SECONDS.labels(stage, tier, mode)
