@@ -103,7 +103,7 @@ def test_a_logistic_fine_tune_starts_from_the_softmax_rows_and_fits_the_impressi
     """``softmax+logistic``: the softmax rows, then the logistic loss over every impression
     (those not clicked are negatives) from them: the impressions' log loss falls below the
     softmax rows' own."""
-    from inference.training.train import train_two_tower
+    from inference.training.twotower import train_two_tower
 
     world = World(SMALL)
     logs = world_log(world, 20_000, np.random.default_rng(4))
@@ -130,7 +130,7 @@ def test_the_softmax_tower_stops_on_validation_hits_and_keeps_its_best_epoch():
     ``patience`` epochs after the best, and the rows returned are the best epoch's."""
     import re
 
-    from inference.training.train import top_k_hits, train_two_tower
+    from inference.training.twotower import top_k_hits, train_two_tower
 
     world = World(SMALL)
     logs = world_log(world, 20_000, np.random.default_rng(5))

@@ -58,7 +58,7 @@ from freshrec.progress import ProgressLine
 from freshrec.sim.closedloop import ClosedLoop, LoopStats
 from freshrec.sim.world import World, WorldConfig
 from inference.models.modelfile import read_manifest
-from inference.training.train import TOWER_LOSSES, TrainConfig
+from inference.training.config import TOWER_LOSSES, TrainConfig
 from tools.benchlib import bench_connection, save, service_process
 from tools.freshness_report import (
     arm_result,

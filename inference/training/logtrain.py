@@ -94,59 +94,76 @@ def read_items(path: str | Path, fmt: ItemFormat, movielens: bool = False) -> It
         if not first:
             raise LogError(f"{path}: the item file is empty")
         if movielens and "|" in first and "::" not in first and "," not in first.split("|")[0]:
-            rows = (line.rstrip("\r\n").split("|") for line in [first, *text])
-            for cells in rows:  # u.item: id|title|date|video date|url|19 genre flags
-                if len(cells) < 5 + len(MOVIELENS_GENRES):
-                    continue
-                flags = [g for g, f in zip(MOVIELENS_GENRES, cells[5:], strict=False) if f == "1"]
-                table.ids.append(cells[0])
-                table.category[cells[0]] = flags[0] if flags else UNKNOWN_CATEGORY
-                table.title[cells[0]] = cells[1]
-            return table
-        if movielens and "::" in first:
-            for line in [first, *text]:  # movies.dat: id::title::genres
-                cells = line.rstrip("\r\n").split("::")
-                if len(cells) >= 3:
-                    table.ids.append(cells[0])
-                    table.category[cells[0]] = _first_genre(cells[2])
-                    table.title[cells[0]] = cells[1]
-            return table
-        if path.name.lower().removesuffix(".gz").endswith((".jsonl", ".ndjson", ".json")):
-            import json
-
-            rows = (json.loads(line) for line in [first, *text] if line.strip())
+            _read_u_item([first, *text], table)
+        elif movielens and "::" in first:
+            _read_movies_dat([first, *text], table)
         else:
-            delimiter = "\t" if "\t" in first else ","
-            names = [c.strip() for c in _split(first, delimiter)]
-            if fmt.id_col not in names:
-                raise LogError(f"{path}: no column {fmt.id_col!r} in the item file's header")
-            rows = (
-                dict(zip(names, _split(line, delimiter), strict=False))
-                for line in text
-                if line.strip()
-            )
-        for row in rows:
-            item = str(row.get(fmt.id_col, "")).strip()
-            if not item:
-                continue
-            table.ids.append(item)
-            cat = row.get(fmt.category_col) if fmt.category_col else None
-            if cat not in (None, ""):
-                table.category[item] = _first_genre(str(cat))
-            price = row.get(fmt.price_col) if fmt.price_col else None
-            try:
-                if price not in (None, "") and float(price) >= 0:
-                    table.price[item] = float(price)
-            except (TypeError, ValueError):
-                pass
-            title = row.get(fmt.title_col) if fmt.title_col else None
-            if title:
-                table.title[item] = str(title)[:200]
+            for row in _item_rows(path, first, text, fmt):
+                _add_item(table, row, fmt)
     except (UnicodeDecodeError, ValueError) as exc:
         raise LogError(f"{path}: cannot read the item file ({exc})") from None
     finally:
         text.close()
     return table
+
+
+def _read_u_item(lines, table: ItemTable) -> None:
+    """ml-100k's u.item: id|title|date|video date|url|19 genre flags (the first set names
+    the item's category)."""
+    for cells in (line.rstrip("\r\n").split("|") for line in lines):
+        if len(cells) < 5 + len(MOVIELENS_GENRES):
+            continue
+        flags = [g for g, f in zip(MOVIELENS_GENRES, cells[5:], strict=False) if f == "1"]
+        table.ids.append(cells[0])
+        table.category[cells[0]] = flags[0] if flags else UNKNOWN_CATEGORY
+        table.title[cells[0]] = cells[1]
+
+
+def _read_movies_dat(lines, table: ItemTable) -> None:
+    """ml-1m's movies.dat: id::title::genres."""
+    for line in lines:
+        cells = line.rstrip("\r\n").split("::")
+        if len(cells) >= 3:
+            table.ids.append(cells[0])
+            table.category[cells[0]] = _first_genre(cells[2])
+            table.title[cells[0]] = cells[1]
+
+
+def _item_rows(path: Path, first: str, text, fmt: ItemFormat):
+    """The rows of a JSON Lines item file (by its name), else of a CSV/TSV one whose header
+    is ``first`` and names ``fmt.id_col``: each a dict by column."""
+    if path.name.lower().removesuffix(".gz").endswith((".jsonl", ".ndjson", ".json")):
+        import json
+
+        return (json.loads(line) for line in [first, *text] if line.strip())
+    delimiter = "\t" if "\t" in first else ","
+    names = [c.strip() for c in _split(first, delimiter)]
+    if fmt.id_col not in names:
+        raise LogError(f"{path}: no column {fmt.id_col!r} in the item file's header")
+    return (
+        dict(zip(names, _split(line, delimiter), strict=False)) for line in text if line.strip()
+    )
+
+
+def _add_item(table: ItemTable, row: dict, fmt: ItemFormat) -> None:
+    """One row of an item file: its id, and its category, price and title where it has them
+    (a price that is not a number, or negative, is left out)."""
+    item = str(row.get(fmt.id_col, "")).strip()
+    if not item:
+        return
+    table.ids.append(item)
+    cat = row.get(fmt.category_col) if fmt.category_col else None
+    if cat not in (None, ""):
+        table.category[item] = _first_genre(str(cat))
+    price = row.get(fmt.price_col) if fmt.price_col else None
+    try:
+        if price not in (None, "") and float(price) >= 0:
+            table.price[item] = float(price)
+    except (TypeError, ValueError):
+        pass
+    title = row.get(fmt.title_col) if fmt.title_col else None
+    if title:
+        table.title[item] = str(title)[:200]
 
 
 def fingerprint(inter: Interactions) -> str:
