@@ -244,6 +244,27 @@ class RankingStage:
             [r.context.region if r.context else None for r in reqs],
             [(r.context.ts_ms if r.context and r.context.ts_ms else now_ms) for r in reqs],
         )
+        shares, sims = self._recent_features(b, group, lens, categories, items)
+        covisit = _covisit_scores(b, group, lens, n)
+        local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
+        inputs = self.encoder.encode(
+            user_rows.index_select(0, self.cache.to_device(np.asarray(group, np.int64))),
+            items,
+            dense,
+            categories,
+            ctx[owner],
+            shares,
+            owner=local,
+            recent_similarity=sims,
+            covisit=covisit,
+        )
+        return inputs, note, dense
+
+    def _recent_features(self, b: RankBatch, group, lens, categories: np.ndarray, items):
+        """Per candidate (``group``'s, ``lens`` per request, in order): the share of its
+        user's recent clicks in its category, and its row's similarity to those clicks'
+        rows (0 for a user with no recent clicks in the catalogue)."""
+        n, cat = len(categories), b.snap.catalogue
         shares, sims = np.zeros(n, np.float32), torch.zeros(n, device=items.device)
         lo = 0
         for j, size in zip(group, lens, strict=True):
@@ -260,28 +281,7 @@ class RankingStage:
                     rows, items[lo : lo + size], self.cache.dim
                 )
             lo += size
-        covisit = np.zeros(n, np.float32)
-        if b.covisit is not None:
-            lo = 0
-            for j, size in zip(group, lens, strict=True):
-                found = b.covisit[j]
-                if found:
-                    get = found.get
-                    covisit[lo : lo + size] = [get(x, 0.0) for x in merged[j].slots.tolist()]
-                lo += size
-        local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
-        inputs = self.encoder.encode(
-            user_rows.index_select(0, self.cache.to_device(np.asarray(group, np.int64))),
-            items,
-            dense,
-            categories,
-            ctx[owner],
-            shares,
-            owner=local,
-            recent_similarity=sims,
-            covisit=covisit,
-        )
-        return inputs, note, dense
+        return shares, sims
 
     def _realtime_features(self, b: RankBatch, group, lens, realtime, dense) -> str | None:
         """high_end devices: CTR/CVR/hot read from Redis now, not from the snapshot."""
@@ -301,6 +301,23 @@ class RankingStage:
                 if got is not None:
                     dense[base + k, 1:4] = got
         return None
+
+
+def _covisit_scores(b: RankBatch, group, lens, n: int) -> np.ndarray:
+    """Per candidate (``group``'s, ``lens`` per request, in order): its co-visitation score
+    with its user's recent clicks, as the ``covisit`` channel found it (0 where it did not,
+    or where the channel missed its deadline)."""
+    covisit = np.zeros(n, np.float32)
+    if b.covisit is None:
+        return covisit
+    lo = 0
+    for j, size in zip(group, lens, strict=True):
+        found = b.covisit[j]
+        if found:
+            get = found.get
+            covisit[lo : lo + size] = [get(x, 0.0) for x in b.merged[j].slots.tolist()]
+        lo += size
+    return covisit
 
 
 def timed_score(model, kind: str, inputs, device: torch.device) -> torch.Tensor:

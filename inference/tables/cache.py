@@ -36,6 +36,7 @@ from freshcore import metrics as m
 from freshcore.clock import now_ms
 from freshcore.idindex import IdIndex
 from inference.device import to_device, to_host
+from inference.tables.devicetable import DeviceTable
 from inference.tables.host import (
     EVENT,
     LOCAL,
@@ -53,41 +54,6 @@ Fetch = Callable[[int, list[int]], tuple[np.ndarray, np.ndarray, np.ndarray, np.
 and newest event times, in order)."""
 Evicted = Callable[[int, np.ndarray, list[int]], None]
 """on_evict(table, slots, ids): rows left the device (``EmbeddingCache.on_evict``)."""
-
-
-class _Table:
-    def __init__(self, w: int, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.rows = torch.zeros((capacity, w), dtype=dtype, device=device)
-        self.version = np.zeros(capacity, np.uint64)
-        self.event_ms = np.zeros(capacity, np.int64)
-        self.seen_ms = np.zeros(capacity, np.int64)  # last looked up (items: for expiry)
-        self.unreplied_ms = np.zeros(capacity, np.int64)
-        """The oldest event time the row includes that no reply has used yet (0: none)."""
-        self.local_ms = np.zeros(capacity, np.int64)
-        """The newest event time this worker learnt into the row itself."""
-        self.newest = 0
-        """The highest version any row of the table has been given (``set_version``): a
-        reply's ``item_table_version``, read once a batch without a scan of the table."""
-
-    def set_version(self, slots, versions) -> None:
-        """The versions of the rows at ``slots`` (``newest`` follows)."""
-        self.version[slots] = versions
-        if np.size(versions):
-            self.newest = max(self.newest, int(np.max(versions)))
-
-    def grow(self, capacity: int) -> None:
-        extra = capacity - len(self.rows)
-        if extra <= 0:
-            return
-        pad = torch.zeros(
-            (extra, self.rows.shape[1]), dtype=self.rows.dtype, device=self.rows.device
-        )
-        self.rows = torch.cat([self.rows, pad])
-        self.version = np.concatenate([self.version, np.zeros(extra, np.uint64)])
-        self.event_ms = np.concatenate([self.event_ms, np.zeros(extra, np.int64)])
-        self.seen_ms = np.concatenate([self.seen_ms, np.zeros(extra, np.int64)])
-        self.unreplied_ms = np.concatenate([self.unreplied_ms, np.zeros(extra, np.int64)])
-        self.local_ms = np.concatenate([self.local_ms, np.zeros(extra, np.int64)])
 
 
 class EmbeddingCache:
@@ -110,11 +76,11 @@ class EmbeddingCache:
         self.fetch = fetch
         self.clock = clock
         """Milliseconds now: when an item slot was last looked up (``items.seen_ms``)."""
-        self.items = _Table(self.w, 1024, device, dtype)
+        self.items = DeviceTable(self.w, 1024, device, dtype)
         self.item_index = IdIndex()
         self.item_ids: list[int] = []  # by slot, up to the highest slot ever taken
         self._free_items: list[int] = []  # expired slots, taken again first
-        self.users = _Table(self.w, user_capacity, device, dtype)
+        self.users = DeviceTable(self.w, user_capacity, device, dtype)
         self.user_lru = SlotLRU(user_capacity)
         self.host = {
             TABLE_USER: HostRows(host_users, self.w),
@@ -283,7 +249,7 @@ class EmbeddingCache:
     def _fill(
         self,
         table: int,
-        t: _Table,
+        t: DeviceTable,
         ids: list[int],
         slots: np.ndarray | list[int],
         store: bool = True,
@@ -336,7 +302,7 @@ class EmbeddingCache:
         t.unreplied_ms[at] = times[:, UNREPLIED]
         t.local_ms[at] = times[:, LOCAL]
 
-    def _to_host(self, table: int, t: _Table, slots: np.ndarray, ids: list[int]) -> None:
+    def _to_host(self, table: int, t: DeviceTable, slots: np.ndarray, ids: list[int]) -> None:
         """Rows the device lets go, to host RAM (one copy back), before their slots are
         taken again."""
         host = self.host[table]
@@ -359,7 +325,7 @@ class EmbeddingCache:
         """The rows at ``slots``, on the tables' device, in float32."""
         return self.table(table).rows.index_select(0, self.to_device(slots)).float()
 
-    def table(self, table: int) -> _Table:
+    def table(self, table: int) -> DeviceTable:
         return self.items if table == TABLE_ITEM else self.users
 
     def gather(self, table: int, slots: np.ndarray) -> np.ndarray:
