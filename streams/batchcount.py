@@ -100,6 +100,25 @@ def plan_batch(
     return BatchPlan(skip, late, last, newest, source_ms)
 
 
+def floors(
+    parts: list[int],
+    ts_ms: list[int],
+    skip: list[bool],
+    holding: tuple[dict[int, int], int | None],
+) -> tuple[np.ndarray, dict[int, int]]:
+    """The floor each of a record's entries meets (in order; ``skip``: replays, which move
+    no watermark) and each source partition's watermark after the record: the rule
+    ``plan_batch`` applies, for a record whose offsets need not rise (co-visitation pairs).
+
+    >>> floor, after = floors([1, 1], [5_000, 9_000], [False, False], ({1: 4_000}, 7_000))
+    >>> floor.tolist(), after
+    ([4000, 5000], {1: 9000})
+    """
+    part_a = np.array(parts, np.int64)
+    sources = np.unique(part_a).tolist()
+    return _floors(part_a, np.array(ts_ms, np.int64), np.array(skip, bool), sources, holding)
+
+
 def _floors(
     part_a: np.ndarray,
     ts: np.ndarray,

@@ -28,11 +28,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from streams.batchcount import add_counts, plan_batch
+from streams.batchcount import add_counts, floors, plan_batch
 from streams.byitem import CLICK, CONVERSION, IMPRESSION, ByItemEvent, by_item_columns
 from streams.covisit import CoVisitCounts
 from streams.itemcounts import ItemCounts, StateConfig, renumbered
-from streams.watermarks import NO_TIME, SourceWatermarks
+from streams.watermarks import NO_TIME, SourceWatermarks, pairs_channel
 
 __all__ = [  # the event codes index the counters, so a reader of the state finds them here
     "CLICK",
@@ -72,7 +72,8 @@ class ItemPartitionState(ItemCounts):
         self.late = 0
         self.skipped = 0
         self.sources = SourceWatermarks(config.source_partitions, config.watermark_idle_ms)
-        """Per source partition of ``events``, its watermark: what lateness is judged by."""
+        """Per source partition of ``events``, its events' and its pairs' watermarks: what
+        lateness is judged by."""
         self.covisit = CoVisitCounts(config.covisit_candidates)
         """Co-visitation counts of this partition's anchors (``covisit.py``)."""
         self.covisit_applied: dict[int, int] = {}
@@ -218,26 +219,32 @@ class ItemPartitionState(ItemCounts):
 
         A click's pairs travel in one record, so a pair is skipped when its source offset is
         at or below what this partition had counted before the record: a replayed record
-        counts nothing twice. Late pairs (older than the floor minus the grace:
-        ``SourceWatermarks.floor_ms``) are dropped as late events are; pairs move neither
-        the watermarks nor the landmark once set, nor count as their source partition
-        delivering (the click's event is counted in its own item's partition)."""
+        counts nothing twice. Late pairs are dropped as late events are, by the same rule
+        (``batchcount.floors``), on a channel of their own (``watermarks.pairs_channel``):
+        a source partition's pairs come in click order, but after the events of their
+        validate batch, which in a backlog run hours ahead of them. Pairs move neither the
+        partition's newest event time nor the landmark once set."""
         before = self.covisit_applied
-        keep = [
-            j for j, (p, o) in enumerate(zip(parts, offsets, strict=True)) if o > before.get(p, -1)
-        ]
+        skip = [o <= before.get(p, -1) for p, o in zip(parts, offsets, strict=True)]
+        keep = [j for j, skipped in enumerate(skip) if not skipped]
         self.skipped += len(anchors) - len(keep)
         after = dict(before)
         for j in keep:
             after[parts[j]] = max(after.get(parts[j], -1), offsets[j])
         self.covisit_applied = after
+        if not parts:
+            return 0
+        channels = [pairs_channel(p) for p in parts]
+        holding = self.sources.holding(now_ms, channels)
+        floor, source_ms = floors(channels, ts_ms, skip, holding)
+        self.sources.delivered(now_ms, source_ms, source_ms)
         if not keep:
             return 0
         if not self._landmark_set:
             self.decay.landmark_ms = ts_ms[keep[0]]
             self._landmark_set = True
-        floor = self.late_below_ms(now_ms)
-        fresh = [j for j in keep if ts_ms[j] >= floor]
+        grace = self.config.late_grace_ms
+        fresh = [j for j in keep if ts_ms[j] >= floor[j] - grace]
         self.late += len(keep) - len(fresh)
         if fresh:
             ts = [ts_ms[j] for j in fresh]
@@ -250,8 +257,9 @@ class ItemPartitionState(ItemCounts):
         return len(fresh)
 
     def late_below_ms(self, now_ms: int | None = None) -> int:
-        """The event time below which a co-visitation pair is late now (and the metric):
-        the floor minus the grace; far below any event time while nothing is late."""
+        """The event time below which an event is late now unless its own source partition
+        holds the floor lower (the metric): the floor minus the grace; far below any event
+        time while nothing is late."""
         floor = self.sources.floor_ms(now_ms)
         return (NO_TIME if floor is None else floor) - self.config.late_grace_ms
 

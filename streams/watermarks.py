@@ -9,17 +9,24 @@ inputs, as Flink advances an operator's watermark by the least of its inputs' wa
 ``SourceWatermarks`` keeps, per source partition, the newest event time read from it (its
 watermark) and when, in processing time, it last delivered. The floor is the least
 watermark of the source partitions that hold it, and an event more than the grace older
-than the floor is late. A source partition holds the floor:
+than the floor is late.
 
-- while it delivers (those of the batch being counted, at their watermarks as they rise);
-- while it is known — from the topic's partition count, given at start, or seen — and has
-  delivered within ``idle_ms`` of processing time (Flink's ``withIdleness``): at its
-  watermark, or at −∞ (``NO_TIME``: nothing is late) while it has delivered nothing. A
-  partition without traffic then stops holding lateness off after ``idle_ms``.
+A source partition sends two streams, each in its own order: its events, and its clicks'
+co-visitation pairs, which the validate stage writes after a batch's events (in a backlog
+a batch spans hours of event time, so its pairs lag its events by as much). Each stream is
+a channel with a watermark of its own: channel p for the events of source partition p,
+``pairs_channel(p)`` for its pairs. A channel holds the floor:
 
-Since its own source partition always holds the floor, an event is late only if it is more
-than the grace behind its own partition's progress too: a backlog drained in order loses
-nothing, however fast and unevenly its partitions are read.
+- while it delivers (those of the record being counted, at their watermarks as they rise);
+- while it is known — an events channel from the topic's partition count, given at start,
+  any channel once seen — and has delivered within ``idle_ms`` of processing time (Flink's
+  ``withIdleness``): at its watermark, or at −∞ (``NO_TIME``: nothing is late) while it has
+  delivered nothing. A partition without traffic stops holding lateness off after
+  ``idle_ms``.
+
+Since its own channel always holds the floor, an event is late only if it is more than the
+grace behind its own stream's progress too: a backlog drained in order loses nothing,
+however fast and unevenly its partitions are read.
 
 Time is passed in: event times, and processing time (``now_ms``, any clock that does not
 jump; the app passes a monotonic one). Nothing here reads a clock.
@@ -43,19 +50,30 @@ NO_TIME = -(2**62)
 against it. Far below any event time, and a grace below it still fits in 64 bits."""
 
 
+def pairs_channel(partition: int) -> int:
+    """The channel of a source partition's co-visitation pairs (its events are channel
+    ``partition``).
+
+    >>> pairs_channel(0), pairs_channel(3)
+    (-1, -4)
+    """
+    return -1 - partition
+
+
 class SourceWatermarks:
-    """Per source partition of ``events``: its watermark and when it last delivered."""
+    """Per channel (a source partition of ``events``'s events or pairs): its watermark and
+    when it last delivered."""
 
     def __init__(
         self, partitions: int | None, idle_ms: int, newest_ms: Mapping[int, int] | None = None
     ) -> None:
         self.partitions = partitions
-        """The partition count of ``events``; None: only the partitions seen are known."""
+        """The partition count of ``events``; None: only the channels seen are known."""
         self.idle_ms = idle_ms
         self.newest_ms: dict[int, int] = dict(newest_ms or {})
-        """Per source partition, the newest event time read from it (not replays)."""
+        """Per channel, the newest event time read from it (not replays)."""
         self.delivered_ms: dict[int, int] = {}
-        """Per source partition, the processing time it last delivered."""
+        """Per channel, the processing time it last delivered."""
         self.since_ms: int | None = None
         """The processing time of the first batch: the partitions known but silent count
         as idle from then."""
@@ -71,7 +89,7 @@ class SourceWatermarks:
         return self.now_ms
 
     def known(self) -> set[int]:
-        """The source partitions that exist as far as this state knows."""
+        """The channels that exist as far as this state knows."""
         out = set(self.newest_ms) | set(self.delivered_ms)
         if self.partitions is not None:
             out.update(range(self.partitions))
@@ -80,8 +98,8 @@ class SourceWatermarks:
     def holding(
         self, now_ms: int | None, delivering: Iterable[int]
     ) -> tuple[dict[int, int], int | None]:
-        """For a batch from the source partitions ``delivering``: each one's watermark before
-        it (``NO_TIME`` for one that delivered nothing yet), and the least watermark of the
+        """For a record from the channels ``delivering``: each one's watermark before it
+        (``NO_TIME`` for one that delivered nothing yet), and the least watermark of the
         others that hold the floor (``NO_TIME``: one of them has delivered nothing yet;
         None: none of them holds it)."""
         now = self.clock(now_ms)
@@ -95,9 +113,10 @@ class SourceWatermarks:
         return start, min(others, default=None)
 
     def floor_ms(self, now_ms: int | None = None) -> int | None:
-        """The floor for what delivers no event time of its own (co-visitation pairs, the
-        metric): the least watermark of the source partitions holding it; with none holding
-        it, the newest watermark (None: none known, nothing is late)."""
+        """The floor now, for no channel of its own (the metric): the least watermark of
+        the channels holding it; with none holding it, the newest watermark, as Flink's
+        watermark valve emits the greatest when all its inputs are idle (None: none known,
+        nothing is late)."""
         _, others = self.holding(now_ms, ())
         if others is None:
             return max(self.newest_ms.values(), default=None)
@@ -106,8 +125,8 @@ class SourceWatermarks:
     def delivered(
         self, now_ms: int | None, delivering: Iterable[int], newest: Mapping[int, int]
     ) -> None:
-        """The source partitions ``delivering`` delivered at ``now_ms``; ``newest``: the
-        watermarks that moved (``NO_TIME`` ones are not watermarks)."""
+        """The channels ``delivering`` delivered at ``now_ms``; ``newest``: their watermarks
+        after it (``NO_TIME`` ones are not watermarks; a watermark never falls)."""
         now = self.clock(now_ms)
         for p in delivering:
             self.delivered_ms[p] = now

@@ -9,7 +9,7 @@ import pytest
 
 from streams.decay import HOUR_MS
 from streams.item_state import CLICK, ItemPartitionState, StateConfig
-from streams.watermarks import NO_TIME, SourceWatermarks
+from streams.watermarks import NO_TIME, SourceWatermarks, pairs_channel
 
 T0 = 1_767_225_600_000
 GRACE_MS = 10 * 60_000
@@ -115,16 +115,50 @@ def test_partitions_seen_hold_the_floor_when_the_partition_count_is_unknown():
     assert s.apply([(0, 2, "a", CLICK, T0 + 1000, None, 0.0)], 3) == 1  # 1 holds it at T0
 
 
-def test_co_visitation_pairs_are_judged_against_the_same_floor():
+def test_co_visitation_pairs_are_judged_by_the_same_rule_on_channels_of_their_own():
     s = state()
     now = drain(s, backlog(0, 0, T0, 3), 300, 0)
     now = drain(s, backlog(1, 0, T0, 1), 300, now)
-    end1 = s.sources.newest_ms[1]
-    # a pair from the lagging partition, hours behind the newest event: counted
-    assert s.apply_pairs(["i1"], ["i2"], [1], [10**6], [end1 - 1000], now) == 1
-    # older than both partitions' progress minus the grace: late
-    assert s.apply_pairs(["i1"], ["i3"], [0], [10**6], [end1 - GRACE_MS - 1], now) == 0
-    assert s.late == 1 and s.sources.newest_ms[1] == end1  # pairs move no watermark
+    end0, end1 = s.sources.newest_ms[0], s.sources.newest_ms[1]
+    newest = s.watermark_ms
+    # pairs of the lagging partition, hours behind the newest event: counted
+    assert s.apply_pairs(["i1"], ["i2"], [1], [10**6], [end1], now) == 1
+    assert s.apply_pairs(["i1"], ["i3"], [0], [10**6], [end0], now) == 1
+    # older than every channel's progress minus the grace: late
+    assert s.apply_pairs(["i1"], ["i4"], [0], [10**6 + 1], [end1 - GRACE_MS - 1], now) == 0
+    assert s.late == 1
+    # pairs move their own channel's watermark, not the events' nor the newest event time
+    pairs = {p: s.sources.newest_ms[pairs_channel(p)] for p in (0, 1)}
+    assert pairs == {0: end0, 1: end1}
+    assert s.sources.newest_ms[1] == end1 and s.watermark_ms == newest
+
+
+def test_a_batchs_pairs_after_its_events_hours_ahead_of_them_are_not_late():
+    """The validate stage writes a batch's pairs after its events: in a backlog one batch
+    spans hours of event time, so the pairs of its first clicks come after events of the
+    same source partition hours newer. On a channel of their own they are on time."""
+    s = state(partitions=1)
+    events = backlog(0, 0, T0, 3)
+    s.apply(events, 0)
+    clicks = events[::10]
+    n = len(clicks)
+    offsets, times = [e[1] for e in clicks], [e[4] for e in clicks]
+    assert s.apply_pairs(["i1"] * n, ["i2"] * n, [0] * n, offsets, times, 1) == n
+    assert s.late == 0
+
+
+def test_pairs_from_a_partition_that_delivered_no_event_here_hold_their_own_floor():
+    """A click's event goes to its item's partition, the pair (a → b) to a's: a partition
+    may get a source partition's pairs before any of its events. The pairs hold the floor
+    at their own progress, so a lagging partition's pairs are not late either."""
+    s = state()
+    now = drain(s, backlog(0, 0, T0, 3), 300, 0)
+    now += 10 * IDLE_MS  # partition 0 idle, partition 1 never seen: nothing holds the floor
+    assert s.late_below_ms(now) == s.sources.newest_ms[0] - GRACE_MS
+    times = [T0 + j * 60_000 for j in range(60)]  # partition 1's first hour, in order
+    n = len(times)
+    assert s.apply_pairs(["i1"] * n, ["i2"] * n, [1] * n, list(range(n)), times, now) == n
+    assert s.late == 0
 
 
 def test_the_source_watermarks_survive_a_restart_from_the_snapshot():
