@@ -116,6 +116,12 @@ STREAMS_BATCH_SECONDS = Histogram(
     buckets=LAG_BUCKETS_S,
 )
 STREAMS_LATE = Counter("freshrec_streams_late_events_total", "Events older than the grace period")
+STREAMS_LATENESS_FLOOR = Gauge(
+    "freshrec_streams_lateness_floor_timestamp_seconds",
+    "Event time below which the count stage drops events as late, the least over this "
+    "instance's events.by_item partitions: the least watermark of the events partitions "
+    "holding it, minus FRESHREC_LATE_GRACE_MS (0: one that has delivered nothing holds it)",
+)
 STREAMS_REPLAYED = Counter(
     "freshrec_streams_replayed_events_total", "Repartitioned events skipped as already counted"
 )

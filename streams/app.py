@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -97,6 +98,9 @@ class StreamsApp:
         self.names = TopicNames(conn.topic_prefix)
         self.keys = RedisKeys(conn.topic_prefix)
         self.by_item_partitions = _partition_count(settings, self.names.events_by_item)
+        # each partition of events holds the lateness floor from the start (watermarks.py)
+        events = _partition_count(settings, self.names.events)
+        self.state_config = dataclasses.replace(settings.state, source_partitions=events)
         self.states: dict[int, ItemPartitionState] = {}
         self.restoring: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.lag_samples: dict[int, list[int]] = defaultdict(list)
@@ -207,7 +211,7 @@ class StreamsApp:
             if state is None:
                 sink = await self._redis()
                 state = await until_redis_answers(
-                    lambda: sink.restore(partition, self.settings.state), "restoring counts"
+                    lambda: sink.restore(partition, self.state_config), "restoring counts"
                 )
                 self.states[partition] = state
                 m.STREAMS_PARTITIONS.set(len(self.states))
@@ -225,18 +229,20 @@ class StreamsApp:
         touched: set[int] = set()
         repartitioned: list[float] = []  # seconds from event time to the by_item record
         sampled: list[int] = []
+        now = int(time.monotonic() * 1000)  # processing time: the source partitions' idleness
         for ev in batch:
             q = ev.message.partition
             state = await self._state(q)
             record = orjson.loads(ev.message.value)
             late_before, skipped_before = state.late, state.skipped
             if isinstance(record, dict) and PAIR_COLUMNS[0] in record:  # co-visitation pairs
-                m.STREAMS_COVISIT_PAIRS.inc(state.apply_pairs(*(record[c] for c in PAIR_COLUMNS)))
+                pairs = (record[c] for c in PAIR_COLUMNS)
+                m.STREAMS_COVISIT_PAIRS.inc(state.apply_pairs(*pairs, now_ms=now))
                 m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
                 touched.add(q)
                 continue
             columns = by_item_columns(record)
-            m.STREAMS_COUNTED.inc(state.apply_columns(*columns))
+            m.STREAMS_COUNTED.inc(state.apply_columns(*columns, now_ms=now))
             m.STREAMS_LATE.inc(state.late - late_before)
             m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
             samples = self.lag_samples[q]
@@ -255,6 +261,8 @@ class StreamsApp:
                 self.states[q].set_prices({i: prices[i] for i in items if i in prices})
         await self._persist(sorted(touched))
         self.dirty.update(touched)
+        below = min((s.late_below_ms(now) for s in self.states.values()), default=0)
+        m.STREAMS_LATENESS_FLOOR.set(max(below, 0) / 1000)
         if sampled:
             counted = time.time() - np.asarray(sampled) / 1000
             m.observe_many(

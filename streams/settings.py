@@ -32,6 +32,14 @@ LATE_GRACE_MS = Setting(
     kind=int,
     minimum=0,
 )
+WATERMARK_IDLE_MS = Setting(
+    "FRESHREC_WATERMARK_IDLE_MS",
+    StateConfig.watermark_idle_ms,
+    "A partition of `events` that has delivered nothing to a count partition for this long "
+    "(processing time) stops holding back the event time lateness is judged by.",
+    kind=int,
+    minimum=0,
+)
 PRICE_CAP = Setting(
     "FRESHREC_PRICE_CAP",
     StateConfig.price_cap,
@@ -195,6 +203,7 @@ class StreamsSettings:
         state = StateConfig(
             decay_rate_per_hour=hot.decay_per_hour,
             late_grace_ms=LATE_GRACE_MS.read(env),
+            watermark_idle_ms=WATERMARK_IDLE_MS.read(env),
             weights=hot.weights,
             smoothing=Smoothing(),
             price_cap=PRICE_CAP.read(env),
