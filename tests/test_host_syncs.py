@@ -16,9 +16,9 @@ import pytest
 
 from freshrec.sim.world import World
 from inference.worker import Worker
-from tools.bench_serving import _inbound
 from tools.gpu_sync_check import examples
 from tools.hostsync import counting
+from tools.serving_inprocess import _inbound
 
 from .serving_harness import WORLD, worker_settings
 

@@ -595,7 +595,8 @@ def test_bench_serving_ranks_on_the_chosen_device_and_summarises_the_parts_it_ra
     import torch
 
     from freshrec.progress import ProgressLine
-    from tools.bench_serving import bench_ranking, summary
+    from tools.bench_serving import summary
+    from tools.serving_inprocess import bench_ranking
 
     # asserts batched == serial
     r = bench_ranking(model_dir, torch.device("cpu"), ProgressLine(), dim=DIM)

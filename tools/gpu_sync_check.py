@@ -36,9 +36,9 @@ from inference.learning.steps import Examples
 from inference.settings import LearningSettings, WorkerSettings
 from inference.training.train import TrainConfig
 from inference.worker import Worker
-from tools.bench_serving import _inbound
 from tools.benchlib import bench_connection
 from tools.seed import seed_world
+from tools.serving_inprocess import _inbound
 
 DIM = 32
 WORLD = WorldConfig(seed=5, n_users=5000, n_items=2000, n_categories=12)
