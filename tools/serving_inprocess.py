@@ -23,9 +23,9 @@ from freshrec.sim.world import World
 from inference.models.features import FeatureEncoder
 from inference.models.modelfile import ModelWatcher
 from inference.models.ranking import score
+from inference.serving.batch import Inbound
 from inference.serving.degrade import LadderConfig
 from inference.serving.recall import RecallQuery
-from inference.serving.recommender import Inbound
 from inference.settings import LearningSettings, WorkerSettings
 from inference.worker import Worker
 from schemas.codec import decode_reply, encode_request
