@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+from evaluation.baselines import BASELINES
 from evaluation.neighbours import STAN, ItemKNN, SequentialRules
 from evaluation.prequential import run
 from evaluation.protocol import plan
@@ -130,3 +131,38 @@ def test_equal_scores_go_to_the_more_popular_item_then_to_the_one_seen_first():
     sr.learn(["u", "u", "v", "v", "w", "x", "x"], ["a", "b", "a", "c", "c", "d", "e"])
     sr.learn(["y"], ["a"])
     assert sr.recommend("y", 4, {"a"}) == ["c", "b", "d", "e"]
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_no_baseline_lists_an_item_before_its_first_interaction(name):
+    """Every registered baseline, at its first setting, through the replay's protocol on a
+    log whose catalogue grows: each list holds only items of interactions already learnt."""
+    us, its, ts = _log(random.Random(11), 300, users=10, items=60)
+    users, items = np.array(us, object), np.array(its, object)
+    first: dict[str, int] = {}
+    for pos, item in enumerate(its):
+        first.setdefault(item, pos)
+    spec = BASELINES[name]
+    p = plan(users, items, train_share=0.2, step=10)
+    model = spec.cls(**spec.candidates(p.train_end)[0][1])
+    early: list[str] = []
+
+    class Watched:
+        """The baseline, with what it lists checked against what it has learnt."""
+
+        name = "watched"
+        learnt = 0
+
+        def learn(self, u, i, t_ms=None):
+            model.learn(u, i, t_ms)
+            self.learnt += len(u)
+
+        def recommend(self, user, k, exclude):
+            listed = model.recommend(user, k, exclude)
+            early.extend(x for x in listed if first[x] >= self.learnt)
+            return listed
+
+    scores = run(Watched(), p, users, items, np.array(ts), k=10, windows=1)
+    assert scores.total.interactions > 0
+    assert sum(first[i] >= p.train_end for i in set(its)) > 10  # items did keep arriving
+    assert not early, early[:5]

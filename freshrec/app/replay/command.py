@@ -65,7 +65,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         f"in {len(p.steps):,} steps: {p.evaluated:,} evaluated, {p.repeats:,} repeats "
         f"(the user had the item already), {p.unsampled:,} outside the sample"
     )
-    data = prepare(inter, items, p, args.windows, args.duration, args.speed)
+    data = prepare(inter, items, p, args.windows, args.duration, args.speed, args.catalogue)
     catalogue = len(set(inter.items.tolist()) | set(items.ids))
     results = ReplayResults(inter.t_ms, p.train_end, args.windows, catalogue)
     if arms:
@@ -175,6 +175,7 @@ def _live_details(result, shares: dict, overrides: dict, tuned: dict | None) -> 
         "channel_share_of_listed_items": shares,
         "late_steps": result.late_steps,
         "events_read_before_the_replay": result.read_before,
+        "items_listed_before_they_existed": result.unlisted,
         "events": result.events,
         "without_exclude": result.without_exclude(),
         "settings": {**overrides, **(tuned or {}).get("settings", {})},

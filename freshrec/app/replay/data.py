@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+CATALOGUES = ("listed", "as-it-appears")
+"""How a replay lists its items (``--catalogue``)."""
 EXCLUDE_MAX = 1000
 """The request schema's bound on ``exclude``."""
 MIN_EVENT_MS = 946_684_800_000
@@ -26,22 +28,36 @@ class ReplayData:
     """``evaluation.protocol.Plan``."""
     window_of: np.ndarray
     catalogue: list[str]
-    """Items listed from the start (the training part's, and the item file's)."""
+    """Items listed when the replayed part starts: the training part's, and the item file's
+    unless the catalogue is listed as it appears."""
     category: dict[str, str]
     price: dict[str, float]
     history: dict[str, list[str]] = field(default_factory=dict)
     """Per replayed user, their training-part items, newest first."""
     speed: float = 1.0
+    as_it_appears: bool = False
+    """Every item is listed just before its first interaction (training part included),
+    created then; else the catalogue is listed before the training part is sent."""
 
 
-def prepare(inter, items_table, plan, windows: int, duration_s: float, speed: float | None):
+def prepare(
+    inter,
+    items_table,
+    plan,
+    windows: int,
+    duration_s: float,
+    speed: float | None,
+    catalogue_mode: str = "listed",
+):
     """The ``ReplayData`` of a log and its plan."""
     from evaluation.protocol import windows as window_index
     from inference.models.coldstart import UNKNOWN_CATEGORY
 
     train_end = plan.train_end
     users, items = inter.users, inter.items
-    catalogue = list(dict.fromkeys([*items[:train_end].tolist(), *items_table.ids]))
+    as_it_appears = catalogue_mode == "as-it-appears"
+    listed = [] if as_it_appears else items_table.ids
+    catalogue = list(dict.fromkeys([*items[:train_end].tolist(), *listed]))
     replayed = {u for s in plan.steps for u in s.users}
     history: dict[str, list[str]] = {}
     for u, i in zip(
@@ -64,6 +80,7 @@ def prepare(inter, items_table, plan, windows: int, duration_s: float, speed: fl
         price=dict(items_table.price),
         history=history,
         speed=speed or max(span / (duration_s * 1000.0), 1.0),
+        as_it_appears=as_it_appears,
     )
 
 

@@ -38,7 +38,9 @@ def _produce_training_part(conn, names, data: ReplayData, wall0: int, progress, 
     from schemas.codec import encode_event
 
     producer = Producer(producer_config(conn, **{"linger.ms": 20}))
-    produce_catalogue(producer, names.items, data, data.catalogue, wall0 - 30 * 86_400_000)
+    if not data.as_it_appears:
+        produce_catalogue(producer, names.items, data, data.catalogue, wall0 - 30 * 86_400_000)
+    listed: set[str] = set()
     ends: dict[int, int] = {}
 
     def delivered(err, msg) -> None:
@@ -48,6 +50,9 @@ def _produce_training_part(conn, names, data: ReplayData, wall0: int, progress, 
     n = data.plan.train_end
     for pos in range(n):
         event = log_event(data, pos, f"history-{pos}", stamp(data, wall0, pos))
+        if data.as_it_appears and event.item_id not in listed:  # listed as it first appears
+            listed.add(event.item_id)
+            produce_catalogue(producer, names.items, data, [event.item_id], event.ts_ms)
         produce(
             producer,
             names.events,

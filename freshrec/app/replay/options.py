@@ -7,6 +7,7 @@ import argparse
 
 from freshrec.app.replay.baselines import BASELINES
 from freshrec.app.replay.command import cmd_replay
+from freshrec.app.replay.data import CATALOGUES
 
 
 def add_parser(sub) -> None:
@@ -62,6 +63,15 @@ def _add_scoring_options(p: argparse.ArgumentParser) -> None:
         help=f"in-process baselines ({','.join(BASELINES)}; empty for none)",
     )
     p.add_argument("--windows", type=int, default=10, help="time windows of the report (10)")
+    p.add_argument(
+        "--catalogue",
+        choices=CATALOGUES,
+        default="listed",
+        help="listed (default): the training part's items and the --items file's are listed "
+        "before the replay starts, the rest at their first interaction; as-it-appears: every "
+        "item is produced to `items` just before its first interaction, created then, so no "
+        "arm can recommend an item before it exists (a news or shop log whose catalogue grows)",
+    )
 
 
 def _add_pacing_options(p: argparse.ArgumentParser) -> None:

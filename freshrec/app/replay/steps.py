@@ -46,6 +46,9 @@ class ArmResult:
     read_before: int = 0
     """Events the worker had read before the first step: 0 when the training part's events
     were committed past, as they should be."""
+    unlisted: int = 0
+    """Items of the lists that were not yet on ``items`` when the list was asked for: 0, as
+    nothing may be recommended before it exists."""
     bare: Counter = field(default_factory=Counter)
     """Lists as a client that sends neither ``exclude`` nor ``exclude_seen`` gets them (the
     deployment's ``FRESHREC_EXCLUDE_SEEN`` decides), asked for a tenth of the users: items
@@ -119,7 +122,7 @@ async def replay_steps(
             ahead_ms = stamps[-1] - clock.now_ms()  # no event stamped in the future
             if ahead_ms > 0:
                 await asyncio.sleep(ahead_ms / 1000)
-            await _ask_and_score(client, name, data, step, stamps, result, k, consumed)
+            await _ask_and_score(client, name, data, step, stamps, result, k, consumed, listed)
             _send_step(producer, topics, data, step, stamps, listed, consumed)
             result.events += step.end - step.start
             target = read_before + result.events
@@ -145,7 +148,9 @@ async def _catalogue_listed(name, worker_port: int, have: int, group, progress) 
         raise TimeoutError(f"{name}: the worker did not list the catalogue within 120 s")
 
 
-async def _ask_and_score(client, name, data, step, stamps, result: ArmResult, k, consumed):
+async def _ask_and_score(
+    client, name, data, step, stamps, result: ArmResult, k, consumed, listed: set[str]
+):
     """The step's users ask for ``k`` items (their training-part items in ``exclude``,
     ``exclude_seen`` for the rest); one in ``BARE_SAMPLE`` asks again as a client sending no
     exclusions. Both kinds of lists are scored into ``result``."""
@@ -168,6 +173,9 @@ async def _ask_and_score(client, name, data, step, stamps, result: ArmResult, k,
     replies, bare_replies = replies[: len(asks)], replies[len(asks) :]
     _count_bare(result, data, bare_users, bare_replies, k, consumed)
     _score(result, name, data, step, replies, k)
+    for reply in replies:
+        if not isinstance(reply, BaseException):
+            result.unlisted += sum(it.item_id not in listed for it in reply.items)
 
 
 def _count_bare(result: ArmResult, data, users, replies, k, consumed) -> None:
