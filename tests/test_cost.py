@@ -60,7 +60,7 @@ def test_a_held_gpu_is_priced_per_gpu_hour_over_the_requests():
 
 
 def test_the_scale_benchmark_reports_each_point_as_a_table_row_and_a_plot(tmp_path):
-    from tools.bench_scale import plot, table
+    from tools.scale_report import plot, table
 
     point = {
         "items": 10_000,
