@@ -30,7 +30,7 @@ class IndexBuilds:
     def maybe_rebuild(self, state: ServingState, cache: EmbeddingCache, settings) -> None:
         """Start a background build when the catalogue has at least ``ann_min_items`` items
         (``ServingSettings``) and the index is missing or older than ``ann_refresh_s``; the
-        index then replaces ``state.ann``."""
+        state adopts the new index when it is built."""
         if state.named_count < settings.ann_min_items or self.building:
             return
         if cache.device.type != "cpu":  # a device's exact search is the fast one
@@ -51,7 +51,7 @@ class IndexBuilds:
                 lower_thread_priority()  # the build yields the core to serving (Linux: per thread)
                 started = time.monotonic()
                 index = IVFIndex.build(rows, eligible, cells)
-                state.ann = index
+                state.adopt_index(index)
                 self.built_at = time.monotonic()
                 took = self.built_at - started
                 m.ANN_INDEX_ITEMS.set(len(index.order))

@@ -118,6 +118,11 @@ class ServingState:
         self.slot_of = dict(zip(names, slots.tolist(), strict=True))
         self.named, self.named_count = named, len(names)
 
+    def adopt_index(self, index: IVFIndex) -> None:
+        """A newly built IVF index for the vector channel (from the build's thread: a batch
+        reads the one it finds, whole)."""
+        self.ann = index
+
     def adopt_lists(
         self, hot: Mapping[str, Sequence[str]], new: Sequence[str], item_shards: int
     ) -> None:
