@@ -74,8 +74,10 @@ class Setting:
     shown: str | None = None
     """How the docs show the default, where the value is not the whole story (a default
     taken from the models' manifest, the host's name)."""
+    group: str = ""
+    """The section of the settings reference it belongs to (empty: its module's)."""
     module: str = ""
-    """The module that declares it (the docs group settings by it)."""
+    """The module that declares it."""
 
     def __post_init__(self) -> None:
         if not self.module:
@@ -105,7 +107,7 @@ class Setting:
         if self.choices:
             value = raw.strip()
             if value not in self.choices:
-                raise SettingsError(f"{self.env}={raw!r}: one of {', '.join(self.choices)}")
+                raise SettingsError(f"{self.env}={raw!r} must be one of {', '.join(self.choices)}")
             return value
         if self.kind is bool:
             return _boolean(self.env, raw)
@@ -191,6 +193,15 @@ def declared_as(setting: Setting) -> Any:
 
 def setting_of(f: dataclasses.Field) -> Setting | None:
     return f.metadata.get(SETTING)
+
+
+def declaration(cls: type, name: str) -> Setting:
+    """The setting that field ``name`` of ``cls`` declares, to read it where no settings
+    object is built (``declaration(ConnectionSettings, "redis_url").read(env, None)``)."""
+    found = setting_of(next(f for f in dataclasses.fields(cls) if f.name == name))
+    if found is None:
+        raise KeyError(f"{cls.__name__}.{name} declares no setting")
+    return found
 
 
 def read_settings(cls: type, env: Mapping[str, str], /, **given: Any) -> Any:

@@ -12,13 +12,19 @@ explicitly set variable always wins over the stack file, so ``KAFKA_BOOTSTRAP_SE
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from freshcore.declare import Setting, SettingsError, declared, declared_as, read_settings
+from freshcore.declare import (
+    Setting,
+    SettingsError,
+    declaration,
+    declared,
+    declared_as,
+    read_settings,
+)
 from freshcore.hotscore import HotWeights
 from schemas.codec import DeadLetterLimits
 
@@ -109,74 +115,6 @@ def load_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return merged
 
 
-def env_str(env: Mapping[str, str], name: str, default: str) -> str:
-    return env.get(name, default) or default
-
-
-def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int | None = None) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not an integer") from None
-    if minimum is not None and value < minimum:
-        raise SettingsError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
-def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """true/false, 1/0, yes/no, on/off (any case); unset or empty: ``default``."""
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise SettingsError(f"{name}={raw!r} is not true or false")
-
-
-def env_optional_int(
-    env: Mapping[str, str], name: str, *, minimum: int | None = None
-) -> int | None:
-    """``env_int`` for a setting whose absence means "not set" (a default decided
-    elsewhere, e.g. by the Kafka profile): None when unset or empty."""
-    if not env.get(name):
-        return None
-    return env_int(env, name, 0, minimum=minimum)
-
-
-def env_float(
-    env: Mapping[str, str],
-    name: str,
-    default: float,
-    *,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    positive: bool = False,
-) -> float:
-    """A finite number from ``env``, within [minimum, maximum] (and > 0 if ``positive``)."""
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not a number") from None
-    if not math.isfinite(value):
-        raise SettingsError(f"{name}={raw!r} is not a finite number")
-    if positive and value <= 0:
-        raise SettingsError(f"{name}={value:g} must be > 0")
-    if minimum is not None and value < minimum:
-        raise SettingsError(f"{name}={value:g} must be >= {minimum:g}")
-    if maximum is not None and value > maximum:
-        raise SettingsError(f"{name}={value:g} must be <= {maximum:g}")
-    return value
-
-
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
@@ -185,7 +123,7 @@ def _upper_choice(choices: tuple[str, ...]):
     def parse(raw: str) -> str:
         value = raw.strip().upper()
         if value not in choices:
-            raise ValueError(f"one of {', '.join(choices)}")
+            raise ValueError(f"must be one of {', '.join(choices)}")
         return value
 
     return parse
@@ -244,10 +182,7 @@ class KafkaSecurity:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KafkaSecurity:
         security = read_settings(cls, env)
-        if not security.sasl:
-            mechanism = None if not env.get("KAFKA_SASL_MECHANISM") else security.sasl_mechanism
-            security = replace(security, sasl_mechanism=mechanism)
-        else:
+        if security.sasl:
             security = replace(security, sasl_mechanism=security.sasl_mechanism or "SCRAM-SHA-512")
             if not security.sasl_username or not security.sasl_password:
                 raise SettingsError(
@@ -368,6 +303,9 @@ class ConnectionSettings:
     def with_prefix(self, prefix: str) -> ConnectionSettings:
         return replace(self, topic_prefix=prefix)
 
+
+BOOTSTRAP_SERVERS = declaration(ConnectionSettings, "kafka_bootstrap_servers")
+REDIS_URL = declaration(ConnectionSettings, "redis_url")
 
 DLQ_MAX_VALUE_BYTES = Setting(
     "FRESHREC_DLQ_MAX_VALUE_BYTES",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from freshcore.declare import Setting
 from freshcore.outage import STOP_SIGNALLED, StopRequested
 from schemas.errors import FreshRecError, RetriableError
 
@@ -249,15 +250,19 @@ def _wait_until_visible(admin: AdminClient, names: list[str], timeout_s: float) 
 SCALED_TOPICS = ("events", "recommend.requests", "recommend.replies", "gradients")
 
 
+PARTITIONS = Setting(
+    "FRESHREC_PARTITIONS",
+    None,
+    "The partition count of the keyed, scaled topics: "
+    + ", ".join(f"`{t}`" for t in SCALED_TOPICS)
+    + ".",
+    kind=int,
+    minimum=1,
+    shown="the catalogue's",
+)
+
+
 def partitions_from_env(env: Mapping[str, str]) -> dict[str, int]:
     """``FRESHREC_PARTITIONS=N`` sets the partition count of the keyed, scaled topics."""
-    raw = env.get("FRESHREC_PARTITIONS")
-    if not raw:
-        return {}
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"FRESHREC_PARTITIONS={raw!r} is not an integer") from None
-    if n < 1:
-        raise ValueError(f"FRESHREC_PARTITIONS={n} must be >= 1")
-    return dict.fromkeys(SCALED_TOPICS, n)
+    n = PARTITIONS.read(env)
+    return {} if n is None else dict.fromkeys(SCALED_TOPICS, n)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from freshcore.declare import declared, read_settings
+
 CORE_HOUR_PRICE = 0.04
 """USD per core-hour by default: a typical on-demand price of one vCPU on a public cloud (an
 assumption to replace with your own, ``--core-hour-price``)."""
@@ -109,30 +111,40 @@ class CostTerms:
     ``freshrec:cost:*``); ``hourly`` is the same arithmetic.
     """
 
-    core_hour: float = CORE_HOUR_PRICE
-    """USD per core-hour (an assumption to replace with your own)."""
-    overhead: float = 1.2
-    """Infrastructure multiplier (seed B's 1.2: what the measured CPU leaves out)."""
-    safety: float = 1.5
-    """Peak capacity multiplier (seed B's 安全系数)."""
-    fixed_per_hour: float = 0.0
-    """USD per hour of what runs beside the services (brokers, Redis); 0: not counted."""
-    cold_penalty_per_hour: float = 0.0
-    """USD per hour a catalogue served entirely from new items would cost (exploration,
-    lost conversions); 0: not counted. Seed B gives the term, not its value."""
+    core_hour: float = declared(
+        "FRESHREC_COST_CORE_HOUR",
+        CORE_HOUR_PRICE,
+        "USD per core-hour (an assumption to replace with your own).",
+        minimum=0,
+    )
+    overhead: float = declared(
+        "FRESHREC_COST_OVERHEAD",
+        1.2,
+        "Infrastructure multiplier (seed B's 1.2: what the measured CPU leaves out).",
+        minimum=0,
+    )
+    safety: float = declared(
+        "FRESHREC_COST_SAFETY",
+        1.5,
+        "Peak capacity multiplier (seed B's 安全系数).",
+        minimum=0,
+    )
+    fixed_per_hour: float = declared(
+        "FRESHREC_COST_FIXED_PER_HOUR",
+        0.0,
+        "USD per hour of what runs beside the services (brokers, Redis); 0: not counted.",
+        minimum=0,
+    )
+    cold_penalty_per_hour: float = declared(
+        "FRESHREC_COST_COLD_PENALTY_PER_HOUR",
+        0.0,
+        "USD per hour a catalogue served entirely from new items would cost (exploration, lost conversions); 0: not counted. Seed B gives the term, not its value.",
+        minimum=0,
+    )
 
     @classmethod
     def from_env(cls, env) -> CostTerms:
-        from dataclasses import fields
-
-        from freshcore.settings import env_float
-
-        return cls(
-            **{
-                f.name: env_float(env, f"FRESHREC_COST_{f.name.upper()}", f.default, minimum=0)
-                for f in fields(cls)
-            }
-        )
+        return read_settings(cls, env)
 
 
 def hourly(

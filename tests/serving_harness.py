@@ -14,7 +14,7 @@ from freshrec.app.training import train_on_world
 from freshrec.client import SyncRecommendClient
 from freshrec.sim.world import World, WorldConfig
 from inference.serving.breaker import BreakerConfig
-from inference.serving.recommender import ServingSettings
+from inference.serving.settings import ServingSettings
 from inference.settings import LearningSettings, WorkerSettings
 from inference.training.train import TrainConfig
 from inference.worker import Worker

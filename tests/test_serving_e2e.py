@@ -28,7 +28,7 @@ from freshrec.client import RecommendTimeout
 from freshrec.sim.world import World
 from inference.models.modelfile import read_manifest, write_manifest
 from inference.serving.breaker import BreakerConfig
-from inference.serving.recommender import ServingSettings
+from inference.serving.settings import ServingSettings
 from inference.serving.rerank import space_categories
 from schemas.codec import encode_request
 from schemas.records import Event, RecommendRequest

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from freshcore.settings import SettingsError, env_float
+from freshcore.declare import Setting
+from freshcore.settings import SettingsError
 from inference.clients import events_consumer_config
 from inference.settings import WorkerSettings
 from param_server.settings import ParamServerSettings
@@ -108,9 +109,12 @@ def test_a_value_a_service_cannot_run_with_is_refused_by_name(settings, name, va
 
 
 def test_bounds_are_inclusive_and_an_empty_value_takes_the_default():
-    assert env_float({"X": "0"}, "X", 1.0, minimum=0) == 0.0
-    assert env_float({"X": "1"}, "X", 0.5, minimum=0, maximum=1) == 1.0
-    assert env_float({"X": ""}, "X", 0.5, positive=True) == 0.5
+    x = Setting("TEST_BOUNDS_X", 0.5, "A share.", kind=float, minimum=0, maximum=1)
+    assert x.read({"TEST_BOUNDS_X": "0"}) == 0.0
+    assert x.read({"TEST_BOUNDS_X": "1"}) == 1.0
+    assert x.read({"TEST_BOUNDS_X": ""}) == 0.5
+    with pytest.raises(SettingsError, match="TEST_BOUNDS_X=1.5 must be <= 1"):
+        x.read({"TEST_BOUNDS_X": "1.5"})
 
 
 def test_a_service_started_with_a_bad_value_exits_with_the_reason():

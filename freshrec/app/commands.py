@@ -85,7 +85,7 @@ def cmd_topics_create(args: argparse.Namespace) -> int:
 def cmd_topics_list(args: argparse.Namespace) -> int:
     from freshcore.topics import CATALOGUE, partitions_from_env
 
-    prefix = load_environment().get("FRESHREC_TOPIC_PREFIX", "")
+    prefix = ConnectionSettings.from_env(load_environment()).topic_prefix
     overrides = partitions_from_env(os.environ)
     for spec in CATALOGUE:
         n = overrides.get(spec.name, spec.partitions)

@@ -6,16 +6,17 @@ from __future__ import annotations
 import argparse
 import os
 
+from freshcore.declare import Setting
+from freshrec.app.settings import WORLD_ITEMS, WORLD_SEED, WORLD_USERS
+
 
 class EnvDefault(argparse.Action):
-    """An option whose default comes from an environment variable, named in ``--help``."""
+    """An option whose default comes from its setting's variable (``freshrec/app/settings.py``),
+    named in ``--help``; ``default`` is the command's own where it differs from the setting's."""
 
-    def __init__(self, envvar: str, default=None, required=False, help=None, **kwargs):
-        value = os.environ.get(envvar)
-        if value is not None and kwargs.get("type"):
-            value = kwargs["type"](value)
-        default = value if value is not None else default
-        help = f"{help or ''} [env {envvar}; default {default}]".strip()
+    def __init__(self, setting: Setting, default=None, required=False, help=None, **kwargs):
+        default = setting.read(os.environ, setting.default if default is None else default)
+        help = f"{help or ''} [env {setting.env}; default {default}]".strip()
         super().__init__(
             default=default, required=required and default is None, help=help, **kwargs
         )
@@ -25,14 +26,13 @@ class EnvDefault(argparse.Action):
 
 
 def add_world_options(
-    p: argparse.ArgumentParser, items: int = 100_000, items_option: bool = True
+    p: argparse.ArgumentParser, items: int | None = None, items_option: bool = True
 ) -> None:
     p.add_argument(
         "--users",
         type=int,
         action=EnvDefault,
-        envvar="FRESHREC_WORLD_USERS",
-        default=1_000_000,
+        setting=WORLD_USERS,
         help="users in the synthetic world",
     )
     if items_option:
@@ -40,7 +40,7 @@ def add_world_options(
             "--items",
             type=int,
             action=EnvDefault,
-            envvar="FRESHREC_WORLD_ITEMS",
+            setting=WORLD_ITEMS,
             default=items,
             help="items in the synthetic world",
         )
@@ -48,8 +48,7 @@ def add_world_options(
         "--seed",
         type=int,
         action=EnvDefault,
-        envvar="FRESHREC_WORLD_SEED",
-        default=7,
+        setting=WORLD_SEED,
         help="seed of the synthetic world",
     )
 

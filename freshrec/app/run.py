@@ -15,10 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from freshcore.declare import declaration
 from freshcore.lifecycle import set_from_signal
-from freshcore.settings import ConnectionSettings, SettingsError, load_environment, state_dir
+from freshcore.settings import (
+    BOOTSTRAP_SERVERS,
+    REDIS_URL,
+    ConnectionSettings,
+    SettingsError,
+    load_environment,
+    state_dir,
+)
 from freshrec.app.commands import provision_topics, start_dashboard
 from freshrec.app.options import EnvDefault, add_world_options
+from freshrec.app.settings import EVENT_RATE, REQUEST_RATE
 from freshrec.app.stack import EmbeddedStack, StackError, external_services, free_port
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
 from freshrec.app.training import (
@@ -65,16 +74,14 @@ def _add_traffic_options(run: argparse.ArgumentParser) -> None:
         "--rate",
         type=float,
         action=EnvDefault,
-        envvar="FRESHREC_EVENT_RATE",
-        default=100.0,
+        setting=EVENT_RATE,
         help="background synthetic events per second",
     )
     run.add_argument(
         "--requests",
         type=float,
         action=EnvDefault,
-        envvar="FRESHREC_REQUEST_RATE",
-        default=20.0,
+        setting=REQUEST_RATE,
         help="closed-loop recommendation requests per second",
     )
 
@@ -168,8 +175,8 @@ def running_stack(redis_cluster: int = 0) -> Iterator[RunContext]:
     log.info(
         "embedded stack up in %.1fs: Kafka %s, Redis %s",
         time.monotonic() - started,
-        state.env["KAFKA_BOOTSTRAP_SERVERS"],
-        state.env["REDIS_URL"],
+        BOOTSTRAP_SERVERS.read(state.env),
+        REDIS_URL.read(state.env),
     )
     try:
         env = dict(os.environ)
@@ -273,6 +280,8 @@ def _experiment_and_mode(args: argparse.Namespace) -> tuple[dict[str, str], list
 
 def _service_env(ctx: RunContext, models: Path, manifest: dict, run_env: dict[str, str]) -> dict:
     """The environment of the run's services: this one, the run's stack, its models."""
+    from inference.settings import WorkerSettings
+
     return {
         **os.environ,
         **ctx.conn_env,
@@ -281,7 +290,9 @@ def _service_env(ctx: RunContext, models: Path, manifest: dict, run_env: dict[st
         # the synthetic world's users click the same items again (its click model
         # ignores what they clicked before): a repeat-consumption domain, unless the
         # environment says otherwise
-        "FRESHREC_EXCLUDE_SEEN": os.environ.get("FRESHREC_EXCLUDE_SEEN", "false"),
+        "FRESHREC_EXCLUDE_SEEN": str(
+            declaration(WorkerSettings, "exclude_seen").read(os.environ, False)
+        ).lower(),
         **run_env,
     }
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from freshcore.settings import ConnectionSettings, load_environment
 from freshrec.app.commands import connection
 from freshrec.app.options import add_log_options, add_world_options
+from freshrec.app.settings import WORLD_ITEMS
 from freshrec.app.stack import external_services
 from freshrec.progress import ProgressLine
 
@@ -275,7 +276,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _finish_train(args, directory, manifest)
     if args.items_path is not None and not str(args.items_path).isdigit():
         raise SystemExit("freshrec train: --items is a file only with --log; here a count")
-    args.items = int(args.items_path or load_environment().get("FRESHREC_WORLD_ITEMS", 100_000))
+    args.items = int(args.items_path or WORLD_ITEMS.read(load_environment()))
     world = world_from_args(args)
     try:
         config = TrainConfig(

@@ -5,7 +5,7 @@ Seed B runs one recommender in several modes: a promotion trades cost for stabil
 traffic spike must not break the latency target), daily traffic holds P99 ≤ 300 ms, user
 acquisition puts diversity first. A mode is a set of ``FRESHREC_*`` settings layered over
 the worker's own (the mode wins); only the settings a worker can change while it serves may
-appear in one (``MODE_SETTINGS``). ``daily`` is the worker's settings as configured.
+appear in one (``MODE_SETTINGS``: those declared ``modes=True``, ``settings.py``). ``daily`` is the worker's settings as configured.
 
 A control record (``schemas/records.py`` ``ControlRecord``) on the ``control`` topic (key
 ``mode``) names the mode every worker serves
@@ -25,26 +25,25 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
+from freshcore.declare import Setting
+from inference.serving.settings import MODE_SETTINGS
 from schemas.errors import FreshRecError
 
 DAILY = "daily"
 
-MODE_SETTINGS = frozenset(
-    {
-        "FRESHREC_REQUEST_BUDGET_MS",
-        "FRESHREC_QUEUE_DEPTH_LIMIT",
-        "FRESHREC_RECALL_DEADLINE_SCALE",
-        "FRESHREC_RECALL_QUOTAS",
-        "FRESHREC_CANDIDATES",
-        "FRESHREC_MAX_BATCH",
-        "FRESHREC_MAX_WAIT_MS",
-        "FRESHREC_RANKER",
-        "FRESHREC_MMR_LAMBDA",
-        "FRESHREC_CATEGORY_GAP",
-        "FRESHREC_HOLD_SHOWN_S",
-    }
+MODE = Setting(
+    "FRESHREC_MODE",
+    DAILY,
+    "The serving mode a worker starts in ([serving modes](modes.md)); a control record "
+    "switches every worker while they run.",
 )
-"""What a mode may set: the worker applies each of them to the next batch it serves."""
+MODES_FILE = Setting(
+    "FRESHREC_MODES_FILE",
+    None,
+    "A TOML file of serving modes over the shipped ones (`[promo]`, then `FRESHREC_… = value`).",
+    kind=Path,
+)
+
 
 MODES: dict[str, dict[str, str]] = {
     DAILY: {},
@@ -82,8 +81,7 @@ def mode_env(env: Mapping[str, str], overrides: Mapping[str, str]) -> dict[str, 
 
 def declared_modes(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     """The modes a deployment has: the shipped ones with ``FRESHREC_MODES_FILE``'s over them."""
-    path = env.get("FRESHREC_MODES_FILE") or None
-    return load_modes(Path(path) if path else None)
+    return load_modes(MODES_FILE.read(env))
 
 
 def load_modes(path: Path | None) -> dict[str, dict[str, str]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import redis
@@ -23,23 +22,23 @@ from freshcore import clock
 from freshcore import metrics as m
 from freshcore.rediskeys import RedisKeys
 from inference.models.modelfile import ModelWatcher
-from inference.models.tiers import HeatSplit
 from inference.serving.ann import IVFIndex
 from inference.serving.annbuild import IndexBuilds
 from inference.serving.arms import Arm, lambdas, quotas, reply_fields, steer
 from inference.serving.arms import request as request_of
 from inference.serving.batch import BatchUsers, Candidates, Inbound, RankedBatch, StageClock
-from inference.serving.channels import ServingState, default_channels
+from inference.serving.channels import ServingState
 from inference.serving.coldstarts import start_cold_items
-from inference.serving.degrade import CACHED, FULL, HOT, Choice, Ladder, LadderConfig, Situation
+from inference.serving.degrade import CACHED, FULL, HOT, Choice, Ladder, Situation
 from inference.serving.hotreply import HotReplies
 from inference.serving.merge import merge_slot_arrays
 from inference.serving.modes import DAILY
 from inference.serving.rankstage import RankBatch, RankingStage
-from inference.serving.recall import ChannelConfig, RecallQuery, RecallResult, RecallRunner
+from inference.serving.recall import RecallQuery, RecallResult, RecallRunner
 from inference.serving.replycounts import ReplyCounts
 from inference.serving.rerankstage import RerankStage
 from inference.serving.resultcache import ResultCache
+from inference.serving.settings import ServingSettings
 from inference.serving.snapshot import Snapshot, SnapshotRefresher
 from inference.tables.cache import EmbeddingCache
 from inference.tables.shown import ShownItems, with_held
@@ -48,39 +47,6 @@ from schemas.records import RecommendReply, RecommendRequest, ReplyItem
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows
 
 log = logging.getLogger("freshrec.serving")
-
-
-@dataclass(frozen=True)
-class ServingSettings:
-    candidates: int = 500
-    default_budget_ms: int = 250
-    """Deadline budget of a request that names none."""
-    mmr_lambda: float = 0.7
-    category_gap: int = 2
-    hold_shown_s: float = 0.0
-    """Items a user was shown are held back from that user's lists for this long, so a
-    refresh shows something new (0: not held back; ``inference/tables/shown.py``)."""
-    hold_shown_users: int = 20_000
-    """Users whose shown items are remembered (the most recently served)."""
-    channels: dict[str, ChannelConfig] = field(default_factory=default_channels)
-    ladder: LadderConfig = field(default_factory=LadderConfig)
-    result_ttl_ms: int = 3_600_000
-    result_cache_entries: int = 100_000
-    mmr_pool_factor: int = 10
-    """MMR re-ranks the best ``factor × k`` candidates (diversity among the relevant ones)."""
-    ann_min_items: int = 200_000
-    """Catalogues at least this large use the IVF index (``ann.py``) for the vector channel
-    on a CPU; smaller ones, and every catalogue on an accelerator, are searched exactly."""
-    ann_nprobe: int = 0
-    """Cells a query probes; 0: ``ann.auto_nprobe`` (4% of the catalogue, at least 64 cells)."""
-    ann_refresh_s: float = 300.0
-    recall_share: float = 0.5
-    """At most this share of the tightest budget in a batch is spent waiting for recall."""
-    ranker: str = "wide_deep"
-    """The model of the full tier (``inference/serving/rankstage.py``); a variant's ``ranking``
-    overrides it for its users."""
-    heat_split: HeatSplit = field(default_factory=HeatSplit)
-    """The ``tiered`` ranker's head and middle shares of the warm catalogue by heat."""
 
 
 class Recommender:

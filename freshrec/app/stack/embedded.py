@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from freshcore.settings import STACK_ENV_FILE
+from freshcore.settings import BOOTSTRAP_SERVERS, REDIS_URL, STACK_ENV_FILE
 from freshrec.app.stack.broker import BROKER, broker_binary, kafka_metadata, spawn_broker
 from freshrec.app.stack.errors import StackError
 from freshrec.app.stack.ports import CLUSTER_BUS_OFFSET, free_cluster_port, free_port, port_is_free
@@ -184,7 +184,7 @@ def external_services(environ: Mapping[str, str] | None = None) -> bool:
     Both ``KAFKA_BOOTSTRAP_SERVERS`` and ``REDIS_URL`` must be set together.
     """
     environ = os.environ if environ is None else environ
-    kafka, redis_url = environ.get("KAFKA_BOOTSTRAP_SERVERS"), environ.get("REDIS_URL")
+    kafka, redis_url = BOOTSTRAP_SERVERS.read(environ, None), REDIS_URL.read(environ, None)
     if bool(kafka) != bool(redis_url):
         missing = "REDIS_URL" if kafka else "KAFKA_BOOTSTRAP_SERVERS"
         raise StackError(f"{missing} must be set too when pointing at existing services")
