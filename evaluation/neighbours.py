@@ -31,7 +31,6 @@ interleaved.
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from collections.abc import Sequence
 
@@ -78,7 +77,8 @@ class ItemKNN:
     P(b | a), a larger α damps popular items further.
 
     The counts live in a sparse matrix, merged now and then, and one small matrix for each
-    step learnt since: a step's product reads them all.
+    step learnt since; a user's scores gather the rows of their window's items from each
+    (the cost follows those rows, not the catalogue).
     """
 
     name = "item_knn"
@@ -86,9 +86,9 @@ class ItemKNN:
     def __init__(self, window: int = 50, alpha: float = 0.5, recency: float = 1.0) -> None:
         self.window, self.alpha, self.recency = window, alpha, recency
         self.users = _Users(window)
-        self._base = None  # CSR of the merged counts, square, its side the vocabulary then
-        self._steps: list = []  # a CSR of each step's pairs (both ways) not merged yet
-        self._pending: list[np.ndarray] = []  # pairs learnt since the last step's CSR
+        self._base: _Rows | None = None  # the merged counts
+        self._steps: list[_Rows] = []  # each step's pairs (both ways) not merged yet
+        self._pending: list[np.ndarray] = []  # pairs learnt since the last step's matrix
 
     def learn(self, users: Sequence[str], items: Sequence[str], t_ms=None) -> None:
         for user, item in zip(users, items, strict=True):
@@ -98,31 +98,33 @@ class ItemKNN:
                 one_way = np.stack([np.full(len(b), i, np.int64), b])
                 self._pending += [one_way, one_way[::-1]]
 
-    def _counts(self) -> list:
+    def _counts(self) -> list[_Rows]:
         """The count matrices whose sum is c: the merged one and one per step since."""
-        n = len(self.users.items)
         if self._pending:
-            self._steps.append(_csr(np.concatenate(self._pending, axis=1), None, n))
+            pairs = np.concatenate(self._pending, axis=1)
+            self._steps.append(_Rows.of(pairs, np.ones(pairs.shape[1])))
             self._pending = []
-        base = 0 if self._base is None else self._base.values().shape[0]
-        recent = sum(m.values().shape[0] for m in self._steps)
+        base = 0 if self._base is None else self._base.nnz
+        recent = sum(m.nnz for m in self._steps)
         if len(self._steps) >= 16 or recent * 4 >= max(base, 400_000):
-            self._merge(n)
+            self._merge()
         return ([] if self._base is None else [self._base]) + self._steps
 
-    def _merge(self, n: int) -> None:
+    def _merge(self) -> None:
         parts = ([] if self._base is None else [self._base]) + self._steps
-        coo = [m.to_sparse_coo() for m in parts]
-        index = np.concatenate([np.zeros((2, 0), np.int64)] + [c.indices().numpy() for c in coo], 1)
-        values = np.concatenate([np.zeros(0)] + [c.values().numpy() for c in coo])
-        self._base = _csr(index, values, n)
+        self._base = _Rows.merged(parts) if parts else None
         self._steps = []
 
-    def matrix(self):
-        """Every count learnt so far, c(a, b), as one CSR matrix."""
+    def matrix(self) -> np.ndarray:
+        """Every count learnt so far, c(a, b), as a dense matrix (for tests: small logs)."""
         self._counts()
-        self._merge(len(self.users.items))
-        return self._base
+        self._merge()
+        n = len(self.users.items)
+        dense = np.zeros((n, n))
+        if self._base is not None:
+            rows = np.repeat(self._base.keys, np.diff(self._base.starts))
+            dense[rows, self._base.cols] = self._base.values
+        return dense
 
     def recommend(self, user: str, k: int, exclude: set[str]) -> list[str]:
         return self.recommend_many([user], k, [exclude])[0]
@@ -130,43 +132,80 @@ class ItemKNN:
     def recommend_many(
         self, users: Sequence[str], k: int, excludes: Sequence[set[str]]
     ) -> list[list[str]]:
-        """Lists for several users at once (one sparse product per count matrix)."""
-        import torch
-
+        """Lists for several users at once."""
         names = self.users.items.names
         n = len(names)
         if not n:
             return [[] for _ in users]
         pop = self.users.n[:n]
         counts = np.maximum(pop, 1.0)
-        weights = np.zeros((n, len(users)), np.float64)
-        for q, user in enumerate(users):
+        damp = counts**self.alpha
+        matrices = self._counts()
+        out = []
+        for user, exclude in zip(users, excludes, strict=True):
+            scores = np.zeros(n)
             window = self.users.recent.get(user)
             if window:
                 anchors = np.fromiter(window, np.int64, len(window))
                 w = self.recency ** np.arange(len(anchors), dtype=np.float64)
-                weights[anchors, q] = w / counts[anchors] ** (1.0 - self.alpha)
-        scores = np.zeros((n, len(users)), np.float64)
-        for matrix in self._counts():
-            side = matrix.shape[0]
-            scores[:side] += torch.sparse.mm(matrix, torch.from_numpy(weights[:side])).numpy()
-        scores /= (counts**self.alpha)[:, None]
-        return [ranked(scores[:, q], pop, names, k, excludes[q]) for q in range(len(users))]
+                w /= counts[anchors] ** (1.0 - self.alpha)
+                for matrix in matrices:
+                    scores += matrix.gather(anchors, w, n)
+                scores /= damp
+            out.append(ranked(scores, pop, names, k, exclude))
+        return out
 
 
-def _csr(index: np.ndarray, values: np.ndarray | None, n: int):
-    """A coalesced ``n``×``n`` float64 CSR matrix of ``index`` pairs (values: ones)."""
-    import torch
+class _Rows:
+    """A sparse matrix of the rows some pairs name: ``keys`` the row ids (sorted), row
+    ``keys[r]``'s columns ``cols[starts[r]:starts[r + 1]]`` with their ``values``. Pure
+    numpy: a row is read by slicing, so gathering a few rows costs what they hold.
 
-    data = torch.ones(index.shape[1], dtype=torch.float64)
-    if values is not None:
-        data = torch.from_numpy(values)
-    coo = torch.sparse_coo_tensor(
-        torch.from_numpy(index), data, (n, n), check_invariants=False
-    ).coalesce()
-    with warnings.catch_warnings():  # "sparse CSR support is in beta"
-        warnings.simplefilter("ignore", UserWarning)
-        return coo.to_sparse_csr()
+    >>> m = _Rows.of(np.array([[2, 0, 2], [1, 1, 1]]), np.ones(3))
+    >>> m.keys.tolist(), m.cols.tolist(), m.values.tolist()
+    ([0, 2], [1, 1], [1.0, 2.0])
+    >>> m.gather(np.array([2, 5]), np.array([0.5, 9.0]), 3).tolist()
+    [0.0, 1.0, 0.0]
+    """
+
+    def __init__(self, keys, starts, cols, values) -> None:
+        self.keys, self.starts, self.cols, self.values = keys, starts, cols, values
+
+    @property
+    def nnz(self) -> int:
+        return len(self.cols)
+
+    @classmethod
+    def of(cls, pairs: np.ndarray, values: np.ndarray) -> _Rows:
+        """The sum of ``values`` at each (row, column) of ``pairs`` (2 × m)."""
+        rows, cols = pairs
+        width = int(max(rows.max(initial=0), cols.max(initial=0))) + 1
+        flat, inverse = np.unique(rows * width + cols, return_inverse=True)
+        summed = np.bincount(inverse, weights=values, minlength=len(flat))
+        rows, cols = flat // width, flat % width
+        keys, starts = np.unique(rows, return_index=True)
+        return cls(keys, np.append(starts, len(rows)), cols, summed)
+
+    @classmethod
+    def merged(cls, parts: list[_Rows]) -> _Rows:
+        rows = np.concatenate([np.repeat(m.keys, np.diff(m.starts)) for m in parts])
+        cols = np.concatenate([m.cols for m in parts])
+        return cls.of(np.stack([rows, cols]), np.concatenate([m.values for m in parts]))
+
+    def gather(self, rows: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+        """Σ_r weights[r] · row ``rows[r]``, as a dense vector of ``n`` (absent rows: 0)."""
+        at = np.searchsorted(self.keys, rows)
+        found = (at < len(self.keys)) & (self.keys[np.minimum(at, len(self.keys) - 1)] == rows)
+        at, weights = at[found], weights[found]
+        if not len(at):
+            return np.zeros(n)
+        lo, hi = self.starts[at], self.starts[at + 1]
+        lens = hi - lo
+        first = np.repeat(lo - np.cumsum(lens) + lens, lens)
+        picked = first + np.arange(lens.sum())
+        return np.bincount(
+            self.cols[picked], weights=self.values[picked] * np.repeat(weights, lens), minlength=n
+        )
 
 
 class SequentialRules:
