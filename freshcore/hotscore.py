@@ -32,16 +32,26 @@ from freshcore.declare import declared
 HOUR_MS = 3_600_000
 
 
-def decay_ln_per_ms(rate_per_hour: float) -> float:
-    """−ln(rate) per millisecond: a count decays by exp(−this · Δt_ms)."""
+def decay_ln_per_ms(rate_per_hour: float, time_scale: float = 1.0) -> float:
+    """−ln(rate) per millisecond of event time: a count decays by exp(−this · Δt_ms).
+    ``time_scale``: how many milliseconds of the world one of event time stands for (a
+    replay's events run that many times faster than they happened), so the rate stays per
+    hour of the world's time; the product is never raised to a power, so no scale underflows.
+
+    >>> decay_ln_per_ms(0.5) * HOUR_MS == decay_ln_per_ms(0.5, 3600.0) * 1000
+    True
+    """
     if not 0.0 < rate_per_hour <= 1.0:
         raise ValueError(f"decay rate must be in (0, 1], got {rate_per_hour}")
-    return -math.log(rate_per_hour) / HOUR_MS
+    if not time_scale > 0:
+        raise ValueError(f"time scale must be > 0, got {time_scale}")
+    return -math.log(rate_per_hour) * time_scale / HOUR_MS
 
 
-def decay_factor(rate_per_hour: float, dt_ms):
+def decay_factor(rate_per_hour: float, dt_ms, time_scale: float = 1.0):
     """How much a decayed count shrinks over ``dt_ms`` of event time: rate^(Δt / 1 h)."""
-    factor = np.exp(-decay_ln_per_ms(rate_per_hour) * np.asarray(dt_ms, np.float64))
+    ln = decay_ln_per_ms(rate_per_hour, time_scale)
+    factor = np.exp(-ln * np.asarray(dt_ms, np.float64))
     return float(factor) if factor.ndim == 0 else factor
 
 
@@ -150,6 +160,7 @@ def _merge(
     rate_per_hour: float,
     names: np.ndarray,
     at_ms: int | None,
+    time_scale: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The top ``k`` rows (indices into the concatenated lists, best first) and their scores:
     each list's ``[clicks, cvr, price_norm]`` rows with clicks decayed from its ``as_of`` to
@@ -157,7 +168,7 @@ def _merge(
     if not columns:
         return np.empty(0, np.int64), np.empty(0)
     t = max(as_of) if at_ms is None else at_ms
-    shrink = decay_factor(rate_per_hour, t - np.asarray(as_of, np.float64))
+    shrink = decay_factor(rate_per_hour, t - np.asarray(as_of, np.float64), time_scale)
     a = np.concatenate(columns)
     clicks = a[:, 0] * np.repeat(shrink, [len(c) for c in columns])
     score = hot_scores(clicks, a[:, 1], a[:, 2], weights)
@@ -171,6 +182,7 @@ def merge_hot_lists(
     weights: HotWeights,
     rate_per_hour: float,
     at_ms: int | None = None,
+    time_scale: float = 1.0,
 ) -> list[tuple[HotEntry, float]]:
     """The top-K over all partitions at ``at_ms`` (default: the newest ``as_of_ms``), with
     each entry's score."""
@@ -179,13 +191,13 @@ def merge_hot_lists(
     columns = [np.array([[e.clicks, e.cvr, e.price_norm] for e in h.entries]) for h in kept]
     names = np.array([e.item_id for e in entries], object)
     top, scores = _merge(
-        [h.as_of_ms for h in kept], columns, k, weights, rate_per_hour, names, at_ms
+        [h.as_of_ms for h in kept], columns, k, weights, rate_per_hour, names, at_ms, time_scale
     )
     return [(entries[j], float(s)) for j, s in zip(top.tolist(), scores.tolist(), strict=True)]
 
 
 def merge_published(
-    lists: list[dict], k: int, weights: HotWeights, rate_per_hour: float
+    lists: list[dict], k: int, weights: HotWeights, rate_per_hour: float, time_scale: float = 1.0
 ) -> list[str]:
     """``merge_hot_lists`` on the published JSON (``HotList.to_json``), without building an
     object per entry: the ids of the top K."""
@@ -198,5 +210,5 @@ def merge_published(
         columns.append(np.asarray([e[1:] for e in entries], np.float64))
         ids.extend(e[0] for e in entries)
     names = np.asarray(ids, object)
-    top, _ = _merge(as_of, columns, k, weights, rate_per_hour, names, None)
+    top, _ = _merge(as_of, columns, k, weights, rate_per_hour, names, None, time_scale)
     return names[top].tolist()

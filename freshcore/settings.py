@@ -387,6 +387,13 @@ class HotScoreSettings:
         positive=True,
         maximum=1,
     )
+    time_scale: float = declared(
+        "FRESHREC_EVENT_TIME_SCALE",
+        1.0,
+        "How many times faster than the world event times run: a replay at speed sets it, so "
+        "decays and windows stay in the world's time (1: live traffic).",
+        positive=True,
+    )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HotScoreSettings:

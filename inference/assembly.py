@@ -155,6 +155,7 @@ def _snapshots(
         settings.hot_k,
         weights=settings.hot_weights,
         rate_per_hour=settings.hot_decay_per_hour,
+        time_scale=settings.event_time_scale,
     )
 
 

@@ -266,6 +266,7 @@ class WorkerSettings:
     hot_k: int = declared_as(HOT_K)
     hot_weights: HotWeights = field(default_factory=HotWeights)
     hot_decay_per_hour: float = HotScoreSettings.decay_per_hour
+    event_time_scale: float = HotScoreSettings.time_scale
     answered_memory: int = 100_000
     recent_users: int = declared(
         "FRESHREC_RECENT_USERS",
@@ -361,6 +362,7 @@ class WorkerSettings:
             recall_delays_ms=RECALL_INJECT_DELAY_MS.read(env) or {},
             hot_weights=hot.weights,
             hot_decay_per_hour=hot.decay_per_hour,
+            event_time_scale=hot.time_scale,
             dead_letters=dead_letter_limits(env),
             experiments_file=EXPERIMENTS_FILE.read(env),
         )

@@ -32,12 +32,14 @@ class ForwardDecay:
 
     rate_per_hour: float = 0.95
     landmark_ms: int = 0
+    time_scale: float = 1.0
+    """Milliseconds of the world one of event time stands for (``decay_ln_per_ms``)."""
     renormalise_above: float = 1e12
     """Move the landmark when g(t − L) exceeds this (~22 days at 0.95/h): far below overflow,
     and float64 keeps ~4 more digits than the counts need."""
 
     def __post_init__(self) -> None:
-        self._ln = decay_ln_per_ms(self.rate_per_hour)  # ln g per ms
+        self._ln = decay_ln_per_ms(self.rate_per_hour, self.time_scale)  # ln g per ms
 
     def weight(self, t_ms: int | float) -> float:
         """g(t − L): what one event at ``t_ms`` adds to a stored count."""
@@ -52,7 +54,7 @@ class ForwardDecay:
 
     def factor(self, from_ms: int | float, to_ms: int | float) -> float:
         """How much a decayed value shrinks from ``from_ms`` to ``to_ms``: r^((to − from)/h)."""
-        return decay_factor(self.rate_per_hour, to_ms - from_ms)
+        return decay_factor(self.rate_per_hour, to_ms - from_ms, self.time_scale)
 
     def needs_renormalising(self, t_ms: int | float) -> bool:
         return self.weight(t_ms) > self.renormalise_above

@@ -42,6 +42,9 @@ GLOBAL = "global"
 @dataclass(frozen=True)
 class StateConfig:
     decay_rate_per_hour: float = 0.95
+    time_scale: float = 1.0
+    """Milliseconds of the world one of event time stands for: the decay stays per hour of
+    the world's time in a replay whose events run faster (``FRESHREC_EVENT_TIME_SCALE``)."""
     late_grace_ms: int = 10 * 60 * 1000
     """Events older than the lateness floor minus this are late and dropped: the floor is
     the least watermark of the source partitions of ``events`` (``watermarks.py``)."""
@@ -78,7 +81,9 @@ class ItemCounts:
 
     def __init__(self, config: StateConfig, landmark_ms: int | None = None) -> None:
         self.config = config
-        self.decay = ForwardDecay(config.decay_rate_per_hour, landmark_ms or 0)
+        self.decay = ForwardDecay(
+            config.decay_rate_per_hour, landmark_ms or 0, time_scale=config.time_scale
+        )
         self.slots: dict[str, int] = {}
         self.item_ids: list[str] = []
         self.scopes: dict[str, int] = {GLOBAL: 0}

@@ -202,6 +202,7 @@ class StreamsSettings:
         candidates = COVISIT_CANDIDATES.read(env)
         state = StateConfig(
             decay_rate_per_hour=hot.decay_per_hour,
+            time_scale=hot.time_scale,
             late_grace_ms=LATE_GRACE_MS.read(env),
             watermark_idle_ms=WATERMARK_IDLE_MS.read(env),
             weights=hot.weights,

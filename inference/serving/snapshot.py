@@ -96,6 +96,7 @@ class SnapshotRefresher:
         *,
         weights: HotWeights | None = None,
         rate_per_hour: float = 0.95,
+        time_scale: float = 1.0,
         hot_refresh_s: float = 0.5,
         features_refresh_s: float = 5.0,
         catalogue_refresh_s: float = 60.0,
@@ -110,6 +111,7 @@ class SnapshotRefresher:
         self.new_items = new_items
         self.weights = weights or HotWeights()
         self.rate_per_hour = rate_per_hour
+        self.time_scale = time_scale
         self.snapshot = Snapshot()
         self.healthy = True
         self.last_error: str | None = None
@@ -264,6 +266,7 @@ class SnapshotRefresher:
                 self.hot_k,
                 self.weights,
                 self.rate_per_hour,
+                self.time_scale,
             )
             self._hot_cache[scope] = (fingerprint, merged)
             out[scope] = merged

@@ -75,9 +75,13 @@ def arm_env(
     timeout_s: float,
     overrides: dict[str, str] | None,
     settings: dict[str, str],
+    speed: float = 1.0,
 ) -> dict[str, str]:
     """The environment of an arm's services: its stack, the starting models, the serving
-    settings every arm shares, then ``overrides``, then the arm's own ``settings``."""
+    settings every arm shares, then ``overrides``, then the arm's own ``settings``. The
+    replay's events run ``speed`` times faster than they happened: the event time scale says
+    so, and the decays keep their meaning in the log's own time (an hour of the log, not
+    of the replay)."""
     return {
         **os.environ,
         "KAFKA_BOOTSTRAP_SERVERS": conn.kafka_bootstrap_servers,
@@ -90,6 +94,7 @@ def arm_env(
         # a step's requests arrive at once: the tiers plan to the request's timeout, not to
         # a latency objective, so a list's quality does not depend on the machine's speed
         "FRESHREC_REQUEST_BUDGET_MS": str(int(timeout_s * 1000)),
+        "FRESHREC_EVENT_TIME_SCALE": repr(float(speed)),
         **SERVING,
         **(overrides or {}),
         **settings,  # the arm's own (frozen's learning rates of 0) win
@@ -124,7 +129,7 @@ def run_arm(
     with arm_stack(name, workdir, run_id) as conn:
         provision_topics(conn)
         load_starting_embeddings(conn, models, manifest)
-        env = arm_env(conn, models, manifest, timeout_s, overrides, settings)
+        env = arm_env(conn, models, manifest, timeout_s, overrides, settings, data.speed)
         group = ServiceGroup(env, workdir / f"logs-{name}")
         ports = {s: free_port() for s in services_of}
         try:
