@@ -96,6 +96,10 @@ STREAMS_COVISIT_PAIRS = Counter(
     "freshrec_streams_covisit_pairs_total",
     "Co-visitation pairs counted (each way of a pair once; replays and late ones not)",
 )
+STREAMS_SEQUEL_PAIRS = Counter(
+    "freshrec_streams_sequel_pairs_total",
+    "Sequential-rule pairs a -> b counted (replays and late ones not)",
+)
 STREAMS_BATCH_SIZE = Histogram(
     "freshrec_streams_batch_messages",
     "Messages per agent batch",
@@ -133,8 +137,9 @@ HOT_LIST_LAG = Histogram(
 STREAMS_STAGE_LAG = Histogram(
     "freshrec_streams_stage_lag_seconds",
     "Event time to a point in the streams app: repartitioned (the events.by_item record's "
-    "timestamp), counted (persisted), or covisit (an anchor's neighbour list written, timed "
-    "from its newest pair); the hot-list lag adds publishing",
+    "timestamp), counted (persisted), covisit (an anchor's neighbour list written, timed "
+    "from its newest pair) or sequel (its successor list, from its newest rule); the "
+    "hot-list lag adds publishing",
     ["stage"],
     buckets=LAG_BUCKETS_S,
 )
@@ -151,6 +156,17 @@ STREAMS_COVISIT_TRIMMED = Counter(
     "freshrec_streams_covisit_trimmed_total",
     "Co-visitation neighbours cut from the longest rows of a partition past "
     "FRESHREC_COVISIT_MAX_NEIGHBOURS",
+)
+STREAMS_SEQUEL_SUCCESSORS = Gauge(
+    "freshrec_streams_sequel_successors",
+    "Sequential-rule successors this instance counts (all its anchors and partitions; at "
+    "most its items × FRESHREC_SEQUEL_CANDIDATES, and FRESHREC_SEQUEL_MAX_SUCCESSORS a "
+    "partition)",
+)
+STREAMS_SEQUEL_TRIMMED = Counter(
+    "freshrec_streams_sequel_trimmed_total",
+    "Sequential-rule successors cut from the longest rows of a partition past "
+    "FRESHREC_SEQUEL_MAX_SUCCESSORS",
 )
 STREAMS_EVICTED = Counter(
     "freshrec_streams_items_evicted_total",

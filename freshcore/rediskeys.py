@@ -131,3 +131,16 @@ class RedisKeys:
         't1.covisit:{s2}'
         """
         return f"{self.prefix}covisit:{{s{shard}}}"
+
+    def streams_sequel(self, partition: int) -> str:
+        """Hash: anchor item id -> its sequential-rule counts (the count stage's state)."""
+        return f"{self.prefix}streams:{{s{partition}}}:sequel"
+
+    def sequel(self, shard: int) -> str:
+        """Hash of the anchors of ``events.by_item`` partition ``shard``: field = item id,
+        value = its successor list (``freshcore/sequels.py``), for the sequel channel.
+
+        >>> RedisKeys("t1.").sequel(2)
+        't1.sequel:{s2}'
+        """
+        return f"{self.prefix}sequel:{{s{shard}}}"

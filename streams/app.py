@@ -63,8 +63,9 @@ from freshcore.settings import state_dir, stop_grace_s
 from freshcore.topics import TopicNames
 from streams.byitem import by_item_columns
 from streams.catalogue import CatalogueStage
-from streams.covisit import PAIR_COLUMNS
+from streams.covisit import PAIR_COLUMNS, PAIR_DISTANCE
 from streams.item_state import ItemPartitionState
+from streams.prices import PriceRetries
 from streams.process import AIOKAFKA_LOGGERS, crash_on_error, faust_worker, start_validate_process
 from streams.settings import StreamsSettings
 from streams.sink import StreamsSink
@@ -74,8 +75,6 @@ from streams.validate import ValidateStage
 log = logging.getLogger("freshrec.streams")
 SERVICE = "streams"
 LAG_SAMPLES_PER_PUBLISH = 256
-PRICE_RETRY_S = 5.0
-PRICE_RETRY_MAX_S = 300.0
 
 
 @contextlib.contextmanager
@@ -109,8 +108,7 @@ class StreamsApp:
         self._features_not_before = 0.0
         self.persist_lock = asyncio.Lock()
         self.connecting = asyncio.Lock()
-        self.price_retry_at: dict[int, float] = defaultdict(float)
-        self.price_retry_wait: dict[int, float] = defaultdict(lambda: PRICE_RETRY_S / 2)
+        self.price_retries = PriceRetries()
         self.price_updates: queue.SimpleQueue = queue.SimpleQueue()
         self.redis: Redis | None = None
         self.sink: StreamsSink | None = None
@@ -235,9 +233,8 @@ class StreamsApp:
             state = await self._state(q)
             record = orjson.loads(ev.message.value)
             late_before, skipped_before = state.late, state.skipped
-            if isinstance(record, dict) and PAIR_COLUMNS[0] in record:  # co-visitation pairs
-                pairs = (record[c] for c in PAIR_COLUMNS)
-                m.STREAMS_COVISIT_PAIRS.inc(state.apply_pairs(*pairs, now_ms=now))
+            if isinstance(record, dict) and PAIR_COLUMNS[0] in record:  # a click's pairs
+                count_pairs(state, record, now)
                 m.STREAMS_REPLAYED.inc(state.skipped - skipped_before)
                 touched.add(q)
                 continue
@@ -271,11 +268,10 @@ class StreamsApp:
             m.observe_many(m.STREAMS_STAGE_LAG.labels("counted"), np.maximum(counted, 0))
 
     async def _refresh_prices(self, q: int, state: ItemPartitionState) -> None:
-        """Fetch prices of items seen before their catalogue record. Retried after 5 s, and
-        twice as late each time a retry finds none (up to 5 min): events for items that have
-        no catalogue record cost a few round trips an hour, not one every 5 s."""
+        """Fetch prices of items seen before their catalogue record, when due
+        (``prices.py``: after 5 s, and twice as late each time a retry finds none)."""
         now = time.monotonic()
-        if now < self.price_retry_at[q]:
+        if not self.price_retries.due(q, now):
             return
         missing = state.items_without_price()[:5000]
         found: dict[str, float] = {}
@@ -283,12 +279,7 @@ class StreamsApp:
             sink = await self._redis()
             found = await sink.prices(missing)
             state.set_prices(found)
-        if found or not missing:
-            wait = PRICE_RETRY_S
-        else:
-            wait = min(2 * self.price_retry_wait[q], PRICE_RETRY_MAX_S)
-        self.price_retry_wait[q] = wait
-        self.price_retry_at[q] = now + wait
+        self.price_retries.looked_up(q, now, found=bool(found or not missing))
 
     async def _persist(self, partitions: list[int]) -> None:
         # One flush at a time: two in flight could land out of order and leave an older
@@ -317,10 +308,11 @@ class StreamsApp:
                     for reason, n in state.take_evictions().items():
                         m.STREAMS_EVICTED.labels(reason).inc(n)
                     m.STREAMS_COVISIT_TRIMMED.inc(state.take_trimmed())
-                m.STREAMS_ITEMS.set(sum(s.n_items for s in self.states.values()))
-                m.STREAMS_COVISIT_NEIGHBOURS.set(
-                    sum(s.covisit.entries for s in self.states.values())
-                )
+                    m.STREAMS_SEQUEL_TRIMMED.inc(state.take_sequels_trimmed())
+                held = self.states.values()
+                m.STREAMS_ITEMS.set(sum(s.n_items for s in held))
+                m.STREAMS_COVISIT_NEIGHBOURS.set(sum(s.covisit.entries for s in held))
+                m.STREAMS_SEQUEL_SUCCESSORS.set(sum(s.sequel.entries for s in held))
 
     def _apply_prices(self) -> None:
         """Prices from the catalogue stage (another thread) into the partitions' states."""
@@ -386,14 +378,25 @@ class StreamsApp:
         if time.monotonic() < self._features_not_before:
             return
         self._features_not_before = time.monotonic() + self.settings.features_interval_ms / 1000
+        cv = self.settings.covisit
         try:
-            newest = await sink.write_features(self.states, self.settings.covisit.neighbours)
+            newest = await sink.write_features(self.states, cv.neighbours, cv.sequel_successors)
         except BaseException:  # due again, and written at the next round
             self._features_not_before = 0.0
             raise
-        if newest:
-            lag = time.time() - np.asarray(newest, np.float64) / 1000
-            m.observe_many(m.STREAMS_STAGE_LAG.labels("covisit"), np.maximum(lag, 0.0))
+        for stage, times in zip(("covisit", "sequel"), newest, strict=True):
+            if times:
+                lag = time.time() - np.asarray(times, np.float64) / 1000
+                m.observe_many(m.STREAMS_STAGE_LAG.labels(stage), np.maximum(lag, 0.0))
+
+
+def count_pairs(state: ItemPartitionState, record: dict, now_ms: int) -> None:
+    """Count a pair record (co-visitation pairs and sequential rules: ``covisit.py``)."""
+    rules = state.sequel_pairs
+    pairs = (record[c] for c in PAIR_COLUMNS)
+    counted = state.apply_pairs(*pairs, now_ms=now_ms, distances=record.get(PAIR_DISTANCE))
+    m.STREAMS_SEQUEL_PAIRS.inc(state.sequel_pairs - rules)
+    m.STREAMS_COVISIT_PAIRS.inc(counted - (state.sequel_pairs - rules))
 
 
 def run_streams(settings: StreamsSettings) -> int:

@@ -18,6 +18,12 @@ Two halves, one per stage of the streams app:
   probability; the replay's item-kNN baseline chose no popularity damping (α 0) on both
   public logs (docs/benchmarks.md). Decay lets stale pairs fade; ratios need no decay.
 
+The sequential rules (``freshcore/sequels.py``) travel and count alike: a click's directed
+pairs a → b, b following a at distance d of the user's sequence, ride in its pair record
+(``PAIR_DISTANCE``: d, 0 for a co-visitation pair) and are counted, weighted 1/d, in a
+``CoVisitCounts`` of their own per partition, with its own bounds; an anchor's serving list
+is then its best successors by r(a → b) / Σ r(a → ·) (``top`` over ``total``).
+
 >>> w = UserWindows(users=10, window=3, window_ms=60_000, max_pairs=5)
 >>> w.pairs("u", "a", 1_000), w.pairs("u", "b", 2_000), w.pairs("u", "c", 3_000)
 ([], ['a'], ['b', 'a'])
@@ -36,12 +42,17 @@ import numpy as np
 import orjson
 
 from freshcore.neighbours import MAX_PAIRS, PAIR_WINDOW, PAIR_WINDOW_MS, UserWindows
+from freshcore.sequels import SEQUEL_STEPS
 
-__all__ = ["PAIR_COLUMNS", "CoVisitConfig", "CoVisitCounts", "UserWindows"]
+__all__ = ["PAIR_COLUMNS", "PAIR_DISTANCE", "CoVisitConfig", "CoVisitCounts", "UserWindows"]
 
 PAIR_COLUMNS = ("ca", "cn", "cp", "co", "ct")
 """A co-visitation record on ``events.by_item``: anchors, neighbours, the source partition
 and offset of the click that made each pair, and its event time (ms)."""
+PAIR_DISTANCE = "cd"
+"""The pair record's column of kinds: 0 for a co-visitation pair, d ≥ 1 for a sequential
+rule a → b at distance d (weight 1/d). A record without it, written by a validate stage
+from before the rules, holds co-visitation pairs only."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,11 @@ class CoVisitConfig:
     """Neighbours counted per anchor at most."""
     neighbours: int = 50
     """Neighbours published per anchor for serving."""
+    sequel_steps: int = SEQUEL_STEPS
+    """A click follows the user's last this many items of their sequence (0: no sequential
+    rules); the windows of the same ``users`` are kept."""
+    sequel_successors: int = 50
+    """Successors published per anchor for serving."""
 
 
 class CoVisitCounts:
@@ -160,6 +176,16 @@ class CoVisitCounts:
             for b in row:
                 row[b] *= factor
         self.dirty.update(self.counts)
+
+    def total(self, anchor: str) -> float:
+        """The sum of an anchor's counts: what a sequential rule's share is of.
+
+        >>> c = CoVisitCounts(candidates=4)
+        >>> c.add(["a", "a"], ["b", "c"], [1.0, 0.5])
+        >>> c.top("a", 1, c.total("a"))
+        [('b', 0.6666666666666666)]
+        """
+        return sum(self.counts.get(anchor, {}).values())
 
     def top(self, anchor: str, m: int, n: float) -> list[tuple[str, float]]:
         """The ``m`` best neighbours of ``anchor`` by c(a, b) / n (n: its stored clicks)."""

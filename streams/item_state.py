@@ -4,7 +4,8 @@ Scopes: 0 is global, then one per region as regions appear (up to ``max_regions`
 impressions, clicks and conversions are forward-decayed (``decay.py``), so an event touches
 only its own item's row; the counters and what is read out of them (hot lists, rates,
 snapshot rows) are ``itemcounts.py``'s, and this module adds the rules of the log that decide
-what counts (a batch at a time: ``batchcount.py``), co-visitation pairs, what a flush takes,
+what counts (a batch at a time: ``batchcount.py``), co-visitation pairs and sequential rules
+(``covisit.py``), what a flush takes,
 eviction, and the snapshot's offsets and restore. ``applied`` remembers, per source partition
 of ``events``, the highest source offset already counted: a replayed repartition batch is
 skipped event by event, which makes the effect exactly-once when the state and ``applied``
@@ -57,6 +58,10 @@ class Flush(NamedTuple):
     """Items evicted: their rows and serving features leave Redis."""
     dropped: list[str]
     """Anchors dropped: their co-visitation counts and serving lists leave Redis."""
+    sequels: list[str]
+    """Anchors whose sequential-rule counts changed."""
+    sequels_dropped: list[str]
+    """Anchors dropped: their sequential-rule counts and serving lists leave Redis."""
 
 
 class ItemPartitionState(ItemCounts):
@@ -76,14 +81,19 @@ class ItemPartitionState(ItemCounts):
         lateness is judged by."""
         self.covisit = CoVisitCounts(config.covisit_candidates)
         """Co-visitation counts of this partition's anchors (``covisit.py``)."""
+        self.sequel = CoVisitCounts(config.sequel_candidates)
+        """Sequential-rule counts r(a → b) of this partition's anchors (``covisit.py``)."""
         self.covisit_applied: dict[int, int] = {}
-        """Per source partition of ``events``, the highest offset whose pairs are counted."""
+        """Per source partition of ``events``, the highest offset whose pairs (co-visitation
+        and sequential rules: a click's travel in one record) are counted."""
+        self.sequel_pairs = 0
+        """Sequential-rule pairs counted (a running total: the metric takes differences)."""
         self.evicted: list[str] = []
         """Items evicted since the last flush (their Redis fields still to delete)."""
         self.evictions = {"idle": 0, "cap": 0}
         """Items evicted since ``take_evictions``, by reason."""
-        self.trimmed = 0
-        """Co-visitation neighbours cut past the budget since ``take_trimmed``."""
+        self.trimmed = {"covisit": 0, "sequel": 0}
+        """Neighbours and successors cut past their budgets since ``take_trimmed``."""
         self._swept_ms = 0
         self.persisted: dict[str, str | None] = {"applied": None, "covisit_applied": None}
         """The offsets fields of the last snapshot Redis acknowledged (or restored), as
@@ -193,6 +203,7 @@ class ItemPartitionState(ItemCounts):
                 self.watermark_ms = ts
                 if self.decay.needs_renormalising(ts):
                     self.covisit.rescale(1.0 / self.decay.weight(ts - grace))
+                    self.sequel.rescale(1.0 / self.decay.weight(ts - grace))
                     self.decay.renormalise(ts - grace, self.counts)
                     self.touched.update(range(self.n_items))
             slot = self._slot(item_id)
@@ -214,8 +225,10 @@ class ItemPartitionState(ItemCounts):
         offsets: list[int],
         ts_ms: list[int],
         now_ms: int | None = None,
+        distances: list[int] | None = None,
     ) -> int:
-        """Count a co-visitation record's pairs (``covisit.PAIR_COLUMNS``); returns how many.
+        """Count a pair record's pairs (``covisit.PAIR_COLUMNS``; ``distances``: its
+        ``PAIR_DISTANCE`` column, None for co-visitation pairs only); returns how many.
 
         A click's pairs travel in one record, so a pair is skipped when its source offset is
         at or below what this partition had counted before the record: a replayed record
@@ -247,14 +260,35 @@ class ItemPartitionState(ItemCounts):
         fresh = [j for j in keep if ts_ms[j] >= floor[j] - grace]
         self.late += len(keep) - len(fresh)
         if fresh:
-            ts = [ts_ms[j] for j in fresh]
-            self.covisit.add(
-                [anchors[j] for j in fresh],
-                [neighbours[j] for j in fresh],
-                self.decay.weights(np.asarray(ts, np.int64)).tolist(),
-                ts,
-            )
+            self._add_pairs(fresh, anchors, neighbours, ts_ms, distances)
         return len(fresh)
+
+    def _add_pairs(self, fresh: list[int], anchors, neighbours, ts_ms, distances) -> None:
+        """Add the pairs ``fresh`` (by index: none replayed or late) to their counts, each
+        weighted by its event time's decay: co-visitation pairs (distance 0) as they are,
+        a sequential rule at distance d by 1/d."""
+        ts = [ts_ms[j] for j in fresh]
+        w = self.decay.weights(np.asarray(ts, np.int64)).tolist()
+        if distances is None:
+            co = list(range(len(fresh)))
+        else:
+            co = [k for k, j in enumerate(fresh) if distances[j] == 0]
+            rules = [k for k, j in enumerate(fresh) if distances[j] != 0]
+            if rules:
+                self.sequel.add(
+                    [anchors[fresh[k]] for k in rules],
+                    [neighbours[fresh[k]] for k in rules],
+                    [w[k] / distances[fresh[k]] for k in rules],
+                    [ts[k] for k in rules],
+                )
+                self.sequel_pairs += len(rules)
+        if co:
+            self.covisit.add(
+                [anchors[fresh[k]] for k in co],
+                [neighbours[fresh[k]] for k in co],
+                [w[k] for k in co],
+                [ts[k] for k in co],
+            )
 
     def late_below_ms(self, now_ms: int | None = None) -> int:
         """The event time below which an event is late now unless its own source partition
@@ -273,10 +307,14 @@ class ItemPartitionState(ItemCounts):
     def begin_flush(self) -> Flush:
         """Sweep, then take everything a persist writes (``Flush``)."""
         self.sweep()
-        self.trimmed += self.covisit.trim(self.config.covisit_max_neighbours)
+        self.trimmed["covisit"] += self.covisit.trim(self.config.covisit_max_neighbours)
+        self.trimmed["sequel"] += self.sequel.trim(self.config.sequel_max_successors)
         evicted, self.evicted = self.evicted, []
         slots, anchors = self.take_touched(), self.covisit.take_dirty()
-        return Flush(slots, anchors, evicted, self.covisit.take_dropped())
+        dropped = self.covisit.take_dropped()
+        return Flush(
+            slots, anchors, evicted, dropped, self.sequel.take_dirty(), self.sequel.take_dropped()
+        )
 
     def abort_flush(self, flush: Flush) -> None:
         """A flush that was not written: everything it took is due again."""
@@ -284,12 +322,15 @@ class ItemPartitionState(ItemCounts):
         self.covisit.dirty.update(flush.anchors)
         self.evicted = flush.evicted + self.evicted
         self.covisit.dropped.update(flush.dropped)
+        self.sequel.dirty.update(flush.sequels)
+        self.sequel.dropped.update(flush.sequels_dropped)
 
     def touch_all(self) -> None:
-        """Every item and co-visitation anchor is due in the next flush: it rewrites the
-        whole partition."""
+        """Every item, co-visitation and sequential-rule anchor is due in the next flush: it
+        rewrites the whole partition."""
         self.touched.update(range(self.n_items))
         self.covisit.dirty.update(self.covisit.counts)
+        self.sequel.dirty.update(self.sequel.counts)
 
     # ------------------------------------------------------------------------- eviction
     def take_evictions(self) -> dict[str, int]:
@@ -299,7 +340,12 @@ class ItemPartitionState(ItemCounts):
 
     def take_trimmed(self) -> int:
         """Co-visitation neighbours cut past the budget since the last call."""
-        out, self.trimmed = self.trimmed, 0
+        out, self.trimmed["covisit"] = self.trimmed["covisit"], 0
+        return out
+
+    def take_sequels_trimmed(self) -> int:
+        """Sequential-rule successors cut past the budget since the last call."""
+        out, self.trimmed["sequel"] = self.trimmed["sequel"], 0
         return out
 
     def sweep(self) -> int:
@@ -334,8 +380,10 @@ class ItemPartitionState(ItemCounts):
         renumber = self._compact(gone)
         self.features_due = set(renumbered(renumber, self.features_due))
         # an anchor's list is a share of its own clicks: with the item gone, so is its list
-        # (and lists of anchors that never had counted clicks of their own)
+        # (and lists of anchors that never had counted clicks of their own); its successors
+        # leave with it, or rows of idle anchors would pile up for ever
         self.covisit.drop([a for a in self.covisit.counts if a not in self.slots])
+        self.sequel.drop([a for a in self.sequel.counts if a not in self.slots])
 
     def take_features_due(self) -> list[int]:
         due = sorted(self.features_due)

@@ -65,6 +65,12 @@ class StateConfig:
     """Co-visitation neighbours one partition holds over all its anchors at most: past it
     the longest rows are cut (``CoVisitCounts.trim``), so that memory is bounded by this,
     not by ``max_items`` × ``covisit_candidates``."""
+    sequel_candidates: int = 200
+    """Sequential-rule successors counted per anchor at most (the weakest quarter dropped
+    when full, as co-visitation neighbours are)."""
+    sequel_max_successors: int = 2_500_000
+    """Sequential-rule successors one partition holds over all its anchors at most (a rule is
+    one count a pair, a co-visitation pair two: half their budget)."""
     evict_below: float = 0.01
     """An item whose decayed impressions, clicks and conversions add up to less than this at
     the partition's event time leaves the state (and its rows and features leave Redis): it

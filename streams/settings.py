@@ -1,8 +1,8 @@
 """Settings of ``freshrec streams``, read from the environment at the edge.
 
-The count stage's and co-visitation's defaults are their configs' own (``StateConfig``,
-``CoVisitConfig``, the codec's ``CodecLimits``); each setting that changes one is declared
-here once, with that default.
+The count stage's, co-visitation's and the sequential rules' defaults are their configs' own
+(``StateConfig``, ``CoVisitConfig``, the codec's ``CodecLimits``); each setting that changes
+one is declared here once, with that default.
 """
 
 from __future__ import annotations
@@ -127,6 +127,36 @@ COVISIT_NEIGHBOURS = Setting(
     kind=int,
     minimum=1,
 )
+SEQUEL_STEPS = Setting(
+    "FRESHREC_SEQUEL_STEPS",
+    CoVisitConfig.sequel_steps,
+    "A click follows the user's last this many items of their sequence: a sequential rule "
+    "a → b weighted 1/d at distance d (0: no sequential rules).",
+    kind=int,
+    minimum=0,
+)
+SEQUEL_CANDIDATES = Setting(
+    "FRESHREC_SEQUEL_CANDIDATES",
+    StateConfig.sequel_candidates,
+    "Sequential-rule successors counted per anchor (the weakest quarter dropped when full).",
+    kind=int,
+    minimum=4,
+)
+SEQUEL_MAX_SUCCESSORS = Setting(
+    "FRESHREC_SEQUEL_MAX_SUCCESSORS",
+    StateConfig.sequel_max_successors,
+    "Sequential-rule successors counted over all the anchors of one `events.by_item` "
+    "partition; past it the longest rows are cut.",
+    kind=int,
+    minimum=1,
+)
+SEQUEL_SUCCESSORS = Setting(
+    "FRESHREC_SEQUEL_SUCCESSORS",
+    CoVisitConfig.sequel_successors,
+    "Sequential-rule successors published per anchor, best first.",
+    kind=int,
+    minimum=1,
+)
 
 
 @dataclass(frozen=True)
@@ -210,6 +240,8 @@ class StreamsSettings:
             price_cap=PRICE_CAP.read(env),
             covisit_candidates=candidates,
             covisit_max_neighbours=COVISIT_MAX_NEIGHBOURS.read(env),
+            sequel_candidates=SEQUEL_CANDIDATES.read(env),
+            sequel_max_successors=SEQUEL_MAX_SUCCESSORS.read(env),
             evict_below=EVICT_BELOW.read(env),
             max_items=MAX_ITEMS.read(env),
         )
@@ -229,6 +261,8 @@ class StreamsSettings:
                 users=COVISIT_USERS.read(env),
                 candidates=candidates,
                 neighbours=COVISIT_NEIGHBOURS.read(env),
+                sequel_steps=SEQUEL_STEPS.read(env),
+                sequel_successors=SEQUEL_SUCCESSORS.read(env),
             ),
             dead_letters=dead_letter_limits(env),
         )

@@ -33,8 +33,9 @@ class StreamsSink:
         return {i: float(v) for i, v in zip(item_ids, values, strict=True) if v is not None}
 
     async def persist(self, states: list[tuple[int, ItemPartitionState]]) -> list[int]:
-        """Per partition: state rows of touched items, the removal of evicted items (their
-        rows, features and co-visitation lists) and the meta (with applied offsets) in one
+        """Per partition: state rows of touched items, the pair counts of the anchors counted
+        since, the removal of evicted items (their rows, features, co-visitation and
+        sequential-rule lists) and the meta (with applied offsets) in one
         MULTI/EXEC (the keys share the partition's hash tag), so a crash leaves each
         partition with all of a flush or none of it; all partitions in one round trip (one
         per node of a cluster). The touched items' serving features follow in the next
@@ -82,8 +83,8 @@ class StreamsSink:
     def _persist_commands(
         self, partition: int, state: ItemPartitionState, flush: Flush
     ) -> list[bytes]:
-        touched, anchors, evicted, dropped = flush
-        if not (touched or anchors or evicted or dropped):
+        touched, anchors, evicted, dropped, sequels, sequels_dropped = flush
+        if not (touched or anchors or evicted or dropped or sequels or sequels_dropped):
             return []
         k = self.keys
         meta = state.snapshot_meta()
@@ -93,10 +94,7 @@ class StreamsSink:
             ids = [i.encode() for i in evicted]
             for key in [k.streams_rows(partition), *self._feature_keys(partition)]:
                 commands.append(pack(b"HDEL", key.encode(), *ids))
-        if dropped:
-            ids = [a.encode() for a in dropped]
-            for key in (k.streams_covisit(partition), k.covisit(partition)):
-                commands.append(pack(b"HDEL", key.encode(), *ids))
+        commands += self._pair_drops(partition, dropped, sequels_dropped)
         if touched:
             rows = state.snapshot_matrix(touched)
             # every command over many items is packed with numpy, not pair by pair (at a
@@ -109,15 +107,17 @@ class StreamsSink:
                     rows.view(np.uint8).reshape(len(touched), -1),
                 )
             )
-        if anchors:  # the pair counts of the anchors changed, with the same offsets
-            commands.append(
-                pack_pairs(
-                    b"HSET",
-                    k.streams_covisit(partition).encode(),
-                    [a.encode() for a in anchors],
-                    [state.covisit.blob(a) for a in anchors],
+        # the pair counts of the anchors changed (co-visitation and sequential rules: a
+        # click's pairs count together), with the same offsets
+        for key, changed, counts in (
+            (k.streams_covisit(partition), anchors, state.covisit),
+            (k.streams_sequel(partition), sequels, state.sequel),
+        ):
+            if changed:
+                blobs = [counts.blob(a) for a in changed]
+                commands.append(
+                    pack_pairs(b"HSET", key.encode(), [a.encode() for a in changed], blobs)
                 )
-            )
         commands.append(
             pack_pairs(
                 b"HSET",
@@ -127,6 +127,20 @@ class StreamsSink:
             )
         )
         return commands
+
+    def _pair_drops(self, partition: int, dropped: list[str], sequels: list[str]) -> list[bytes]:
+        """The removal of dropped anchors' co-visitation counts and list (``dropped``) and
+        of their sequential-rule counts and list (``sequels``)."""
+        k = self.keys
+        out = []
+        for gone, keys in (
+            (dropped, (k.streams_covisit(partition), k.covisit(partition))),
+            (sequels, (k.streams_sequel(partition), k.sequel(partition))),
+        ):
+            if gone:
+                ids = [a.encode() for a in gone]
+                out += [pack(b"HDEL", key.encode(), *ids) for key in keys]
+        return out
 
     def _feature_keys(self, partition: int) -> list[str]:
         """Every hash holding a serving feature of the partition's items."""
@@ -148,6 +162,20 @@ class StreamsSink:
         command = pack_pairs(b"HSET", key, [a.encode() for a in anchors], lists)
         newest = [state.covisit.newest_ms.get(a, 0) for a in anchors]
         return [Packed(key, command, 1)], newest
+
+    def sequel_commands(
+        self, partition: int, state: ItemPartitionState, anchors: list[str], successors: int
+    ) -> tuple[list[Packed], list[int]]:
+        """The successor lists of ``anchors`` (``sequel:{sN}``: each one's best
+        ``successors`` by r(a → b), with their shares r(a → b) / Σ r(a → ·) of all its
+        counted successors), and each one's newest rule's event time."""
+        if not anchors:
+            return [], []
+        key = self.keys.sequel(partition).encode()
+        rules = state.sequel
+        lists = [serving_list(rules.top(a, successors, rules.total(a))) for a in anchors]
+        command = pack_pairs(b"HSET", key, [a.encode() for a in anchors], lists)
+        return [Packed(key, command, 1)], [rules.newest_ms.get(a, 0) for a in anchors]
 
     def feature_commands(
         self, partition: int, state: ItemPartitionState, due: list[int]
@@ -178,30 +206,36 @@ class StreamsSink:
         return out
 
     async def write_features(
-        self, states: dict[int, ItemPartitionState], neighbours: int
-    ) -> list[int]:
+        self, states: dict[int, ItemPartitionState], neighbours: int, successors: int = 50
+    ) -> tuple[list[int], list[int]]:
         """Every partition's serving features of the items persisted since the last call
-        (``feature_commands``) and neighbour lists of the anchors counted since
-        (``covisit_commands``), in one round trip; returns the newest pair's event time of
-        each neighbour list written. Not written, everything taken is due again (by id: a
-        sweep may renumber meanwhile)."""
+        (``feature_commands``), the neighbour lists of the anchors counted since
+        (``covisit_commands``) and their successor lists (``sequel_commands``), in one round
+        trip; returns the newest pair's event time of each neighbour list written, and of
+        each successor list. Not written, everything taken is due again (by id: a sweep may
+        renumber meanwhile)."""
         commands: list[Packed] = []
-        newest: list[int] = []
+        newest: tuple[list[int], list[int]] = ([], [])
         taken = []
         for q, state in states.items():
             due, anchors = state.take_features_due(), state.covisit.take_published()
-            taken.append((state, [state.item_ids[i] for i in due], anchors))
+            sequels = state.sequel.take_published()
+            taken.append((state, [state.item_ids[i] for i in due], anchors, sequels))
             commands += self.feature_commands(q, state, due)
-            lists, times = self.covisit_commands(q, state, anchors, neighbours)
-            commands += lists
-            newest += times
+            for lists, times, into in (
+                (*self.covisit_commands(q, state, anchors, neighbours), newest[0]),
+                (*self.sequel_commands(q, state, sequels, successors), newest[1]),
+            ):
+                commands += lists
+                into += times
         try:
             if commands:
                 await self.write(commands)
         except BaseException:  # due again
-            for state, ids, anchors in taken:
+            for state, ids, anchors, sequels in taken:
                 state.features_due.update(state.slots[i] for i in ids if i in state.slots)
                 state.covisit.published.update(a for a in anchors if a in state.covisit.counts)
+                state.sequel.published.update(a for a in sequels if a in state.sequel.counts)
             raise
         return newest
 
@@ -213,16 +247,18 @@ class StreamsSink:
                 pack(b"HGETALL", meta_key),
                 pack(b"HGETALL", self.keys.streams_rows(partition).encode()),
                 pack(b"HGETALL", self.keys.streams_covisit(partition).encode()),
+                pack(b"HGETALL", self.keys.streams_sequel(partition).encode()),
                 pack(b"EXEC"),
             ]
         )
-        ((*_, (meta_raw, rows_raw, covisit_raw)),) = await run_packed_async(
-            self.redis, [Packed(meta_key, read, 5)]
+        ((*_, (meta_raw, rows_raw, covisit_raw, sequel_raw)),) = await run_packed_async(
+            self.redis, [Packed(meta_key, read, 6)]
         )
         meta = {a.decode(): b.decode() for a, b in _pairs(meta_raw)}
         rows = {a.decode(): b for a, b in _pairs(rows_raw)}
         state = ItemPartitionState.restore(config, meta, rows)
         state.covisit.restore({a.decode(): b for a, b in _pairs(covisit_raw)})
+        state.sequel.restore({a.decode(): b for a, b in _pairs(sequel_raw)})
         return state
 
     async def publish_hot(self, payloads: dict[int, dict[str, bytes]]) -> None:

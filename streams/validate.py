@@ -25,7 +25,6 @@ from collections import defaultdict
 from itertools import pairwise
 
 import numpy as np
-import orjson
 import redis
 from confluent_kafka import Producer, TopicPartition
 
@@ -46,8 +45,8 @@ from freshcore.topics import TopicNames
 from schemas.codec import dead_letter, decode_events, encode_dead_letter
 from schemas.contract import Rejected
 from streams.attribution import Attribution
-from streams.byitem import BY_ITEM_COLUMNS, EVENT_CODES
-from streams.covisit import PAIR_COLUMNS, UserWindows
+from streams.byitem import EVENT_CODES, run_bounds, split_records
+from streams.pairing import ClickPairs
 from streams.settings import StreamsSettings
 
 log = logging.getLogger("freshrec.streams")
@@ -74,41 +73,6 @@ def pack_recent(keys: RedisKeys, clicks, keep: int, ttl_s: int = 0) -> list[Pack
     return out
 
 
-MAX_RECORD_BYTES = 512 * 1024
-"""An ``events.by_item`` record is split below this: Kafka refuses messages over its
-``message.max.bytes`` (1 MB by default), and 5,000 valid events naming one item id of 64
-emoji make a 2 MB record."""
-
-
-def _records(
-    columns: list, lo: int, hi: int, names=BY_ITEM_COLUMNS, starts: np.ndarray | None = None
-) -> list[bytes]:
-    """Rows ``lo:hi`` of ``columns`` as ``events.by_item`` records, in order, each under
-    ``MAX_RECORD_BYTES`` where it can be: halved at the group start nearest the middle
-    (``starts``: where a group of rows that must stay in one record begins — a click's
-    co-visitation pairs; every row by default), a single group kept whole."""
-    record = orjson.dumps(dict(zip(names, (c[lo:hi].tolist() for c in columns), strict=True)))
-    if len(record) <= MAX_RECORD_BYTES or hi - lo == 1:
-        return [record]
-    if starts is None:
-        mid = (lo + hi) // 2
-    else:
-        inside = starts[(starts > lo) & (starts < hi)]
-        if not len(inside):
-            return [record]
-        mid = int(inside[np.argmin(np.abs(inside - (lo + hi) // 2))])
-    return _records(columns, lo, mid, names, starts) + _records(columns, mid, hi, names, starts)
-
-
-def _run_bounds(keys: np.ndarray) -> list[int]:
-    """Where the runs of equal values of sorted ``keys`` start, and its length.
-
-    >>> _run_bounds(np.array([3, 3, 5, 7, 7]))
-    [0, 2, 3, 5]
-    """
-    return [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist(), len(keys)]
-
-
 class ValidateStage(Service):
     name = "validate"
     beats = False  # a thread (or child process) of the streams app, whose event loop beats
@@ -122,11 +86,9 @@ class ValidateStage(Service):
         self.consumer = background_consumer(conn, "freshrec-streams-validate", "streams-validate")
         self.producer = Producer(producer_config(conn))
         self.redis = connect(conn.redis_url)
-        cv = settings.covisit
-        self.windows = (
-            UserWindows(cv.users, cv.window, cv.window_ms, cv.max_pairs) if cv.max_pairs else None
-        )
-        """Each user's last clicks, for co-visitation pairs (``covisit.py``)."""
+        self.pairing = ClickPairs(settings.covisit)
+        """Each user's last clicks, for co-visitation pairs and sequential rules
+        (``pairing.py``)."""
         # recent clicks are written without waiting for the reply (read at the next write
         # or before a commit): a round trip per batch was a sixth of this stage's time. A
         # cluster's are sent to their nodes and waited for (``run_packed``).
@@ -231,7 +193,7 @@ class ValidateStage(Service):
         n_dup = n_read - n_bad - n_ok
         if n_ok:
             self._route(parts, offsets, events)
-            if self.windows is not None:
+            if self.pairing.on:
                 self._route_pairs(parts, offsets, events)
             clicks = [(e.user_id, e.item_id, e.ts_ms) for e in events if e.event_type == "click"]
             writes = (
@@ -294,7 +256,7 @@ class ValidateStage(Service):
         p = np.array(parts, np.int64)
         order = np.argsort(p, kind="stable")
         p = p[order]
-        cuts = _run_bounds(p)
+        cuts = run_bounds(p)
         ids = np.array(event_ids, object)[order].tolist()
         fresh: list[bool] = []
         for lo, hi in pairwise(cuts):
@@ -314,7 +276,7 @@ class ValidateStage(Service):
         q = str_partitions(items, self.by_item_partitions)
         order = np.argsort(q, kind="stable")  # stable: offsets keep rising in each record
         q = q[order]
-        cuts = _run_bounds(q)
+        cuts = run_bounds(q)
         codes = EVENT_CODES
         columns = [
             np.array(parts, np.int64)[order],
@@ -325,44 +287,34 @@ class ValidateStage(Service):
             np.array([e.region for e in events], object)[order],
         ]
         for lo, hi in pairwise(cuts):
-            for value in _records(columns, lo, hi):
+            for value in split_records(columns, lo, hi):
                 self._produce(self.names.events_by_item, value, int(q[lo]))
 
     def _route_pairs(self, parts: list[int], offsets: list[int], events: list) -> None:
-        """Each click's co-visitation pairs, both ways, to each anchor's ``events.by_item``
-        partition: one record per partition (``covisit.PAIR_COLUMNS``), a click's pairs never
-        split between two records (the count stage skips replays by record)."""
+        """Each click's pairs (co-visitation both ways, sequential rules one way) to each
+        anchor's ``events.by_item`` partition (``pairing.py``): one record per partition, a
+        click's pairs never split between two records (the count stage skips replays by
+        record)."""
         clicks = [j for j, e in enumerate(events) if e.event_type == "click"]
         if not clicks:
             return
-        missing = list(
-            dict.fromkeys(u for j in clicks if (u := events[j].user_id) not in self.windows)
-        )
+        missing = self.pairing.unknown(events[j].user_id for j in clicks)
         if missing:
             self._seed(missing)
-        cols: tuple[list, ...] = ([], [], [], [], [])
-        for j in clicks:
-            e = events[j]
-            for a in self.windows.pairs(e.user_id, e.item_id, e.ts_ms):
-                for x, y in ((e.item_id, a), (a, e.item_id)):
-                    for col, v in zip(cols, (x, y, parts[j], offsets[j], e.ts_ms), strict=True):
-                        col.append(v)
-        if not cols[0]:
-            return
-        q = str_partitions(cols[0], self.by_item_partitions)
-        order = np.argsort(q, kind="stable")  # a click's pairs stay together, in order
-        q = q[order]
-        columns = [np.array(c, object if k < 2 else np.int64)[order] for k, c in enumerate(cols)]
-        src = columns[2] * (1 << 40) + columns[3]  # one value per click
-        starts = np.flatnonzero(np.r_[True, src[1:] != src[:-1]])
-        for lo, hi in pairwise(_run_bounds(q)):
-            for value in _records(columns, lo, hi, PAIR_COLUMNS, starts):
-                self._produce(self.names.events_by_item, value, int(q[lo]))
+        records = self.pairing.records(
+            [parts[j] for j in clicks],
+            [offsets[j] for j in clicks],
+            [events[j] for j in clicks],
+            self.by_item_partitions,
+        )
+        for partition, value in records:
+            self._produce(self.names.events_by_item, value, partition)
 
     def _seed(self, users: list[str]) -> None:
         """Windows of users this stage holds none for (a restart, a rebalance, a user not
         seen for long), from their recent clicks in Redis: only clicks older than a new one
-        pair with it, so a replayed batch pairs as the first run did."""
+        pair with it, and a click finds its own place in the sequence, so a replayed batch
+        pairs as the first run did."""
 
         def read() -> list:
             pipe = self.redis.pipeline(transaction=False)
@@ -378,7 +330,7 @@ class ValidateStage(Service):
                 item, _, ts = entry.decode().rpartition("|")
                 if item and ts.lstrip("-").isdigit():
                     clicks.append((item, int(ts)))
-            self.windows.seed(user, clicks)
+            self.pairing.seed(user, clicks)
 
     def _produce(self, topic: str, value: bytes, partition: int | None) -> None:
         produce(self.producer, topic, value, partition=partition)

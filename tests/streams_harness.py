@@ -31,6 +31,7 @@ def service_env(conn, **extra: str) -> dict[str, str]:
         KAFKA_BOOTSTRAP_SERVERS=conn.kafka_bootstrap_servers,
         REDIS_URL=conn.redis_url,
         FRESHREC_TOPIC_PREFIX=conn.topic_prefix,
+        FRESHREC_KAFKA_PROFILE=conn.kafka_profile,
         PYTHONUNBUFFERED="1",
     )
     if conn.kafka_session_timeout_ms is not None:
@@ -302,6 +303,48 @@ def brute_force_covisit(
 
 def covisit_lists(conn) -> dict[str, dict[str, float]]:
     """Every anchor's published neighbour list, from every by-item partition's hash."""
+    return published_lists(conn, lambda k, s: k.covisit(s))
+
+
+def matches_covisit(conn, events: list[Event]) -> bool | str:
+    return same_lists(covisit_lists(conn), brute_force_covisit(events))
+
+
+def brute_force_sequel(
+    events: list[Event], steps: int | None = None, rate: float = 0.95
+) -> dict[str, dict[str, float]]:
+    """Each anchor's successors and their shares, from first principles (Ludewig & Jannach's
+    sequential rules): per user, their clicks in the order produced, a consecutive repeat of
+    an item collapsed; a click on b that is not such a repeat follows each of the user's last
+    ``steps`` items a before it at distance d (1: the one just before), and r(a → b) += 1/d
+    (decayed by the click's time) unless a is b; a successor's share is r(a → b) over the
+    sum of a's rules (decayed alike, so the ratio needs no time)."""
+    from streams.covisit import CoVisitConfig
+
+    steps = CoVisitConfig().sequel_steps if steps is None else steps
+    seen: set[str] = set()
+    last = max((e.ts_ms for e in events), default=0)
+    sequences: dict[str, list[str]] = defaultdict(list)
+    rules: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in events:
+        if e.event_id in seen or e.event_type != "click":
+            continue
+        seen.add(e.event_id)
+        sequence = sequences[e.user_id]
+        if sequence and sequence[-1] == e.item_id:
+            continue
+        w = rate ** ((last - e.ts_ms) / HOUR_MS)
+        for d in range(1, min(steps, len(sequence)) + 1):
+            a = sequence[-d]
+            if a != e.item_id:
+                rules[a][e.item_id] += w / d
+        sequence.append(e.item_id)
+    return {a: {b: r / sum(row.values()) for b, r in row.items()} for a, row in rules.items()}
+
+
+def published_lists(conn, key_of) -> dict[str, dict[str, float]]:
+    """Every anchor's published list, from every by-item partition's hash ``key_of(keys,
+    shard)`` (``RedisKeys.covisit`` or ``RedisKeys.sequel``)."""
     from freshcore.neighbours import read_serving_list
     from freshcore.redisconn import connect
     from freshcore.rediskeys import RedisKeys
@@ -311,21 +354,26 @@ def covisit_lists(conn) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     try:
         for shard in range(int(r.get(keys.feature_shards) or 0)):
-            for anchor, raw in r.hgetall(keys.covisit(shard)).items():
+            for anchor, raw in r.hgetall(key_of(keys, shard)).items():
                 out[anchor.decode()] = dict(read_serving_list(raw))
     finally:
         r.close()
     return out
 
 
-def matches_covisit(conn, events: list[Event]) -> bool | str:
-    want, got = brute_force_covisit(events), covisit_lists(conn)
+def same_lists(got: dict, want: dict) -> bool | str:
+    """True when the published lists ``got`` hold exactly ``want`` (anchor → item → score)."""
     if set(got) != set(want):
         return f"anchors: {len(got)} published, {len(want)} expected"
-    for a, neighbours in want.items():
-        if set(got[a]) != set(neighbours):
-            return f"{a}: neighbours {sorted(got[a])} != {sorted(neighbours)}"
-        for b, p in neighbours.items():
+    for a, items in want.items():
+        if set(got[a]) != set(items):
+            return f"{a}: {sorted(got[a])} != {sorted(items)}"
+        for b, p in items.items():
             if not math.isclose(got[a][b], p, rel_tol=1e-6):
                 return f"{a}->{b}: {got[a][b]} != {p}"
     return True
+
+
+def matches_sequel(conn, events: list[Event]) -> bool | str:
+    """The successor lists in Redis are a brute-force pass's over ``events``."""
+    return same_lists(published_lists(conn, lambda k, s: k.sequel(s)), brute_force_sequel(events))

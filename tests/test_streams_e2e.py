@@ -31,6 +31,7 @@ from .streams_harness import (
     dead_letters,
     item_feature,
     matches_covisit,
+    matches_sequel,
     private_redis,
     produce,
     service,
@@ -210,6 +211,7 @@ def test_sigkill_and_restart_continue_the_counts_without_double_counting(any_con
         produce(conn, first)
         wait_for(lambda: matches_brute_force(conn, first, prices), 90, "first half counted")
         wait_for(lambda: matches_covisit(conn, first), 30, "first half's neighbour lists")
+        wait_for(lambda: matches_sequel(conn, first), 30, "first half's successor lists")
         stop(proc, signal.SIGKILL)
     produce(conn, second)
     with service(conn, "streams", tmp_path / "s2.log", **SETTINGS):
@@ -218,8 +220,11 @@ def test_sigkill_and_restart_continue_the_counts_without_double_counting(any_con
             90,
             "both halves counted once",
         )
-        # co-visitation counts too: each click's pairs once, whatever was replayed
+        # co-visitation counts and sequential rules too: each click's pairs once, whatever was
+        # replayed, and the second half's clicks follow the first's from sequences seeded
+        # from the users' recent clicks
         wait_for(lambda: matches_covisit(conn, first + second), 30, "neighbour lists, once")
+        wait_for(lambda: matches_sequel(conn, first + second), 30, "successor lists, once")
     assert "restored" in (tmp_path / "s2.log").read_text()
     meta = connect(conn.redis_url).hgetall(RedisKeys(conn.topic_prefix).streams_meta(0))
     assert json.loads(meta[b"applied"])
@@ -437,17 +442,22 @@ async def test_a_snapshot_redis_acknowledged_and_lost_is_written_whole_again(any
 
     keys = RedisKeys(any_conn.topic_prefix)
     client = await connect_async(any_conn.redis_url)
-    partition_keys = [keys.streams_meta(0), keys.streams_rows(0), keys.streams_covisit(0)]
+    partition_keys = [
+        keys.streams_meta(0),
+        keys.streams_rows(0),
+        keys.streams_covisit(0),
+        keys.streams_sequel(0),
+    ]
     t0 = 1_767_225_600_000
     try:
         sink = StreamsSink(client, keys)
         state = ItemPartitionState(StateConfig())
         state.apply([(0, 1, "a", CLICK, t0, None, 0), (0, 2, "b", CLICK, t0, None, 0)])
-        state.apply_pairs(["a"], ["b"], [0], [2], [t0])
+        state.apply_pairs(["a", "a"], ["b", "b"], [0, 0], [2, 2], [t0, t0], None, [0, 1])
         assert await sink.persist([(0, state)]) == []
         before = {k: await client.dump(k) for k in partition_keys}
         state.apply([(0, 3, "a", CLICK, t0 + 1000, None, 0)])  # flush 2: "a" only
-        state.apply_pairs(["a"], ["c"], [0], [3], [t0 + 1000])
+        state.apply_pairs(["a", "b"], ["c", "c"], [0, 0], [3, 3], [t0 + 1000] * 2, None, [0, 1])
         assert await sink.persist([(0, state)]) == []
         for k, blob in before.items():  # the failover: flush 2 is gone
             await client.restore(k, 0, blob, replace=True)
@@ -465,14 +475,15 @@ async def test_a_snapshot_redis_acknowledged_and_lost_is_written_whole_again(any
             list(range(state.n_items))
         )
         assert back.covisit.counts == state.covisit.counts
+        assert back.sequel.counts == state.sequel.counts and set(back.sequel.counts) == {"a", "b"}
     finally:
         await client.aclose()
 
 
 async def test_an_evicted_item_leaves_redis_with_the_flush_that_evicts_it(any_conn):
-    """Eviction is persisted like counting: the item's state row, serving features and
-    co-visitation list leave in the flush's transaction, and a restored partition holds
-    exactly the items the live one does."""
+    """Eviction is persisted like counting: the item's state row, serving features,
+    co-visitation and successor lists leave in the flush's transaction, and a restored
+    partition holds exactly the items the live one does."""
     from streams.decay import HOUR_MS
     from streams.item_state import CLICK, ItemPartitionState, StateConfig
     from streams.sink import StreamsSink
@@ -485,20 +496,23 @@ async def test_an_evicted_item_leaves_redis_with_the_flush_that_evicts_it(any_co
         sink = StreamsSink(client, keys)
         state = ItemPartitionState(config)
         state.apply([(0, 1, "old", CLICK, t0, None, 0), (0, 2, "busy", CLICK, t0, None, 0)])
-        state.apply_pairs(["old"], ["busy"], [0], [2], [t0])
+        state.apply_pairs(["old"] * 2, ["busy"] * 2, [0] * 2, [2] * 2, [t0] * 2, None, [0, 1])
         await sink.persist([(0, state)])
         anchors = state.covisit.take_published()
         await sink.write(
             sink.feature_commands(0, state, state.take_features_due())
             + sink.covisit_commands(0, state, anchors, 10)[0]
+            + sink.sequel_commands(0, state, state.sequel.take_published(), 10)[0]
         )
         assert await client.hexists(keys.item_feature("clicks", 0), "old")
         assert await client.hexists(keys.covisit(0), "old")
+        assert await client.hexists(keys.sequel(0), "old")
         state.apply([(0, 3, "busy", CLICK, t0 + 100 * HOUR_MS, None, 0)])
         await sink.persist([(0, state)])
         assert state.item_ids == ["busy"]
         for key in (
             keys.streams_rows(0), keys.streams_covisit(0), keys.covisit(0),
+            keys.streams_sequel(0), keys.sequel(0),
             keys.item_feature("clicks", 0), keys.item_feature("hot", 0),
             keys.item_features_as_of(0),
         ):  # fmt: skip

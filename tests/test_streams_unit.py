@@ -536,8 +536,9 @@ def test_a_batch_of_valid_events_never_makes_a_record_the_broker_refuses():
     import orjson
 
     from schemas.records import Event
+    from streams.byitem import MAX_RECORD_BYTES
     from streams.item_state import by_item_columns
-    from streams.validate import MAX_RECORD_BYTES, ValidateStage
+    from streams.validate import ValidateStage
 
     item = "\N{GRINNING FACE}" * 64
     events = [Event(f"e{n}", "click", f"u{n}", item, 1_767_225_600_000 + n) for n in range(5000)]
@@ -595,6 +596,80 @@ def test_co_visitation_pairs_equal_brute_force_and_a_replayed_record_counts_once
     mine = [(e.item_id, e.ts_ms) for e in reversed(events) if e.user_id == "u1"]
     fresh.seed("u1", mine)
     assert fresh.pairs("u1", "i3", 10**6) == windows.pairs("u1", "i3", 10**6)
+
+
+def test_sequential_rules_equal_brute_force_across_partitions_and_count_once():
+    """The validate stage's pairs of an interleaved log (six users' clicks, repeats and
+    re-visits among them) routed to their anchors' partitions and counted there give each
+    anchor the successors and shares a brute-force pass gives, and the co-visitation counts
+    riding in the same records are unchanged; a record counts once however often it
+    arrives."""
+    import orjson
+
+    from freshcore.partitioner import str_partitions
+    from schemas.records import Event
+    from streams.covisit import PAIR_COLUMNS, PAIR_DISTANCE, CoVisitConfig
+    from streams.pairing import ClickPairs
+    from tests.streams_harness import brute_force_covisit, brute_force_sequel
+
+    rng = random.Random(11)
+    events = [
+        Event(f"e{j}", "click", f"u{rng.randint(0, 5)}", f"i{rng.randint(0, 9)}", T0 + j * 7)
+        for j in range(600)
+    ]
+    pairs = ClickPairs(CoVisitConfig(window=20, max_pairs=20, sequel_steps=4))
+    states = [ItemPartitionState(StateConfig()) for _ in range(3)]
+    for j, e in enumerate(events):
+        states[int(str_partitions([e.item_id], 3)[0])].apply(
+            [(0, j, e.item_id, 1, e.ts_ms, None, 0.0)]
+        )
+        for q, value in pairs.records([0], [j], [e], 3):
+            record = orjson.loads(value)
+            columns = [record[c] for c in PAIR_COLUMNS]
+            assert set(str_partitions(record["ca"], 3).tolist()) == {q}  # the anchor's
+            states[q].apply_pairs(*columns, distances=record[PAIR_DISTANCE])
+            assert states[q].apply_pairs(*columns, distances=record[PAIR_DISTANCE]) == 0
+
+    def state_of(a: str) -> ItemPartitionState:
+        return states[int(str_partitions([a], 3)[0])]
+
+    want = brute_force_sequel(events, steps=4)
+    assert sum(len(s.sequel.counts) for s in states) == len(want) == 10
+    for a, successors in want.items():
+        rules = state_of(a).sequel
+        got = dict(rules.top(a, 100, rules.total(a)))
+        assert got.keys() == successors.keys()
+        assert all(math.isclose(got[b], p, rel_tol=1e-9) for b, p in successors.items())
+    for a, neighbours in brute_force_covisit(events, window=20, max_pairs=20).items():
+        got = dict(state_of(a).covisit.top(a, 100, state_of(a).stored_clicks(a)))
+        assert got.keys() == neighbours.keys()
+        assert all(math.isclose(got[b], p, rel_tol=1e-9) for b, p in neighbours.items())
+    assert sum(s.sequel_pairs for s in states) > 1000
+
+
+def test_a_sequence_seeded_from_recent_clicks_follows_as_the_lost_one_did():
+    """After a restart the validate stage seeds a user's sequence from their recent clicks
+    (newest first, repeats included): the next click follows what it would have; and when
+    the batch being replayed already wrote its clicks there (a crash between the write and
+    the commit), each replayed click follows only what came before it, as the first run."""
+    from freshcore.sequels import UserSequences
+
+    rng = random.Random(3)
+    clicks = [(f"i{rng.randint(0, 6)}", T0 + j) for j in range(40)]
+    live = UserSequences(users=10, steps=5)
+    first = [live.follows("u", item, ts) for item, ts in clicks]
+    newest_first = clicks[::-1]
+    seeded = UserSequences(users=10, steps=5)
+    seeded.seed("u", newest_first)
+    assert seeded.follows("u", "i9", T0 + 99) == live.follows("u", "i9", T0 + 99)
+    replayed = UserSequences(users=10, steps=5)
+    replayed.seed("u", newest_first)  # the clicks from 30 on are the batch replayed
+    assert [replayed.follows("u", item, ts) for item, ts in clicks[30:]] == first[30:]
+    # the least recently active user leaves (its seed with it)
+    bounded = UserSequences(users=1, steps=5)
+    bounded.seed("u", newest_first)
+    bounded.follows("v", "i1", T0)
+    assert "u" not in bounded and bounded.follows("u", "i1", T0 + 1) == []
 
 
 def test_co_visitation_memory_is_bounded_and_pruning_is_deterministic():
