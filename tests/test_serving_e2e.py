@@ -28,8 +28,9 @@ from freshrec.client import RecommendTimeout
 from freshrec.sim.world import World
 from inference.models.modelfile import read_manifest, write_manifest
 from inference.serving.breaker import BreakerConfig
-from inference.serving.settings import ServingSettings
+from inference.serving.degrade import LadderConfig
 from inference.serving.rerank import space_categories
+from inference.serving.settings import ServingSettings
 from schemas.codec import encode_request
 from schemas.records import Event, RecommendRequest
 from schemas.rows import TABLE_ITEM
@@ -736,3 +737,29 @@ def test_the_catalogue_reloads_when_the_streams_app_writes_it_not_only_when_it_g
     write(sets=[("b", "c9")], bump=False)  # a write that skips the counter waits for the hour
     refresher.refresh_once()
     assert refresher.snapshot.catalogue.category_names == ["c2", "c3"]
+
+
+def test_a_user_the_worker_knows_nothing_of_gets_the_hot_list_where_the_ladder_says_so(
+    seeded, model_dir
+):
+    """FRESHREC_COLD_HISTORY: a user with fewer known interactions than it is served the hot
+    list, by design and saying why; once the worker has learnt their clicks, the full tier."""
+    conn = seeded
+    serving = ServingSettings(default_budget_ms=10_000, ladder=LadderConfig(cold_history=2))
+    with (
+        running_worker(worker_settings(conn, model_dir, serving=serving)) as w,
+        client_for(conn) as client,
+    ):
+        user = f"newcomer-{uuid.uuid4().hex[:8]}"
+        cold = client.recommend(user, 5, timeout_s=10)
+        assert cold.tier == "hot" and cold.tier_reason == "history 0 < 2: the hot list", cold
+        assert len(cold.items) == 5
+        learnt = w.stats["events"]
+        now = clock.now_ms()
+        items = [World.item_id(i) for i in (3, 4)]
+        produce(
+            conn, [Event(f"{user}-{j}", "click", user, i, now + j) for j, i in enumerate(items)]
+        )
+        wait_for(lambda: w.stats["events"] >= learnt + 2, 30, "the clicks learnt")
+        warm = client.recommend(user, 5, timeout_s=10)
+        assert warm.tier == "full", warm

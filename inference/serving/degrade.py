@@ -4,7 +4,9 @@ Tiers, best first: ``full`` (Wide&Deep over fresh candidates), ``cached`` (this 
 full result for the same context, while their embedding version is unchanged), ``light`` (the
 distilled model), ``hot`` (the hot list, no model). A request falls down the ladder when its
 deadline budget cannot fit the full path, when the request queue is deep, or when a component
-fails; low-end devices get the light model by design (the seeds' device adaptation).
+fails; low-end devices get the light model by design (the seeds' device adaptation). A user
+with fewer known interactions than ``cold_history`` gets the hot list by design too: what
+works for a user the models know nothing about (recent popularity, on most logs).
 
 >>> ladder = Ladder(LadderConfig(queue_depth_limit=100))
 >>> ladder.choose(Situation(device="pc", budget_ms=200, queue_depth=3)).tier
@@ -13,6 +15,8 @@ fails; low-end devices get the light model by design (the seeds' device adaptati
 Choice(tier='cached', reason='queue depth 500 > 100')
 >>> ladder.choose(Situation(device="low_end", budget_ms=200)).tier
 'light'
+>>> Ladder(LadderConfig(cold_history=3)).choose(Situation(device="pc", budget_ms=200, history=1))
+Choice(tier='hot', reason='history 1 < 3: the hot list')
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class LadderConfig:
     light_cost_ms: float = 15.0
     safety: float = 1.5
     """The budget must exceed the measured cost by this factor."""
+    cold_history: int = 0
+    """A user with fewer known interactions than this gets the hot list (0: nobody)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,9 @@ class Situation:
     full_cost_ms: float | None = None
     """Measured (EWMA) cost of the full path per batch, if known."""
     light_cost_ms: float | None = None
+    history: int | None = None
+    """The user's interactions the worker knows of (its recent clicks, at most ten read from
+    Redis); None: not known (the channels that read them missed their deadline)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,8 @@ class Ladder:
         c = self.config
         full_cost = (s.full_cost_ms or c.full_cost_ms) * c.safety
         light_cost = (s.light_cost_ms or c.light_cost_ms) * c.safety
+        if s.history is not None and s.history < c.cold_history:
+            return Choice(HOT, f"history {s.history} < {c.cold_history}: the hot list")
         if s.device == "low_end":
             return self._light_or_down(s, "low_end device: light model", light_cost)
         if not s.full_ok:
@@ -97,7 +108,16 @@ def ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
 
 def reason_label(reason: str, degraded: list[str]) -> str:
     text = reason if reason != "ok" else (degraded[0] if degraded else "ok")
-    for key in ("low_end", "queue depth", "budget", "unavailable", "error", "redis", "recall"):
+    for key in (
+        "history",
+        "low_end",
+        "queue depth",
+        "budget",
+        "unavailable",
+        "error",
+        "redis",
+        "recall",
+    ):
         if key in text:
             return key.replace(" ", "_")
     return "other"

@@ -204,7 +204,10 @@ class Recommender:
         models = self.models.current
         spent_ms = (recalled_at - start) * 1000
         left_ms = [budget - spent_ms for budget in budgets]
-        choices = self._tiers(reqs, arms, left_ms, users.versions, queue_depth, models, now_ms)
+        history = self._history(reqs, recall)
+        choices = self._tiers(
+            reqs, arms, left_ms, users.versions, queue_depth, models, now_ms, history
+        )
         ranked: dict[int, torch.Tensor] = {}  # request -> probability per candidate
         batch_in = self.rank_batch(reqs, users.rows, merged, arms, recall)
         features_note, rankers, rank_ms = self.ranking.rank(batch_in, choices, ranked, models)
@@ -247,10 +250,23 @@ class Recommender:
             for j, r in enumerate(reqs)
         ]
 
-    def _tiers(self, reqs, arms, left_ms, versions, queue_depth: int, models, now_ms: int):
+    def _history(self, reqs, recall: RecallResult) -> list[int | None]:
+        """How many interactions the worker knows of per request's user: its own recent
+        clicks, else those a channel read from Redis (at most ten); None where no channel
+        that reads them met its deadline."""
+        readers = {"i2i", "covisit"} & set(self.runner.configs)
+        known = bool(readers - set(recall.timed_out) - set(recall.failed))
+        if not known:
+            return [None] * len(reqs)
+        return [
+            len(self.state.recent_clicks(r.user_id) or recall.recent.get(r.user_id, ()))
+            for r in reqs
+        ]
+
+    def _tiers(self, reqs, arms, left_ms, versions, queue_depth, models, now_ms, history):
         """Each request's tier (``degrade.Ladder``), steered by its arm: from its device, the
         budget it has ``left_ms`` after recall, the queue behind the batch, whether a valid
-        cached reply exists, and what the models can do and cost."""
+        cached reply exists, what the models can do and cost, and the user's history."""
         choices: list[Choice] = []
         for j, r in enumerate(reqs):
             situation = Situation(
@@ -262,6 +278,7 @@ class Recommender:
                 light_ok=models is not None,
                 full_cost_ms=self.ranking.full_cost_ms,
                 light_cost_ms=self.ranking.light_cost_ms,
+                history=history[j],
             )
             choices.append(steer(self.ladder.choose(situation), arms[j]))
         return choices

@@ -65,6 +65,15 @@ QUEUE_DEPTH_LIMIT = Setting(
     minimum=1,
     modes=True,
 )
+COLD_HISTORY = Setting(
+    "FRESHREC_COLD_HISTORY",
+    LadderConfig.cold_history,
+    "A user with fewer known interactions than this is served the hot list, by design (0: "
+    "nobody): what works for users the models know nothing about.",
+    kind=int,
+    minimum=0,
+    modes=True,
+)
 TIER_HEAD_SHARE = Setting(
     "FRESHREC_TIER_HEAD_SHARE",
     HeatSplit.head_share,
@@ -198,13 +207,23 @@ class ServingSettings:
             cls,
             env,
             channels=recall_channels(env),
-            ladder=LadderConfig(queue_depth_limit=QUEUE_DEPTH_LIMIT.read(env)),
+            ladder=LadderConfig(
+                queue_depth_limit=QUEUE_DEPTH_LIMIT.read(env), cold_history=COLD_HISTORY.read(env)
+            ),
             heat_split=heat_split(env),
         )
 
 
 MODE_SETTINGS = mode_settings(ServingSettings) | {
-    s.env for s in (RECALL_DEADLINE_SCALE, RECALL_QUOTAS, QUEUE_DEPTH_LIMIT, MAX_BATCH, MAX_WAIT_MS)
+    s.env
+    for s in (
+        RECALL_DEADLINE_SCALE,
+        RECALL_QUOTAS,
+        QUEUE_DEPTH_LIMIT,
+        COLD_HISTORY,
+        MAX_BATCH,
+        MAX_WAIT_MS,
+    )
 }
 """What a serving mode may set: the worker applies each of them to the next batch it serves."""
 
