@@ -94,6 +94,7 @@ def running_worker(
 
 
 def client_for(conn, **kwargs) -> SyncRecommendClient:
+    kwargs.setdefault("profile", conn.kafka_profile)
     return SyncRecommendClient(
         conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix, **kwargs
     )
@@ -106,20 +107,23 @@ def counter(metric, *labels) -> float:
 
 class _NoRecentInRedis:
     """A Redis double for channel conformance: no recent clicks for anyone, and the
-    co-visitation lists given (the e2e tests run the channels against a real Redis)."""
+    co-visitation and successor lists given (the e2e tests run the channels against a real
+    Redis)."""
 
-    def __init__(self, lists: dict | None = None) -> None:
+    def __init__(self, lists: dict | None = None, successors: dict | None = None) -> None:
         self.lists = lists or {}
+        self.successors = successors or {}
 
     def pipeline(self, transaction: bool = False):
         calls: list[str] = []
-        lists = self.lists
+        double = self
 
         class Pipe:
             def lrange(self, key, start, stop):
                 calls.append(("lrange", key))
 
             def hget(self, key, field):
+                lists = double.successors if "sequel:" in key else double.lists
                 calls.append(("hget", lists.get(field)))
 
             def execute(self):
@@ -162,7 +166,13 @@ def serving_state(items: int = 60, catalogue: int = 40, dim: int = 8):
         names[0]: serving_list([(names[5], 0.5), (names[catalogue + 1], 0.4), (names[1], 0.3)]),
         names[1]: serving_list([(names[5], 0.2), (names[6], 0.1)]),
     }
-    redis_double = _NoRecentInRedis(lists)
+    # and their successor lists: i7 follows i0 and i1, i1 (u1's own) follows i0
+    successors = {
+        names[0]: serving_list([(names[7], 0.6), (names[5], 0.3), (names[1], 0.1)]),
+        names[1]: serving_list([(names[7], 0.5), (names[8], 0.5)]),
+        names[2]: serving_list([(names[9], 0.8), (names[catalogue + 2], 0.2)]),
+    }
+    redis_double = _NoRecentInRedis(lists, successors)
     state = ServingState(cache, redis_double, RedisKeys("t."), lambda u: recent.get(u, []))
     state.item_shards = 4
     state.slot_of = dict(zip(names[:catalogue], slots.tolist(), strict=True))

@@ -943,9 +943,28 @@ def test_the_covisit_channel_sums_its_anchors_neighbours_newest_first():
     assert got.slots[1].tolist() == []
 
 
-def test_the_i2i_and_covisit_channels_read_a_batchs_recent_clicks_once():
-    """Both channels need the recent clicks of the users the worker holds none for: one
-    Redis read a batch serves both (from their two threads), a new batch reads again."""
+def test_the_sequel_channel_scores_what_followed_the_users_last_items():
+    """u1 clicked i0 (newest), i1, i2: i7 followed i0 (share 0.6) and i1 (0.5), so it scores
+    0.6 + 0.5·0.5; i5 0.3 (i0's); i8 0.5·0.5 (i1's) and i9 0.25·0.8 (i2's); i1 is u1's own
+    click and an item outside the catalogue never comes back; every successor's score goes
+    to ranking; u2, with no clicks, gets nothing."""
+    from inference.serving.channels import CHANNELS, Recalled
+    from tests.serving_harness import serving_state
+
+    state, queries = serving_state()
+    got = CHANNELS["sequel"](state).recall(queries, 3)
+    assert isinstance(got, Recalled)
+    slot = state.slot_of
+    assert got.slots[0].tolist() == [slot["i7"], slot["i5"], slot["i8"]]
+    want = {"i7": 0.85, "i5": 0.3, "i8": 0.25, "i9": 0.2}
+    assert got.scores[0] == pytest.approx({slot[b]: v for b, v in want.items()})
+    assert got.slots[1].tolist() == [] and got.scores[1] == {}
+
+
+def test_the_neighbour_channels_read_a_batchs_recent_clicks_once():
+    """The i2i, co-visitation and sequel channels need the recent clicks of the users the
+    worker holds none for: one Redis read a batch serves them all (from their threads), a
+    new batch reads again."""
     import concurrent.futures as cf
 
     from inference.serving.channels import CHANNELS
@@ -967,15 +986,15 @@ def test_the_i2i_and_covisit_channels_read_a_batchs_recent_clicks_once():
         return pipe
 
     state.redis.pipeline = counting
-    i2i, covisit = CHANNELS["i2i"](state), CHANNELS["covisit"](state)
-    with cf.ThreadPoolExecutor(2) as pool:
-        first = [pool.submit(c.recall, queries, 10) for c in (i2i, covisit)]
+    readers = [CHANNELS[name](state) for name in ("i2i", "covisit", "sequel")]
+    with cf.ThreadPoolExecutor(3) as pool:
+        first = [pool.submit(c.recall, queries, 10) for c in readers]
         got = [f.result() for f in first]
     assert reads == ["t.user:recent:u2"]  # u1's clicks are the worker's own
-    assert got[0].recent == got[1].recent == {}
+    assert got[0].recent == got[1].recent == got[2].recent == {}
     again = list(queries)  # the next batch: read again
-    i2i.recall(again, 10)
-    covisit.recall(again, 10)
+    for channel in readers:
+        channel.recall(again, 10)
     assert len(reads) == 2
 
 

@@ -22,6 +22,8 @@ Adding a channel is a class and a line: subclass ``RecallChannel`` with a ``name
   towards the newest, searched within the clicked items' categories;
 - ``covisit``: the user's recent clicks' co-visitation neighbours, learnt from the stream by
   the streams app (item-to-item collaborative filtering);
+- ``sequel``: what followed the user's last items for other users (sequential rules, counted
+  by the streams app);
 - ``hot``, ``region``: the merged global and regional hot lists;
 - ``new``: items created within the new-item window.
 """
@@ -41,9 +43,11 @@ import torch
 from freshcore.neighbours import ANCHORS, read_serving_list, recency_weighted
 from freshcore.partitioner import str_partitions
 from freshcore.rediskeys import RedisKeys
+from freshcore.sequels import SEQUEL_ANCHORS, successor_scores
 from inference.device import to_device
-from inference.serving.ann import IVFIndex, auto_nprobe, exact_search, top_k_rows
+from inference.serving.ann import IVFIndex
 from inference.serving.recall import ChannelConfig, Recalled, RecallQuery
+from inference.serving.searches import category_members, search_within_categories, top_k_slots
 from inference.tables.cache import EmbeddingCache
 from schemas.rowbatch import TABLE_ITEM
 
@@ -250,29 +254,66 @@ class CoVisitChannel(RecallChannel):
     default = ChannelConfig(100, 60.0)
 
     def recall(self, queries, n):
-        st = self.state
-        recents, fetched = recent_clicks(st, queries)
-        out: list[np.ndarray] = [NONE for _ in queries]
-        scored: list[dict[int, float]] = [{} for _ in queries]
-        anchors = list(dict.fromkeys(a for r in recents for a in r[:ANCHORS]))
-        if not anchors or st.item_shards <= 0:
-            return Recalled(out, fetched, scored)
-        shards = str_partitions(anchors, st.item_shards).tolist()
-        pipe = st.redis.pipeline(transaction=False)
-        for a, shard in zip(anchors, shards, strict=True):
-            pipe.hget(st.keys.covisit(shard), a)
-        lists = dict(zip(anchors, map(read_serving_list, pipe.execute()), strict=True))
-        get = st.slot_of.get
-        for j, recent in enumerate(recents):
-            scores = scored[j]
-            for b, score in recency_weighted(recent, lists).items():
-                slot = get(b)
-                if slot is not None:
-                    scores[slot] = score
-            if scores:
-                best = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
-                out[j] = np.fromiter((s for s, _ in best), np.int64, len(best))
+        recents, fetched = recent_clicks(self.state, queries)
+        anchors = [r[:ANCHORS] for r in recents]
+        lists = anchor_lists(self.state, anchors, self.state.keys.covisit)
+        return scored_slots(self.state, recents, fetched, n, recency_weighted, lists)
+
+
+class SequelChannel(RecallChannel):
+    """Sequential rules (what followed an item for other users, Ludewig & Jannach 2018): the
+    successor lists the streams app keeps (``sequel:{sN}``, each successor's share of the
+    anchor's rules) for the user's newest ``SEQUEL_ANCHORS`` distinct clicks, scored by
+    ``freshcore.sequels.successor_scores`` (the item just consumed weighs 1, the two before
+    it 0.5 and 0.25; the user's recent items left out). Every successor's score goes to
+    ranking as the ``sequel`` feature."""
+
+    name = "sequel"
+    # the rules' hits are the first few successors of the last item, and the merge's budget
+    # is shared with the hot, regional and new lists after it
+    default = ChannelConfig(50, 60.0)
+
+    def recall(self, queries, n):
+        recents, fetched = recent_clicks(self.state, queries)
+        anchors = [list(dict.fromkeys(r))[:SEQUEL_ANCHORS] for r in recents]
+        lists = anchor_lists(self.state, anchors, self.state.keys.sequel)
+        return scored_slots(self.state, recents, fetched, n, successor_scores, lists)
+
+
+def anchor_lists(
+    st: ServingState, anchors: list[list[str]], key_of: Callable[[int], str]
+) -> dict[str, list[tuple[str, float]]]:
+    """The published lists (``freshcore.neighbours.serving_list``) of every query's
+    ``anchors``, each from the hash ``key_of(partition)`` of its ``events.by_item``
+    partition: one Redis round trip for the batch (none without anchors)."""
+    wanted = list(dict.fromkeys(a for mine in anchors for a in mine))
+    if not wanted or st.item_shards <= 0:
+        return {}
+    shards = str_partitions(wanted, st.item_shards).tolist()
+    pipe = st.redis.pipeline(transaction=False)
+    for a, shard in zip(wanted, shards, strict=True):
+        pipe.hget(key_of(shard), a)
+    return dict(zip(wanted, map(read_serving_list, pipe.execute()), strict=True))
+
+
+def scored_slots(st: ServingState, recents, fetched, n: int, score, lists) -> Recalled:
+    """Each query's best ``n`` catalogue slots by ``score(recent, lists)`` (item → score),
+    with every found item's score (slot → score: the ranking feature)."""
+    out: list[np.ndarray] = [NONE for _ in recents]
+    scored: list[dict[int, float]] = [{} for _ in recents]
+    if not lists:
         return Recalled(out, fetched, scored)
+    get = st.slot_of.get
+    for j, recent in enumerate(recents):
+        scores = scored[j]
+        for b, value in score(recent, lists).items():
+            slot = get(b)
+            if slot is not None:
+                scores[slot] = value
+        if scores:
+            best = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+            out[j] = np.fromiter((s for s, _ in best), np.int64, len(best))
+    return Recalled(out, fetched, scored)
 
 
 def recent_clicks(st: ServingState, queries) -> tuple[list[list[str]], dict[str, list[str]]]:
@@ -300,6 +341,7 @@ CHANNELS: dict[str, type[RecallChannel]] = {
         VectorChannel,
         I2IChannel,
         CoVisitChannel,
+        SequelChannel,
         HotChannel,
         RegionChannel,
         NewItemsChannel,
@@ -355,78 +397,4 @@ def parse_quotas(spec: str) -> dict[str, int]:
                 f"expected channel=count with a channel of {tuple(CHANNELS)}, got {part!r}"
             )
         out[name] = int(value)
-    return out
-
-
-# ----------------------------------------------------------------------------- searches
-def top_k_slots(st: ServingState, queries_rows: np.ndarray, n: int) -> list[np.ndarray]:
-    """For each query row, the ``n`` catalogue slots of the highest ``row · item`` (exact, or
-    through the IVF index when one is built)."""
-    items = st.cache.items.rows
-    named = st.named
-    size = min(len(named), len(items))
-    if size == 0 or n <= 0:
-        return [np.empty(0, np.int64) for _ in range(len(queries_rows))]
-    q = to_device(queries_rows, items.device)
-    index = st.ann
-    if index is not None:
-        newer = torch.arange(index.size, size, device=items.device)
-        newer = newer[named[index.size : size]]
-        nprobe = st.ann_nprobe or auto_nprobe(len(index.centroids))
-        found = index.search(q, items, n, nprobe, extra=newer)
-        # the index holds what was in the catalogue when it was built: an item deleted
-        # since stays in it until the next build, and is dropped here
-        listed = named[:size].cpu().numpy()
-        return [s[listed[s]] for s in found]
-    return list(exact_search(q, items[:size], st.unnamed_bias[:size], min(n, st.named_count)))
-
-
-def category_members(categories: np.ndarray, slots: np.ndarray) -> dict[int, np.ndarray]:
-    """Slots per category (unknown, < 0, left out), each in ascending order.
-
-    >>> {c: s.tolist() for c, s in category_members(np.array([2, 0, 2, -1]), np.array([7, 3, 5, 1])).items()}
-    {0: [3], 2: [5, 7]}
-    >>> category_members(np.array([-1]), np.array([4])), category_members(np.array([]), np.array([]))
-    ({}, {})
-    """
-    categories, slots = np.asarray(categories, np.int64), np.asarray(slots, np.int64)
-    known = categories >= 0
-    categories, slots = categories[known], slots[known]
-    if len(categories) == 0:  # e.g. a catalogue not loaded yet
-        return {}
-    order = np.lexsort((slots, categories))
-    cats, first = np.unique(categories[order], return_index=True)
-    return dict(zip(cats.tolist(), np.split(slots[order], first[1:]), strict=True))
-
-
-def search_within_categories(
-    items: torch.Tensor,
-    queries: np.ndarray | torch.Tensor,
-    allowed: list[np.ndarray],
-    members: dict[int, np.ndarray],
-    n: int,
-) -> list[np.ndarray]:
-    """For each query row, the ``n`` best slots by ``query · items[slot]`` (best first) among
-    the members of its ``allowed`` categories (unknown ones, < 0, allow nothing). Cost is
-    proportional to those members, not to the table: the i2i channel on a 100k-item
-    catalogue scored every item for every user.
-
-    >>> items = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.8, 0.0]])
-    >>> members = {0: np.array([0, 1]), 1: np.array([2, 3])}
-    >>> [f.tolist() for f in search_within_categories(
-    ...     items, np.array([[1.0, 0.0], [1.0, 0.0]], np.float32), [np.array([1]), np.array([-1])], members, 5)]
-    [[3, 2], []]
-    """
-    out: list[np.ndarray] = []
-    for row, cats in enumerate(allowed):
-        cands = [members[c] for c in np.unique(cats).tolist() if c >= 0 and c in members]
-        cand = np.concatenate(cands) if cands else NONE
-        cand = cand[cand < len(items)]
-        if len(cand) == 0 or n <= 0:
-            out.append(NONE)
-            continue
-        at = to_device(cand, items.device)
-        rows = items.index_select(0, at).float()  # several times faster than items[at] on a CPU
-        scores = rows @ to_device(queries[row], items.device).float()
-        out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
     return out
