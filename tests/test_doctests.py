@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-PACKAGES = ("freshrec", "schemas", "streams", "inference", "param_server", "evaluation", "tools")
+PACKAGES = (
+    "freshrec",
+    "schemas",
+    "freshcore",
+    "streams",
+    "inference",
+    "param_server",
+    "evaluation",
+    "tools",
+)
 MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
     for pkg in PACKAGES
@@ -20,6 +29,7 @@ MODULES = sorted(
 
 def test_the_modules_in_subpackages_are_found():
     assert "inference.serving.rerank" in MODULES and "inference.learning.outbox" in MODULES
+    assert "freshcore.sequels" in MODULES  # the kernel's examples run too
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -69,6 +69,40 @@ def test_every_ranker_builds_saves_reloads_and_scores(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(kinds.KINDS))
+def test_every_ranker_trained_before_a_feature_existed_serves_without_it(name, tmp_path):
+    """A model file of a release that computed fewer ranking features (its files named none:
+    its manifest's training configuration says which) serves with its own, in its order,
+    exactly as it scored before; a file naming a feature this release does not compute, or
+    one that says nothing of its features, is refused with the reason."""
+    from inference.models.features import DENSE
+    from inference.models.modelfile import ModelFileError, model_features, save_tensors
+
+    older = DENSE[:-1]  # the features before the newest
+    model = kinds.build(name, D, features=older)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    state = model.eval().state_dict()
+    entry = save_tensors(tmp_path, "old.safetensors", state, {"kind": name, "dim": D})
+    manifest = {"version": "old", "dim": D, "files": {name: entry}}
+    with pytest.raises(ModelFileError, match="trained with: run `freshrec train`"):
+        load_model(tmp_path, manifest, name, CPU)
+    trained = {**manifest, "training": {"config": {"features": ",".join(older)}}}
+    again = load_model(tmp_path, trained, name, CPU)
+    assert again.features == older
+    x = _pairs(12, requests=3)
+    if getattr(model, "uses_sequence", False):
+        seq = torch.ones((len(x.user), model.length, D + 1))
+        x = x.with_sequences(seq, torch.full((len(x.user),), model.length // 2))
+    mine = x.with_dense(np.arange(len(older)))  # what it was trained on: no newest column
+    np.testing.assert_allclose(score(again, x, CPU), score(model, mine, CPU), rtol=1e-5)
+    newer = {**manifest, "features": [*DENSE, "novelty"]}
+    with pytest.raises(ModelFileError, match=r"does not compute \(novelty\)"):
+        model_features(tmp_path, newer, entry)
+
+
+@pytest.mark.parametrize("name", list(kinds.KINDS))
 def test_every_ranker_is_trained_and_can_be_named(name):
     kind = kinds.KINDS[name]
     if kind.always_trained:

@@ -319,6 +319,52 @@ def test_models_score_a_batch_in_one_pass_and_round_trip_through_files(tmp_path)
         read_manifest(tmp_path / "nowhere")
 
 
+def test_a_worker_serves_models_trained_before_the_sequel_feature_and_says_so(tmp_path, caplog):
+    """An older release's model directory (its files name no features; its manifest's
+    training configuration lists the eight before ``sequel``): the worker loads it, scores
+    with the models' own eight columns, and logs that ``freshrec train`` would add the new
+    one; a directory that says nothing of its features is refused with the reason."""
+    import json
+    import logging
+
+    import torch
+
+    from inference.models.features import DENSE, FeatureEncoder
+    from inference.models.modelfile import ModelWatcher, save_tensors, write_manifest
+    from inference.models.ranking import LightRanker, WideDeep, score
+
+    older = DENSE[: DENSE.index("sequel")]
+    cpu = torch.device("cpu")
+    models = {"wide_deep": WideDeep(8, features=older), "light": LightRanker(8, features=older)}
+    files = {
+        kind: save_tensors(tmp_path, f"{kind}-v0.safetensors", m.state_dict(), {"kind": kind})
+        for kind, m in models.items()
+    }
+    config = {"features": ",".join(older)}
+    write_manifest(
+        tmp_path, {"version": "v0", "dim": 8, "files": files, "training": {"config": config}}
+    )
+    with caplog.at_level(logging.WARNING, "freshrec.models"):
+        loaded = ModelWatcher(tmp_path, cpu, dim=8).load_now()
+    assert loaded is not None and loaded.full.features == older
+    assert "trained without the ranking features sequel" in caplog.text
+    enc, n = FeatureEncoder(), 6
+    rng = np.random.default_rng(1)
+    x = enc.encode(
+        rng.standard_normal((n, 9)).astype(np.float32),
+        rng.standard_normal((n, 9)).astype(np.float32),
+        rng.random((n, 4)).astype(np.float32),
+        rng.integers(0, 128, n),
+        enc.context(["pc"] * n, ["north"] * n, [0] * n),
+        sequel=np.ones(n, np.float32),
+    )
+    assert score(loaded.full, x, cpu).shape == (n,)
+    (tmp_path / "manifest.json").write_text(json.dumps({"version": "v0", "dim": 8, "files": files}))
+    watcher = ModelWatcher(tmp_path, cpu, dim=8)
+    assert watcher.load_now() is None
+    assert "does not say which ranking features it was trained with" in watcher.last_error
+
+
 # --------------------------------------------------------------------------- training
 def test_auc_matches_the_pairwise_definition():
     from inference.training.train import auc
@@ -421,6 +467,83 @@ def test_covisit_feature_in_training_is_what_the_live_counts_give_serving():
                 )
     assert (want > 0).sum() > 50  # the log pairs items: the comparison is not of zeros
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_sequel_feature_in_training_is_what_the_live_counts_give_serving():
+    """``sequel_scores`` of a log against the live path: the streams app's ``UserSequences``
+    and ``CoVisitCounts`` fed the clicks of the slates before each one (undecayed, each rule
+    1/d), its published successor lists (the best 50, their shares of the anchor's rules),
+    and the channel's ``successor_scores`` over the user's last clicks."""
+    from freshcore.sequels import UserSequences, successor_scores
+    from inference.training.logfeatures import TrainingLog, recent_context, sequel_scores
+    from streams.covisit import CoVisitConfig, CoVisitCounts
+
+    rng = np.random.default_rng(9)
+    n_users, n_items, n = 10, 12, 700
+    users = rng.integers(0, n_users, n)
+    t = np.sort(rng.integers(0, 60, n)) * 60_000  # slates: several rows share a time
+    logs = TrainingLog(
+        user_ids=np.array([f"u{k}" for k in range(n_users)], object),
+        item_ids=np.array([f"i{k}" for k in range(n_items)], object),
+        item_category=np.full(n_items, None, object),
+        item_price=np.zeros(n_items),
+        users=users,
+        items=rng.integers(0, n_items, n),
+        t_ms=t,
+        clicked=rng.random(n) < 0.6,
+        converted=np.zeros(n, bool),
+        device=np.full(n, -1),
+        region=np.full(n, None, object),
+        sampled=rng.random(n) < 0.2,
+    )
+    _, recent = recent_context(logs, np.zeros(n_items, np.int64))
+    got = sequel_scores(logs, recent)
+
+    cfg = CoVisitConfig()
+    sequences, live = UserSequences(100, cfg.sequel_steps), CoVisitCounts(candidates=1000)
+    want = np.zeros(n, np.float32)
+    for time_ms in np.unique(t).tolist():
+        slate = np.flatnonzero(t == time_ms).tolist()
+        for j in slate:
+            mine = [logs.item_ids[a] for a in recent[j] if a >= 0]
+            lists = {a: live.top(a, cfg.sequel_successors, live.total(a)) for a in mine}
+            want[j] = successor_scores(mine, lists).get(logs.item_ids[logs.items[j]], 0.0)
+        for j in slate:
+            if logs.clicked[j] and not logs.sampled[j]:
+                b = logs.item_ids[logs.items[j]]
+                follows = sequences.follows(logs.user_ids[users[j]], b, time_ms)
+                live.add([a for a, _ in follows], [b] * len(follows), [1 / d for _, d in follows])
+    assert (want > 0).sum() > 50  # the log has rules: the comparison is not of zeros
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_ranking_input_carries_the_sequel_channels_scores_beside_covisit():
+    """The serving path's dense inputs: each candidate's ``covisit`` and ``sequel`` columns
+    are the scores their channels gave it (0 where a channel found it not, and for every
+    candidate when the channel missed its deadline)."""
+    from inference.models.features import DENSE, FeatureEncoder
+    from inference.serving.rankstage import channel_scores
+
+    merged = [
+        type("C", (), {"slots": np.array([4, 7, 9])})(),
+        type("C", (), {"slots": np.array([2])})(),
+    ]
+    b = type("B", (), {"merged": merged})()
+    sequel = channel_scores([{7: 0.5, 9: 0.25}, {3: 1.0}], b, [0, 1], [3, 1], 4)
+    assert sequel.tolist() == [0.0, 0.5, 0.25, 0.0]
+    assert channel_scores(None, b, [0, 1], [3, 1], 4).tolist() == [0.0] * 4
+    enc = FeatureEncoder()
+    x = enc.encode(
+        np.ones((4, 5), np.float32),
+        np.ones((4, 5), np.float32),
+        np.zeros((4, 4), np.float32),
+        np.zeros(4, np.int64),
+        enc.context(["pc"] * 4, [None] * 4, [0] * 4),
+        covisit=np.array([0.1, 0.0, 0.0, 0.0], np.float32),
+        sequel=sequel,
+    )
+    assert x.dense[:, DENSE.index("sequel")].tolist() == sequel.tolist()
+    assert x.dense[:, DENSE.index("covisit")].tolist() == pytest.approx([0.1, 0, 0, 0])
 
 
 # ------------------------------------------------------------------------------ recall

@@ -34,13 +34,14 @@ product h_i ⊙ v is per candidate.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from inference.device import to_device
+from inference.models.features import DENSE
 from inference.models.ranking import WideDeep
 
 SEQUENCE = 50
@@ -67,10 +68,11 @@ class AttentionRanker(WideDeep):
         window: int = WINDOW,
         rank: int = RANK,
         hidden: tuple[int, ...] = (128, 64),
+        features: Sequence[str] = DENSE,
     ) -> None:
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention kind {kind!r}; expected one of {ATTENTION_KINDS}")
-        super().__init__(dim, hidden, extra=2 * dim)
+        super().__init__(dim, hidden, extra=2 * dim, features=features)
         self.kind = kind
         self.length = length
         self.span = min(window, length) if kind == "attention_window" else length

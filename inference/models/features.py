@@ -11,8 +11,11 @@ category, and the item's similarity to them — the dot product of its row with 
 mean, the newest weighing most (``recent_query``) — and its co-visitation score from them
 (``freshcore.neighbours.recency_weighted``: how often users who clicked those items clicked it
 close by; the ``covisit`` channel's score, counted by the streams app live and by
-``logfeatures.covisit_scores`` from a training log). They let a click change the very next
-ranking before any embedding has moved far; on the interaction logs of the replay, the
+``logfeatures.covisit_scores`` from a training log), and its sequential-rule score — what
+followed those items for other users, the item just consumed weighing most
+(``freshcore.sequels.successor_scores``: the ``sequel`` channel's score, counted live by the
+streams app and by ``logfeatures.sequel_scores`` from a log). They let a click change the very
+next ranking before any embedding has moved far; on the interaction logs of the replay, the
 user's last items predicted their next one better than the user's row did (HR@10 of the
 vector search 0.08 from the recent items' mean against 0.07 from the row, MovieLens 100K,
 ``docs/benchmarks.md``). Sparse ids: item
@@ -47,7 +50,11 @@ DENSE = (
     "recent_category_share",
     "recent_similarity",
     "covisit",
+    "sequel",
 )
+"""The dense inputs, by name, in the order ``encode`` writes them. A model remembers those it
+was trained with (``dense_columns``): a model trained before one was added still reads its
+own, in its order."""
 RECENT = 10
 RECENT_DECAY = 0.8
 """Weight of the i-th newest recent click: 0.8^i (the i2i channel's query weighs them so)."""
@@ -111,6 +118,13 @@ class RankInputs:
     def with_sequences(self, seq: torch.Tensor, seq_len: torch.Tensor) -> RankInputs:
         return replace(self, seq=seq, seq_len=seq_len)
 
+    def with_dense(self, columns: np.ndarray) -> RankInputs:
+        """The same pairs with only the dense ``columns`` (``dense_columns``), in that order."""
+        dense = self.dense
+        if isinstance(dense, torch.Tensor):
+            return replace(self, dense=dense.index_select(1, to_device(columns, dense.device)))
+        return replace(self, dense=dense[:, columns])
+
     def subset(self, keep: np.ndarray) -> RankInputs:
         """The pairs where ``keep`` (bool, (n,)) holds; the grouped form's per-request rows
         stay (a request may keep no pair)."""
@@ -169,13 +183,15 @@ class FeatureEncoder:
         owner: np.ndarray | None = None,
         recent_similarity: np.ndarray | None = None,
         covisit: np.ndarray | None = None,
+        sequel: np.ndarray | None = None,
     ) -> RankInputs:
         """Aligned rows: ``item_dense`` is (n, 4) [price, ctr, cvr, hot]; ``item_category``
         (n,) category buckets; ``context`` (n, 3) from ``context`` repeated per pair;
         ``recent_share`` (n,) from ``recent_category_share``; ``recent_similarity`` (n,) each
         item's row against its user's ``recent_query`` (an array, or a tensor on the rows'
         device); ``covisit`` (n,) each item's
-        ``freshcore.neighbours.recency_weighted`` score (0: none). With ``owner`` (n,), ``user``
+        ``freshcore.neighbours.recency_weighted`` score and ``sequel`` (n,) its
+        ``freshcore.sequels.successor_scores`` score (0: none). With ``owner`` (n,), ``user``
         is one row per request and the result is in the grouped form."""
         rest = np.empty((len(item_dense), len(DENSE) - 1), np.float32)
         rest[:, 0] = np.log1p(np.maximum(item_dense[:, 0], 0.0))
@@ -187,6 +203,7 @@ class FeatureEncoder:
         sims_on_device = isinstance(recent_similarity, torch.Tensor)
         rest[:, 5] = 0.0 if recent_similarity is None or sims_on_device else recent_similarity
         rest[:, 6] = 0.0 if covisit is None else covisit
+        rest[:, 7] = 0.0 if sequel is None else sequel
         # the dot product where the rows are (a serving batch's rows stay on the tables'
         # device; training's are host arrays)
         on_device = isinstance(user, torch.Tensor)
@@ -200,15 +217,7 @@ class FeatureEncoder:
             dense[:, DENSE.index("recent_similarity")] = recent_similarity.to(dense.device)
         if not on_device:
             user, item, dense = user.numpy(), item.numpy(), dense.numpy()
-        cat = item_category.astype(np.int64)
-        sparse = np.column_stack([cat, context]).astype(np.int64)
-        cross = np.column_stack(
-            [
-                (cat * 7 + context[:, 0]) % CROSS_BUCKETS,
-                (cat * 31 + context[:, 1] + 10_000) % CROSS_BUCKETS,
-                (cat * 131 + context[:, 2] + 40_000) % CROSS_BUCKETS,
-            ]
-        ).astype(np.int64)
+        sparse, cross = sparse_ids(item_category, context)
         return RankInputs(
             user,
             item,
@@ -217,6 +226,47 @@ class FeatureEncoder:
             cross,
             None if owner is None else np.asarray(owner, np.int64),
         )
+
+
+def sparse_ids(item_category: np.ndarray, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 4) the sparse ids — category, device, hour, region — and (n, 3) the category's
+    crosses with the other three, hashed into ``CROSS_BUCKETS``.
+
+    >>> sparse, cross = sparse_ids(np.array([2]), np.array([[1, 5, 3]]))
+    >>> sparse.tolist(), cross.tolist()
+    ([[2, 1, 5, 3]], [[15, 10067, 40265]])
+    """
+    cat = item_category.astype(np.int64)
+    sparse = np.column_stack([cat, context]).astype(np.int64)
+    cross = np.column_stack(
+        [
+            (cat * 7 + context[:, 0]) % CROSS_BUCKETS,
+            (cat * 31 + context[:, 1] + 10_000) % CROSS_BUCKETS,
+            (cat * 131 + context[:, 2] + 40_000) % CROSS_BUCKETS,
+        ]
+    ).astype(np.int64)
+    return sparse, cross
+
+
+def dense_columns(features) -> np.ndarray | None:
+    """Where a model's dense inputs (``features``: their names, in its order) are among
+    ``DENSE``; None when they are ``DENSE`` itself. A name not in ``DENSE`` (a model trained
+    by a newer release) is a ``ValueError`` that names it.
+
+    >>> dense_columns(DENSE) is None, dense_columns(("uv", "covisit")).tolist()
+    (True, [0, 7])
+    >>> dense_columns(["uv", "novelty"])
+    Traceback (most recent call last):
+    ...
+    ValueError: features this release does not compute: novelty
+    """
+    features = tuple(features)
+    if features == DENSE:
+        return None
+    unknown = [f for f in features if f not in DENSE]
+    if unknown:
+        raise ValueError(f"features this release does not compute: {', '.join(unknown)}")
+    return np.array([DENSE.index(f) for f in features], np.int64)
 
 
 def recent_category_share(recent_categories: list[int], item_categories: np.ndarray) -> np.ndarray:

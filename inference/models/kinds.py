@@ -17,13 +17,14 @@ it is trained and accepted wherever a ranker can be named.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from inference.models.attention import SEQUENCE, AttentionRanker
+from inference.models.features import DENSE
 from inference.models.prune import PrunedWideDeep
 from inference.models.ranking import LightRanker, WideDeep
 from inference.models.tiers import HEAD, MIDDLE, TAIL
@@ -38,9 +39,9 @@ FULL_ALIAS = "full"
 @dataclass(frozen=True)
 class RankerKind:
     name: str
-    build: Callable[[int, dict[str, torch.Tensor] | None], nn.Module]
-    """An untrained model for ``dim``-wide rows; the weights it will load (if given) size the
-    models whose shape training chooses."""
+    build: Callable[[int, dict[str, torch.Tensor] | None, tuple[str, ...]], nn.Module]
+    """An untrained model for ``dim``-wide rows reading the dense features named; the
+    weights it will load (if given) size the models whose shape training chooses."""
     always_trained: bool = False
     """Trained by every ``freshrec train`` (Wide&Deep and the light model, which the ladder
     and the others need); the rest only when named in ``--rankers``."""
@@ -51,23 +52,25 @@ class RankerKind:
     """The heat tier it scores under ``tiered`` (``tiers.HEAD``/``MIDDLE``/``TAIL``)."""
 
 
-def _pruned(dim: int, state: dict[str, torch.Tensor] | None) -> nn.Module:
+def _pruned(dim: int, state: dict[str, torch.Tensor] | None, features) -> nn.Module:
     if state is None:  # the sizes ``prune`` gives at its default keep (half the units)
-        return PrunedWideDeep(dim, tuple(h // 2 for h in WideDeep(dim).hidden))
-    layers = sorted({int(k.split(".")[1]) for k in state if k.startswith("deep.")})
-    hidden = tuple(int(state[f"deep.{i}.weight"].shape[0]) for i in layers[:-1])
-    return PrunedWideDeep(dim, hidden)
+        hidden = tuple(h // 2 for h in WideDeep(dim).hidden)
+    else:
+        layers = sorted({int(k.split(".")[1]) for k in state if k.startswith("deep.")})
+        hidden = tuple(int(state[f"deep.{i}.weight"].shape[0]) for i in layers[:-1])
+    return PrunedWideDeep(dim, hidden, features=features)
 
 
 def _attention(kind: str):
-    def build(dim: int, state: dict[str, torch.Tensor] | None) -> nn.Module:
+    def build(dim: int, state: dict[str, torch.Tensor] | None, features) -> nn.Module:
         length = SEQUENCE if state is None else int(state["position"].shape[0])
         if kind == "attention_lowrank" and state is not None:
             rank, length = (int(x) for x in state["project"].shape)
-            return AttentionRanker(dim, kind, length=length, rank=rank)
+            return AttentionRanker(dim, kind, length=length, rank=rank, features=features)
         if kind == "attention_window":
-            return AttentionRanker(dim, kind, length=max(length, SEQUENCE), window=length)
-        return AttentionRanker(dim, kind, length=length)
+            length, window = max(length, SEQUENCE), length
+            return AttentionRanker(dim, kind, length=length, window=window, features=features)
+        return AttentionRanker(dim, kind, length=length, features=features)
 
     return build
 
@@ -75,10 +78,15 @@ def _attention(kind: str):
 KINDS: dict[str, RankerKind] = {
     k.name: k
     for k in (
-        RankerKind("wide_deep", lambda dim, state: WideDeep(dim), always_trained=True, tier=HEAD),
+        RankerKind(
+            "wide_deep",
+            lambda dim, state, features: WideDeep(dim, features=features),
+            always_trained=True,
+            tier=HEAD,
+        ),
         RankerKind(
             "light",
-            lambda dim, state: LightRanker(dim),
+            lambda dim, state, features: LightRanker(dim, features=features),
             always_trained=True,
             served=False,
             tier=TAIL,
@@ -110,10 +118,16 @@ def experiment_rankings() -> tuple[str, ...]:
     return (FULL_ALIAS, *KINDS, TIERED)
 
 
-def build(kind: str, dim: int, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """An untrained model of ``kind``; ``state`` (the weights it will load) gives the sizes
-    of models whose shape is chosen by training (the pruned model's hidden units)."""
+def build(
+    kind: str,
+    dim: int,
+    state: dict[str, torch.Tensor] | None = None,
+    features: Sequence[str] = DENSE,
+) -> nn.Module:
+    """An untrained model of ``kind`` reading the dense ``features``; ``state`` (the weights
+    it will load) gives the sizes of models whose shape is chosen by training (the pruned
+    model's hidden units)."""
     found = KINDS.get(kind)
     if found is None:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {MODEL_KINDS}")
-    return found.build(dim, state)
+    return found.build(dim, state, tuple(features))

@@ -15,12 +15,21 @@ Layout of a model directory (default ``$FRESHREC_HOME/models``)::
 ``manifest.json``::
 
     {"version": "20261129T120000-3f2a", "dim": 64, "created_ms": ...,
+     "features": ["uv", ..., "sequel"],
      "files": {"wide_deep": {"file": "...", "sha256": "..."}, "light": {...},
                "two_tower": {...}},
      "training": {...}}
 
 A file whose checksum does not match the manifest is refused (``ModelFileError``) and the
 worker keeps the models it has.
+
+A ranking model's dense inputs change width when a feature is added, so each model file
+says which it was trained with (its metadata's ``features``; the manifest's, and before them
+its training configuration's, for files that do not): a model trained with fewer features
+than this release computes serves with its own, in its order (``ranking.score``), and the
+worker logs that ``freshrec train`` would add the others; one trained with a feature this
+release does not compute, or one that says nothing of its features, is refused with the
+reason, and the worker keeps the models it has.
 """
 
 from __future__ import annotations
@@ -35,9 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from inference.models.features import DENSE
 from inference.models.kinds import OPTIONAL, build
 from inference.models.ranking import store_half
 from schemas.errors import FreshRecError
@@ -76,7 +87,7 @@ def save_tensors(directory: Path, name: str, tensors: dict[str, torch.Tensor], m
 
 
 def save_model(directory: Path, model: nn.Module, version: str, dim: int) -> dict:
-    meta = {"kind": model.kind, "version": version, "dim": dim}
+    meta = {"kind": model.kind, "version": version, "dim": dim, "features": list(model.features)}
     return save_tensors(directory, f"{model.kind}-{version}.safetensors", model.state_dict(), meta)
 
 
@@ -127,13 +138,51 @@ def load_model(
     if entry is None:
         raise ModelFileError(f"manifest {manifest['version']} has no {kind} model")
     state = load_tensors(directory, entry)
+    features = model_features(directory, manifest, entry)
     try:
-        model = build(kind, int(manifest["dim"]), state)
+        model = build(kind, int(manifest["dim"]), state, features)
         model.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError) as exc:
         raise ModelFileError(f"{entry['file']} does not fit a {kind} model: {exc}") from None
     model = model.to(device).eval()
     return store_half(model) if dtype == "float16" else model
+
+
+def model_features(directory: Path, manifest: dict, entry: dict) -> tuple[str, ...]:
+    """The dense features the model file ``entry`` was trained with, by name, in its order:
+    its metadata's, else the manifest's, else its training configuration's (models written
+    before the files named them); checked against those this release computes."""
+    found = None
+    try:
+        with safe_open(str(directory / entry["file"]), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("freshrec", "{}"))
+        found = meta.get("features")
+    except (OSError, ValueError, AttributeError, SafetensorError) as exc:
+        raise ModelFileError(f"{entry['file']}: metadata not readable: {exc}") from None
+    if found is None:
+        found = manifest.get("features")
+    if found is None:
+        config = manifest.get("training", {}).get("config", {})
+        text = config.get("features") if isinstance(config, dict) else None
+        found = text.split(",") if isinstance(text, str) and text else None
+    if not isinstance(found, list) or not all(isinstance(f, str) for f in found):
+        raise ModelFileError(
+            f"{entry['file']} does not say which ranking features it was trained with: "
+            "run `freshrec train`"
+        )
+    unknown = [f for f in found if f not in DENSE]
+    if unknown:
+        raise ModelFileError(
+            f"{entry['file']} was trained with ranking features this release does not compute "
+            f"({', '.join(unknown)}): run `freshrec train` with this release"
+        )
+    return tuple(found)
+
+
+def missing_features(models: dict[str, nn.Module]) -> list[str]:
+    """The features this release computes that some of ``models`` were trained without."""
+    held = [set(getattr(m, "features", DENSE)) for m in models.values()]
+    return [f for f in DENSE if any(f not in h for h in held)]
 
 
 @dataclass(frozen=True)
@@ -228,6 +277,14 @@ class ModelWatcher:
             self.current = new
             self.last_error = None
         log.info("models %s loaded from %s", new.version, self.directory)
+        lacking = missing_features({"wide_deep": full, "light": light, **others})
+        if lacking:
+            log.warning(
+                "models %s were trained without the ranking features %s: served without "
+                "them; `freshrec train` retrains them",
+                new.version,
+                ", ".join(lacking),
+            )
         self.on_change(new)
 
     @property

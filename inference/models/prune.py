@@ -52,7 +52,8 @@ def kept_units(model: WideDeep, keep: float) -> list[torch.Tensor]:
 def prune(model: WideDeep, keep: float) -> PrunedWideDeep:
     """A smaller copy of ``model`` with each hidden layer's ``keep`` share of units."""
     kept = kept_units(model, keep)
-    small = PrunedWideDeep(model.dim, tuple(len(k) for k in kept), extra=model.extra)
+    hidden = tuple(len(k) for k in kept)
+    small = PrunedWideDeep(model.dim, hidden, extra=model.extra, features=model.features)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("deep.")}
     rows = None  # the previous layer's kept units: this layer's kept inputs
     big, new = _linears(model), _linears(small)
@@ -73,7 +74,7 @@ def prune(model: WideDeep, keep: float) -> PrunedWideDeep:
 def masked(model: WideDeep, keep: float) -> WideDeep:
     """A copy of ``model`` whose dropped units (``kept_units``) have zero incoming weights and
     bias: through the ReLU they output 0, so the layers after them never see them."""
-    out = WideDeep(model.dim, model.hidden, extra=model.extra)
+    out = WideDeep(model.dim, model.hidden, extra=model.extra, features=model.features)
     out.load_state_dict(model.state_dict())
     for layer, kept in zip(_linears(out), kept_units(model, keep), strict=False):
         drop = torch.ones(layer.out_features, dtype=torch.bool)

@@ -7,6 +7,10 @@ embeddings of category, device, hour and region.
 Light: a small MLP over the dense features and the device only; it serves degraded mode and
 low-end devices, and is trained to match the Wide&Deep logits (distillation).
 
+Each model remembers the dense features it was trained with (``features``, by name): ``score``
+hands it those, in its order, so a model trained before a feature was added serves without it
+rather than reading misaligned columns.
+
 Every candidate of a whole dynamic batch is scored in one ``forward``; on CUDA in half
 precision (``score``). A model may hold its weights in float16 (``FRESHREC_RANKING_DTYPE``,
 ``store_half``): half the memory, widened to float32 for each forward pass, so it computes
@@ -18,6 +22,7 @@ any model).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -33,20 +38,28 @@ from inference.models.features import (
     HOUR_UNKNOWN,
     REGION_BUCKETS,
     RankInputs,
+    dense_columns,
 )
 
 
 class WideDeep(nn.Module):
     kind = "wide_deep"
 
-    def __init__(self, dim: int = 64, hidden: tuple[int, ...] = (128, 64), extra: int = 0) -> None:
+    def __init__(
+        self,
+        dim: int = 64,
+        hidden: tuple[int, ...] = (128, 64),
+        extra: int = 0,
+        features: Sequence[str] = DENSE,
+    ) -> None:
         """``extra``: the width of further deep inputs a subclass appends (the attention
-        ranker's interest vector)."""
+        ranker's interest vector); ``features``: its dense inputs, by name."""
         super().__init__()
         self.dim = dim
         self.hidden = tuple(hidden)
         self.extra = extra
-        n_dense = len(DENSE)
+        self.features = tuple(features)
+        n_dense = len(self.features)
         self.wide_dense = nn.Linear(n_dense, 1)
         self.wide_cross = nn.EmbeddingBag(CROSS_BUCKETS, 1, mode="sum")
         self.cat = nn.Embedding(CATEGORY_BUCKETS, 8)
@@ -92,7 +105,7 @@ class WideDeep(nn.Module):
         ``width``: the most candidates of one request, when the caller knows it on the host
         (``score`` does): otherwise read from the device, which makes the host wait for it.
         """
-        d, n_dense = self.dim, len(DENSE)
+        d, n_dense = self.dim, len(self.features)
         first, rest = self.deep[0], self.deep[1:]
         w, b = first.weight, first.bias
         splits = [d, d, d, n_dense, 8, 4, 4, 4, self.extra]
@@ -137,11 +150,13 @@ class WideDeep(nn.Module):
 class LightRanker(nn.Module):
     kind = "light"
 
-    def __init__(self, dim: int = 64, hidden: int = 16) -> None:
+    def __init__(self, dim: int = 64, hidden: int = 16, features: Sequence[str] = DENSE) -> None:
         super().__init__()
         self.dim = dim
+        self.features = tuple(features)
         self.device = nn.Embedding(DEVICE_UNKNOWN + 1, 2)
-        self.net = nn.Sequential(nn.Linear(len(DENSE) + 2, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        width = len(self.features) + 2
+        self.net = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, user, item, dense, sparse, cross) -> torch.Tensor:
         return self.net(torch.cat([dense, self.device(sparse[:, 1])], dim=1)).squeeze(1)
@@ -159,6 +174,9 @@ def score(model: nn.Module, x: RankInputs, device: torch.device, on_device: bool
     array, or with ``on_device`` a tensor left on ``device`` (serving re-ranks there)."""
     if len(x) == 0:
         return torch.empty(0, device=device) if on_device else np.empty(0, np.float32)
+    columns = dense_columns(getattr(model, "features", DENSE))
+    if columns is not None:  # trained with other features: it reads its own, in its order
+        x = x.with_dense(columns)
     grouped = x.owner is not None and hasattr(model, "forward_grouped")
     if x.owner is not None and not grouped:
         x = x.expanded()

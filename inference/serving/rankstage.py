@@ -65,6 +65,10 @@ class RankBatch:
     """Per request, the co-visitation score of the items the ``covisit`` channel found (slot →
     score; ``freshcore.neighbours.recency_weighted``); None when it did not run or missed its
     deadline: every candidate's ``covisit`` feature is then 0."""
+    sequel: list[dict[int, float]] | None = None
+    """Per request, the sequential-rule score of the items the ``sequel`` channel found (slot →
+    score; ``freshcore.sequels.successor_scores``); None as for ``covisit``: every
+    candidate's ``sequel`` feature is then 0."""
 
 
 class RankingStage:
@@ -245,7 +249,8 @@ class RankingStage:
             [(r.context.ts_ms if r.context and r.context.ts_ms else now_ms) for r in reqs],
         )
         shares, sims = self._recent_features(b, group, lens, categories, items)
-        covisit = _covisit_scores(b, group, lens, n)
+        covisit = channel_scores(b.covisit, b, group, lens, n)
+        sequel = channel_scores(b.sequel, b, group, lens, n)
         local = np.repeat(np.arange(len(group)), lens)  # grouped: user rows once per request
         inputs = self.encoder.encode(
             user_rows.index_select(0, self.cache.to_device(np.asarray(group, np.int64))),
@@ -257,6 +262,7 @@ class RankingStage:
             owner=local,
             recent_similarity=sims,
             covisit=covisit,
+            sequel=sequel,
         )
         return inputs, note, dense
 
@@ -303,21 +309,22 @@ class RankingStage:
         return None
 
 
-def _covisit_scores(b: RankBatch, group, lens, n: int) -> np.ndarray:
-    """Per candidate (``group``'s, ``lens`` per request, in order): its co-visitation score
-    with its user's recent clicks, as the ``covisit`` channel found it (0 where it did not,
-    or where the channel missed its deadline)."""
-    covisit = np.zeros(n, np.float32)
-    if b.covisit is None:
-        return covisit
+def channel_scores(scored, b: RankBatch, group, lens, n: int) -> np.ndarray:
+    """Per candidate (``group``'s, ``lens`` per request, in order): the score a recall
+    channel gave it (``scored``: per request, slot → score, as ``RankBatch.covisit`` and
+    ``RankBatch.sequel`` hold them), 0 where it found none, or where the channel missed its
+    deadline (``scored`` None)."""
+    out = np.zeros(n, np.float32)
+    if scored is None:
+        return out
     lo = 0
     for j, size in zip(group, lens, strict=True):
-        found = b.covisit[j]
+        found = scored[j]
         if found:
             get = found.get
-            covisit[lo : lo + size] = [get(x, 0.0) for x in b.merged[j].slots.tolist()]
+            out[lo : lo + size] = [get(x, 0.0) for x in b.merged[j].slots.tolist()]
         lo += size
-    return covisit
+    return out
 
 
 def timed_score(model, kind: str, inputs, device: torch.device) -> torch.Tensor:

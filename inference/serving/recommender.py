@@ -161,8 +161,8 @@ class Recommender:
         """What ranking reads for these requests: the catalogue snapshot, and per request the
         user's recent clicks — the worker's own, else those a recall channel that met its
         deadline read from Redis (``recall.recent``) — sequence (their consumed items, else
-        those clicks) and co-visitation scores (the ``covisit`` channel's, when it met its
-        deadline)."""
+        those clicks), co-visitation and sequential-rule scores (the ``covisit`` and
+        ``sequel`` channels', when they met their deadline)."""
         fetched_recent = recall.recent
         recent = [
             self.state.recent_clicks(r.user_id) or fetched_recent.get(r.user_id, []) for r in reqs
@@ -179,6 +179,7 @@ class Recommender:
             recent,
             [self.sequence_of(r.user_id) or recent[j] for j, r in enumerate(reqs)],
             recall.scores.get("covisit"),
+            recall.scores.get("sequel"),
         )
 
     # --------------------------------------------------------------------------- serve

@@ -6,6 +6,7 @@ user's previous clicks, in time order) as the worker keeps it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ from freshcore.neighbours import (
     UserWindows,
     score_of,
 )
+from freshcore.sequels import SEQUEL_STEPS, UserSequences, successor_score_of
 from inference.models.features import (
     CATEGORY_BUCKETS,
     RECENT,
@@ -148,12 +150,6 @@ def covisit_scores(logs: TrainingLog, recent_items: np.ndarray) -> np.ndarray:
     (``recent_items``, from ``recent_context``). Live counts decay and keep each anchor's best
     50: the feature is the same quantity, counted without those bounds."""
     out = np.zeros(len(logs.users), np.float32)
-    order = np.argsort(logs.t_ms, kind="stable")
-    times = logs.t_ms[order]
-    starts = [*np.flatnonzero(np.r_[True, times[1:] != times[:-1]]).tolist(), len(order)]
-    clicks = logs.clicked.astype(bool)
-    if logs.sampled is not None:
-        clicks = clicks & ~logs.sampled
     pairs: dict[int, dict[int, float]] = {}
     n = np.zeros(len(logs.item_ids), np.float64)
     windows = UserWindows(len(logs.user_ids) + 1, PAIR_WINDOW, PAIR_WINDOW_MS, MAX_PAIRS)
@@ -162,27 +158,70 @@ def covisit_scores(logs: TrainingLog, recent_items: np.ndarray) -> np.ndarray:
         row = pairs.get(a)
         return row.get(b, 0.0) / n[a] if row else 0.0
 
-    for lo, hi in itertools.pairwise(starts):
-        slate = order[lo:hi].tolist()
+    for slate, clicks in _slates(logs):
         for j in slate:
             anchors = [a for a in recent_items[j, :ANCHORS].tolist() if a >= 0]
             out[j] = score_of(int(logs.items[j]), anchors, p)
-        for j in slate:
-            if clicks[j]:
-                b, t = int(logs.items[j]), int(logs.t_ms[j])
-                n[b] += 1
-                for a in windows.pairs(int(logs.users[j]), b, t):
-                    row_a, row_b = pairs.setdefault(a, {}), pairs.setdefault(b, {})
-                    row_a[b] = row_a.get(b, 0.0) + 1.0
-                    row_b[a] = row_b.get(a, 0.0) + 1.0
+        for j in clicks:
+            b, t = int(logs.items[j]), int(logs.t_ms[j])
+            n[b] += 1
+            for a in windows.pairs(int(logs.users[j]), b, t):
+                row_a, row_b = pairs.setdefault(a, {}), pairs.setdefault(b, {})
+                row_a[b] = row_a.get(b, 0.0) + 1.0
+                row_b[a] = row_b.get(a, 0.0) + 1.0
     return out
+
+
+def sequel_scores(logs: TrainingLog, recent_items: np.ndarray) -> np.ndarray:
+    """Per impression, the ``sequel`` feature as the worker computes it live: the sequential
+    rules of the clicks before it (in time order; the clicks of one slate are counted after
+    it), made as the streams app makes them (``UserSequences`` with its defaults: r(a → b)
+    += 1/d), each successor's share r(a → b) / Σ r(a → ·), scored by
+    ``freshcore.sequels.successor_score_of`` over the user's earlier clicks
+    (``recent_items``, newest first). Live counts decay and keep each anchor's best 50: the
+    feature is the same quantity, counted without those bounds."""
+    out = np.zeros(len(logs.users), np.float32)
+    rules: dict[int, dict[int, float]] = {}
+    totals = np.zeros(len(logs.item_ids), np.float64)
+    sequences = UserSequences(len(logs.user_ids) + 1, SEQUEL_STEPS)
+
+    def share(a: int, b: int) -> float:  # r(a → b) / Σ r(a → ·) from the clicks so far
+        row = rules.get(a)
+        return row.get(b, 0.0) / totals[a] if row else 0.0
+
+    for slate, clicks in _slates(logs):
+        for j in slate:
+            recent = [a for a in recent_items[j, :ANCHORS].tolist() if a >= 0]
+            out[j] = successor_score_of(int(logs.items[j]), recent, share)
+        for j in clicks:
+            b, t = int(logs.items[j]), int(logs.t_ms[j])
+            for a, d in sequences.follows(int(logs.users[j]), b, t):
+                row = rules.setdefault(a, {})
+                row[b] = row.get(b, 0.0) + 1.0 / d
+                totals[a] += 1.0 / d
+    return out
+
+
+def _slates(logs: TrainingLog) -> Iterator[tuple[list[int], list[int]]]:
+    """The log's rows in time order, a slate (the rows of one time) at a time: each slate's
+    rows and those of them that are logged clicks (a sampled negative is none)."""
+    order = np.argsort(logs.t_ms, kind="stable")
+    times = logs.t_ms[order]
+    starts = [*np.flatnonzero(np.r_[True, times[1:] != times[:-1]]).tolist(), len(order)]
+    clicks = logs.clicked.astype(bool)
+    if logs.sampled is not None:
+        clicks = clicks & ~logs.sampled
+    for lo, hi in itertools.pairwise(starts):
+        slate = order[lo:hi].tolist()
+        yield slate, [j for j in slate if clicks[j]]
 
 
 def rank_inputs(
     logs: TrainingLog, idx: np.ndarray, user_rows, user_pos, item_rows, feats, recent
 ) -> RankInputs:
-    """``recent``: ``recent_context``'s shares and items, and ``covisit_scores``."""
-    shares, recent_items, covisit = recent
+    """``recent``: ``recent_context``'s shares and items, ``covisit_scores`` and
+    ``sequel_scores``."""
+    shares, recent_items, covisit, sequel = recent
     enc = FeatureEncoder()
     items = logs.items[idx]
     device = logs.device[idx]
@@ -203,6 +242,7 @@ def rank_inputs(
         shares[idx],
         recent_similarity=sims,
         covisit=covisit[idx],
+        sequel=sequel[idx],
     )
 
 

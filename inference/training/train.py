@@ -33,7 +33,7 @@ from torch import nn
 from freshcore import clock
 from freshcore.settings import LEARNING_RATE
 from inference.models.coldstart import category_starts, known_category
-from inference.models.features import CATEGORY_BUCKETS
+from inference.models.features import CATEGORY_BUCKETS, DENSE
 from inference.models.modelfile import save_model, save_tensors, write_manifest
 from inference.models.ranking import LightRanker, WideDeep, as_tensors, half_copy
 from inference.models.tiers import HEAD, MIDDLE, TAIL, HeatSplit, route, thresholds
@@ -46,6 +46,7 @@ from inference.training.logfeatures import (
     item_features,
     rank_inputs,
     recent_context,
+    sequel_scores,
 )
 from inference.training.rankers import Split, parse_rankers, train_rankers
 from inference.training.twotower import top_k_hits, train_two_tower
@@ -231,10 +232,11 @@ def ranking_inputs(logs: TrainingLog, cfg: TrainConfig, rows: Rows, args: tuple,
     """The ranking models' inputs on the ranking, valid and test rows, and each impression's
     recent items (newest first). ``args``: the user rows, each impression's user's position
     among them, the item rows and the items' features; the recent context (the category
-    share, the items, their co-visitation scores) is computed here."""
+    share, the items, their co-visitation and sequential-rule scores) is computed here."""
     shares, recent_items = recent_context(logs, category_buckets(logs), cfg.sequence)
-    progress("co-visitation of the log's clicks")
-    recent = (shares, recent_items, covisit_scores(logs, recent_items))
+    progress("co-visitation and sequential rules of the log's clicks")
+    neighbours = covisit_scores(logs, recent_items), sequel_scores(logs, recent_items)
+    recent = (shares, recent_items, *neighbours)
     tensors = tuple(
         as_tensors(rank_inputs(logs, idx, *args, recent), torch.device("cpu"))
         for idx in rows.ranking()
@@ -311,6 +313,7 @@ def write_models(
         "dim": cfg.dim,
         "created_ms": clock.now_ms(),
         "source": logs.source,
+        "features": list(DENSE),
         "files": files,
         **({"online": ONLINE_SOFTMAX} if cfg.tower_loss == "softmax" else {}),
         "training": {**metrics, "config": asdict(cfg)},
