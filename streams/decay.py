@@ -56,12 +56,32 @@ class ForwardDecay:
         """How much a decayed value shrinks from ``from_ms`` to ``to_ms``: r^((to − from)/h)."""
         return decay_factor(self.rate_per_hour, to_ms - from_ms, self.time_scale)
 
+    def landmark_for(self, t_ms: int | float, lag_ms: int | float) -> float:
+        """Where to move the landmark when an event at ``t_ms`` needs it: ``lag_ms`` behind
+        (events within the lateness grace keep weights above 1), but no further than the
+        stored weight of an event at ``t_ms`` stays far from overflow (a decay of seconds,
+        as a replay at speed makes, against a grace of minutes).
+
+        >>> d = ForwardDecay(rate_per_hour=0.95, time_scale=86_000.0)
+        >>> 0 < 1_000_000 - d.landmark_for(1_000_000, 600_000) < 600_000
+        True
+        """
+        if self._ln <= 0:
+            return t_ms - lag_ms
+        return t_ms - min(lag_ms, math.log(self.renormalise_above) / 2 / self._ln)
+
     def needs_renormalising(self, t_ms: int | float) -> bool:
-        return self.weight(t_ms) > self.renormalise_above
+        # in logs: after a quiet spell of a fast decay the weight itself would overflow
+        return self._ln * (t_ms - self.landmark_ms) > math.log(self.renormalise_above)
+
+    def shrink_to(self, new_landmark_ms: int | float) -> float:
+        """What moving the landmark to ``new_landmark_ms`` multiplies stored values by:
+        1 / g(L' − L), which only underflows (to 0: long decayed) and never overflows."""
+        return math.exp(-self._ln * (new_landmark_ms - self.landmark_ms))
 
     def renormalise(self, new_landmark_ms: int, *arrays: np.ndarray) -> None:
         """Move the landmark to ``new_landmark_ms``, rescaling ``arrays`` in place."""
-        scale = 1.0 / self.weight(new_landmark_ms)
+        scale = self.shrink_to(new_landmark_ms)
         for a in arrays:
             a *= scale
         self.landmark_ms = new_landmark_ms

@@ -202,9 +202,10 @@ class ItemPartitionState(ItemCounts):
             if ts > self.watermark_ms:
                 self.watermark_ms = ts
                 if self.decay.needs_renormalising(ts):
-                    self.covisit.rescale(1.0 / self.decay.weight(ts - grace))
-                    self.sequel.rescale(1.0 / self.decay.weight(ts - grace))
-                    self.decay.renormalise(ts - grace, self.counts)
+                    landmark = self.decay.landmark_for(ts, grace)
+                    self.covisit.rescale(self.decay.shrink_to(landmark))
+                    self.sequel.rescale(self.decay.shrink_to(landmark))
+                    self.decay.renormalise(landmark, self.counts)
                     self.touched.update(range(self.n_items))
             slot = self._slot(item_id)
             w = self.decay.weight(ts)
