@@ -267,29 +267,26 @@ class ItemPartitionState(ItemCounts):
     def _add_pairs(self, fresh: list[int], anchors, neighbours, ts_ms, distances) -> None:
         """Add the pairs ``fresh`` (by index: none replayed or late) to their counts, each
         weighted by its event time's decay: co-visitation pairs (distance 0) as they are,
-        a sequential rule at distance d by 1/d."""
-        ts = [ts_ms[j] for j in fresh]
-        w = self.decay.weights(np.asarray(ts, np.int64)).tolist()
+        a sequential rule at distance d by 1/d. Gathered with numpy: a record holds a few
+        thousand pairs at a backlog."""
+        at = np.asarray(fresh, np.int64)
+        times = np.asarray(ts_ms, np.int64)[at]
+        w = self.decay.weights(times)
         if distances is None:
-            co = list(range(len(fresh)))
+            groups = [(self.covisit, at, w, times)]
         else:
-            co = [k for k, j in enumerate(fresh) if distances[j] == 0]
-            rules = [k for k, j in enumerate(fresh) if distances[j] != 0]
-            if rules:
-                self.sequel.add(
-                    [anchors[fresh[k]] for k in rules],
-                    [neighbours[fresh[k]] for k in rules],
-                    [w[k] / distances[fresh[k]] for k in rules],
-                    [ts[k] for k in rules],
-                )
-                self.sequel_pairs += len(rules)
-        if co:
-            self.covisit.add(
-                [anchors[fresh[k]] for k in co],
-                [neighbours[fresh[k]] for k in co],
-                [w[k] for k in co],
-                [ts[k] for k in co],
-            )
+            d = np.asarray(distances, np.int64)[at]
+            rule = d != 0
+            co = ~rule
+            groups = [
+                (self.covisit, at[co], w[co], times[co]),
+                (self.sequel, at[rule], w[rule] / d[rule], times[rule]),
+            ]
+            self.sequel_pairs += int(rule.sum())
+        a, b = np.asarray(anchors, object), np.asarray(neighbours, object)
+        for counts, where, weights, when in groups:
+            if len(where):
+                counts.add(a[where].tolist(), b[where].tolist(), weights.tolist(), when.tolist())
 
     def late_below_ms(self, now_ms: int | None = None) -> int:
         """The event time below which an event is late now unless its own source partition
