@@ -144,7 +144,8 @@ def test_a_catalogue_listed_as_it_appears_is_unknown_to_every_arm_before_its_fir
     write_growing_log(log)
     out = tmp_path / "replay"
     args = ["replay", str(log), *LOG_ARGS, "--out", str(out), "--step", "60", "--windows", "2"]
-    live = ["--catalogue", "as-it-appears", "--arms", "full", "--baselines", "recent_pop"]
+    live = ["--catalogue", "as-it-appears", "--arms", "full,full-without-new"]
+    live += ["--baselines", "recent_pop"]
     rc = main([*args, *live, "--speed", "1e9", "--tower-epochs", "2"])
     assert rc == 0
     report = json.loads((out / "replay.json").read_text())
@@ -153,6 +154,13 @@ def test_a_catalogue_listed_as_it_appears_is_unknown_to_every_arm_before_its_fir
     assert d["answered"] == d["requests"] > 0 and d["items_listed_before_they_existed"] == 0, d
     rows = {r["arm"]: r for r in report["arms"]}
     assert rows["full"]["hr"] > 0 and rows["recent_pop"]["hr"] > 0
+    # each hit counted for every channel that found its item: each channel's own HR
+    assert max(d["hr_by_channel"].values()) > 0 and sum(d["hr_by_channel"].values()) >= (
+        rows["full"]["hr"] - 1e-4
+    )
+    ablated = report["details"]["full-without-new"]
+    assert "new" not in ablated["channel_share_of_listed_items"], ablated
+    assert any(r["arm"] == "full" and r["against"] == "full-without-new" for r in report["paired"])
 
 
 @pytest.mark.timeout(600)

@@ -44,6 +44,37 @@ ARMS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "local": (("streams", "worker"), {}),
     "full": (("streams", "param-server", "worker"), {}),
 }
+WITHOUT = "full-without-"
+"""An ablation arm: ``full`` with one recall channel off, e.g. ``full-without-covisit``."""
+
+
+def arm_spec(name: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The services an arm runs and its settings: one of ``ARMS``, or an ablation of
+    ``full`` (``WITHOUT`` + a recall channel: every other channel runs).
+
+    >>> arm_spec("full-without-hot")[1]["FRESHREC_RECALL_CHANNELS"].split(",")[:3]
+    ['vector', 'i2i', 'covisit']
+    """
+    if name in ARMS:
+        return ARMS[name]
+    from inference.serving.channels import CHANNELS
+
+    channel = name.removeprefix(WITHOUT)
+    if not name.startswith(WITHOUT) or channel not in CHANNELS:
+        known = [*ARMS, *(WITHOUT + c for c in CHANNELS)]
+        raise KeyError(f"unknown arm {name!r} (known: {', '.join(known)})")
+    others = ",".join(c for c in CHANNELS if c != channel)
+    services, settings = ARMS["full"]
+    return services, {**settings, "FRESHREC_RECALL_CHANNELS": others}
+
+
+def ablations() -> list[str]:
+    """Every ablation arm: ``full`` without each recall channel in turn."""
+    from inference.serving.channels import CHANNELS
+
+    return [WITHOUT + c for c in CHANNELS]
+
+
 SERVING = {"FRESHREC_MMR_LAMBDA": "1.0"}
 """Every live arm serves by relevance alone, as the baselines do: the arms compare learners,
 not diversity policies (``--set FRESHREC_MMR_LAMBDA=0.7`` measures what diversity costs)."""
@@ -124,7 +155,7 @@ def run_arm(
     from freshrec.app.supervisor import ServiceGroup
     from freshrec.app.training import load_starting_embeddings
 
-    services_of, settings = ARMS[name]
+    services_of, settings = arm_spec(name)
     result = ArmResult(name, ArmScores(name, k, windows))
     with arm_stack(name, workdir, run_id) as conn:
         provision_topics(conn)

@@ -52,6 +52,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from freshrec.app.replay.data import prepare
 
     arms = [a for a in args.arms.split(",") if a]
+    if args.ablate:
+        from freshrec.app.replay.arms import ablations
+
+        arms += [a for a in ablations() if a not in arms]
     baselines = [b for b in args.baselines.split(",") if b]
     _check_arms(arms)
     overrides = _overrides(args.settings)
@@ -77,11 +81,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _check_arms(arms: list[str]) -> None:
-    from freshrec.app.replay.arms import ARMS
+    from freshrec.app.replay.arms import arm_spec
 
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"freshrec replay: unknown arm(s) {unknown} (known: {list(ARMS)})")
+    for arm in arms:
+        try:
+            arm_spec(arm)
+        except KeyError as exc:
+            raise SystemExit(f"freshrec replay: {exc.args[0]}") from None
 
 
 def _overrides(pairs: list[str]) -> dict[str, str]:
@@ -157,7 +163,8 @@ def _run_live(arms, inter, items, p, data, out: Path, args, overrides, results, 
         bare = result.without_exclude()
         progress.done(
             f"{arm}: HR@{args.k} {results.rows[-1]['hr']}, NDCG@{args.k} {results.rows[-1]['ndcg']} "
-            f"in {result.wall_s:.0f}s; items by channel {shares}; a client sending no "
+            f"in {result.wall_s:.0f}s; items by channel {shares}; HR@{args.k} by channel "
+            f"{results.details[arm]['hr_by_channel']}; a client sending no "
             f"exclusions got {bare['consumed_in_replay_share']} of its items consumed during "
             f"the replay, {bare['consumed_before_share']} before it"
         )
@@ -173,6 +180,10 @@ def _live_details(result, shares: dict, overrides: dict, tuned: dict | None) -> 
         "errors": result.errors,
         "tiers": dict(result.tiers),
         "channel_share_of_listed_items": shares,
+        "hr_by_channel": {
+            c: round(n / max(result.scores.total.interactions, 1), 4)
+            for c, n in result.hits_by_channel.most_common()
+        },
         "late_steps": result.late_steps,
         "events_read_before_the_replay": result.read_before,
         "items_listed_before_they_existed": result.unlisted,

@@ -56,7 +56,18 @@ def _add_scoring_options(p: argparse.ArgumentParser) -> None:
         help="interactions per step: lists are asked for before a step's interactions are "
         "produced (100)",
     )
-    p.add_argument("--arms", default="frozen,local,full", help="live arms (frozen,local,full)")
+    p.add_argument(
+        "--arms",
+        default="frozen,local,full",
+        help="live arms: frozen, local, full, and full-without-CHANNEL (full with that recall "
+        "channel off) for any channel (default frozen,local,full)",
+    )
+    p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="add an ablation arm per recall channel (full-without-vector, …): what each "
+        "channel is worth, as the live arm without it",
+    )
     p.add_argument(
         "--baselines",
         default=",".join(BASELINES),

@@ -15,8 +15,9 @@ COLUMNS = ("arm", "kind", "hr", "ndcg", "mrr", "recall", "coverage", "interactio
 
 
 def table(rows: list[dict], k: int) -> str:
+    w = max([12, *(len(r["arm"]) for r in rows)])
     head = (
-        f"{'arm':<12} {'kind':<9} {f'HR@{k}':>8} {f'NDCG@{k}':>8} {f'MRR@{k}':>8} "
+        f"{'arm':<{w}} {'kind':<9} {f'HR@{k}':>8} {f'NDCG@{k}':>8} {f'MRR@{k}':>8} "
         f"{f'recall@{k}':>9} {'coverage':>8} {'evaluated':>9} {'wall s':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -27,21 +28,25 @@ def table(rows: list[dict], k: int) -> str:
             return "-" if v is None else f"{v:.4f}"
 
         lines.append(
-            f"{r['arm']:<12} {r['kind']:<9} {f('hr'):>8} {f('ndcg'):>8} {f('mrr'):>8} "
+            f"{r['arm']:<{w}} {r['kind']:<9} {f('hr'):>8} {f('ndcg'):>8} {f('mrr'):>8} "
             f"{f('recall'):>9} {f('coverage'):>8} {r['interactions']:>9,} {r['wall_s']:>7}"
         )
     return "\n".join(lines)
 
 
 def paired(live: list, baselines: list) -> list[dict]:
-    """Each live arm minus each baseline (and minus ``frozen``), HR and NDCG, on the same
+    """Each live arm minus each baseline (and minus ``frozen``), and ``full`` minus each of
+    its ablations (``full-without-…``: what that channel is worth), HR and NDCG, on the same
     interactions, with 95% intervals clustered by user (``evaluation.metrics``)."""
     from evaluation.metrics import paired_difference
 
     out = []
     frozen = [s for s in live if s.name == "frozen"]
+    ablated = [s for s in live if s.name.startswith("full-without-")]
     for arm in live:
         others = [*baselines, *(f for f in frozen if arm.name != "frozen")]
+        if arm.name == "full":
+            others += ablated
         for base in others:
             row = {"arm": arm.name, "against": base.name}
             for metric in ("hr", "ndcg"):
@@ -56,7 +61,12 @@ def paired(live: list, baselines: list) -> list[dict]:
 
 def paired_table(rows: list[dict], k: int) -> str:
     """``arm − baseline`` with intervals; ``*`` marks an interval above zero."""
-    head = f"{'arm':<8} {'minus':<12} {f'HR@{k} diff (95% CI)':<30} {f'NDCG@{k} diff (95% CI)':<30}"
+    wide = max([12, *(len(r["against"]) + 1 for r in rows)])
+    arm_w = max([8, *(len(r["arm"]) for r in rows)])
+    head = (
+        f"{'arm':<{arm_w}} {'minus':<{wide}} {f'HR@{k} diff (95% CI)':<30} "
+        f"{f'NDCG@{k} diff (95% CI)':<30}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
 
@@ -66,7 +76,9 @@ def paired_table(rows: list[dict], k: int) -> str:
             mark = " *" if r[f"{m}_low"] > 0 else ""
             return f"{r[m]:+.4f} ({r[f'{m}_low']:+.4f}..{r[f'{m}_high']:+.4f}){mark}"
 
-        lines.append(f"{r['arm']:<8} {r['against']:<12} {cell('hr'):<30} {cell('ndcg'):<30}")
+        lines.append(
+            f"{r['arm']:<{arm_w}} {r['against']:<{wide}} {cell('hr'):<30} {cell('ndcg'):<30}"
+        )
     return "\n".join(lines)
 
 

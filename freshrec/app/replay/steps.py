@@ -46,6 +46,9 @@ class ArmResult:
     read_before: int = 0
     """Events the worker had read before the first step: 0 when the training part's events
     were committed past, as they should be."""
+    hits_by_channel: Counter = field(default_factory=Counter)
+    """Scored interactions whose item the list held, by each recall channel that found it
+    (an item may have several): each channel's own share of the hits."""
     unlisted: int = 0
     """Items of the lists that were not yet on ``items`` when the list was asked for: 0, as
     nothing may be recommended before it exists."""
@@ -212,8 +215,11 @@ def _score(result: ArmResult, name, data, step, replies, k) -> None:
             result.answered += 1
             result.tiers[reply.tier] += 1
             got = [it.item_id for it in reply.items]
+            found = {it.item_id: it.channels for it in reply.items[:k]}
             for it in reply.items[:k]:
                 result.channels.update(it.channels)
+            for _, item in targets:
+                result.hits_by_channel.update(found.get(item, ()))
             result.items_listed += min(len(reply.items), k)
         scores.add_request(
             window, got, [item for _, item in targets], user, [pos for pos, _ in targets]
