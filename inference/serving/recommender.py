@@ -254,8 +254,8 @@ class Recommender:
     def _history(self, reqs, recall: RecallResult) -> list[int | None]:
         """How many interactions the worker knows of per request's user: its own recent
         clicks, else those a channel read from Redis (at most ten); None where no channel
-        that reads them met its deadline."""
-        readers = {"i2i", "covisit"} & set(self.runner.configs)
+        that reads them (i2i, co-visitation, sequel) met its deadline."""
+        readers = {"i2i", "covisit", "sequel"} & set(self.runner.configs)
         known = bool(readers - set(recall.timed_out) - set(recall.failed))
         if not known:
             return [None] * len(reqs)
