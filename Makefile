@@ -8,18 +8,25 @@ ARGS   ?=
 # most of a test is waiting on a broker or a child process, so two keep two cores busy.
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint format clean stack-down chromium prometheus
+.PHONY: run test lint format clean stack-down kafka-jars chromium prometheus
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) kafka-jars
 	$(BIN)/freshrec run $(ARGS)
 
-test: $(STAMP) chromium prometheus
+test: $(STAMP) kafka-jars chromium prometheus
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
+
+# The broker of `make run` and `make test`: Apache Kafka where Java 17+ and Maven are found, its
+# pinned jars fetched here once into ~/.cache/freshrec/kafka (Maven, checksums verified; no
+# test downloads anything), else Tansu. The first line printed says which broker runs and why.
+# FRESHREC_BROKER=tansu (or kafka) picks one.
+kafka-jars: $(STAMP)
+	@$(BIN)/freshrec stack fetch
 
 # The dashboard test renders the page in Debian's headless Chromium. Installed with apt when
 # missing and this user may (root, or sudo without a password); otherwise the test says how.

@@ -1,20 +1,29 @@
 """Every Kafka client setting FreshRec uses, in one place.
 
-Two profiles:
+The timings differ per broker, so they come in profiles (``PROFILES``; the variable
+``FRESHREC_KAFKA_PROFILE`` names one, and the embedded stack's ``stack.env`` names the one
+that suits the broker it started):
 
-- ``local`` (default): tuned for the embedded Tansu broker and a laptop. A group join takes
-  about half of ``session.timeout.ms`` on Tansu, and a waiting fetch is only answered when
-  ``fetch.wait.max.ms`` runs out, so both are short (see ``shared/BROKER.md`` facts copied
-  into ``docs/operations.md``).
-- ``production``: Apache Kafka defaults that are sane for a cluster: longer sessions (fewer
-  spurious rebalances), fetches that return as soon as data arrives anyway.
+- ``production`` (the default): Apache Kafka in a cluster. Longer sessions (fewer spurious
+  rebalances); fetches wait up to 100 ms, since Apache Kafka answers a waiting fetch as soon
+  as data arrives anyway.
+- ``kafka``: Apache Kafka on this machine (``freshrec stack up`` where Java runs it). The
+  same fetches; a 6 s session (the least Apache Kafka accepts by default) with 500 ms
+  heartbeats, so a member that dies is replaced, and a rebalance is noticed, within seconds;
+  metadata refreshed every few seconds, so a topic created on a laptop is seen soon.
+- ``tansu``: the embedded Tansu broker, whose quirks (``docs/brokers.md``) ask for more: a
+  group join takes about half of ``session.timeout.ms``, and a waiting fetch is only
+  answered when ``fetch.wait.max.ms`` runs out, so both are short (5-20 ms fetch waits are
+  also every round trip's floor there). ``local`` is its former name.
 
 Keyed producers always use ``murmur2_random`` so a key lands on the partition the Java client
 and kafkajs would choose: ``events`` and ``recommend.requests`` must agree on a user's partition.
 
->>> cfg = consumer_config(ConnectionSettings("k:9092", "redis://r"), "g1")
->>> cfg["session.timeout.ms"], cfg["partition.assignment.strategy"]
-(6000, 'range')
+>>> cfg = consumer_config(ConnectionSettings("k:9092", "redis://r", kafka_profile="tansu"), "g1")
+>>> cfg["session.timeout.ms"], cfg["fetch.wait.max.ms"], cfg["partition.assignment.strategy"]
+(6000, 5, 'range')
+>>> consumer_config(ConnectionSettings("k:9092", "redis://r"), "g1")["session.timeout.ms"]
+45000
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ CLIENT_LOG_REPEATS = hold_repeats([CLIENT_LOG])
 
 @dataclass(frozen=True)
 class ClientProfile:
-    """The timing knobs that differ between the embedded broker and a real cluster."""
+    """The timing knobs that differ between brokers."""
 
     session_timeout_ms: int
     heartbeat_interval_ms: int
@@ -60,20 +69,21 @@ class ClientProfile:
     topic_metadata_refresh_ms: int
 
 
+TANSU = ClientProfile(
+    session_timeout_ms=6000,
+    heartbeat_interval_ms=500,
+    fetch_wait_max_ms=5,
+    producer_linger_ms=2,
+    background_fetch_wait_ms=20,
+    # 10, not 5: at 5,000 events/s the worker's local lag p99 was 43-48 ms against 57-67
+    # at 5 (three alternating runs each, tools/bench_learning --only lag); a request waits
+    # up to 5 ms longer at an idle worker (docs/benchmarks.md)
+    worker_fetch_wait_ms=10,
+    metadata_max_age_ms=30_000,
+    topic_metadata_refresh_ms=5_000,
+)
+
 PROFILES: dict[str, ClientProfile] = {
-    "local": ClientProfile(
-        session_timeout_ms=6000,
-        heartbeat_interval_ms=500,
-        fetch_wait_max_ms=5,
-        producer_linger_ms=2,
-        background_fetch_wait_ms=20,
-        # 10, not 5: at 5,000 events/s the worker's local lag p99 was 43-48 ms against 57-67
-        # at 5 (three alternating runs each, tools/bench_learning --only lag); a request waits
-        # up to 5 ms longer at an idle worker (docs/benchmarks.md)
-        worker_fetch_wait_ms=10,
-        metadata_max_age_ms=30_000,
-        topic_metadata_refresh_ms=5_000,
-    ),
     "production": ClientProfile(
         session_timeout_ms=45_000,
         heartbeat_interval_ms=3_000,
@@ -84,6 +94,18 @@ PROFILES: dict[str, ClientProfile] = {
         metadata_max_age_ms=300_000,
         topic_metadata_refresh_ms=300_000,
     ),
+    "kafka": ClientProfile(
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=500,
+        fetch_wait_max_ms=100,
+        producer_linger_ms=2,
+        background_fetch_wait_ms=100,
+        worker_fetch_wait_ms=100,
+        metadata_max_age_ms=30_000,
+        topic_metadata_refresh_ms=5_000,
+    ),
+    "tansu": TANSU,
+    "local": TANSU,  # the former name of ``tansu``, still accepted
 }
 
 
@@ -91,8 +113,8 @@ def profile(conn: ConnectionSettings) -> ClientProfile:
     """The connection's profile, with its session timeout where the settings give one (the
     heartbeat then at most a third of it).
 
-    >>> profile(ConnectionSettings("k:9092", "r", kafka_session_timeout_ms=3000)).session_timeout_ms
-    3000
+    >>> profile(ConnectionSettings("k:9092", "r", kafka_session_timeout_ms=3000)).heartbeat_interval_ms
+    1000
     """
     try:
         p = PROFILES[conn.kafka_profile]

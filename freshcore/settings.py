@@ -270,9 +270,11 @@ class ConnectionSettings:
     )
     kafka_profile: str = declared(
         "FRESHREC_KAFKA_PROFILE",
-        "local",
-        "Client timings (`freshcore/kafka.py` `PROFILES`): `local` suits the embedded "
-        "broker, `production` Apache Kafka.",
+        "production",
+        "Client timings (`freshcore/kafka.py` `PROFILES`, [brokers](brokers.md)): "
+        "`production` suits an Apache Kafka cluster, `kafka` Apache Kafka on this machine, "
+        "`tansu` the embedded Tansu broker (`local`, its former name, still works).",
+        shown="production (`stack.env`: the one that suits the stack's broker)",
     )
     kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
     """Authentication and encryption of the Kafka connections. Redis's are in ``redis_url``:
@@ -293,7 +295,7 @@ class ConnectionSettings:
         "is dropped from its group.",
         kind=int,
         minimum=1500,
-        shown="the profile's (6,000 `local`, 45,000 `production`)",
+        shown="the profile's (6,000 `kafka` and `tansu`, 45,000 `production`)",
     )
 
     @classmethod

@@ -83,13 +83,15 @@ class RecommendClient:
         reply_topic: str | None = None,
         own_reply_topic: bool = False,
         timeout_s: float = 2.0,
-        profile: str = "local",
+        profile: str = "production",
         client_id: str | None = None,
         keep_latencies: bool = False,
         security: KafkaSecurity | None = None,
     ) -> None:
         """``security``: how to authenticate to Kafka and encrypt (default: plaintext, or
-        ``KafkaSecurity.from_env(os.environ)`` for the deployment's settings)."""
+        ``KafkaSecurity.from_env(os.environ)`` for the deployment's settings). ``profile``:
+        the client timings that suit the broker (``freshcore.kafka.PROFILES``; the embedded
+        stack's ``stack.env`` names its own)."""
         self.bootstrap = bootstrap_servers
         self.security = security or KafkaSecurity()
         self.names = TopicNames(topic_prefix)
@@ -187,7 +189,9 @@ class RecommendClient:
         from confluent_kafka.admin import AdminClient, NewTopic
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap, **self.security.librdkafka()})
-        for fut in admin.create_topics([NewTopic(self.reply_topic, 1, 1)]).values():
+        # the broker's replication factor: one replica on a cluster whose min.insync.replicas
+        # is 2 refuses every reply produced with acks=all
+        for fut in admin.create_topics([NewTopic(self.reply_topic, 1)]).values():
             try:
                 fut.result(15)
             except Exception as exc:

@@ -271,7 +271,9 @@ async def _requests(conn, users: int, n: int, progress) -> list[float]:
     """Worker-side request time (queue to reply) of ``n`` requests sent ten at a time."""
     rng = np.random.default_rng(9)
     out: list[float] = []
-    async with RecommendClient(conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix) as c:
+    async with RecommendClient(
+        conn.kafka_bootstrap_servers, topic_prefix=conn.topic_prefix, profile=conn.kafka_profile
+    ) as c:
         while len(out) < n:
             wave = [
                 RecommendRequest(f"sc-{len(out)}-{j}", World.user_id(int(u)), 20)

@@ -55,9 +55,7 @@ def bench_connection(prefix: str, redis_cluster: int = 0) -> Iterator[Connection
         stack = EmbeddedStack(Path(tmp))
         state = stack.up(detach=False, redis_cluster=redis_cluster)
         try:
-            conn = ConnectionSettings(
-                state.env["KAFKA_BOOTSTRAP_SERVERS"], state.env["REDIS_URL"], prefix
-            )
+            conn = ConnectionSettings.from_env({**state.env, "FRESHREC_TOPIC_PREFIX": prefix})
             ensure_topics(AdminClient(admin_config(conn)), prefix)
             yield conn
         finally:

@@ -105,7 +105,7 @@ class Pipeline:
             FailoverCluster(workdir / "redis") if cluster else DurableRedis(workdir / "redis")
         )
         self.redis.start()
-        self.conn = ConnectionSettings(state.env["KAFKA_BOOTSTRAP_SERVERS"], self.redis.url)
+        self.conn = ConnectionSettings.from_env({**state.env, "REDIS_URL": self.redis.url})
         ensure_topics(
             AdminClient(admin_config(self.conn)),
             "",

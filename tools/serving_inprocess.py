@@ -39,7 +39,7 @@ DIM = 64
 
 def _with_prefix(conn: ConnectionSettings, prefix: str) -> ConnectionSettings:
     """The same stack under another topic prefix (own topics and Redis keys), provisioned."""
-    c2 = ConnectionSettings(conn.kafka_bootstrap_servers, conn.redis_url, prefix)
+    c2 = conn.with_prefix(prefix)
     ensure_topics(AdminClient(admin_config(c2)), prefix)
     return c2
 

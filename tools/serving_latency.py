@@ -93,6 +93,7 @@ async def _paced(conn, world: World, rate: float, duration: float) -> dict:
         topic_prefix=conn.topic_prefix,
         timeout_s=5.0,
         keep_latencies=True,
+        profile=conn.kafka_profile,
     ) as client:
         # warm up: the first request waits for the group join
         for _ in range(60):

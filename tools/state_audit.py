@@ -15,7 +15,6 @@ from confluent_kafka.admin import AdminClient
 from freshcore.kafka import admin_config, consumer_config, producer_config
 from freshcore.redisconn import connect
 from freshcore.rediskeys import RedisKeys
-from freshcore.settings import ConnectionSettings
 from freshcore.topics import TopicNames, catalogue_with, ensure_topics
 from freshrec.app.stack import free_port
 from freshrec.sim.world import World
@@ -84,7 +83,7 @@ def reference_tables(pipe: Pipeline) -> dict:
     """The tables of a parameter server run from scratch over a copy of ``gradients``, seeded
     as the drill's were, under another topic prefix on the same Redis."""
     names, ref = TopicNames(""), TopicNames(REFERENCE)
-    conn = ConnectionSettings(pipe.conn.kafka_bootstrap_servers, pipe.conn.redis_url, REFERENCE)
+    conn = pipe.conn.with_prefix(REFERENCE)
     ensure_topics(
         AdminClient(admin_config(conn)), REFERENCE, catalogue_with({"gradients": PARTITIONS})
     )

@@ -28,7 +28,14 @@ from freshcore.settings import (
 from freshrec.app.commands import provision_topics, start_dashboard
 from freshrec.app.options import EnvDefault, add_world_options
 from freshrec.app.settings import EVENT_RATE, REQUEST_RATE
-from freshrec.app.stack import EmbeddedStack, StackError, external_services, free_port
+from freshrec.app.stack import (
+    BrokerChoice,
+    EmbeddedStack,
+    StackError,
+    external_services,
+    free_port,
+)
+from freshrec.app.stack.commands import add_broker_options, chosen_broker
 from freshrec.app.supervisor import ServiceDied, ServiceGroup
 from freshrec.app.training import (
     ensure_models,
@@ -51,6 +58,7 @@ def add_parser(sub) -> None:
     run = sub.add_parser("run", help="the whole pipeline on the embedded stack, with traffic")
     _add_traffic_options(run)
     _add_service_options(run)
+    add_broker_options(run)
     _add_cost_options(run)
     run.add_argument(
         "--train-impressions",
@@ -153,14 +161,18 @@ class RunContext:
 
 
 @contextlib.contextmanager
-def running_stack(redis_cluster: int = 0) -> Iterator[RunContext]:
-    """Use external services if set, else start an embedded stack owned by this run (with a
-    ``redis_cluster``-master Redis Cluster where it is not 0)."""
+def running_stack(
+    redis_cluster: int = 0, broker: BrokerChoice | None = None, brokers: int = 1
+) -> Iterator[RunContext]:
+    """Use external services if set, else start an embedded stack owned by this run (on
+    ``broker``, with ``brokers`` nodes of it; with a ``redis_cluster``-master Redis Cluster
+    where it is not 0)."""
     if external_services():
-        if redis_cluster:
+        if redis_cluster or brokers > 1:
             raise StackError(
-                "--redis-cluster starts an embedded cluster, but KAFKA_BOOTSTRAP_SERVERS and "
-                "REDIS_URL name existing services: unset them, or name a cluster in REDIS_URL"
+                "--redis-cluster and --brokers start an embedded cluster, but "
+                "KAFKA_BOOTSTRAP_SERVERS and REDIS_URL name existing services: unset them, or "
+                "name a cluster in REDIS_URL"
             )
         yield RunContext(ConnectionSettings.from_env(load_environment()), None)
         return
@@ -171,7 +183,7 @@ def running_stack(redis_cluster: int = 0) -> Iterator[RunContext]:
             f"(or `FRESHREC_HOME={stack.state_dir} freshrec stack down`)"
         )
     started = time.monotonic()
-    state = stack.up(detach=False, redis_cluster=redis_cluster)
+    state = stack.up(detach=False, redis_cluster=redis_cluster, broker=broker, brokers=brokers)
     log.info(
         "embedded stack up in %.1fs: Kafka %s, Redis %s",
         time.monotonic() - started,
@@ -214,6 +226,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from freshrec.sim.produce import produce_items
     from inference.training.train import TrainConfig
 
+    # the first line: which broker runs, and why (the jars fetched first if need be)
+    broker = None if external_services() else chosen_broker(args.broker)
     world = world_from_args(args)
     progress = ProgressLine()
     run_env, rankings = _experiment_and_mode(args)
@@ -221,7 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     impressions = args.train_impressions or min(1_000_000, max(50_000, 10 * world.config.n_items))
     config = TrainConfig(impressions=impressions, rankers=served_rankers(rankings))
     manifest = ensure_models(world, models, config, progress)
-    with running_stack(args.redis_cluster) as ctx:
+    with running_stack(args.redis_cluster, broker, args.brokers) as ctx:
         provision_topics(ctx.conn)
         rows = load_starting_embeddings(ctx.conn, models, manifest)
         log.info(

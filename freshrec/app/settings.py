@@ -46,7 +46,17 @@ REQUEST_RATE = Setting(
     group=GROUP,
 )
 
-COMMAND_SETTINGS = (WORLD_USERS, WORLD_ITEMS, WORLD_SEED, EVENT_RATE, REQUEST_RATE)
+BROKER = Setting(
+    "FRESHREC_BROKER",
+    "auto",
+    "The embedded stack's broker (`--broker`): `kafka` (Apache Kafka, needs Java 17+ and its "
+    "jars, fetched with Maven), `tansu`, or `auto`: Apache Kafka where it can run, else Tansu "
+    "([brokers](brokers.md)).",
+    choices=("auto", "kafka", "tansu"),
+    group=GROUP,
+)
+
+COMMAND_SETTINGS = (WORLD_USERS, WORLD_ITEMS, WORLD_SEED, EVENT_RATE, REQUEST_RATE, BROKER)
 
 
 def read_command_settings(env: Mapping[str, str]) -> dict[str, object]:

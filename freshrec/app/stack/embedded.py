@@ -1,21 +1,26 @@
-"""The embedded stack: the broker (``broker.py``) and Redis, one server or a cluster
-(``redisserver.py``), as child processes on free loopback ports. ``up`` records their PIDs
-in ``.freshrec/stack.json`` and the connection settings in ``.freshrec/stack.env``
-(``state.py``); ``down`` stops exactly those PIDs."""
+"""The embedded stack: the broker (Apache Kafka, ``apachekafka.py``, or Tansu, ``tansu.py``;
+``choice.py`` picks) and Redis, one server or a cluster (``redisserver.py``), as child
+processes on free loopback ports. ``up`` records their PIDs in ``.freshrec/stack.json`` and
+the connection settings in ``.freshrec/stack.env`` (``state.py``); ``down`` stops exactly
+those PIDs, all at once."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from freshcore.settings import BOOTSTRAP_SERVERS, REDIS_URL, STACK_ENV_FILE
-from freshrec.app.stack.broker import BROKER, broker_binary, kafka_metadata, spawn_broker
+from freshrec.app.settings import BROKER
+from freshrec.app.stack.apachekafka import KafkaCluster, KafkaNode, node_name
+from freshrec.app.stack.choice import KAFKA, TANSU, BrokerChoice, choose_broker
 from freshrec.app.stack.errors import StackError
+from freshrec.app.stack.kafkaprotocol import wait_for_brokers, warm_group_coordinator
 from freshrec.app.stack.ports import CLUSTER_BUS_OFFSET, free_cluster_port, free_port, port_is_free
-from freshrec.app.stack.processes import pid_runs, stop_pid, wait_ready
+from freshrec.app.stack.processes import pid_runs, stop_pids, wait_ready
 from freshrec.app.stack.redisserver import (
     REDIS,
     describe,
@@ -25,6 +30,14 @@ from freshrec.app.stack.redisserver import (
     spawn_redis_node,
 )
 from freshrec.app.stack.state import STATE_FILE, ServiceProcess, StackState, read_state, write_state
+from freshrec.app.stack.tansu import TansuBroker, broker_binary
+
+READY_TIMEOUT_S = {KAFKA: 120.0, TANSU: 20.0}
+"""How long ``up`` waits for each broker by default: a JVM start on a loaded machine."""
+STOP_GRACE_S = {KAFKA: 30.0, TANSU: 2.0}
+"""SIGTERM to SIGKILL: Apache Kafka shuts down cleanly within seconds; Tansu may ignore it."""
+KAFKA_DIR = "kafka"
+"""Under the state directory: each Apache Kafka node's properties and data."""
 
 
 class EmbeddedStack:
@@ -49,43 +62,79 @@ class EmbeddedStack:
         *,
         kafka_port: int | None = None,
         redis_port: int | None = None,
-        timeout_s: float = 20.0,
+        timeout_s: float | None = None,
         detach: bool = True,
         redis_cluster: int = 0,
+        broker: BrokerChoice | str | None = None,
+        brokers: int = 1,
     ) -> StackState:
-        """Start both services (or return the running ones) and write ``stack.env``; with
-        ``redis_cluster`` N a cluster of N masters instead of one Redis server (the first on
-        ``redis_port``)."""
+        """Start the broker and Redis (or return the running ones) and write ``stack.env``.
+        ``broker``: a choice made already, or ``auto``, ``kafka`` or ``tansu`` (default
+        ``FRESHREC_BROKER``; nothing is fetched here); ``brokers`` 3 starts a three-node
+        Apache Kafka cluster; ``redis_cluster`` N a cluster of N masters instead of one Redis
+        server (the first on ``redis_port``)."""
         if redis_cluster < 0 or redis_cluster == 1 or redis_cluster > 64:
             raise StackError(f"a Redis Cluster needs 2 to 64 masters, not {redis_cluster}")
+        if brokers not in (1, 3):
+            raise StackError(f"the stack runs 1 or 3 brokers, not {brokers}")
+        if not isinstance(broker, BrokerChoice):
+            broker = broker or BROKER.read(os.environ)
         current = self.running()
         if current:
-            _check_same_redis(current, redis_cluster)
+            _check_same(current, _asked(broker), brokers, redis_cluster)
             return current
         if self.read_state():  # stale: a previous stack died without `down`
             self.down()
+        if not isinstance(broker, BrokerChoice):
+            broker = choose_broker(broker)
+        if brokers > 1 and broker.kind != KAFKA:
+            raise StackError(f"--brokers {brokers} needs Apache Kafka; {broker.line}")
         for label, port in (("broker", kafka_port), ("redis", redis_port)):
             if port is not None and not port_is_free(port):
                 raise StackError(f"port {port} for the {label} is already in use")
-        kafka_bin, redis_bin = broker_binary(), redis_binary()
-        kafka_port = kafka_port or free_port()
-        redis_ports = _redis_ports(redis_port, redis_cluster)
-        state = self._start(
-            kafka_bin,
-            kafka_port,
-            redis_bin,
-            redis_ports,
-            cluster=bool(redis_cluster),
-            timeout_s=timeout_s,
-            detach=detach,
-        )
+        redis_bin = redis_binary()
+        timeout_s = timeout_s or READY_TIMEOUT_S[broker.kind]
+        for attempt in (1, 2):
+            try:
+                state = self._start(
+                    self._broker(broker, kafka_port, brokers),
+                    redis_bin,
+                    _redis_ports(redis_port, redis_cluster),
+                    cluster=bool(redis_cluster),
+                    timeout_s=timeout_s,
+                    detach=detach,
+                )
+                break
+            except StackError as exc:
+                # a port picked free and taken before the JVM bound it, seconds later: once
+                # more with other ports (never a port that was asked for)
+                if attempt == 2 or kafka_port is not None or "already in use" not in str(exc):
+                    raise
         write_state(state, self.state_path, self.env_path)
         return state
 
+    def _broker(
+        self, broker: BrokerChoice, kafka_port: int | None, brokers: int
+    ) -> KafkaCluster | TansuBroker:
+        """The broker processes to start (not started yet), on free ports but ``kafka_port``
+        (the first node's)."""
+        logs = self.state_dir / "logs"
+        if broker.kind == TANSU:
+            return TansuBroker(broker_binary(), kafka_port or free_port(), logs)
+        assert broker.java is not None and broker.release is not None
+        ports: set[int] = set()
+        nodes = []
+        for node_id in range(1, brokers + 1):
+            port = kafka_port if node_id == 1 and kafka_port else _free_port_but(ports)
+            controller = _free_port_but(ports | {port})
+            ports |= {port, controller}
+            home = self.state_dir / KAFKA_DIR / f"node{node_id}"
+            nodes.append(KafkaNode(node_id, port, controller, home, logs / node_name(node_id)))
+        return KafkaCluster(broker.java.path, broker.release.lib, nodes)
+
     def _start(
         self,
-        kafka_bin: str,
-        kafka_port: int,
+        broker: KafkaCluster | TansuBroker,
         redis_bin: str,
         redis_ports: list[int],
         *,
@@ -94,46 +143,57 @@ class EmbeddedStack:
         detach: bool,
     ) -> StackState:
         """Start the broker and the Redis nodes and wait until every one answers (and a
-        cluster has formed); on any failure stop all that was started."""
+        cluster has formed); on any failure stop all that was started and remove the
+        broker's data."""
         logs = self.state_dir / "logs"
         redis_dir = self.state_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
         started: list[subprocess.Popen] = []
+        redis_procs: list[subprocess.Popen] = []
         nodes: list[ServiceProcess] = []
+        kind = KAFKA if isinstance(broker, KafkaCluster) else TANSU
         try:
-            kafka_proc, kafka = spawn_broker(kafka_bin, kafka_port, logs, detach=detach)
-            started.append(kafka_proc)
+            broker.start(detach=detach, started=started)
             for n, port in enumerate(redis_ports):
                 proc, node = spawn_redis_node(
                     redis_bin, n, port, redis_dir, logs, cluster=cluster, detach=detach
                 )
                 started.append(proc)
+                redis_procs.append(proc)
                 nodes.append(node)
-            wait_ready(BROKER, kafka_proc, kafka_port, Path(kafka.log), timeout_s)
-            for proc, node in zip(started[1:], nodes, strict=True):
+            broker.wait(timeout_s)
+            for proc, node in zip(redis_procs, nodes, strict=True):
                 wait_ready(REDIS, proc, node.port, Path(node.log), timeout_s)
-            kafka_metadata(kafka_port, timeout_s)
+            wait_for_brokers(broker.bootstrap, len(broker.records), timeout_s)
+            if kind == KAFKA:
+                warm_group_coordinator(broker.bootstrap, timeout_s)
             for port in redis_ports:
                 redis_ping(port, timeout_s)
             if cluster:
                 form_cluster(redis_ports, timeout_s)
         except BaseException:
-            for proc in started:
-                stop_pid(proc.pid)
+            stop_pids([p.pid for p in started], STOP_GRACE_S[kind])
+            shutil.rmtree(self.state_dir / KAFKA_DIR, ignore_errors=True)
             raise
         return StackState(
-            kafka=kafka, redis=nodes[0], started_at=time.time(), redis_nodes=tuple(nodes[1:])
+            kafka=broker.records[0],
+            redis=nodes[0],
+            started_at=time.time(),
+            redis_nodes=tuple(nodes[1:]),
+            broker=kind,
+            kafka_nodes=tuple(broker.records[1:]),
         )
 
     def down(self) -> list[str]:
-        """Stop exactly the processes ``up`` started; returns what was stopped."""
+        """Stop exactly the processes ``up`` started, all at once (the nodes of an Apache
+        Kafka cluster must go together); returns what was stopped."""
         state = self.read_state()
         stopped: list[str] = []
         if state:
-            for proc in state.processes:
-                if pid_runs(proc):
-                    stop_pid(proc.pid)
-                    stopped.append(f"{proc.name} (pid {proc.pid}, port {proc.port})")
+            running = [p for p in state.processes if pid_runs(p)]
+            stop_pids([p.pid for p in running], STOP_GRACE_S.get(state.broker, 2.0))
+            stopped = [f"{p.name} (pid {p.pid}, port {p.port})" for p in running]
+        shutil.rmtree(self.state_dir / KAFKA_DIR, ignore_errors=True)
         for path in (self.state_path, self.env_path):
             path.unlink(missing_ok=True)
         return stopped
@@ -142,7 +202,12 @@ class EmbeddedStack:
         state = self.read_state()
         if state is None:
             return "embedded stack: not running"
-        rows = []
+        nodes = len(state.brokers)
+        rows = [
+            "broker: Apache Kafka" + (f", {nodes} nodes" if nodes > 1 else "")
+            if state.broker == KAFKA
+            else "broker: Tansu"
+        ]
         for proc in state.processes:
             alive = "running" if pid_runs(proc) else "DEAD"
             rows.append(
@@ -152,8 +217,21 @@ class EmbeddedStack:
         return "\n".join(rows)
 
 
-def _check_same_redis(current: StackState, redis_cluster: int) -> None:
-    """A running stack is reused only with the Redis asked for (a server, or N masters)."""
+def _asked(broker: BrokerChoice | str) -> str | None:
+    """The broker asked for by name (None: ``auto``, any)."""
+    asked = broker.asked if isinstance(broker, BrokerChoice) else broker
+    return None if asked == "auto" else asked
+
+
+def _check_same(current: StackState, broker: str | None, brokers: int, redis_cluster: int) -> None:
+    """A running stack is reused only with the brokers and the Redis asked for (the broker
+    asked for by name, or whichever runs)."""
+    if (broker and current.broker != broker) or len(current.brokers) != brokers:
+        have = f"{len(current.brokers)} x {current.broker}"
+        raise StackError(
+            f"the embedded stack runs already with {have}, not {brokers} x {broker or 'any'}: "
+            "`freshrec stack down` first"
+        )
     if current.cluster != bool(redis_cluster) or (
         redis_cluster and len(current.redis_nodes) + 1 != redis_cluster
     ):
@@ -162,6 +240,13 @@ def _check_same_redis(current: StackState, redis_cluster: int) -> None:
             f"the embedded stack runs already with {describe(have)}, not "
             f"{describe(redis_cluster)}: `freshrec stack down` first"
         )
+
+
+def _free_port_but(taken: set[int]) -> int:
+    while True:
+        port = free_port()
+        if port not in taken:
+            return port
 
 
 def _redis_ports(redis_port: int | None, redis_cluster: int) -> list[int]:
