@@ -40,6 +40,15 @@ from freshcore.settings import ConnectionSettings, SettingsError
 from freshcore.topics import metadata
 from schemas.errors import FreshRecError
 
+REBOOTSTRAP_AFTER_MS = 10_000
+"""How long a producer or consumer goes without metadata from any broker before it asks
+``bootstrap.servers`` again (librdkafka's ``metadata.recovery.rebootstrap.trigger.ms``, 5 min
+by default). A broker frozen longer than its controller's ``broker.session.timeout.ms`` (9 s)
+is fenced when it comes back, and for a moment the metadata lists no broker: a client that
+refreshed its metadata then forgot every broker, and in the broker-pause drill on one Apache
+Kafka node (``tests/test_faults_e2e.py``) the parameter server's consumer stood still until
+the end (a rejoin it could not send: "no broker available for coordinator query")."""
+
 #: librdkafka's own lines from FreshRec's producers and consumers, through Python's logging
 #: (``freshrec.librdkafka``, served when the client is polled) instead of straight to stderr,
 #: each kind at most once per 30 s: with no broker answering, librdkafka logs every refused
@@ -151,6 +160,7 @@ def producer_config(conn: ConnectionSettings, **overrides: Any) -> dict[str, Any
         "compression.type": "none",
         "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,
         "metadata.max.age.ms": p.metadata_max_age_ms,
+        "metadata.recovery.rebootstrap.trigger.ms": REBOOTSTRAP_AFTER_MS,
         "logger": CLIENT_LOG,
     }
     if conn.message_timeout_ms is not None:
@@ -183,6 +193,7 @@ def consumer_config(
         "fetch.queue.backoff.ms": 20,
         "topic.metadata.refresh.interval.ms": p.topic_metadata_refresh_ms,
         "metadata.max.age.ms": p.metadata_max_age_ms,
+        "metadata.recovery.rebootstrap.trigger.ms": REBOOTSTRAP_AFTER_MS,
         "logger": CLIENT_LOG,
     }
     if group_id is not None:
