@@ -188,29 +188,15 @@ def ensure_topics(
     """Create missing topics; refuse when an existing one has another partition count.
 
     Idempotent: a second call creates nothing. Checks every existing topic before creating
-    any, so a mismatch leaves the broker as it was.
+    any, so a mismatch leaves the broker as it was. A topic another creator made meanwhile
+    (the broker says it exists already: on Apache Kafka also one created a moment ago that
+    its metadata did not show yet) is checked once it is visible.
     """
     specs = tuple(specs)
-    found = metadata(admin, timeout_s)
-    existing: list[str] = []
-    missing: list[TopicSpec] = []
-    problems: list[str] = []
-    for spec in specs:
-        name = prefix + spec.name
-        topic = found.topics.get(name)
-        if topic is None or topic.error is not None:
-            missing.append(spec)
-            continue
-        existing.append(name)
-        have = len(topic.partitions)
-        if have != spec.partitions:
-            problems.append(f"{name} has {have} partitions, the catalogue says {spec.partitions}")
-    if problems:
-        raise TopicMismatchError(
-            "; ".join(problems)
-            + ". events and recommend.requests must stay co-partitioned: recreate the topic"
-            " or set FRESHREC_PARTITIONS to match."
-        )
+    found = metadata(admin, timeout_s).topics
+    missing = [s for s in specs if _absent(found.get(prefix + s.name))]
+    existing = [prefix + s.name for s in specs if s not in missing]
+    _refuse_mismatches(found, prefix, specs)
     created: list[str] = []
     if missing:
         futures = admin.create_topics(
@@ -225,14 +211,38 @@ def ensure_topics(
             try:
                 future.result()
                 created.append(name)
-            except Exception as exc:  # raced with another creator: fine if it now matches
+            except Exception as exc:  # raced with another creator: fine if it matches
                 if "TOPIC_ALREADY_EXISTS" not in str(exc):
                     raise
                 existing.append(name)
         _wait_until_visible(admin, [prefix + s.name for s in missing], timeout_s)
+        raced = [s for s in missing if prefix + s.name not in created]
+        if raced:
+            _refuse_mismatches(metadata(admin, timeout_s).topics, prefix, raced)
     if created:
         log.info("created topics: %s", ", ".join(created))
     return ProvisionReport(tuple(created), tuple(existing))
+
+
+def _absent(topic) -> bool:
+    return topic is None or topic.error is not None
+
+
+def _refuse_mismatches(topics: Mapping, prefix: str, specs: Iterable[TopicSpec]) -> None:
+    """``TopicMismatchError`` naming every topic of ``specs`` that exists with another
+    partition count than the catalogue's."""
+    problems = []
+    for spec in specs:
+        name, topic = prefix + spec.name, topics.get(prefix + spec.name)
+        if not _absent(topic) and len(topic.partitions) != spec.partitions:
+            have = len(topic.partitions)
+            problems.append(f"{name} has {have} partitions, the catalogue says {spec.partitions}")
+    if problems:
+        raise TopicMismatchError(
+            "; ".join(problems)
+            + ". events and recommend.requests must stay co-partitioned: recreate the topic"
+            " or set FRESHREC_PARTITIONS to match."
+        )
 
 
 def _wait_until_visible(admin: AdminClient, names: list[str], timeout_s: float) -> None:

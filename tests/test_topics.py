@@ -15,6 +15,8 @@ from freshcore.topics import (
     partitions_from_env,
 )
 
+from .conftest import wait_for
+
 
 def test_create_is_idempotent_and_creates_the_whole_catalogue(services, prefix):
     admin = AdminClient(admin_config(services.conn(prefix)))
@@ -32,9 +34,32 @@ def test_a_partition_mismatch_is_refused_and_nothing_is_created(services, prefix
     admin = AdminClient(admin_config(services.conn(prefix)))
     names = TopicNames(prefix)
     admin.create_topics([NewTopic(names.events, num_partitions=3)])[names.events].result()
+    # a topic that exists already: Apache Kafka's metadata shows a new one a moment later
+    wait_for(lambda: names.events in admin.list_topics(timeout=10).topics, what="the topic")
     with pytest.raises(TopicMismatchError, match="events has 3 partitions, the catalogue says 8"):
         ensure_topics(admin, prefix)
     assert names.recommend_requests not in admin.list_topics(timeout=10).topics
+
+
+def test_a_mismatch_made_while_provisioning_is_refused_too(services, prefix, monkeypatch):
+    """Another creator made the topic, with another count, after the catalogue's was read:
+    the broker says it exists, and its partitions are checked once it is visible."""
+    import freshcore.topics as topics
+
+    admin = AdminClient(admin_config(services.conn(prefix)))
+    names = TopicNames(prefix)
+    seen = topics.metadata(admin, 10)
+    admin.create_topics([NewTopic(names.events, num_partitions=3)])[names.events].result()
+    asked = []
+
+    def first_the_old_metadata(client, timeout_s, topic=None):
+        asked.append(topic)
+        return seen if len(asked) == 1 else real(client, timeout_s, topic)
+
+    real = topics.metadata
+    monkeypatch.setattr(topics, "metadata", first_the_old_metadata)
+    with pytest.raises(TopicMismatchError, match="events has 3 partitions, the catalogue says 8"):
+        ensure_topics(admin, prefix)
 
 
 def test_co_partitioned_topics_cannot_be_overridden_apart():
