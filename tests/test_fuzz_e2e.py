@@ -28,7 +28,7 @@ import random
 import uuid
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -249,6 +249,8 @@ def test_every_record_is_answered_dead_lettered_or_counted_and_nothing_dies(
     item_ends: dict[int, int] = {}
 
     def item_delivered(err, msg) -> None:
+        if err is not None and msg.key() is None and err.code() == KafkaError.INVALID_RECORD:
+            return  # refused by a broker that compacts items (Apache Kafka; Tansu takes it)
         assert err is None, err
         item_ends[msg.partition()] = max(item_ends.get(msg.partition(), 0), msg.offset() + 1)
 
@@ -259,7 +261,12 @@ def test_every_record_is_answered_dead_lettered_or_counted_and_nothing_dies(
     ):
         for value, key, headers in batch:
             report = item_delivered if topic == names.items else None
+            alone = topic == names.items and key is None  # a refused batch takes all it holds
+            if alone:
+                p.flush(30)
             p.produce(topic, value=value, key=key, headers=headers or None, on_delivery=report)
+            if alone:
+                p.flush(30)
     assert close_producer(p, 30) == 0
 
     def requests_read() -> bool:
