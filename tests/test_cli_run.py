@@ -19,7 +19,7 @@ from freshcore import clock
 from freshcore.abstats import VERDICTS
 from freshrec.app.stack import pid_alive
 
-from .conftest import wait_for
+from .conftest import stack_broker, wait_for
 
 PIDS = re.compile(r"pid (\d+)")
 DASHBOARD = re.compile(r"dashboard: (http://\S+)")
@@ -307,14 +307,18 @@ def _sigint_as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_stops_the_run_and_its_stack(tmp_path, models):
-    """On a Redis Cluster of three masters (``--redis-cluster 3``): the run starts on it, and
-    Ctrl-C stops the broker and every node. (The world of the test above: its models.)"""
+@pytest.mark.tansu
+def test_ctrl_c_stops_the_run_and_its_stack(tmp_path, models, broker):
+    """On a Redis Cluster of three masters (``--redis-cluster 3``): the run says first which
+    broker it runs, starts on it, its closed loop gets going, and Ctrl-C stops the broker and
+    every node. (The world of the test above: its models.)"""
+    chosen = stack_broker(broker)
     proc = freshrec(
         tmp_path,
         "run",
         "--redis-cluster",
         "3",
+        *(("--broker", chosen) if chosen else ()),
         *WORLD_ARGS,
         "--rate",
         "200",
@@ -327,6 +331,9 @@ def test_ctrl_c_stops_the_run_and_its_stack(tmp_path, models):
         lines.append(line)
         if line.startswith("background events:") or time.monotonic() > deadline:
             break
+    assert lines[0].startswith("broker: "), "".join(lines)
+    if chosen:
+        assert lines[0].startswith("broker: Tansu" if chosen == "tansu" else "broker: Apache")
     up = next(x for x in lines if "embedded stack up" in x)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)

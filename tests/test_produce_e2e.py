@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from confluent_kafka import Consumer
 
 from freshcore import clock
@@ -30,6 +31,7 @@ def consume_all(conn, topic: str, expected: int, timeout_s: float = 30.0) -> lis
     return out
 
 
+@pytest.mark.tansu
 def test_generated_events_round_trip_through_the_broker_with_the_codecs(conn):
     world = World(WorldConfig(seed=4, n_users=5000, n_items=300))
     items = produce_items(conn, world)

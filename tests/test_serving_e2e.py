@@ -55,6 +55,7 @@ from .streams_harness import (
 )
 
 
+@pytest.mark.tansu
 def test_request_reply_through_the_broker(seeded, model_dir):
     conn = seeded
     with running_worker(worker_settings(conn, model_dir)) as w, client_for(conn) as client:
