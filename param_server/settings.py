@@ -38,8 +38,7 @@ GLOBAL_USER_LR = Setting(
 ADAGRAD_INITIAL_ACCUMULATOR = Setting(
     "FRESHREC_ADAGRAD_INITIAL_ACCUMULATOR",
     AdagradConfig.initial_accumulator,
-    "What Adagrad's squared-gradient sums start from (1 keeps a trained row's first steps "
-    "small).",
+    "What Adagrad's squared-gradient sums start from (1 keeps a trained row's first steps small).",
     kind=float,
     minimum=0,
     shown="the models' manifest, else 0",

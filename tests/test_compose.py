@@ -21,7 +21,15 @@ FRESHREC_SERVICES = {n: s for n, s in COMPOSE["services"].items() if s.get("buil
 
 def env_names_read_by_code() -> set[str]:
     names: set[str] = set()
-    for package in ("freshcore", "freshrec", "schemas", "streams", "inference", "param_server", "tools"):
+    for package in (
+        "freshcore",
+        "freshrec",
+        "schemas",
+        "streams",
+        "inference",
+        "param_server",
+        "tools",
+    ):
         for path in (ROOT / package).rglob("*.py"):
             names |= set(re.findall(r"\"((?:FRESHREC|KAFKA|REDIS)_[A-Z0-9_]+)\"", path.read_text()))
     return names

@@ -147,7 +147,7 @@ def test_the_storage_dtypes_are_settings_with_clear_errors():
     s = WorkerSettings.from_env(env)
     assert (s.table_dtype, s.ranking_dtype) == ("float16", "float16")
     assert WorkerSettings.from_env({}).table_dtype == "float32"
-    with pytest.raises(SettingsError, match="FRESHREC_TABLE_DTYPE=.* must be one of"):
+    with pytest.raises(SettingsError, match=r"FRESHREC_TABLE_DTYPE=.* must be one of"):
         WorkerSettings.from_env({"FRESHREC_TABLE_DTYPE": "bfloat16"})
     with pytest.raises(SettingsError, match="FRESHREC_RANKING_DTYPE"):
         WorkerSettings.from_env({"FRESHREC_RANKING_DTYPE": "half"})

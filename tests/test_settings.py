@@ -117,7 +117,7 @@ def test_bounds_are_inclusive_and_an_empty_value_takes_the_default():
     assert x.read({"TEST_BOUNDS_X": "0"}) == 0.0
     assert x.read({"TEST_BOUNDS_X": "1"}) == 1.0
     assert x.read({"TEST_BOUNDS_X": ""}) == 0.5
-    with pytest.raises(SettingsError, match="TEST_BOUNDS_X=1.5 must be <= 1"):
+    with pytest.raises(SettingsError, match=r"TEST_BOUNDS_X=1\.5 must be <= 1"):
         x.read({"TEST_BOUNDS_X": "1.5"})
 
 
