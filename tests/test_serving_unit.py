@@ -416,33 +416,41 @@ def test_recent_similarity_in_training_matches_serving():
     assert got[0] == pytest.approx(float(want), rel=1e-5) and got[1] == 0.0
 
 
-def test_covisit_feature_in_training_is_what_the_live_counts_give_serving():
-    """``covisit_scores`` of a log against the live path: the streams app's ``UserWindows``
-    and ``CoVisitCounts`` fed the clicks of the slates before each one (undecayed), its
-    P(b | a) lists, and the channel's ``recency_weighted`` over the user's last clicks."""
-    from freshcore.neighbours import UserWindows, recency_weighted
-    from inference.training.logfeatures import TrainingLog, covisit_scores, recent_context
-    from streams.covisit import CoVisitConfig, CoVisitCounts
+def _random_log(seed: int, n_users: int, n_items: int, n: int, minutes: int):
+    """A log of ``n`` random interactions in slates (several rows share a minute), 60%
+    clicked and a fifth of them sampled (shown, not asked for)."""
+    from inference.training.logfeatures import TrainingLog
 
-    rng = np.random.default_rng(8)
-    n_users, n_items, n = 12, 9, 600
+    rng = np.random.default_rng(seed)
     users = rng.integers(0, n_users, n)
-    t = np.sort(rng.integers(0, 40, n)) * 60_000  # slates: several rows share a time
-    logs = TrainingLog(
+    t_ms = np.sort(rng.integers(0, minutes, n)) * 60_000
+    return TrainingLog(
         user_ids=np.array([f"u{k}" for k in range(n_users)], object),
         item_ids=np.array([f"i{k}" for k in range(n_items)], object),
         item_category=np.full(n_items, None, object),
         item_price=np.zeros(n_items),
         users=users,
         items=rng.integers(0, n_items, n),
-        t_ms=t,
+        t_ms=t_ms,
         clicked=rng.random(n) < 0.6,
         converted=np.zeros(n, bool),
         device=np.full(n, -1),
         region=np.full(n, None, object),
         sampled=rng.random(n) < 0.2,
     )
-    _, recent = recent_context(logs, np.zeros(n_items, np.int64))
+
+
+def test_covisit_feature_in_training_is_what_the_live_counts_give_serving():
+    """``covisit_scores`` of a log against the live path: the streams app's ``UserWindows``
+    and ``CoVisitCounts`` fed the clicks of the slates before each one (undecayed), its
+    P(b | a) lists, and the channel's ``recency_weighted`` over the user's last clicks."""
+    from freshcore.neighbours import UserWindows, recency_weighted
+    from inference.training.logfeatures import covisit_scores, recent_context
+    from streams.covisit import CoVisitConfig, CoVisitCounts
+
+    logs = _random_log(seed=8, n_users=12, n_items=9, n=600, minutes=40)
+    users, t, n = logs.users, logs.t_ms, len(logs.users)
+    _, recent = recent_context(logs, np.zeros(len(logs.item_ids), np.int64))
     got = covisit_scores(logs, recent)
 
     cfg = CoVisitConfig()
@@ -475,28 +483,12 @@ def test_sequel_feature_in_training_is_what_the_live_counts_give_serving():
     1/d), its published successor lists (the best 50, their shares of the anchor's rules),
     and the channel's ``successor_scores`` over the user's last clicks."""
     from freshcore.sequels import UserSequences, successor_scores
-    from inference.training.logfeatures import TrainingLog, recent_context, sequel_scores
+    from inference.training.logfeatures import recent_context, sequel_scores
     from streams.covisit import CoVisitConfig, CoVisitCounts
 
-    rng = np.random.default_rng(9)
-    n_users, n_items, n = 10, 12, 700
-    users = rng.integers(0, n_users, n)
-    t = np.sort(rng.integers(0, 60, n)) * 60_000  # slates: several rows share a time
-    logs = TrainingLog(
-        user_ids=np.array([f"u{k}" for k in range(n_users)], object),
-        item_ids=np.array([f"i{k}" for k in range(n_items)], object),
-        item_category=np.full(n_items, None, object),
-        item_price=np.zeros(n_items),
-        users=users,
-        items=rng.integers(0, n_items, n),
-        t_ms=t,
-        clicked=rng.random(n) < 0.6,
-        converted=np.zeros(n, bool),
-        device=np.full(n, -1),
-        region=np.full(n, None, object),
-        sampled=rng.random(n) < 0.2,
-    )
-    _, recent = recent_context(logs, np.zeros(n_items, np.int64))
+    logs = _random_log(seed=9, n_users=10, n_items=12, n=700, minutes=60)
+    users, t, n = logs.users, logs.t_ms, len(logs.users)
+    _, recent = recent_context(logs, np.zeros(len(logs.item_ids), np.int64))
     got = sequel_scores(logs, recent)
 
     cfg = CoVisitConfig()
