@@ -40,11 +40,27 @@ def recency_weighted(
     {'x': 1.4}
     """
     mine = list(anchors[:ANCHORS])
+    return decayed_sum(mine, lists, ANCHOR_DECAY, set(mine))
+
+
+def decayed_sum(
+    anchors: Sequence[str],
+    lists: Mapping[str, Iterable[tuple[str, float]]],
+    decay: float,
+    excluded: set[str],
+) -> dict[str, float]:
+    """Each listed item's Σ decay^age · weight over ``anchors`` (newest first, age 0) and
+    their ``lists``, the items in ``excluded`` left out: how co-visitation and the
+    sequential rules both score a user's candidates.
+
+    >>> decayed_sum(["a", "b"], {"a": [("x", 1.0)], "b": [("x", 1.0), ("y", 2.0)]}, 0.5, {"y"})
+    {'x': 1.5}
+    """
     scores: dict[str, float] = {}
-    for age, a in enumerate(mine):
-        w = ANCHOR_DECAY**age
+    for age, a in enumerate(anchors):
+        w = decay**age
         for b, p in lists.get(a, ()):
-            if b not in mine:
+            if b not in excluded:
                 scores[b] = scores.get(b, 0.0) + w * p
     return scores
 

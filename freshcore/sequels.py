@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from freshcore.neighbours import ANCHORS
+from freshcore.neighbours import ANCHORS, decayed_sum
 
 SEQUEL_STEPS = 10
 """A click follows the user's last this many items of their sequence
@@ -55,14 +55,7 @@ def successor_scores(
     {'x': 1.0}
     """
     distinct = list(dict.fromkeys(recent))
-    own = set(distinct[:ANCHORS])
-    scores: dict[str, float] = {}
-    for age, a in enumerate(distinct[:SEQUEL_ANCHORS]):
-        w = SEQUEL_DECAY**age
-        for b, share in lists.get(a, ()):
-            if b not in own:
-                scores[b] = scores.get(b, 0.0) + w * share
-    return scores
+    return decayed_sum(distinct[:SEQUEL_ANCHORS], lists, SEQUEL_DECAY, set(distinct[:ANCHORS]))
 
 
 def successor_score_of(item, recent: Sequence, share: Callable[[object, object], float]) -> float:
