@@ -4,6 +4,7 @@ channel merging with quotas."""
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -202,6 +203,27 @@ def test_merge_respects_quotas_dedupes_and_fills_the_budget():
     assert "h1" in items and "h2" in items
     assert len(items) == len(set(items)) == 6
     assert merge_channels(results, {}, budget=4, exclude=frozenset({"v0"}))[0][0] == "v1"
+
+
+def test_quotas_past_the_budget_are_its_shares_and_every_channel_keeps_one():
+    """With the default quotas (650) and a budget of 200, the first channel's 250 took the whole
+    budget and no other channel reached ranking; scaled, each keeps its share."""
+    from inference.serving.channels import DEFAULT_CHANNELS
+    from inference.serving.merge import fitted_quotas
+
+    quotas = {c: cfg.quota for c, cfg in DEFAULT_CHANNELS.items()}
+    results = {c: [f"{c}{i}" for i in range(300)] for c in quotas}
+    for budget in (200, 500, 37):
+        merged = merge_channels(results, quotas, budget)
+        by_channel = Counter(channels[0] for _, channels in merged)
+        fitted = fitted_quotas(quotas, budget, results)
+        assert sum(fitted.values()) == len(merged) == budget
+        assert dict(by_channel) == {c: q for c, q in fitted.items() if q}
+        for c, q in quotas.items():  # within one of its exact share
+            assert abs(fitted[c] - q * budget / sum(quotas.values())) < 1
+    assert fitted_quotas(quotas, 10_000, results) == quotas  # room for all: unchanged
+    ran = {"vector": range(9), "new": range(1)}  # hot did not run; new found one
+    assert fitted_quotas({"vector": 5, "hot": 5, "new": 5}, 4, ran) == {"vector": 3, "new": 1}
 
 
 # ------------------------------------------------------------------ degradation ladder

@@ -2,7 +2,10 @@
 
 Channels are taken in priority order, each up to its quota; an item found by several channels
 appears once and remembers all of them. Budget left by channels that returned fewer than their
-quota is filled from the remaining candidates of all channels, in priority order.
+quota is filled from the remaining candidates of all channels, in priority order. Where the
+quotas add up to more than the budget they are its shares (``fitted_quotas``): each channel
+keeps its part of the budget, so a smaller budget takes from every channel alike instead of
+leaving the channels last in the order nothing.
 
 >>> merge_channels({"vector": ["a", "b", "c"], "hot": ["b", "d"]}, {"vector": 2, "hot": 2}, 4)
 [('a', ('vector',)), ('b', ('vector', 'hot')), ('d', ('hot',)), ('c', ('vector',))]
@@ -10,9 +13,39 @@ quota is filled from the remaining candidates of all channels, in priority order
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 
 import numpy as np
+
+
+def fitted_quotas(
+    quotas: Mapping[str, int], budget: int, results: Mapping[str, Sized]
+) -> dict[str, int]:
+    """What each channel of ``results`` may take in the quotas' pass: its quota, or as many
+    as it found where fewer; where those add up to more than ``budget``, each scaled to its
+    share, q · budget / Σq rounded down, the budget's remainder to the largest fractions
+    (ties in priority order). Channels without a quota are left out (in its turn such a
+    channel may take what is left of the budget).
+
+    >>> found = {"vector": range(300), "hot": range(300), "new": range(10)}
+    >>> fitted_quotas({"vector": 250, "hot": 80, "new": 30}, 200, found)
+    {'vector': 147, 'hot': 47, 'new': 6}
+    >>> fitted_quotas({"vector": 250, "hot": 80, "new": 30}, 500, found)
+    {'vector': 250, 'hot': 80, 'new': 10}
+    """
+    named = {
+        c: max(min(int(quotas[c]), len(found)), 0) for c, found in results.items() if c in quotas
+    }
+    total = sum(named.values())
+    if total <= budget:
+        return named
+    exact = {c: q * budget / total for c, q in named.items()}
+    fitted = {c: int(x) for c, x in exact.items()}
+    left = budget - sum(fitted.values())
+    by_fraction = sorted(named, key=lambda c: fitted[c] - exact[c])  # stable: priority order
+    for c in by_fraction[:left]:
+        fitted[c] += 1
+    return fitted
 
 
 def merge_channels(
@@ -21,6 +54,7 @@ def merge_channels(
     budget: int,
     exclude: frozenset[str] = frozenset(),
 ) -> list[tuple[str, tuple[str, ...]]]:
+    quotas = fitted_quotas(quotas, budget, results)
     found_by: dict[str, list[str]] = {}
     order: list[str] = []
     for with_quotas in (True, False):  # quotas first, then fill what they left, by priority
@@ -56,6 +90,7 @@ def merge_slot_arrays(
     [1, 2, 4, 3]
     """
     arrays = {c: np.asarray(a, np.int64) for c, a in results.items()}
+    quotas = fitted_quotas(quotas, budget, arrays)
     universe = 1 + max((int(a.max()) for a in arrays.values() if len(a)), default=0)
     taken = np.zeros(universe, bool)
     if exclude is not None and len(exclude):
