@@ -74,6 +74,8 @@ def test_ctr_is_kept_per_serving_tier():
     loop.stats.by_tier = {"full": [10, 3], "light": [4, 1], "hot": [0, 0]}
     assert loop.stats.tier_ctr() == {"full": 0.3, "light": 0.25}
     assert "CTR by tier: full 30.0%, light 25.0%" in loop.stats.final()
+    loop.stats.modes.update(["promo", "promo", "daily"])
+    assert "modes: promo 2, daily 1; tiers:" in loop.stats.final()
 
 
 def test_no_drift_puts_every_user_in_the_steady_group():

@@ -94,6 +94,8 @@ class LoopStats:
     clicks: int = 0
     conversions: int = 0
     tiers: Counter = field(default_factory=Counter)
+    modes: Counter = field(default_factory=Counter)
+    """Replies by the serving mode they name (``-`` where a reply names none)."""
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=5000))
     all_latencies_ms: list = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -156,6 +158,7 @@ class LoopStats:
 
     def final(self) -> str:
         tiers = ", ".join(f"{k} {v:,}" for k, v in self.tiers.most_common())
+        modes = ", ".join(f"{k} {v:,}" for k, v in self.modes.most_common())
         curve = " ".join(
             f"{100 * c['ctr']:.1f}%" for c in self.windows.curve() if c["ctr"] is not None
         )
@@ -164,7 +167,8 @@ class LoopStats:
         return (
             f"served {self.replied:,} of {self.sent:,} requests ({self.timeouts} timeouts, "
             f"{self.errors} errors), latency p50 {self.p(50, False):,.1f}ms p99 "
-            f"{self.p(99, False):,.1f}ms; tiers: {tiers or '-'}; CTR of served "
+            f"{self.p(99, False):,.1f}ms; modes: {modes or '-'}; tiers: {tiers or '-'}; "
+            "CTR of served "
             f"recommendations {100 * self.ctr:.2f}% ({self.clicks:,} clicks / "
             f"{self.impressions:,} impressions, {self.conversions:,} conversions); CTR per "
             f"{self.windows.window_s:g} s: {curve or '-'}; CTR by tier: {by_tier or '-'}; "
@@ -274,6 +278,7 @@ class ClosedLoop:
             self.stats.latencies_ms.append(ms)
             self.stats.all_latencies_ms.append(ms)
             self.stats.tiers[reply.tier] += 1
+            self.stats.modes[reply.mode or "-"] += 1
             self._behave(producer, user, uid, region, device, reply)
         finally:
             sem.release()
