@@ -1,13 +1,15 @@
 """The stack's Apache Kafka: one to three KRaft nodes, each a broker and a controller in one
 JVM on two loopback ports (clients, controller), for a single machine.
 
-A node's storage is formatted afresh at each start (a new cluster id), so like Tansu's memory
-storage a stack's topics live as long as the stack. The settings are those measured on a
-2-core machine: a small heap with the serial collector and the C1 compiler only (about half
-the CPU of G1 and C2 to start, ~180 MiB resident), internal topics of one partition, no
-initial rebalance delay, and the background threads few. Sessions from 1 s are accepted
-(``group.min.session.timeout.ms``); topics are never created by a producer, as on the
-deployed broker. One node: replication factor 1. Three: factor 3, ``min.insync.replicas`` 2.
+A node's storage is formatted afresh at each start of the stack (a new cluster id), so like
+Tansu's memory storage a stack's topics live as long as the stack; a restart of the nodes
+(``EmbeddedStack.restart_broker``) starts them on the storage they have. The settings are
+those measured on a 2-core machine: a small heap with the serial collector and the C1
+compiler only (about half the CPU of G1 and C2 to start, ~180 MiB resident), internal topics
+of one partition, no initial rebalance delay, and the background threads few. Sessions from
+1 s are accepted (``group.min.session.timeout.ms``); topics are never created by a producer,
+as on the deployed broker. One node: replication factor 1. Three: factor 3,
+``min.insync.replicas`` 2.
 """
 
 from __future__ import annotations
@@ -113,6 +115,15 @@ def node_name(node_id: int) -> str:
     return "kafka" if node_id == 1 else f"kafka{node_id}"
 
 
+def node_id_of(name: str) -> int:
+    """The node a stack's name for it names (``node_name``'s inverse).
+
+    >>> node_id_of("kafka"), node_id_of("kafka3")
+    (1, 3)
+    """
+    return int(name.removeprefix("kafka") or 1)
+
+
 def node_properties(node: KafkaNode, voters: str, nodes: int) -> dict[str, str]:
     """A node's ``server.properties``: broker and controller on loopback, replication over
     up to three nodes (``min.insync.replicas`` up to 2).
@@ -141,6 +152,26 @@ def node_properties(node: KafkaNode, voters: str, nodes: int) -> dict[str, str]:
         "min.insync.replicas": isr,
         **SINGLE_MACHINE,
     }
+
+
+def node_from_properties(text: str, home: Path, logs: Path) -> KafkaNode:
+    """The node a ``server.properties`` that ``node_properties`` wrote describes: its id and
+    its two ports, for a start on the storage it has (``KafkaCluster.start(fresh=False)``).
+
+    >>> text = "node.id=2\\nlisteners=PLAINTEXT://127.0.0.1:9092,CONTROLLER://127.0.0.1:9093\\n"
+    >>> node = node_from_properties(text, Path("/k"), Path("/l"))
+    >>> node.node_id, node.port, node.controller_port
+    (2, 9092, 9093)
+    """
+    props = dict(
+        line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#")
+    )
+    ports = dict(re.findall(r"(\w+)://[^:,]+:(\d+)", props.get("listeners", "")))
+    if "node.id" not in props or not {"PLAINTEXT", "CONTROLLER"} <= set(ports):
+        raise StackError(f"{home / 'server.properties'} names no node id and listeners")
+    return KafkaNode(
+        int(props["node.id"]), int(ports["PLAINTEXT"]), int(ports["CONTROLLER"]), home, logs
+    )
 
 
 def voters_of(nodes: list[KafkaNode]) -> str:
@@ -234,10 +265,15 @@ class KafkaCluster:
     def bootstrap(self) -> str:
         return ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
-    def start(self, *, detach: bool, started: list[subprocess.Popen]) -> None:
-        """Format the nodes' storage, then start every node (appending each to
-        ``started`` at once, so a failure stops what ran)."""
-        prepare_nodes(self.java, self.lib, self.nodes)
+    def start(self, *, detach: bool, started: list[subprocess.Popen], fresh: bool = True) -> None:
+        """Format the nodes' storage (``fresh``; else start on the storage and properties
+        they have), then start every node (appending each to ``started`` at once, so a
+        failure stops what ran)."""
+        if fresh:
+            prepare_nodes(self.java, self.lib, self.nodes)
+        for node in self.nodes:
+            if not fresh and not (node.data / "meta.properties").is_file():
+                raise StackError(f"Apache Kafka node {node.node_id} has no storage in {node.data}")
         for node in self.nodes:
             self._offsets.append((_size(node.server_log), _size(node.console)))
             argv = java_argv(self.java, self.lib, node, "kafka.Kafka", BROKER_JVM)

@@ -2,7 +2,8 @@
 ``choice.py`` picks) and Redis, one server or a cluster (``redisserver.py``), as child
 processes on free loopback ports. ``up`` records their PIDs in ``.freshrec/stack.json`` and
 the connection settings in ``.freshrec/stack.env`` (``state.py``); ``down`` stops exactly
-those PIDs, all at once."""
+those PIDs, all at once; ``restart_broker`` stops Apache Kafka's nodes and starts them again
+on their storage."""
 
 from __future__ import annotations
 
@@ -11,14 +12,26 @@ import shutil
 import subprocess
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from freshcore.settings import BOOTSTRAP_SERVERS, REDIS_URL, STACK_ENV_FILE
 from freshrec.app.settings import BROKER
-from freshrec.app.stack.apachekafka import KafkaCluster, KafkaNode, node_name
+from freshrec.app.stack.apachekafka import (
+    KafkaCluster,
+    KafkaNode,
+    node_from_properties,
+    node_id_of,
+    node_name,
+)
 from freshrec.app.stack.choice import KAFKA, TANSU, BrokerChoice, choose_broker
 from freshrec.app.stack.errors import StackError
-from freshrec.app.stack.kafkaprotocol import wait_for_brokers, warm_group_coordinator
+from freshrec.app.stack.kafkajars import kafka_release
+from freshrec.app.stack.kafkaprotocol import (
+    wait_for_brokers,
+    wait_for_partitions,
+    warm_group_coordinator,
+)
 from freshrec.app.stack.ports import CLUSTER_BUS_OFFSET, free_cluster_port, free_port, port_is_free
 from freshrec.app.stack.processes import pid_runs, stop_pids, wait_ready
 from freshrec.app.stack.redisserver import (
@@ -183,6 +196,42 @@ class EmbeddedStack:
             broker=kind,
             kafka_nodes=tuple(broker.records[1:]),
         )
+
+    def restart_broker(self, *, timeout_s: float | None = None, detach: bool = True) -> StackState:
+        """Stop the running stack's Apache Kafka nodes (SIGTERM to all at once, as ``down``)
+        and start them again on their storage, ports and properties: topics, records and
+        committed offsets are kept, as across a deployed broker's restart. Back once every
+        node serves and every partition answers again; Redis runs on throughout.
+        ``StackError`` when no stack runs, when its broker is Tansu (memory storage: a
+        restart would keep nothing), or when a node does not serve again (it is stopped,
+        and ``down`` clears the rest)."""
+        state = self.running()
+        if state is None:
+            raise StackError("no embedded stack runs: `freshrec stack up` first")
+        if state.broker != KAFKA:
+            raise StackError("only Apache Kafka restarts on its storage; Tansu keeps nothing")
+        logs = self.state_dir / "logs"
+        nodes = []
+        for proc in state.brokers:
+            node_id = node_id_of(proc.name)
+            home = self.state_dir / KAFKA_DIR / f"node{node_id}"
+            text = (home / "server.properties").read_text()
+            nodes.append(node_from_properties(text, home, logs / proc.name))
+        stop_pids([p.pid for p in state.brokers], STOP_GRACE_S[KAFKA])
+        cluster = KafkaCluster(state.kafka.binary, kafka_release().lib, nodes)
+        timeout_s = timeout_s or READY_TIMEOUT_S[KAFKA]
+        started: list[subprocess.Popen] = []
+        try:
+            cluster.start(detach=detach, started=started, fresh=False)
+            cluster.wait(timeout_s)
+            wait_for_brokers(cluster.bootstrap, len(nodes), timeout_s)
+            wait_for_partitions(cluster.bootstrap, timeout_s)
+        except BaseException:
+            stop_pids([p.pid for p in started], STOP_GRACE_S[KAFKA])
+            raise
+        state = replace(state, kafka=cluster.records[0], kafka_nodes=tuple(cluster.records[1:]))
+        write_state(state, self.state_path, self.env_path)
+        return state
 
     def down(self) -> list[str]:
         """Stop exactly the processes ``up`` started, all at once (the nodes of an Apache
