@@ -4,15 +4,21 @@ admin client.
 
 The rule the table keeps: a service writes only the topics it owns and reads only its
 inputs. Workers may write replies, gradients and their dead letters, never ``events``;
-clients may write requests and events and read (and create, and delete) their reply
-topics; nobody but the parameter servers writes ``embeddings.updates``; no service writes
-``control`` (the serving mode: ``freshrec mode set`` as the admin, or a principal the
-deployment grants WRITE on it). Consumer groups are
-granted by prefix, as each service names its groups ``{prefix}freshrec-<service>…``.
+clients may write requests and events, read the reply topics, and create and delete their
+own (``recommend.replies.<client id>``), never the shared ``recommend.replies``; nobody but
+the parameter servers writes ``embeddings.updates``; no service writes ``control`` (the
+serving mode: ``freshrec mode set`` as the admin, or a principal the deployment grants
+WRITE on it). Consumer groups are granted by name or prefix, as each service names its
+groups ``{prefix}freshrec-<service>…``. ``tests/test_kafka_secure.py`` holds a real broker
+to this table.
 
 >>> [g for g in service_acls("")["worker"] if g.operation == "WRITE" and g.name == "events"]
 []
 >>> Grant("client", "topic", "recommend.replies", "READ", prefixed=True) in service_acls("")["client"]
+True
+>>> allows(service_acls("")["client"], "topic", "recommend.replies", "DELETE")
+False
+>>> allows(service_acls("")["client"], "topic", "recommend.replies.c1", "DELETE")
 True
 """
 
@@ -22,6 +28,9 @@ from dataclasses import dataclass
 
 SERVICES = ("streams", "worker", "param-server", "client")
 """The principals (``User:<name>``): each service's own Kafka user."""
+ADMIN = "admin"
+"""The broker's super user: it creates the topics and grants the ACLs (``freshrec topics
+create --acls``), and the brokers talk to each other as it."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +85,26 @@ def service_acls(prefix: str = "") -> dict[str, list[Grant]]:
         ],
         "client": [
             *_topics("client", prefix, "WRITE", "recommend.requests", "events", "items"),
-            *_topics("client", prefix, "READ,CREATE,DELETE", "recommend.replies", prefixed=True),
+            # the shared reply topic and its own; it creates and deletes only its own
+            # (recommend.replies.<client id>), never the shared one the other clients read
+            *_topics("client", prefix, "READ", "recommend.replies", prefixed=True),
+            *_topics("client", prefix, "CREATE,DELETE", "recommend.replies.", prefixed=True),
         ],
     }
     return acl
+
+
+def allows(grants: list[Grant], resource: str, name: str, operation: str) -> bool:
+    """Whether ``grants`` let their principal do ``operation`` on the ``resource`` (``topic``
+    or ``group``) called ``name``, as the broker's authorizer reads them: a literal grant
+    names it, a prefixed one starts it. (Kafka also lets READ, WRITE and DELETE imply
+    DESCRIBE; the table grants DESCRIBE beside each, so it is not implied here.)"""
+    return any(
+        g.resource == resource
+        and g.operation == operation
+        and (name.startswith(g.name) if g.prefixed else name == g.name)
+        for g in grants
+    )
 
 
 def apply_acls(admin, prefix: str = "") -> int:
