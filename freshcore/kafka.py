@@ -16,6 +16,10 @@ that suits the broker it started):
   answered when ``fetch.wait.max.ms`` runs out, so both are short (5-20 ms fetch waits are
   also every round trip's floor there). ``local`` is its former name.
 
+Consumer groups run the classic protocol, or KIP-848's where ``FRESHREC_KAFKA_GROUP_PROTOCOL``
+says ``consumer`` (``group_config``: the broker then owns the session and the assignment, and
+rebalances hand partitions over incrementally, ``take_assignment``).
+
 Keyed producers always use ``murmur2_random`` so a key lands on the partition the Java client
 and kafkajs would choose: ``events`` and ``recommend.requests`` must agree on a user's partition.
 
@@ -197,22 +201,58 @@ def consumer_config(
         "logger": CLIENT_LOG,
     }
     if group_id is not None:
-        cfg.update(
-            {
-                "group.id": group_id,
-                "session.timeout.ms": p.session_timeout_ms,
-                "heartbeat.interval.ms": p.heartbeat_interval_ms,
-                # Range gives a worker the same partition numbers of every co-partitioned
-                # topic it subscribes to: a user's clicks and requests meet in one process.
-                "partition.assignment.strategy": "range",
-            }
-        )
+        cfg.update(group_config(conn, group_id, p))
     else:
         # librdkafka wants a group.id even for assign()-only consumers; it never joins it.
         cfg["group.id"] = "freshrec-unjoined"
     cfg.update(conn.kafka_security.librdkafka())
     cfg.update(overrides)
     return cfg
+
+
+def group_config(conn: ConnectionSettings, group_id: str, p: ClientProfile) -> dict[str, Any]:
+    """A group member's settings under the connection's group protocol. Range either way: it
+    gives a member the same partition numbers of every co-partitioned topic it subscribes
+    to, so a user's clicks and requests meet in one process. Under KIP-848's ``consumer``
+    protocol the broker assigns (``group.remote.assignor``) and owns the session and the
+    heartbeat (``group.consumer.session.timeout.ms``, ``group.consumer.heartbeat.interval.ms``):
+    librdkafka refuses ``session.timeout.ms``, ``heartbeat.interval.ms`` and
+    ``partition.assignment.strategy`` there, so they are left out.
+
+    >>> conn = ConnectionSettings("k:9092", "r", kafka_group_protocol="consumer")
+    >>> group_config(conn, "g1", profile(conn))
+    {'group.id': 'g1', 'group.protocol': 'consumer', 'group.remote.assignor': 'range'}
+    """
+    if conn.kafka_group_protocol == "consumer":
+        return {
+            "group.id": group_id,
+            "group.protocol": "consumer",
+            "group.remote.assignor": "range",
+        }
+    return {
+        "group.id": group_id,
+        "session.timeout.ms": p.session_timeout_ms,
+        "heartbeat.interval.ms": p.heartbeat_interval_ms,
+        "partition.assignment.strategy": "range",
+    }
+
+
+def incremental(conn: ConnectionSettings) -> bool:
+    """Whether the connection's groups rebalance incrementally (KIP-848's ``consumer``
+    protocol always does): an assign or revoke callback is then handed only the partitions
+    added or taken away, not the whole assignment (the classic range assignor is eager)."""
+    return conn.kafka_group_protocol == "consumer"
+
+
+def take_assignment(consumer, partitions: list, conn: ConnectionSettings) -> None:
+    """Start reading ``partitions`` (with the offsets set on them) from an assign callback:
+    under an eager protocol they are the whole new assignment (``assign``); under an
+    incremental one only the partitions added (``incremental_assign``), where ``assign``
+    would drop the partitions the member keeps."""
+    if incremental(conn):
+        consumer.incremental_assign(partitions)
+    else:
+        consumer.assign(partitions)
 
 
 def aiokafka_consumer_kwargs(conn: ConnectionSettings) -> dict[str, Any]:

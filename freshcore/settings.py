@@ -117,6 +117,8 @@ def load_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+GROUP_PROTOCOLS = ("classic", "consumer")
+"""librdkafka's ``group.protocol``: the classic rebalance protocol, or KIP-848's."""
 
 
 def _upper_choice(choices: tuple[str, ...]):
@@ -296,6 +298,17 @@ class ConnectionSettings:
         kind=int,
         minimum=1500,
         shown="the profile's (6,000 `kafka` and `tansu`, 45,000 `production`)",
+    )
+    kafka_group_protocol: str = declared(
+        "FRESHREC_KAFKA_GROUP_PROTOCOL",
+        "classic",
+        "The consumer groups' protocol (librdkafka's `group.protocol`): `classic`, or "
+        "`consumer` (KIP-848, Apache Kafka 4 or newer: the broker assigns the partitions, "
+        "range-wise, and hands them over incrementally; its `group.consumer.session.timeout.ms` "
+        "is the session, and `FRESHREC_KAFKA_SESSION_TIMEOUT_MS` is not used). The streams "
+        "app's faust stage stays `classic` "
+        "([brokers](brokers.md#the-kip-848-consumer-group-protocol)).",
+        choices=GROUP_PROTOCOLS,
     )
 
     @classmethod

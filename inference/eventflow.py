@@ -45,7 +45,12 @@ class EventFlow:
                 self.paused = parts
                 self._pauses["backlog" if backlog > high else "prefetch"].inc()
 
-    def forget(self) -> None:
-        """The assignment changed: nothing this paused is assigned any more (a new
-        assignment starts unpaused)."""
-        self.paused = []
+    def forget(self, gone: set[tuple[str, int]] | None = None) -> None:
+        """The partitions ``gone`` (topic, partition; None: every one) were revoked: those
+        this paused are not assigned any more (assigned again, a partition starts unpaused).
+        The rest stay paused and are resumed as before: under an incremental protocol
+        (KIP-848) a member keeps them through the rebalance, paused."""
+        if gone is None:
+            self.paused = []
+        else:
+            self.paused = [tp for tp in self.paused if (tp.topic, tp.partition) not in gone]

@@ -316,9 +316,10 @@ class Worker(Service):
         self.commits.commit(sync)
 
     def _on_assign(self, consumer, parts) -> None:
-        self.assigned = len(parts)
-        m.ASSIGNED_PARTITIONS.labels("worker").set(len(parts))
-        self.flow.forget()
+        """Partitions added: under the classic protocol the whole assignment (a revoke of
+        everything came first), under KIP-848's only the new ones, beside those kept."""
+        self.assigned += len(parts)
+        m.ASSIGNED_PARTITIONS.labels("worker").set(self.assigned)
 
     def _on_revoke(self, consumer, parts) -> None:
         """Before the partitions go: deliver what was produced for them and commit it. What
@@ -346,9 +347,9 @@ class Worker(Service):
         for t, p in gone:
             if t == self.names.events:
                 self.dedupe.pop(p, None)
-        self.flow.forget()
-        self.assigned = 0
-        m.ASSIGNED_PARTITIONS.labels("worker").set(0)
+        self.flow.forget(gone)
+        self.assigned = max(0, self.assigned - len(gone))
+        m.ASSIGNED_PARTITIONS.labels("worker").set(self.assigned)
 
     @staticmethod
     def _ok(msg) -> bool:

@@ -39,6 +39,7 @@ from freshcore.kafka import (
     consume_batch,
     partition_count,
     producer_config,
+    take_assignment,
 )
 from freshcore.lifecycle import run_until_signalled, settle_heap
 from freshcore.outage import until_redis_answers
@@ -136,7 +137,7 @@ class ParameterServer(Service):
                 self.acked[tp.partition] = done
             tp.offset = OFFSET_BEGINNING if done is None else done + 1
             self.owned.add(tp.partition)
-        consumer.assign(partitions)
+        take_assignment(consumer, partitions, self.settings.conn)
         m.ASSIGNED_PARTITIONS.labels("param-server").set(len(self.owned))
         log.info(
             "assigned gradients partitions %s, resuming after offsets %s",
@@ -152,6 +153,8 @@ class ParameterServer(Service):
             self.applied.pop(tp.partition, None)
             self.acked.pop(tp.partition, None)
             self.owner.pop(tp.partition, None)
+        # under an incremental protocol a revoke may leave partitions that are still owned
+        m.ASSIGNED_PARTITIONS.labels("param-server").set(len(self.owned))
         for table in self.tables.values():  # reloaded from Redis on demand; another owner
             table.clear()  # may change them meanwhile
         log.info("revoked gradients partitions %s", sorted(tp.partition for tp in partitions))
