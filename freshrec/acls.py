@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 SERVICES = ("streams", "worker", "param-server", "client")
 """The principals (``User:<name>``): each service's own Kafka user."""
+UNJOINED_GROUP = "freshrec-unjoined"
+"""The ``group.id`` of FreshRec's consumers that only ``assign()`` (``freshcore.kafka``)."""
 ADMIN = "admin"
 """The broker's super user: it creates the topics and grants the ACLs (``freshrec topics
 create --acls``), and the brokers talk to each other as it."""
@@ -77,6 +79,11 @@ def service_acls(prefix: str = "") -> dict[str, list[Grant]]:
             # the shared reply topic and every client's own (recommend.replies.<client id>)
             *_topics("worker", prefix, "WRITE", "recommend.replies", prefixed=True),
             Grant("worker", "group", f"{prefix}freshrec-workers", "READ"),
+            # the group.id librdkafka needs on the broadcast's assign()-only consumer
+            # (freshcore.kafka.consumer_config): never joined, but its coordinator is looked
+            # up, which the broker refuses without DESCRIBE (a GROUP_AUTHORIZATION_FAILED
+            # in the worker's log)
+            Grant("worker", "group", UNJOINED_GROUP, "DESCRIBE"),
         ],
         "param-server": [
             *_topics("param-server", prefix, "READ", "gradients"),
@@ -107,9 +114,55 @@ def allows(grants: list[Grant], resource: str, name: str, operation: str) -> boo
     )
 
 
-def apply_acls(admin, prefix: str = "") -> int:
+def apply_acls(admin, prefix: str = "", timeout_s: float = 30.0) -> int:
     """Create every grant of ``service_acls`` (ALLOW, any host) with a confluent-kafka
-    ``AdminClient`` of a principal that may alter ACLs; idempotent. Returns how many."""
+    ``AdminClient`` of a principal that may alter ACLs; idempotent. Returns how many, once
+    the broker that answers lists them all (``in_force``).
+
+    Grants already on the broker that the table no longer has are left there: remove them
+    with ``kafka-acls.sh --remove``."""
+    bindings = _bindings(service_acls(prefix))
+    for future in admin.create_acls(bindings).values():
+        future.result(timeout_s)
+    in_force(admin, bindings, timeout_s)
+    return len(bindings)
+
+
+def in_force(admin, bindings: list, timeout_s: float) -> None:
+    """Wait until the broker lists every binding. ``create_acls`` answers once the KRaft
+    controller has written them; a broker enforces them only once it has read them from
+    the metadata log, and a service that started in between was refused (a probe of the
+    streams user's writes, run straight after ``topics create --acls``, was)."""
+    import time
+
+    from confluent_kafka.admin import (
+        AclBindingFilter,
+        AclOperation,
+        AclPermissionType,
+        ResourcePatternType,
+        ResourceType,
+    )
+
+    every = AclBindingFilter(
+        ResourceType.ANY, None, ResourcePatternType.ANY, None, None, AclOperation.ANY,
+        AclPermissionType.ANY,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = set(admin.describe_acls(every).result(timeout_s))
+        missing = [b for b in bindings if b not in listed]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{len(missing)} of {len(bindings)} ACLs still not listed by the broker after "
+                f"{timeout_s:g} s (first: {missing[0]})"
+            )
+        time.sleep(0.1)
+
+
+def _bindings(acls: dict[str, list[Grant]]) -> list:
+    """The table as confluent-kafka ``AclBinding`` s: ALLOW, from any host."""
     from confluent_kafka.admin import (
         AclBinding,
         AclOperation,
@@ -118,7 +171,7 @@ def apply_acls(admin, prefix: str = "") -> int:
         ResourceType,
     )
 
-    bindings = [
+    return [
         AclBinding(
             ResourceType.TOPIC if g.resource == "topic" else ResourceType.GROUP,
             g.name,
@@ -128,9 +181,6 @@ def apply_acls(admin, prefix: str = "") -> int:
             AclOperation[g.operation],
             AclPermissionType.ALLOW,
         )
-        for grants in service_acls(prefix).values()
+        for grants in acls.values()
         for g in grants
     ]
-    for future in admin.create_acls(bindings).values():
-        future.result(30)
-    return len(bindings)
