@@ -42,7 +42,7 @@ from .streams_harness import produce
 
 on_apache_kafka = pytest.mark.skipif(
     MAIN != "kafka",
-    reason=f"the session's broker is not the local Apache Kafka: {LOCAL_BROKER.line}",
+    reason=f"the session's broker is {MAIN}, not the local Apache Kafka ({LOCAL_BROKER.line})",
 )
 can_run_apache_kafka = pytest.mark.skipif(
     LOCAL_BROKER.kind != "kafka", reason=f"Apache Kafka cannot run here: {LOCAL_BROKER.line}"

@@ -42,7 +42,7 @@ from .streams_harness import produce
 
 on_apache_kafka = pytest.mark.skipif(
     MAIN != "kafka",
-    reason=f"the session's broker is not the local Apache Kafka: {LOCAL_BROKER.line}",
+    reason=f"the session's broker is {MAIN}, not the local Apache Kafka ({LOCAL_BROKER.line})",
 )
 
 DIM = 8
