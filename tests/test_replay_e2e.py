@@ -70,7 +70,10 @@ def test_replay_runs_every_arm_live_and_the_baselines_on_the_same_interactions(t
     replay = ["replay", str(log), *LOG_ARGS, *TYPE_ARGS, "--out", str(out), "--step", "60"]
     rc = main([*replay, "--speed", "1e9", "--tower-epochs", "2", "--windows", "4"])
     assert rc == 0
+    table = capsys.readouterr().out
+    assert table.startswith("broker: ")  # the first line names the broker
     report = json.loads((out / "replay.json").read_text())
+    assert report["broker"] in ("Tansu", "Apache Kafka 4.4.0")
     rows = {r["arm"]: r for r in report["arms"]}
     baselines = list(SPECS)
     assert list(rows) == ["frozen", "local", "full", *baselines]
@@ -115,7 +118,6 @@ def test_replay_runs_every_arm_live_and_the_baselines_on_the_same_interactions(t
         assert set(history) == set(rows)
         for name, buckets in history.items():  # every scored interaction in one bucket
             assert sum(b["interactions"] for b in buckets.values()) == evaluated, (whose, name)
-    table = capsys.readouterr().out
     assert "HR@10" in table and "recent_pop" in table and "HR@10 diff (95% CI)" in table
     assert "HR@10 by earlier interactions" in table
     assert "HR@10 by the item's earlier interactions" in table

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     baselines = [b for b in args.baselines.split(",") if b]
     _check_arms(arms)
     overrides = _overrides(args.settings)
+    broker = _broker(arms)
     progress = ProgressLine()
     inter, items = read_log_from_args(args, args.path, progress)
     p = _plan(inter, args)
@@ -76,8 +78,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _run_live(arms, inter, items, p, data, out, args, overrides, results, progress)
     _score_baselines(baselines, data, args, results, progress)
     meta = _meta(args, inter, p, data, results, baselines)
+    meta["broker"] = broker
     _report(out, results, meta, args.k)
     return 0
+
+
+def _broker(arms: list[str]) -> str | None:
+    """The live arms' broker, named on the first line as ``freshrec run`` names it (each
+    arm's stack makes the same choice); the configured services where they are set, none
+    without live arms."""
+    from freshrec.app.settings import BROKER
+    from freshrec.app.stack import external_services
+    from freshrec.app.stack.commands import chosen_broker
+
+    if not arms:
+        return None
+    if external_services():
+        return "external (KAFKA_BOOTSTRAP_SERVERS)"
+    return chosen_broker(BROKER.read(os.environ)).name
 
 
 def _check_arms(arms: list[str]) -> None:
