@@ -33,6 +33,16 @@ UNJOINED_GROUP = "freshrec-unjoined"
 ADMIN = "admin"
 """The broker's super user: it creates the topics and grants the ACLs (``freshrec topics
 create --acls``), and the brokers talk to each other as it."""
+DEPLOYED_AS = {
+    "streams": "streams",
+    "param-server": "param-server",
+    "worker": "worker",
+    "train": "client",
+    "topics": ADMIN,
+}
+"""The principal each ``freshrec`` command logs in as where FreshRec is deployed
+(docker-compose's ``KAFKA_SASL_USERNAME``, the Kubernetes Deployment's Secret); the tests
+hold both to it."""
 
 
 @dataclass(frozen=True)

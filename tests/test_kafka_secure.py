@@ -26,7 +26,7 @@ from confluent_kafka import KafkaError
 from freshcore.kafka import close_producer, producer_config
 from freshcore.rediskeys import RedisKeys
 from freshcore.topics import CATALOGUE
-from freshrec.acls import ADMIN, SERVICES, allows, service_acls
+from freshrec.acls import ADMIN, DEPLOYED_AS, SERVICES, allows, service_acls
 from freshrec.app.stack import pid_alive
 from schemas.codec import encode_event, encode_item
 from schemas.records import Event, Item
@@ -52,8 +52,9 @@ START_TIMEOUT_S = 240.0
 def test_the_brokers_users_are_the_principals_the_grants_are_written_for():
     """start.sh creates a SCRAM user for the admin and each principal of ``freshrec.acls``
     (and no other), each with its own password variable, which compose hands to the broker
-    and which deploy/env.example lists; each FreshRec service compose runs logs in as one of
-    them with that user's password."""
+    and which deploy/env.example lists; each FreshRec service compose runs logs in as the
+    user ``DEPLOYED_AS`` names for its command, with that user's password (the Kubernetes
+    manifests are held to the same table in test_kubernetes)."""
     users = scram_users(START_SH.read_text())
     assert set(users) == {ADMIN, *SERVICES}
     assert len(set(users.values())) == len(users)
@@ -68,6 +69,7 @@ def test_the_brokers_users_are_the_principals_the_grants_are_written_for():
         env = service["environment"]
         user = env["KAFKA_SASL_USERNAME"]
         assert user in users, f"{name} logs in as {user}, whom the broker does not know"
+        assert user == DEPLOYED_AS[service["command"][0]], name
         assert env["KAFKA_SASL_PASSWORD"] == kafka_env[users[user]], name
     assert {compose_user(c) for c in SERVICE_COMMANDS} <= set(service_acls(""))
 

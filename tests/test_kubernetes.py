@@ -10,7 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tools.kubernetes_manifests import SERVICES, render
+from freshrec.acls import DEPLOYED_AS, service_acls
+from tools.kubernetes_manifests import SERVICES, kafka_secret, render
 
 from .test_compose import env_names_read_by_code
 
@@ -43,7 +44,26 @@ def test_each_service_has_a_deployment_with_probes_resources_and_a_disruption_bu
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert {"cpu", "memory"} <= set(c["resources"]["requests"])
         refs = {next(iter(r.values()))["name"] for r in c["envFrom"]}
-        assert refs == {"freshrec-settings", "freshrec-credentials"}
+        principal = DEPLOYED_AS[c["args"][0]]
+        assert refs == {"freshrec-settings", "freshrec-credentials", kafka_secret(principal)}
+
+
+def test_each_service_logs_in_to_kafka_as_the_principal_its_acls_are_granted_to():
+    """The Secret a Deployment reads its Kafka user from names the principal its command
+    runs as (``freshrec.acls.DEPLOYED_AS``, as in docker-compose), one the ACLs are written
+    for; the Secret shows it, and holds that user's password only."""
+    secrets = {d["metadata"]["name"]: d["stringData"] for _, d in DOCS if d["kind"] == "Secret"}
+    for _, d in DOCS:
+        if d["kind"] != "Deployment":
+            continue
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        principal = DEPLOYED_AS[c["args"][0]]
+        assert principal in service_acls("")
+        assert secrets[kafka_secret(principal)] == {
+            "KAFKA_SASL_USERNAME": principal,
+            "KAFKA_SASL_PASSWORD": "",
+        }
+    assert "KAFKA_SASL_PASSWORD" not in secrets["freshrec-credentials"]
 
 
 def test_the_gpu_pool_asks_for_a_gpu_on_gpu_nodes_and_joins_the_workers_group():
@@ -65,8 +85,10 @@ def test_the_gpu_pool_asks_for_a_gpu_on_gpu_nodes_and_joins_the_workers_group():
 def test_settings_and_credentials_are_ones_the_code_reads_with_no_default_secret():
     read = env_names_read_by_code()
     config = next(d for _, d in DOCS if d["kind"] == "ConfigMap")
-    secret = next(d for _, d in DOCS if d["kind"] == "Secret")
     assert not set(config["data"]) - read, set(config["data"]) - read
-    assert not set(secret["stringData"]) - read
-    assert set(secret["stringData"].values()) == {""}  # no password ships
+    for _, secret in DOCS:
+        if secret["kind"] == "Secret":
+            assert not set(secret["stringData"]) - read
+            secrets = {k: v for k, v in secret["stringData"].items() if k != "KAFKA_SASL_USERNAME"}
+            assert set(secrets.values()) == {""}  # no password ships
     assert config["data"]["FRESHREC_METRICS_HOST"] == "0.0.0.0"  # the kubelet probes the pod IP

@@ -5,8 +5,10 @@ it are written by hand (they are yours to edit).
 
     .venv/bin/python -m tools.kubernetes_manifests      # rewrites deploy/kubernetes/freshrec.yaml
 
-Every Deployment takes its settings from the ``freshrec-settings`` ConfigMap and the
-``freshrec-credentials`` Secret, answers ``/readyz`` (it owns partitions and reaches Redis) and
+Every Deployment takes its settings from the ``freshrec-settings`` ConfigMap, Redis's URL from
+the ``freshrec-credentials`` Secret and its Kafka user from the Secret of the principal its
+command logs in as (``freshrec-kafka-worker``...: ``freshrec.acls.DEPLOYED_AS``, the user
+``freshrec topics create --acls`` grants that service's ACLs to), answers ``/readyz`` (it owns partitions and reaches Redis) and
 ``/healthz`` (its loop goes round) on the metrics port, and has resource requests from the
 figures to start from (sizing and scaling: ``docs/operations.md``, "Kubernetes").
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+
+from freshrec.acls import DEPLOYED_AS
 
 OUT = Path(__file__).parents[1] / "deploy" / "kubernetes" / "freshrec.yaml"
 IMAGE = "freshrec:latest"  # built from the repository's Dockerfile; push it where you pull from
@@ -34,6 +38,11 @@ SERVICES = (
 )
 GPU_POOL_LABEL = "nvidia.com/gpu.present"
 """The node label GPU feature discovery (NVIDIA's GPU operator) puts on GPU nodes."""
+
+
+def kafka_secret(principal: str) -> str:
+    """The Secret holding a principal's ``KAFKA_SASL_USERNAME`` and ``KAFKA_SASL_PASSWORD``."""
+    return f"freshrec-kafka-{principal}"
 
 
 def deployment(name: str, replicas: int, requests: tuple[str, str], limit: str):
@@ -79,6 +88,8 @@ def container(name: str, command: str, gpu: bool, requests: tuple[str, str], lim
         "envFrom": [
             {"configMapRef": {"name": "freshrec-settings"}},
             {"secretRef": {"name": "freshrec-credentials"}},
+            # its own Kafka user: every service a principal of its own, with its own ACLs
+            {"secretRef": {"name": kafka_secret(DEPLOYED_AS[command])}},
         ],
         "env": [
             {
