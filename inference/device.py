@@ -10,9 +10,19 @@ operation that makes the host wait for the device, fails the check.
 >>> import numpy as np
 >>> to_host(torch.tensor([1.0, 2.0])).tolist(), HOST_COPIES["count"] > 0
 ([1.0, 2.0], True)
+
+``cpu:0`` is the CPU standing in for a device (``FRESHREC_DEVICE=cpu:0``): every copy to it
+is a real copy, and what chooses by the worker's device (``on_accelerator``) takes a GPU's
+path — torch re-ranking, autocast (in bfloat16, as a CPU's autocast runs). What chooses by a
+tensor's device (the device top-k, the i2i search's one top-k for a batch) takes it under
+``tools/hostsync.py``'s counter, which makes a tensor on the stand-in say so (torch reports
+a ``cpu:0`` tensor's device as plain ``cpu``): the host round trips a GPU would make, seen
+without one.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -25,6 +35,27 @@ def pick_device(setting: str = "auto") -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(setting)
+
+
+def on_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` takes an accelerator's paths: CUDA, or the CPU standing in for a
+    device (``cpu:0``; plain ``cpu`` has no index).
+
+    >>> on_accelerator(torch.device("cpu")), on_accelerator(torch.device("cpu:0"))
+    (False, True)
+    """
+    return device.type != "cpu" or device.index is not None
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """The mixed precision a forward pass runs in on ``device``: float16 on CUDA, bfloat16
+    on a CPU standing in for a device (the same branch, in the CPU's autocast), none on a
+    CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.float16)
+    if on_accelerator(device):
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16}

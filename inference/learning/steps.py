@@ -154,10 +154,12 @@ def softmax_examples(
     return Examples.of(users, items, labels, weights, times, groups)
 
 
-def softmax_gradients(u, v, y, w, groups):
+def softmax_gradients(u, v, y, w, groups, n_groups: int | None = None):
     """Per-example gradients of −w·log softmax over each group (``softmax_examples``): the
     coefficient w(p − y) on v for u and on u for v, p the example's share of its group;
-    torch on the rows' device, or numpy in and out.
+    torch on the rows' device, or numpy in and out. ``n_groups``: how many groups there are
+    (one past the highest), known on the host from the batch that made them (``gradients``);
+    without it read from ``groups``, which on a device makes the host wait for it.
 
     >>> u = np.array([[1.0, 1.0], [1.0, 1.0]], np.float32)
     >>> v = np.array([[2.0, 0.0], [0.0, 0.0]], np.float32)
@@ -169,7 +171,7 @@ def softmax_gradients(u, v, y, w, groups):
     if host:
         u, v, y, w, groups = (torch.from_numpy(np.asarray(a)) for a in (u, v, y, w, groups))
     s = (u * v).sum(1).clamp(-30, 30)
-    n = int(groups.max()) + 1 if len(groups) else 0
+    n = n_groups if n_groups is not None else int(groups.max()) + 1 if len(groups) else 0
     top = torch.full((n,), -30.0, dtype=s.dtype, device=s.device)
     top = top.scatter_reduce(0, groups, s, "amax", include_self=True)
     e = torch.exp(s - top[groups])
@@ -183,10 +185,12 @@ def softmax_gradients(u, v, y, w, groups):
 
 
 def gradients(u, v, ex: Examples, to_device=lambda a: a):
-    """The gradients of ``ex``'s loss (``softmax`` when it has groups, else logistic)."""
+    """The gradients of ``ex``'s loss (``softmax`` when it has groups, else logistic). The
+    group count is read from ``ex``'s host array, never from its copy on the device."""
     if ex.groups is not None:
+        n_groups = int(ex.groups.max()) + 1 if len(ex.groups) else 0
         return softmax_gradients(
-            u, v, to_device(ex.labels), to_device(ex.weights), to_device(ex.groups)
+            u, v, to_device(ex.labels), to_device(ex.weights), to_device(ex.groups), n_groups
         )
     return logistic_gradients(u, v, to_device(ex.labels), to_device(ex.weights))
 

@@ -105,7 +105,7 @@ class RankInputs:
             own = to_device(self.owner, self.seq.device)
             seq, seq_len = self.seq.index_select(0, own), self.seq_len.index_select(0, own)
         return RankInputs(
-            self.user[self.owner],
+            _take(self.user, self.owner),  # a tensor indexed by an array: a blocking copy
             self.item,
             self.dense,
             self.sparse,

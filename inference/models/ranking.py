@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from inference.device import to_device
+from inference.device import autocast, to_device
 from inference.models.features import (
     CATEGORY_BUCKETS,
     CROSS_BUCKETS,
@@ -113,8 +113,11 @@ class WideDeep(nn.Module):
             w, splits, dim=1
         )
         n_req, n = users.shape[0], len(owner)
-        counts = torch.bincount(owner, minlength=n_req)
-        starts = torch.cumsum(counts, 0) - counts
+        # each request's first candidate and count, by binary search of the sorted owners:
+        # CUDA's bincount copies the owners' min and max to the host to size its output
+        requests = torch.arange(n_req, device=owner.device)
+        starts = torch.searchsorted(owner, requests)
+        counts = torch.searchsorted(owner, requests, right=True) - starts
         ctx = sparse[starts.clamp(max=max(n - 1, 0))]  # a request's context: its first pair's
         u = users[:, :d]
         per_request = (
@@ -195,10 +198,7 @@ def score(model: nn.Module, x: RankInputs, device: torch.device, on_device: bool
             return widened_call(model, "forward_grouped", args, {"width": width})
         return widened_call(model, "forward", (user, item, dense, sparse, cross, *seq), {})
 
-    if device.type == "cuda":
-        with torch.autocast("cuda", dtype=torch.float16):
-            logits = run()
-    else:
+    with autocast(device):
         logits = run()
     probs = torch.sigmoid(logits.float())
     return probs if on_device else probs.cpu().numpy()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inference.device import to_host
+from inference.device import on_accelerator, to_host
 
 SCAN = 0.04
 MIN_NPROBE = 64
@@ -74,7 +74,7 @@ def top_k_rows(scores: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
     >>> top_k_rows(torch.tensor([[0.1, 0.9, 0.5], [3.0, 1.0, 2.0]]), 2).tolist()
     [[1, 2], [0, 2]]
     """
-    if isinstance(scores, torch.Tensor) and scores.device.type != "cpu":
+    if isinstance(scores, torch.Tensor) and on_accelerator(scores.device):
         return to_host(torch.topk(scores, k, dim=1).indices)  # the candidates, to the merge
     s = scores if isinstance(scores, np.ndarray) else scores.numpy()
     if k >= s.shape[1]:

@@ -12,6 +12,7 @@ import time
 
 from freshcore import metrics as m
 from freshcore.lifecycle import lower_thread_priority
+from inference.device import on_accelerator
 from inference.serving.ann import IVFIndex, ivf_cells
 from inference.serving.channels import ServingState
 from inference.tables.cache import EmbeddingCache
@@ -33,7 +34,7 @@ class IndexBuilds:
         state adopts the new index when it is built."""
         if state.named_count < settings.ann_min_items or self.building:
             return
-        if cache.device.type != "cpu":  # a device's exact search is the fast one
+        if on_accelerator(cache.device):  # a device's exact search is the fast one
             return
         if state.ann is not None and time.monotonic() - self.built_at < settings.ann_refresh_s:
             return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ from freshcore import clock
 from freshcore import metrics as m
 from freshcore.hotscore import PRIOR_CTR, PRIOR_CVR
 from freshcore.rediskeys import RedisKeys
+from inference.device import to_device
 from inference.models.attention import gather_sequences, sequence_index
 from inference.models.features import (
     RECENT,
@@ -41,6 +43,20 @@ from inference.tables.cache import EmbeddingCache
 from schemas.rows import TABLE_ITEM
 
 log = logging.getLogger("freshrec.serving")
+MODEL_ERROR = "model error"
+NO_DEVICE_MEMORY = "out of device memory"
+"""What a tier reason says of a request ``rank`` sent to the hot list because its model
+failed on the batch, or had no device memory for the request even alone."""
+
+
+def model_failures(reasons: Iterable[str]) -> list[str]:
+    """The tier reasons of replies whose model failed (``RankingStage.rank`` serves such a
+    request from the hot list, and the reply looks served): a check that saw one failed.
+
+    >>> model_failures(["ok", "wide_deep model error", "tiered: out of device memory"])
+    ['wide_deep model error', 'tiered: out of device memory']
+    """
+    return [r for r in reasons if MODEL_ERROR in r or NO_DEVICE_MEMORY in r]
 
 
 @dataclass(frozen=True)
@@ -123,12 +139,12 @@ class RankingStage:
                 if kind != LIGHT:
                     self.full_failed_until = time.monotonic() + 10
                 for j in group:
-                    choices[j], rankers[j] = Choice(HOT, f"{kind} model error"), None
+                    choices[j], rankers[j] = Choice(HOT, f"{kind} {MODEL_ERROR}"), None
                 continue
             ranked.update(parts)
             for j in no_memory:
                 m.DEGRADED.labels(choices[j].tier, "out_of_memory").inc()
-                choices[j], rankers[j] = Choice(HOT, f"{kind}: out of device memory"), None
+                choices[j], rankers[j] = Choice(HOT, f"{kind}: {NO_DEVICE_MEMORY}"), None
             cost = (time.monotonic() - t0) * 1000
             for j in group:
                 shares[j] = cost / len(group)
@@ -345,6 +361,6 @@ def score_by_tiers(models: ModelSet, inputs, tiers: np.ndarray, device: torch.de
         if not keep.any():
             continue
         model = models.get(kind) or models.full
-        picked = torch.from_numpy(np.flatnonzero(keep)).to(device)
+        picked = to_device(np.flatnonzero(keep), device)
         probs[picked] = timed_score(model, kind, inputs.subset(keep), device)
     return probs

@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from inference.device import on_accelerator, to_device
+
 
 def mmr(relevance: np.ndarray, vectors: np.ndarray, k: int, lam: float = 0.7) -> list[int]:
     """Indices of ``k`` candidates in MMR order; ``lam`` = 1 is pure relevance."""
@@ -86,7 +88,7 @@ def mmr_batch(relevance, vectors, k: int, lam: float | list[float] = 0.7, engine
     host = isinstance(relevance, np.ndarray)
     rel = torch.as_tensor(relevance, dtype=torch.float64)
     vecs = torch.as_tensor(vectors)
-    if engine == "torch" or (engine == "auto" and rel.device.type != "cpu"):
+    if engine == "torch" or (engine == "auto" and on_accelerator(rel.device)):
         out = _torch_steps(rel, vecs, k, lam)
     else:  # host tensors: their numpy views, no copy
         out = torch.from_numpy(_numpy_steps(rel.numpy(), vecs.numpy(), k, lam))
@@ -172,7 +174,7 @@ def _torch_steps(rel: torch.Tensor, vecs: torch.Tensor, k: int, lam) -> torch.Te
     flat_unit = unit.reshape(b * n, -1)
     alive = torch.isfinite(rel)  # a candidate not picked yet (padding never is one)
     if per_request:
-        lam = torch.tensor(lam, dtype=torch.float64, device=rel.device)[:, None]
+        lam = to_device(np.asarray(lam, np.float64), rel.device)[:, None]  # not blocking
         keep = 1.0 - lam
     base = lam * rel.masked_fill(~alive, 0.0)
     offsets = torch.arange(b, device=rel.device) * n

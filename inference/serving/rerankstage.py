@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from inference.device import to_host
+from inference.device import on_accelerator, to_host
 from inference.serving.merge import found_by
 from inference.serving.rerank import mmr_batch, space_categories
 from inference.tables.cache import EmbeddingCache
@@ -26,7 +26,7 @@ from schemas.rows import TABLE_ITEM
 class RerankStage:
     def __init__(self, cache: EmbeddingCache) -> None:
         self.cache = cache
-        self.on_host = cache.device.type == "cpu"
+        self.on_host = not on_accelerator(cache.device)
         """Choose heads and re-rank in numpy (a CPU's tables), else in torch on the device."""
 
     def rerank(
@@ -84,7 +84,7 @@ class RerankStage:
         outside = np.arange(width)[None, :] >= heads[:, None]  # past a request's head
         rel.masked_fill_(self.cache.to_device(outside), -torch.inf)
         vecs = self.cache.rows(TABLE_ITEM, head_slots.reshape(-1))[:, : self.cache.dim]
-        picks = mmr_batch(rel, vecs.reshape(len(slots), width, -1), k, lam)
+        picks = mmr_batch(rel, vecs.reshape(len(slots), width, -1), k, lam, engine="torch")
         taken = picks.clamp_min(0)
         return to_host(
             torch.stack(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inference.device import to_device
+from inference.device import on_accelerator, to_device
 from inference.serving.ann import auto_nprobe, exact_search, top_k_rows
 
 NONE = np.empty(0, np.int64)
@@ -64,7 +64,8 @@ def search_within_categories(
     """For each query row, the ``n`` best slots by ``query · items[slot]`` (best first) among
     the members of its ``allowed`` categories (unknown ones, < 0, allow nothing). Cost is
     proportional to those members, not to the table: the i2i channel on a 100k-item
-    catalogue scored every item for every user.
+    catalogue scored every item for every user. On a device the rows' scores are padded into
+    one tensor and their best come back in one copy (one a request was one round trip each).
 
     >>> items = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.8, 0.0]])
     >>> members = {0: np.array([0, 1]), 1: np.array([2, 3])}
@@ -73,15 +74,28 @@ def search_within_categories(
     [[3, 2], []]
     """
     out: list[np.ndarray] = []
+    found: list[tuple[int, np.ndarray, torch.Tensor]] = []  # on a device: one top-k for all
     for row, cats in enumerate(allowed):
         cands = [members[c] for c in np.unique(cats).tolist() if c >= 0 and c in members]
         cand = np.concatenate(cands) if cands else NONE
         cand = cand[cand < len(items)]
+        out.append(NONE)
         if len(cand) == 0 or n <= 0:
-            out.append(NONE)
             continue
         at = to_device(cand, items.device)
         rows = items.index_select(0, at).float()  # several times faster than items[at] on a CPU
         scores = rows @ to_device(queries[row], items.device).float()
-        out.append(cand[top_k_rows(scores[None], min(n, len(cand)))[0]])
+        if on_accelerator(scores.device):
+            found.append((row, cand, scores))
+        else:
+            out[row] = cand[top_k_rows(scores[None], min(n, len(cand)))[0]]
+    if found:
+        # the rows' scores padded with -inf to the longest: their best in one copy back
+        width = max(len(scores) for _, _, scores in found)
+        padded = torch.full((len(found), width), -torch.inf, device=items.device)
+        for r, (_, _, scores) in enumerate(found):
+            padded[r, : len(scores)] = scores
+        best = top_k_rows(padded, min(n, width))
+        for (row, cand, _), top in zip(found, best, strict=True):
+            out[row] = cand[top[: min(n, len(cand))]]
     return out
