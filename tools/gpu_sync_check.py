@@ -5,7 +5,10 @@ gradient, sums, clipping, the local step) and a batch's ranking and MMR there; t
 are ``inference.device.to_host``: the gradient batch, the candidates recall hands to the merge,
 the reply. Under ``torch.cuda.set_sync_debug_mode("error")`` every other device→host copy, and
 every other operation that makes the host wait for the device, raises — so a learning slice
-and a serving batch that complete show that none was made. Prints the copies each made.
+and a serving batch that complete show that none was made. Prints the copies each made, and
+fails (exit 1) where they pass the budget (``docs/design.md``: one a slice, three a batch) or
+where a reply was served from the hot list because its model failed: ``RankingStage.rank``
+catches a model's error, and its replies look served.
 
     python -m tools.gpu_sync_check            # needs CUDA; exits 2 without it
     python -m tools.gpu_sync_check --device cpu   # the same path on the CPU: copies counted,
@@ -33,6 +36,7 @@ from freshrec.app.training import train_on_world
 from freshrec.sim.world import World, WorldConfig
 from inference.device import HOST_COPIES
 from inference.learning.steps import Examples
+from inference.serving.rankstage import model_failures
 from inference.settings import LearningSettings, WorkerSettings
 from inference.training.train import TrainConfig
 from inference.worker import Worker
@@ -41,6 +45,8 @@ from tools.seed import seed_world
 from tools.serving_inprocess import _inbound
 
 DIM = 32
+BUDGET = {"learning_slice": 1, "serving_batch": 3}
+"""The most copies back each may make (``docs/design.md``, "Host round trips")."""
 WORLD = WorldConfig(seed=5, n_users=5000, n_items=2000, n_categories=12)
 
 
@@ -90,17 +96,40 @@ def main(argv: list[str] | None = None) -> int:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("error")
                 try:
-                    work()
+                    replies = work()
                 finally:
                     if cuda:
                         torch.cuda.set_sync_debug_mode(0)
                 out[name] = {"host_copies": HOST_COPIES["count"] - before}
                 if cuda:
                     out[name]["other_syncs"] = 0  # any would have raised
+                if replies is not None:
+                    out[name]["model_failures"] = model_failures(r.tier_reason for r in replies)
         finally:
             w.close()
     print(json.dumps(out, indent=2))
-    return 0
+    failed = failures(out)
+    for line in failed:
+        print(f"gpu_sync_check: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def failures(out: dict) -> list[str]:
+    """What in ``out`` fails the check: copies past the budget, replies a model failed.
+
+    >>> failures({"learning_slice": {"host_copies": 1}, "serving_batch": {"host_copies": 4}})
+    ['serving_batch: 4 copies back, the budget is 3']
+    >>> failures({"serving_batch": {"host_copies": 3, "model_failures": ["light model error"]}})
+    ['serving_batch: served from the hot list: light model error']
+    """
+    found = []
+    for name, most in BUDGET.items():
+        got = out.get(name, {})
+        if got.get("host_copies", 0) > most:
+            found.append(f"{name}: {got['host_copies']} copies back, the budget is {most}")
+        if got.get("model_failures"):
+            found.append(f"{name}: served from the hot list: " + "; ".join(got["model_failures"]))
+    return found
 
 
 if __name__ == "__main__":

@@ -38,11 +38,14 @@ from inference.models.ranking import score
 from inference.models.tiers import HeatSplit, route, thresholds
 from inference.serving.arms import Arm, ranker_of
 from inference.serving.degrade import HOT, LIGHT, Choice, ewma
+from inference.serving.devicetime import BatchTotal, DeviceClock
 from inference.serving.snapshot import Snapshot, read_features
 from inference.tables.cache import EmbeddingCache
 from schemas.rows import TABLE_ITEM
 
 log = logging.getLogger("freshrec.serving")
+HOST_CLOCK = DeviceClock(torch.device("cpu"))
+"""The host's clock, for a model timed without a ranking stage's (``timed_score``)."""
 MODEL_ERROR = "model error"
 NO_DEVICE_MEMORY = "out of device memory"
 """What a tier reason says of a request ``rank`` sent to the hot list because its model
@@ -99,6 +102,8 @@ class RankingStage:
         self.keys = keys
         self.encoder = FeatureEncoder()
         self._heat_cuts: dict = {}  # split -> (the features snapshot, its hot-score thresholds)
+        self.clock = DeviceClock(cache.device)
+        """Each model's time as the device spends it (CUDA events, read a batch later)."""
         self.full_cost_ms: float | None = None
         self.light_cost_ms: float | None = None
         self.full_failed_until = 0.0
@@ -112,7 +117,8 @@ class RankingStage:
         """Fills ``ranked`` (request → probability per candidate); returns a features note
         (or None), each request's ranker (None where no model ranked it) and each request's
         share of the ranking time, ms (its model's time over the batch over the requests it
-        scored: what an A/B variant's ranker costs)."""
+        scored: what an A/B variant's ranker costs; the host's time on a GPU, whose own the
+        tiers' costs follow once the device has spent it, ``DeviceClock``)."""
         reqs, merged, arms = b.reqs, b.merged, b.arms
         rankers: list[str | None] = [None] * len(reqs)
         shares = [0.0] * len(reqs)
@@ -125,11 +131,12 @@ class RankingStage:
                 choices[j] = Choice(choice.tier, f"{choice.reason}; {note}")
                 kind = "wide_deep"
             rankers[j] = kind
+        self.collect_costs()
         note = None
-        full_ms = 0.0  # the full tier's models together: what the ladder budgets for
+        full = BatchTotal(self._full_cost)  # the full tier's models: what the ladder budgets
         for kind in dict.fromkeys(k for k in rankers if k is not None):
             group = [j for j, k in enumerate(rankers) if k == kind]
-            t0 = time.monotonic()
+            started = self.clock.start()
             try:
                 parts, no_memory, realtime_note = self._scored(b, kind, group, models)
                 note = note or realtime_note
@@ -145,16 +152,23 @@ class RankingStage:
             for j in no_memory:
                 m.DEGRADED.labels(choices[j].tier, "out_of_memory").inc()
                 choices[j], rankers[j] = Choice(HOT, f"{kind}: {NO_DEVICE_MEMORY}"), None
-            cost = (time.monotonic() - t0) * 1000
+            cost = self.clock.stop(started, self._light_cost if kind == LIGHT else full.part())
             for j in group:
                 shares[j] = cost / len(group)
-            if kind == LIGHT:
-                self.light_cost_ms = ewma(self.light_cost_ms, cost)
-            else:
-                full_ms += cost
-        if full_ms:
-            self.full_cost_ms = ewma(self.full_cost_ms, full_ms)
+        full.close()
         return note, rankers, shares
+
+    def collect_costs(self) -> None:
+        """The tiers' costs (``full_cost_ms``, ``light_cost_ms``) given the times of earlier
+        batches the device has spent since (``DeviceClock.collect``): the ladder reads them
+        before a batch is ranked."""
+        self.clock.collect()
+
+    def _light_cost(self, ms: float) -> None:
+        self.light_cost_ms = ewma(self.light_cost_ms, ms)
+
+    def _full_cost(self, ms: float) -> None:
+        self.full_cost_ms = ewma(self.full_cost_ms, ms)
 
     def _scored(self, b: RankBatch, kind: str, group: list[int], models: ModelSet):
         """Per request of ``group``, its candidates' probabilities; the requests the device
@@ -189,7 +203,7 @@ class RankingStage:
     def _score(self, model, kind: str, inputs, b: RankBatch, group) -> torch.Tensor:
         if getattr(model, "uses_sequence", False):
             inputs = inputs.with_sequences(*self._sequences(b, group, model.length))
-        return timed_score(model, kind, inputs, self.cache.device)
+        return timed_score(model, kind, inputs, self.cache.device, self.clock)
 
     def _sequences(self, b: RankBatch, group, length: int):
         """Each request's user sequence as item rows: their last clicked items the worker
@@ -210,7 +224,7 @@ class RankingStage:
         for r, arm in enumerate(arms):
             mine = owner == r
             tiers[mine] = route(dense[mine, 3], self._heat_cut(self._split_of(arm), features))
-        return score_by_tiers(models, inputs, tiers, self.cache.device)
+        return score_by_tiers(models, inputs, tiers, self.cache.device, self.clock)
 
     def _split_of(self, arm: Arm | None) -> HeatSplit:
         v = arm.variant if arm is not None else None
@@ -343,16 +357,27 @@ def channel_scores(scored, b: RankBatch, group, lens, n: int) -> np.ndarray:
     return out
 
 
-def timed_score(model, kind: str, inputs, device: torch.device) -> torch.Tensor:
-    """``score`` on ``device``, its time and candidates counted under ``kind``."""
-    t0 = time.monotonic()
+def timed_score(
+    model, kind: str, inputs, device: torch.device, clock: DeviceClock | None = None
+) -> torch.Tensor:
+    """``score`` on ``device``, its time (as the device spends it: ``clock``; the host's
+    without one) and candidates counted under ``kind``."""
+    clock = clock or HOST_CLOCK
+    started = clock.start()
     probs = score(model, inputs, device, on_device=True)
-    m.RANKING_SECONDS.labels(kind).observe(time.monotonic() - t0)
+    seconds = m.RANKING_SECONDS.labels(kind)
+    clock.stop(started, lambda ms: seconds.observe(ms / 1000))
     m.RANKED_CANDIDATES.labels(kind).inc(len(inputs))
     return probs
 
 
-def score_by_tiers(models: ModelSet, inputs, tiers: np.ndarray, device: torch.device):
+def score_by_tiers(
+    models: ModelSet,
+    inputs,
+    tiers: np.ndarray,
+    device: torch.device,
+    clock: DeviceClock | None = None,
+):
     """Each candidate scored by the model of its tier (``tiers``: ``route``'s), one forward
     pass per tier; the pruned tier's by the full model where the set has no pruned one."""
     probs = torch.empty(len(inputs), device=device)
@@ -362,5 +387,5 @@ def score_by_tiers(models: ModelSet, inputs, tiers: np.ndarray, device: torch.de
             continue
         model = models.get(kind) or models.full
         picked = to_device(np.flatnonzero(keep), device)
-        probs[picked] = timed_score(model, kind, inputs.subset(keep), device)
+        probs[picked] = timed_score(model, kind, inputs.subset(keep), device, clock)
     return probs

@@ -269,6 +269,7 @@ class Recommender:
         budget it has ``left_ms`` after recall, the queue behind the batch, whether a valid
         cached reply exists, what the models can do and cost, and the user's history."""
         choices: list[Choice] = []
+        self.ranking.collect_costs()  # the device's times of the batches before
         for j, r in enumerate(reqs):
             situation = Situation(
                 device=r.context.device if r.context else None,
