@@ -253,6 +253,15 @@ RANKING_OOM = Counter(
     "request that still does not fit is served from the hot tier), by model",
     ["model"],
 )
+DEVICE_OOM = Counter(
+    "freshrec_device_oom_total",
+    "Out-of-memory errors the device raised and the worker survived, by path: ranking (the "
+    "batch split in halves), learning (the slice split in halves, a part that still does not "
+    "fit stepped on the host), rerank (the batch re-ranked on the host), table (the item table "
+    "not grown: bounded at its size, the least recently touched rows outside the catalogue to "
+    "host RAM)",
+    ["path"],
+)
 CACHE_ROWS_EVICTED = Counter(
     "freshrec_cache_rows_evicted_total",
     "Rows a worker dropped because its table was at its bound (FRESHREC_MAX_ITEM_ROWS), the "
@@ -409,6 +418,12 @@ CONSUMER_LAG = Gauge(
 )
 
 
+CONSUMER_SKIPPED = Counter(
+    "freshrec_consumer_skipped_messages_total",
+    "Messages a consumer never read: the offset it resumed from was below the partition's log "
+    "start offset (deleted by retention) and it resumed at the log start (freshcore/resets.py)",
+    ["group", "topic"],
+)
 ASSIGNED_PARTITIONS = Gauge(
     "freshrec_assigned_partitions", "Input partitions this process owns in its group", ["service"]
 )

@@ -58,6 +58,13 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def release_cached(device: torch.device) -> None:
+    """After an out-of-memory error: the caching allocator's free blocks back to the driver
+    (CUDA), so that a smaller retry can find room; nothing elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 """What ``FRESHREC_TABLE_DTYPE`` and ``FRESHREC_RANKING_DTYPE`` accept."""
 

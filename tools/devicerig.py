@@ -111,6 +111,7 @@ class DeviceRig:
         )
         self.catalogue = catalogue(cfg)
         self.item_slots = self.cache.slots(TABLE_ITEM, self.catalogue.row_ids)
+        self.cache.keep_items(self.item_slots)
         self.slot_of = dict(zip(self.catalogue.names, self.item_slots.tolist(), strict=True))
         n = len(self.cache.item_ids)
         self.name_of_slot = np.empty(n, object)

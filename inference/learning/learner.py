@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from freshcore import clock
 from freshcore import metrics as m
 from freshcore.settings import LEARNING_RATE
+from inference.device import release_cached, to_host
 from inference.learning.outbox import GradientOutbox
 from inference.learning.pending import PendingSteps
 from inference.learning.steps import (
@@ -26,6 +28,7 @@ from inference.learning.steps import (
     device_local_steps,
     examples_from_events,
     gradients,
+    halves,
     oldest_per_group,
 )
 from inference.tables.cache import EmbeddingCache
@@ -69,11 +72,11 @@ class LearningSettings:
 
 def step_on_device(cache, users, items, ex, learning: LearningSettings) -> list[LocalStep]:
     """A slice's step where the tables live: ``users`` and ``items`` are each (the distinct
-    slots the slice touches, each example's position among them), on the tables' device.
-    The rows are gathered and widened to float32 (float16 tables), the gradients of
-    ``ex``'s loss taken, and each table's step applied (``device_local_steps``: the one copy
-    to the host). Returns the user table's step, then the item table's."""
-    (us, ui), (its, ii) = users, items
+    slots the slice touches, each example's position among them), host arrays copied to the
+    tables' device. The rows are gathered and widened to float32 (float16 tables), the
+    gradients of ``ex``'s loss taken, and each table's step applied (``device_local_steps``:
+    the one copy to the host). Returns the user table's step, then the item table's."""
+    us, ui, its, ii = (cache.to_device(a) for a in (*users, *items))
     user_rows, item_rows = cache.users.rows, cache.items.rows
     u = user_rows.index_select(0, us.index_select(0, ui)).float()
     v = item_rows.index_select(0, its.index_select(0, ii)).float()
@@ -83,6 +86,32 @@ def step_on_device(cache, users, items, ex, learning: LearningSettings) -> list[
         [learning.user_lr, learning.lr],
         learning.max_grad_norm,
     )
+
+
+def step_on_host(cache, users, items, ex, learning: LearningSettings) -> list[LocalStep]:
+    """``step_on_device`` for a part of a slice the device has no memory for (an example, or
+    one softmax group): its rows copied to the host one at a time, which takes no device
+    memory, the step taken there, and the rows written back the same way."""
+    tables = ((cache.users.rows, *users), (cache.items.rows, *items))
+    held = [
+        torch.from_numpy(np.stack([to_host(rows[s]) for s in slots.tolist()])).float()
+        for rows, slots, _ in tables
+    ]
+    at = [torch.from_numpy(np.asarray(index, np.int64)) for _, _, index in tables]
+    u, v = held[0].index_select(0, at[0]), held[1].index_select(0, at[1])
+    gu, gv = gradients(u, v, ex, lambda a: torch.from_numpy(np.ascontiguousarray(a)))
+    local = device_local_steps(
+        [
+            TableSlice(rows, torch.arange(len(rows)), index, g)
+            for rows, index, g in zip(held, at, (gu, gv), strict=True)
+        ],
+        [learning.user_lr, learning.lr],
+        learning.max_grad_norm,
+    )
+    for (rows, slots, _), stepped in zip(tables, held, strict=True):
+        for s, row in zip(slots.tolist(), stepped, strict=True):
+            rows[s].copy_(row)
+    return local
 
 
 class LocalLearner:
@@ -148,17 +177,48 @@ class LocalLearner:
     def learn(self, ex) -> None:
         """The local step for a batch of labelled examples, where the tables live (on a GPU
         the one host copy is the gradient batch): gradients, the step on the cached rows at
-        once, the steps remembered, the gradients into the outbox."""
+        once, the steps remembered, the gradients into the outbox. A slice the device has no
+        memory for is learnt in halves (``_learn_in_parts``)."""
+        try:
+            self._learn(ex, step_on_device)
+        except torch.OutOfMemoryError:
+            on_host = self._learn_in_parts(ex)
+            log.warning(
+                "learning: out of device memory for a slice of %d examples: learnt in parts,"
+                " %d of them on the host",
+                len(ex.labels),
+                on_host,
+            )
+
+    def _learn_in_parts(self, ex) -> int:
+        """After the device had no memory for ``ex``: its halves learnt, each the same way,
+        down to parts that cannot be split (an example, a softmax group), stepped on the host
+        (``step_on_host``). A slice that ran out changed no row (``device_local_steps``).
+        Returns how many parts were stepped on the host."""
+        m.DEVICE_OOM.labels("learning").inc()
+        release_cached(self.cache.device)
+        parts = halves(ex)
+        if parts is None:
+            self._learn(ex, step_on_host)
+            return 1
+        on_host = 0
+        for part in parts:
+            try:
+                self._learn(part, step_on_device)
+            except torch.OutOfMemoryError:
+                on_host += self._learn_in_parts(part)
+        return on_host
+
+    def _learn(self, ex, step: Callable[..., list[LocalStep]]) -> None:
+        """``learn``, the slice's step taken by ``step`` (``step_on_device`` or
+        ``step_on_host``)."""
         # each table's rows grouped once: for the cache's slots and the gradients' sums
         users = np.unique(row_ids(ex.users), return_inverse=True)
         items = np.unique(self.item_row_ids(ex.items), return_inverse=True)
         user_slots = self.cache.distinct_slots(TABLE_USER, users[0])
         item_slots = self.cache.distinct_slots(TABLE_ITEM, items[0])
-        to_device = self.cache.to_device
-        us, ui = to_device(user_slots), to_device(users[1])
-        its, ii = to_device(item_slots), to_device(items[1])
         learning = self.learning
-        local = step_on_device(self.cache, (us, ui), (its, ii), ex, learning)
+        local = step(self.cache, (user_slots, users[1]), (item_slots, items[1]), ex, learning)
         now_ms = clock.now_ms()
         for table, (distinct, index), key_slots, step in (
             (TABLE_USER, users, user_slots, local[0]),

@@ -65,6 +65,42 @@ class Examples:
             None if groups is None else np.asarray(groups, np.int64),
         )
 
+    def part(self, lo: int, hi: int) -> Examples:
+        """Examples ``lo`` to ``hi``; their groups numbered from 0 in order."""
+        groups = None
+        if self.groups is not None:
+            groups = np.unique(self.groups[lo:hi], return_inverse=True)[1].astype(np.int64)
+        return Examples(
+            self.users[lo:hi],
+            self.items[lo:hi],
+            self.labels[lo:hi],
+            self.weights[lo:hi],
+            self.event_ms[lo:hi],
+            groups,
+        )
+
+
+def halves(ex: Examples) -> tuple[Examples, Examples] | None:
+    """``ex`` in two (a slice the device had no memory for): at its middle, or for the
+    softmax loss at the start of the group nearest it (a group is one softmax); None where it
+    cannot be split — one example, or one group.
+
+    >>> ex = Examples.of(list("uuvv"), list("abcd"), [1, 0, 1, 0], [1] * 4, [0] * 4, [0, 0, 1, 1])
+    >>> [(h.items, h.groups.tolist()) for h in halves(ex)]
+    [(['a', 'b'], [0, 0]), (['c', 'd'], [0, 0])]
+    >>> halves(ex.part(0, 2)) is None
+    True
+    """
+    n = len(ex.labels)
+    if ex.groups is None:
+        cut = n // 2
+    else:
+        starts = np.flatnonzero(np.diff(ex.groups)) + 1  # where a group begins
+        cut = int(starts[np.argmin(np.abs(starts - n // 2))]) if len(starts) else 0
+    if cut <= 0:
+        return None
+    return ex.part(0, cut), ex.part(cut, n)
+
 
 @dataclass(frozen=True)
 class LabelConfig:
@@ -355,19 +391,19 @@ def device_local_steps(
     ([True, True], [[2.0, 0.0], [0.0, 2.0]], [[0.0, -1.0], [0.0, 0.0], [-1.0, 0.0]])
     """
     lrs = list(lr) if isinstance(lr, list | tuple) else [lr] * len(parts)
-    clipped_all, ok_all = [], []
+    if not parts:
+        return []
+    clipped_all, ok_all, deltas = [], [], []
     for p, part_lr in zip(parts, lrs, strict=True):
         sums = torch.zeros(
             (len(p.slots), p.grads.shape[1]), dtype=p.grads.dtype, device=p.grads.device
         )
         sums.index_add_(0, p.index, p.grads)
         ok, clipped = clip_rows_torch(sums, max_norm)
-        # rejected rows: zero, no step; a float16 table takes the step rounded to it
-        p.rows.index_add_(0, p.slots, clipped.mul(-part_lr).to(p.rows.dtype))
         clipped_all.append(clipped)
         ok_all.append(ok)
-    if not parts:
-        return []
+        # rejected rows: zero, no step; a float16 table takes the step rounded to it
+        deltas.append(clipped.mul(-part_lr).to(p.rows.dtype))
     sizes = [len(c) for c in clipped_all]
     packed = torch.cat(
         [
@@ -375,6 +411,9 @@ def device_local_steps(
             for c, o in zip(clipped_all, ok_all, strict=True)
         ]
     )
+    # every tensor made before a row changes: a device out of memory changed nothing
+    for p, delta in zip(parts, deltas, strict=True):
+        p.rows.index_add_(0, p.slots, delta)
     host = to_host(packed)  # the gradient batch: the slice's one copy to the host
     out = []
     for part, part_lr in zip(np.split(host, np.cumsum(sizes)[:-1]), lrs, strict=True):

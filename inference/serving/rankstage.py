@@ -24,7 +24,7 @@ from freshcore import clock
 from freshcore import metrics as m
 from freshcore.hotscore import PRIOR_CTR, PRIOR_CVR
 from freshcore.rediskeys import RedisKeys
-from inference.device import to_device
+from inference.device import release_cached, to_device
 from inference.models.attention import gather_sequences, sequence_index
 from inference.models.features import (
     RECENT,
@@ -183,8 +183,8 @@ class RankingStage:
                 probs = self._score(models.get(kind), kind, inputs, b, group)
         except torch.OutOfMemoryError:
             m.RANKING_OOM.labels(kind).inc()
-            if self.cache.device.type == "cuda":
-                torch.cuda.empty_cache()
+            m.DEVICE_OOM.labels("ranking").inc()
+            release_cached(self.cache.device)
             if len(group) == 1:
                 log.warning("%s ranking: out of device memory for one request", kind)
                 return {}, set(group), None

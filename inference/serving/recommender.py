@@ -138,6 +138,7 @@ class Recommender:
         ):
             cat = snap.catalogue
             slots = self.cache.slots(TABLE_ITEM, cat.row_ids)
+            self.cache.keep_items(slots)  # never let go to make room on the device
             if self.start_items is not None:
                 start_cold_items(self.cache, cat, slots, self.start_items)
             n = len(self.cache.item_ids)

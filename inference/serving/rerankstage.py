@@ -11,16 +11,22 @@ CPU tensor is a numpy array already. The tests hold the two to the same replies.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from inference.device import on_accelerator, to_host
+from freshcore import metrics as m
+from inference.device import on_accelerator, release_cached, to_host
 from inference.serving.merge import found_by
 from inference.serving.rerank import mmr_batch, space_categories
 from inference.tables.cache import EmbeddingCache
 from schemas.rows import TABLE_ITEM
+
+log = logging.getLogger("freshrec.serving")
+GATHER_CHUNK = 256
+"""Rows copied to the host at a time when re-ranking falls back to it (out of device memory)."""
 
 
 class RerankStage:
@@ -56,8 +62,11 @@ class RerankStage:
             ]
         )
         lam = lams[js[0]] if len(set(lams)) == 1 else [lams[j] for j in js]
-        step = self._on_host if self.on_host else self._on_device
-        reply = step([merged[j].slots for j in js], [ranked[j] for j in js], heads, k, lam)
+        slots, probs = [merged[j].slots for j in js], [ranked[j] for j in js]
+        if self.on_host:
+            reply = self._on_host(slots, probs, heads, k, lam)
+        else:
+            reply = self._on_device_or_host(slots, probs, heads, k, lam)
         out = {}
         for row, j in enumerate(js):
             n = ks[j]
@@ -96,9 +105,30 @@ class RerankStage:
             )
         )
 
-    def _on_host(self, slots, probs, heads, k, lam) -> np.ndarray:
+    def _on_device_or_host(self, slots, probs, heads, k, lam) -> np.ndarray:
+        """``_on_device``, else, where the device has no memory for it, ``_on_host`` on
+        copies of the probabilities (the same picks)."""
+        try:
+            return self._on_device(slots, probs, heads, k, lam)
+        except torch.OutOfMemoryError:
+            m.DEVICE_OOM.labels("rerank").inc()
+            release_cached(self.cache.device)
+            log.warning("re-ranking: out of device memory for %d requests: on the host", len(slots))
+            host = [torch.from_numpy(to_host(p)) for p in probs]
+            return self._on_host(slots, host, heads, k, lam, self._gather_in_chunks)
+
+    def _gather_in_chunks(self, table: int, slots: np.ndarray) -> np.ndarray:
+        """``EmbeddingCache.gather``, ``GATHER_CHUNK`` rows at a time: little device memory."""
+        parts = [
+            self.cache.gather(table, slots[lo : lo + GATHER_CHUNK])
+            for lo in range(0, len(slots), GATHER_CHUNK)
+        ]
+        return np.concatenate(parts) if parts else np.zeros((0, self.cache.w), np.float32)
+
+    def _on_host(self, slots, probs, heads, k, lam, gather=None) -> np.ndarray:
         """``_on_device`` in numpy, for tables on a CPU (the same picks: a stable sort by
-        probability, the same MMR steps)."""
+        probability, the same MMR steps); ``gather`` reads the candidates' rows
+        (``EmbeddingCache.gather`` by default)."""
         width = int(heads.max())
         rel = np.full((len(slots), width), -np.inf)
         head_slots = np.zeros((len(slots), width), np.int64)
@@ -106,7 +136,7 @@ class RerankStage:
             head = np.argsort(-p, kind="stable")[: heads[row]]
             rel[row, : len(head)] = p[head]
             head_slots[row, : len(head)] = s[head]
-        vecs = self.cache.gather(TABLE_ITEM, head_slots.ravel())[:, : self.cache.dim]
+        vecs = (gather or self.cache.gather)(TABLE_ITEM, head_slots.ravel())[:, : self.cache.dim]
         picks = mmr_batch(rel, vecs.reshape(len(slots), width, -1), k, lam)
         taken = np.maximum(picks, 0)
         return np.stack(

@@ -46,6 +46,7 @@ from inference.tables.host import (
     include_oldest,
 )
 from inference.tables.lru import SlotLRU
+from inference.tables.room import make_room
 from schemas.rowbatch import TABLE_NAMES
 from schemas.rows import TABLE_ITEM, TABLE_USER, initial_rows, width
 
@@ -80,6 +81,9 @@ class EmbeddingCache:
         self.item_index = IdIndex()
         self.item_ids: list[int] = []  # by slot, up to the highest slot ever taken
         self._free_items: list[int] = []  # expired slots, taken again first
+        self.items_bounded = False
+        """The device had no memory to grow the item table: it keeps its size (``make_room``)."""
+        self.kept_items: np.ndarray | None = None  # per slot: the catalogue's (``keep_items``)
         self.users = DeviceTable(self.w, user_capacity, device, dtype)
         self.user_lru = SlotLRU(user_capacity)
         self.host = {
@@ -118,7 +122,7 @@ class EmbeddingCache:
             m.CACHE_LOOKUPS.labels("item", "device").inc(len(ids) - int(miss.sum()))
         if miss.any():
             missing, back = np.unique(ids[miss], return_inverse=True)
-            new_slots = self._next_item_slots(len(missing))
+            new_slots = self._next_item_slots(len(missing), out[~miss])
             self._fill(TABLE_ITEM, self.items, missing.tolist(), new_slots, store=load)
             self._register_items(missing, new_slots)
             out[miss] = new_slots[back]
@@ -131,19 +135,31 @@ class EmbeddingCache:
         """Item rows held (slots taken and not expired)."""
         return len(self.item_ids) - len(self._free_items)
 
-    def _next_item_slots(self, n: int) -> np.ndarray:
+    def _next_item_slots(self, n: int, busy: np.ndarray) -> np.ndarray:
         """``n`` item slots to fill: expired ones first (the free list's last, left on it
         until ``_register_items`` takes them: a failed load gives nothing back), then new ones
-        past the highest slot taken (zero rows, version 0), the table grown to hold them."""
+        past the highest slot taken (zero rows, version 0), the table grown to hold them —
+        or, where the device has no memory for that, rows other than the catalogue's and
+        ``busy`` (the lookup's own) let go to host RAM for them (``make_room``)."""
         reuse = min(n, len(self._free_items))
         reused = self._free_items[len(self._free_items) - reuse :]
         start = len(self.item_ids)
         need = start + n - reuse
-        if need > len(self.items.rows):
-            self.items.grow(max(need, 2 * len(self.items.rows)))
+        held = len(self.items.rows)
+        if need > held and (
+            self.items_bounded or not self.items.grow_within_memory(need, max(need, 2 * held))
+        ):
+            self.items_bounded = True
+            make_room(self, need - held, busy)
+            return self._next_item_slots(n, busy)
         return np.concatenate(
             [np.asarray(reused, np.int64), np.arange(start, need, dtype=np.int64)]
         )
+
+    def keep_items(self, slots: np.ndarray) -> None:
+        """The catalogue's slots: rows never let go to make room (``make_room``)."""
+        self.kept_items = np.zeros(len(self.item_ids), bool)
+        self.kept_items[slots] = True
 
     def _register_items(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Hold ``ids`` at ``slots`` (from ``_next_item_slots``: reused ones, then new ones in
@@ -163,7 +179,7 @@ class EmbeddingCache:
         the slots ``keep`` marks (a bool mask over the first slots; the catalogue's). Their
         slots are reused; ``on_evict`` hears of them first. Returns how many went."""
         n = len(self.item_ids)
-        stale = self._evictable(keep)
+        stale = self.evictable(keep)
         stale &= self.items.seen_ms[:n] < unseen_since_ms
         gone = self._evict_items(np.flatnonzero(stale), to_host=False)
         m.CACHE_ROWS_EXPIRED.labels("item").inc(gone)
@@ -173,7 +189,7 @@ class EmbeddingCache:
         """Hold at most ``at_most`` item rows besides those ``keep`` marks: the least recently
         touched of the others leave (a tenth below the bound, so a flood does not evict on
         every call). Returns how many went."""
-        slots = np.flatnonzero(self._evictable(keep))
+        slots = np.flatnonzero(self.evictable(keep))
         extra = len(slots) - at_most
         if extra <= 0:
             return 0
@@ -183,7 +199,7 @@ class EmbeddingCache:
         m.CACHE_ROWS_EVICTED.labels("item").inc(gone)
         return gone
 
-    def _evictable(self, keep: np.ndarray | None) -> np.ndarray:
+    def evictable(self, keep: np.ndarray | None) -> np.ndarray:
         """Per item slot: held, and not marked by ``keep``."""
         n = len(self.item_ids)
         out = np.ones(n, bool)

@@ -8,6 +8,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from freshcore import metrics as m
+from inference.device import release_cached
+
 
 class DeviceTable:
     """One table's rows on the device (``capacity`` slots of ``w`` columns, in ``dtype``),
@@ -46,3 +49,16 @@ class DeviceTable:
         self.seen_ms = np.concatenate([self.seen_ms, np.zeros(extra, np.int64)])
         self.unreplied_ms = np.concatenate([self.unreplied_ms, np.zeros(extra, np.int64)])
         self.local_ms = np.concatenate([self.local_ms, np.zeros(extra, np.int64)])
+
+    def grow_within_memory(self, need: int, wanted: int) -> bool:
+        """``grow`` to ``wanted`` slots, else to ``need`` where the device has no memory for
+        that many; False where it has none for ``need`` either. A refused growth changes
+        nothing (the old rows are kept until the new ones are made) and is counted."""
+        for capacity in dict.fromkeys((wanted, need)):
+            try:
+                self.grow(capacity)
+                return True
+            except torch.OutOfMemoryError:
+                m.DEVICE_OOM.labels("table").inc()
+                release_cached(self.rows.device)
+        return False
