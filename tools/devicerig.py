@@ -1,6 +1,7 @@
 """The worker's device paths in one process, without a broker or Redis: the embedding cache on
 a device, the local learner, the ranking and re-ranking stages, and a model of every kind —
-what the round-trip tests (``tests/test_host_syncs.py``) drive.
+what the device check (``tools/device_check.py``) and the round-trip and out-of-memory tests
+drive.
 
 Rows are created from their ids (the store holds none), the models are untrained (their
 round trips, memory and times are a trained model's), and the catalogue is ``items`` items in
