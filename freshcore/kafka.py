@@ -188,6 +188,8 @@ def consumer_config(
         "bootstrap.servers": conn.kafka_bootstrap_servers,
         "fetch.wait.max.ms": p.background_fetch_wait_ms if background else p.fetch_wait_max_ms,
         "enable.auto.commit": False,
+        # no offset to resume from, or one retention has deleted: the oldest record kept
+        # (what a reset skips is counted where a service is assigned: freshcore/resets.py)
         "auto.offset.reset": "earliest",
         # librdkafka stops fetching a partition whose prefetched queue is full
         # (queued.min.messages) and looks again only after this long, 1 s by default: a

@@ -49,12 +49,9 @@ from confluent_kafka import (
 from freshcore import metrics as m
 from freshcore.clock import now_ms
 from freshcore.dedupe import DedupeWindow
-from freshcore.kafka import (
-    close_producer,
-    consume_available,
-    partition_count,
-)
+from freshcore.kafka import close_producer, consume_available, partition_count
 from freshcore.lifecycle import run_until_signalled, settle_heap
+from freshcore.resets import count_resets
 from freshcore.rowstore import broadcast_offsets, load_table, row_shards
 from freshcore.service import Service
 from inference.assembly import build_parts
@@ -317,7 +314,9 @@ class Worker(Service):
 
     def _on_assign(self, consumer, parts) -> None:
         """Partitions added: under the classic protocol the whole assignment (a revoke of
-        everything came first), under KIP-848's only the new ones, beside those kept."""
+        everything came first), under KIP-848's only the new ones, beside those kept. Those
+        whose committed offset retention has deleted resume at their log start, counted."""
+        count_resets(consumer, "workers", parts)
         self.assigned += len(parts)
         m.ASSIGNED_PARTITIONS.labels("worker").set(self.assigned)
 

@@ -45,6 +45,7 @@ from freshcore.lifecycle import run_until_signalled, settle_heap
 from freshcore.outage import until_redis_answers
 from freshcore.redisconn import connect
 from freshcore.rediskeys import RedisKeys
+from freshcore.resets import count_resets
 from freshcore.rowstore import row_shards
 from freshcore.service import Service
 from freshcore.topics import TopicNames
@@ -137,6 +138,9 @@ class ParameterServer(Service):
                 self.acked[tp.partition] = done
             tp.offset = OFFSET_BEGINNING if done is None else done + 1
             self.owned.add(tp.partition)
+        # an applied offset retention has deleted past resumes at the log start: counted
+        resume_at = {(tp.topic, tp.partition): tp.offset for tp in partitions}
+        count_resets(consumer, "param-server", partitions, resume_at)
         take_assignment(consumer, partitions, self.settings.conn)
         m.ASSIGNED_PARTITIONS.labels("param-server").set(len(self.owned))
         log.info(

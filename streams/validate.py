@@ -38,6 +38,7 @@ from freshcore.outage import StopRequested, is_outage
 from freshcore.partitioner import str_partitions
 from freshcore.redisconn import Packed, connect, is_cluster, run_packed
 from freshcore.rediskeys import RedisKeys
+from freshcore.resets import count_resets
 from freshcore.resp import Pipelined, pack
 from freshcore.service import Service
 from freshcore.settings import LOG_FORMAT, stop_grace_s
@@ -116,7 +117,12 @@ class ValidateStage(Service):
         super().run(stop)
 
     def start(self) -> None:
-        self.consumer.subscribe([self.names.events], on_revoke=self._on_revoke)
+        # a committed offset retention has deleted past resumes at the log start: counted
+        self.consumer.subscribe(
+            [self.names.events],
+            on_assign=lambda consumer, parts: count_resets(consumer, "streams-validate", parts),
+            on_revoke=self._on_revoke,
+        )
 
     def poll_once(self) -> None:
         # fill: each batch costs a by-item message per target partition and its share of a
