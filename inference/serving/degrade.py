@@ -24,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FULL, CACHED, LIGHT, HOT = "full", "cached", "light", "hot"
+FULL_UNAVAILABLE = "full model unavailable"
+"""The reason of a request stepped down because the full model failed on a recent batch (or
+none is loaded)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Ladder:
         if s.device == "low_end":
             return self._light_or_down(s, "low_end device: light model", light_cost)
         if not s.full_ok:
-            return self._fallback(s, "full model unavailable", light_cost)
+            return self._fallback(s, FULL_UNAVAILABLE, light_cost)
         if s.queue_depth > c.queue_depth_limit:
             return self._fallback(
                 s, f"queue depth {s.queue_depth} > {c.queue_depth_limit}", light_cost

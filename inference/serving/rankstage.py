@@ -37,7 +37,7 @@ from inference.models.modelfile import ModelSet
 from inference.models.ranking import score
 from inference.models.tiers import HeatSplit, route, thresholds
 from inference.serving.arms import Arm, ranker_of
-from inference.serving.degrade import HOT, LIGHT, Choice, ewma
+from inference.serving.degrade import FULL_UNAVAILABLE, HOT, LIGHT, Choice, ewma
 from inference.serving.devicetime import BatchTotal, DeviceClock
 from inference.serving.snapshot import Snapshot, read_features
 from inference.tables.cache import EmbeddingCache
@@ -54,12 +54,16 @@ failed on the batch, or had no device memory for the request even alone."""
 
 def model_failures(reasons: Iterable[str]) -> list[str]:
     """The tier reasons of replies whose model failed (``RankingStage.rank`` serves such a
-    request from the hot list, and the reply looks served): a check that saw one failed.
+    request from the hot list, and the reply looks served), or that the ladder stepped down
+    from the full tier because it had failed on a batch before: a check that saw one failed.
 
     >>> model_failures(["ok", "wide_deep model error", "tiered: out of device memory"])
     ['wide_deep model error', 'tiered: out of device memory']
+    >>> model_failures(["low_end device: light model", "full model unavailable"])
+    ['full model unavailable']
     """
-    return [r for r in reasons if MODEL_ERROR in r or NO_DEVICE_MEMORY in r]
+    failed = (MODEL_ERROR, NO_DEVICE_MEMORY, FULL_UNAVAILABLE)
+    return [r for r in reasons if any(f in r for f in failed)]
 
 
 @dataclass(frozen=True)
