@@ -164,6 +164,7 @@ def _applied(conn) -> dict[int, int]:
     return applied_offsets(r, RedisKeys(conn.topic_prefix), list(range(TEST_PARTITIONS)))
 
 
+@pytest.mark.timeout(600)  # six services, a three-master cluster and the load on two cores
 def test_two_workers_parameter_servers_and_streams_apps_under_load_on_a_cluster(
     cluster_conn, model_dir, tmp_path, prefix
 ):
