@@ -8,12 +8,9 @@ does not run (no Java 17 or newer, or its jars not fetched)."""
 
 from __future__ import annotations
 
-import contextlib
 import queue
-import threading
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis as redis_lib
@@ -37,16 +34,9 @@ from schemas.records import Item
 from streams.catalogue import CatalogueStage
 from streams.settings import StreamsSettings
 
-from .conftest import LOCAL_BROKER, MAIN, TEST_PARTITIONS, Services, wait_for
+from .conftest import TEST_PARTITIONS, Services, wait_for
+from .kafka_harness import can_run_apache_kafka, on_a_thread, on_apache_kafka
 from .streams_harness import produce
-
-on_apache_kafka = pytest.mark.skipif(
-    MAIN != "kafka",
-    reason=f"the session's broker is {MAIN}, not the local Apache Kafka ({LOCAL_BROKER.line})",
-)
-can_run_apache_kafka = pytest.mark.skipif(
-    LOCAL_BROKER.kind != "kafka", reason=f"Apache Kafka cannot run here: {LOCAL_BROKER.line}"
-)
 
 CATALOGUE_GROUP = "freshrec-streams-catalogue"
 """The catalogue stage's consumer group (``streams/catalogue.py``), under the topic prefix."""
@@ -60,27 +50,9 @@ FAST_COMPACTION = {
 """Topic settings under which the cleaner compacts ``items`` within seconds, not days."""
 
 
-@contextlib.contextmanager
-def catalogue_stage(conn) -> Iterator[CatalogueStage]:
+def catalogue_stage(conn):
     """The streams app's catalogue stage on a thread; its failure is raised on exit."""
-    stage = CatalogueStage(StreamsSettings(conn), queue.SimpleQueue())
-    stop, errors = threading.Event(), []
-
-    def run() -> None:
-        try:
-            stage.run(stop)
-        except BaseException as exc:  # surfaced in the test thread
-            errors.append(exc)
-
-    t = threading.Thread(target=run, daemon=True, name="catalogue")
-    t.start()
-    try:
-        yield stage
-    finally:
-        stop.set()
-        t.join(30)
-        if errors:
-            raise errors[0]
+    return on_a_thread(CatalogueStage(StreamsSettings(conn), queue.SimpleQueue()), "catalogue")
 
 
 def read_log(conn, topic: str, timeout_s: float = 60.0) -> list[tuple]:

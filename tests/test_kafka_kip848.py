@@ -37,13 +37,9 @@ from schemas.records import Event
 from schemas.rowbatch import KIND_GRADIENTS, TABLE_USER, RowBatch
 from schemas.rows import row_key
 
-from .conftest import LOCAL_BROKER, MAIN, TEST_PARTITIONS, wait_for
+from .conftest import TEST_PARTITIONS, wait_for
+from .kafka_harness import on_apache_kafka
 from .streams_harness import produce
-
-on_apache_kafka = pytest.mark.skipif(
-    MAIN != "kafka",
-    reason=f"the session's broker is {MAIN}, not the local Apache Kafka ({LOCAL_BROKER.line})",
-)
 
 DIM = 8
 CLASSIC_ONLY = {"session.timeout.ms", "heartbeat.interval.ms", "partition.assignment.strategy"}

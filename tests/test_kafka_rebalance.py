@@ -38,8 +38,8 @@ from schemas.codec import encode_event
 from schemas.records import Event
 
 from .conftest import SESSION_TIMEOUT_MS, TEST_PARTITIONS, wait_for
+from .kafka_harness import on_apache_kafka
 from .streams_harness import service
-from .test_kafka_guarantees import on_apache_kafka
 
 MARGIN_S = 120.0
 """Beyond the session timeout, for a loaded 2-core machine: a deadline, not a speed."""

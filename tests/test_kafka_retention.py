@@ -15,10 +15,6 @@ session's broker is not the local Apache Kafka."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
-
 import numpy as np
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import (
@@ -49,7 +45,7 @@ from streams.settings import StreamsSettings
 from streams.validate import ValidateStage
 
 from .conftest import TEST_PARTITIONS, wait_for
-from .test_kafka_guarantees import on_apache_kafka
+from .kafka_harness import on_a_thread, on_apache_kafka
 from .test_kafka_kip848 import DIM, pump, running, started_worker
 
 DAY_MS = 86_400_000
@@ -112,29 +108,13 @@ def clicks(user: str, numbers: range) -> list[tuple[bytes, bytes]]:
     ]
 
 
-@contextlib.contextmanager
-def validate_stage(conn) -> Iterator[ValidateStage]:
+def validate_stage(conn):
     """The streams app's validate stage on a thread; its failure is raised on exit."""
     names = TopicNames(conn.topic_prefix)
     by_item = partition_count(AdminClient(admin_config(conn)), names.events_by_item)
-    stage = ValidateStage(StreamsSettings(conn=conn, batch_max=100), by_item)
-    stop, errors = threading.Event(), []
-
-    def run() -> None:
-        try:
-            stage.run(stop)
-        except BaseException as exc:  # surfaced in the test thread
-            errors.append(exc)
-
-    t = threading.Thread(target=run, daemon=True, name="validate")
-    t.start()
-    try:
-        yield stage
-    finally:
-        stop.set()
-        t.join(30)
-        if errors:
-            raise errors[0]
+    return on_a_thread(
+        ValidateStage(StreamsSettings(conn=conn, batch_max=100), by_item), "validate"
+    )
 
 
 @on_apache_kafka
