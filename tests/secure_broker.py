@@ -29,6 +29,7 @@ from freshrec.app.stack.apachekafka import (
     cluster_id,
     failure_reason,
     java_argv,
+    read_from,
 )
 from freshrec.app.stack.ports import accepts
 from freshrec.app.stack.processes import spawn
@@ -230,7 +231,7 @@ class SecureKafka:
             if self.proc.poll() is not None:
                 reason = failure_reason(node.console.read_text(errors="replace"))
                 raise RuntimeError(f"the secure broker exited at start: {reason}")
-            if accepts(node.port) and STARTED in _read_from(node.server_log, log_at):
+            if accepts(node.port) and STARTED in read_from(node.server_log, log_at):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the secure broker did not serve within {timeout_s:.0f}s")
@@ -248,15 +249,6 @@ class SecureKafka:
         node = self.node
         return "".join(p.read_text(errors="replace") for p in (node.server_log, node.console)
                        if p.exists())  # fmt: skip
-
-
-def _read_from(path: Path, offset: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-    except FileNotFoundError:
-        return ""
 
 
 def secure_kafka_or_why(home: Path) -> SecureKafka | str:

@@ -293,12 +293,12 @@ class KafkaCluster:
             for i in list(waiting):
                 node, proc, (log_at, console_at) = self.nodes[i], self._procs[i], self._offsets[i]
                 if proc.poll() is not None:
-                    reason = failure_reason(_read_from(node.console, console_at))
+                    reason = failure_reason(read_from(node.console, console_at))
                     raise StackError(
                         f"Apache Kafka node {node.node_id} exited with code {proc.returncode} "
                         f"at start: {reason} (log: {node.server_log})"
                     )
-                if accepts(node.port) and STARTED in _read_from(node.server_log, log_at):
+                if accepts(node.port) and STARTED in read_from(node.server_log, log_at):
                     waiting.remove(i)
             if waiting and time.monotonic() > deadline:
                 ports = ", ".join(str(self.nodes[i].port) for i in waiting)
@@ -313,7 +313,9 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
-def _read_from(path: Path, offset: int) -> str:
+def read_from(path: Path, offset: int) -> str:
+    """What a log file holds past ``offset`` (bytes; "" while it does not exist): the lines a
+    node wrote since a start began."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
