@@ -26,11 +26,12 @@ Shared by all three (``_Brute``):
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Container, Sequence
 
 
-class _Brute:
+class _Brute(abc.ABC):
     """The vocabulary, n(b), event times and the common ranking; subclasses add their state."""
 
     def __init__(self) -> None:
@@ -64,11 +65,13 @@ class _Brute:
             self.users_of[i].add(u)
             self.count += 1
 
+    @abc.abstractmethod
     def learn_one(self, u: str, i: str, t: int) -> None:
-        raise NotImplementedError
+        """One interaction into the subclass's state, before n(i) counts it."""
 
+    @abc.abstractmethod
     def scores(self, user: str) -> dict[str, float]:
-        raise NotImplementedError
+        """The candidates' scores for ``user`` from that state."""
 
     def recommend(self, user: str, k: int, exclude: Container[str] | None) -> list[str]:
         if not self.vocab:
